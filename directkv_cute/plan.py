@@ -1,0 +1,76 @@
+"""Host-side planning of the split-KV schedule, in plain Python (testable on a CPU).
+
+The decode kernel's grid is (num_splits, num_kv_heads, batch). CTA (s, h, b) owns the KV tiles
+``split_range(n_tiles_b, num_splits, s)`` of sequence b and KV head h: every tile of every
+sequence belongs to exactly one CTA, and each CTA serves all ``group * q_len`` query rows of
+its KV head, so each host KV byte crosses the link once. The kernel computes the same ranges on
+the device; ``decode_schedule`` mirrors it so that tests and the CI traffic check can count bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def split_range(n_tiles: int, num_splits: int, split: int) -> tuple[int, int]:
+    """Tiles [start, stop) of one split: contiguous, balanced to within one tile."""
+    per = n_tiles // num_splits
+    extra = n_tiles % num_splits
+    start = split * per + min(split, extra)
+    stop = start + per + (1 if split < extra else 0)
+    return start, stop
+
+
+@dataclass(frozen=True)
+class TileRead:
+    """One tile a CTA loads: tokens [tok_start, tok_stop) of one sequence and KV head."""
+
+    batch: int
+    kv_head: int
+    split: int
+    tok_start: int
+    tok_stop: int
+
+
+def decode_schedule(seq_lens, num_kv_heads: int, tile_n: int, num_splits: int):
+    """Every tile load the decode kernel issues, as TileRead records."""
+    reads = []
+    for b, n in enumerate(seq_lens):
+        n_tiles = math.ceil(n / tile_n)
+        for h in range(num_kv_heads):
+            for s in range(num_splits):
+                t0, t1 = split_range(n_tiles, num_splits, s)
+                for t in range(t0, t1):
+                    reads.append(TileRead(b, h, s, t * tile_n, min(n, (t + 1) * tile_n)))
+    return reads
+
+
+def kv_bytes(n_tokens: int, num_kv_heads: int, head_dim: int, elem_bytes: int = 2) -> int:
+    """Bytes of K and V for n_tokens of one layer."""
+    return 2 * n_tokens * num_kv_heads * head_dim * elem_bytes
+
+
+def decode_traffic(seq_lens, page_hbm, num_kv_heads, head_dim, page_size, tile_n, num_splits, elem_bytes=2):
+    """(host_bytes, hbm_bytes) of K/V the decode schedule reads for one layer.
+
+    page_hbm[b][p] tells whether page p of sequence b lives in the HBM tier. Tiles read whole
+    page rows up to the tile end (a partial last page is read to its tile boundary), so this
+    counts tokens rounded up to the tile the way the kernel's TMA copies do, capped at the
+    sequence's allocated pages.
+    """
+    host = hbm = 0
+    row = 2 * head_dim * elem_bytes  # one token of K and V for one head
+    for r in decode_schedule(seq_lens, num_kv_heads, tile_n, num_splits):
+        n_pages = math.ceil(seq_lens[r.batch] / page_size)
+        stop = min(r.tok_start + tile_n, n_pages * page_size)
+        tok = r.tok_start
+        while tok < stop:
+            p = tok // page_size
+            chunk = min(stop, (p + 1) * page_size) - tok
+            if page_hbm[r.batch][p]:
+                hbm += chunk * row
+            else:
+                host += chunk * row
+            tok += chunk
+    return host, hbm
