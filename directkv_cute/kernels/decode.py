@@ -1,0 +1,346 @@
+"""Split-KV paged attention over host-resident KV: the decode kernel.
+
+One CTA per (split, KV head, sequence). A producer warp streams the CTA's KV tiles with TMA
+straight from the page pools (pinned host memory through UVA, or the HBM tier) into a
+``stages``-deep SMEM ring; one or two consumer warpgroups hold all ``group * q_len`` query rows
+of the KV head (GQA group packed into the WGMMA M dimension) and run S = Q K^T (WGMMA, SMEM
+operands), the online softmax, and O += P V (WGMMA, P from registers). Each KV tile crosses
+the link once and serves every query row that needs it.
+
+Pages: the pools are viewed as (page_size, head_dim, X) with X = ((page * L + layer) * Hkv +
+kv_head) * 2 + {0: K, 1: V}; a TMA copy moves ``rows = min(page_size, tile_n)`` tokens of one
+page. Copies past a sequence's last page use an out-of-bounds coordinate, which TMA fills with
+zeros without touching memory (and still counts the full box toward the stage's byte count).
+
+Outputs: with ``split_out`` the CTA writes its normalised partial O (fp32) and LSE for the
+combine kernel; otherwise it writes the final O (q dtype) and LSE directly.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from directkv_cute.config import DecodeConfig
+from directkv_cute.kernels.helpers import (
+    acc_as_mn,
+    acc_as_operand_a,
+    gemm,
+    kv_smem_layout,
+    softmax_finalize,
+    softmax_update,
+    transpose_view,
+)
+
+PRODUCER_REGS = 40
+CONSUMER_REGS = {1: 232, 2: 232}
+
+
+class DecodeAttention:
+    """Static configuration (everything that changes code generation) lives here."""
+
+    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: DecodeConfig, split_out: bool):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.group = group
+        self.tile_n = cfg.tile_n
+        self.stages = cfg.stages
+        self.wgs = cfg.consumer_wgs
+        self.rows = 64 * cfg.consumer_wgs
+        self.copy_rows = min(page_size, cfg.tile_n)
+        self.copies = cfg.tile_n // self.copy_rows
+        self.split_out = split_out
+        self.num_threads = cfg.num_threads
+        self.carveout = cfg.carveout
+        assert self.rows % group == 0, "GQA group must divide the CTA's query rows"
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
+        o_ptr: cute.Pointer,  # split_out: (splits, total_q, Hq, d) fp32; else (total_q, Hq, d) q dtype
+        lse_ptr: cute.Pointer,  # split_out: (splits, total_q, Hq) fp32; else (total_q, Hq) fp32
+        host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d)
+        hbm_ptr: cute.Pointer,  # HBM pool, same layout (the host pool again when there is none)
+        page_table_ptr: cute.Pointer,  # (B, max_pages) int32
+        seq_lens_ptr: cute.Pointer,  # (B,) int32
+        cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
+        batch: Int32,
+        total_q: Int32,
+        num_kv_heads: Int32,
+        num_layers: Int32,
+        layer: Int32,
+        host_pages: Int32,
+        hbm_pages: Int32,
+        max_pages: Int32,
+        num_splits: Int32,
+        scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        d, P, dt = self.head_dim, self.page_size, self.dtype
+        hq = num_kv_heads * self.group
+        # Pools as (P, d, X): X indexes one (page, layer, kv_head, K|V) piece.
+        x_host = host_pages * num_layers * num_kv_heads * 2
+        x_hbm = hbm_pages * num_layers * num_kv_heads * 2
+        pool_layout = lambda x: cute.make_layout((P, d, x), stride=(d, 1, P * d))  # noqa: E731
+        mKVh = cute.make_tensor(host_ptr, pool_layout(x_host))  # (P, d, Xh)
+        mKVd = cute.make_tensor(hbm_ptr, pool_layout(x_hbm))  # (P, d, Xd)
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((total_q, hq, d), stride=(hq * d, d, 1)))
+        mPT = cute.make_tensor(page_table_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
+        mSeqLen = cute.make_tensor(seq_lens_ptr, cute.make_layout(batch))
+        mCuQ = cute.make_tensor(cu_q_ptr, cute.make_layout(batch + 1))
+        if const_expr(self.split_out):
+            mO = cute.make_tensor(
+                o_ptr, cute.make_layout((num_splits, total_q, hq, d), stride=(total_q * hq * d, hq * d, d, 1))
+            )
+            mLSE = cute.make_tensor(lse_ptr, cute.make_layout((num_splits, total_q, hq), stride=(total_q * hq, hq, 1)))
+        else:
+            mO = cute.make_tensor(o_ptr, cute.make_layout((1, total_q, hq, d), stride=(0, hq * d, d, 1)))
+            mLSE = cute.make_tensor(lse_ptr, cute.make_layout((1, total_q, hq), stride=(0, hq, 1)))
+
+        sQ_layout = kv_smem_layout(dt, self.rows, d)
+        sKV_layout = kv_smem_layout(dt, self.tile_n, d, self.stages)
+        sCopy_layout = kv_smem_layout(dt, self.copy_rows, d)
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_h, mKVh_tma = cpasync.make_tiled_tma_atom(op, mKVh, sCopy_layout, (self.copy_rows, d))
+        tma_d, mKVd_tma = cpasync.make_tiled_tma_atom(op, mKVd, sCopy_layout, (self.copy_rows, d))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM,
+        )
+        stage_bytes = 2 * cute.size_in_bytes(dt, cute.select(sKV_layout, mode=[0, 1]))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        self.stage_bytes = stage_bytes
+        self.kernel(
+            mQ, mO, mLSE, tma_h, mKVh_tma, tma_d, mKVd_tma, mPT, mSeqLen, mCuQ,
+            num_kv_heads, num_layers, layer, num_splits, scale_log2,
+            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv,
+        ).launch(
+            grid=[num_splits, num_kv_heads, batch],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+            preferred_smem_carveout=self.carveout,
+        )
+
+    # ------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # (total_q, Hq, d)
+        mO: cute.Tensor,  # (splits | 1, total_q, Hq, d)
+        mLSE: cute.Tensor,  # (splits | 1, total_q, Hq)
+        tma_h: cute.CopyAtom,
+        mKVh: cute.Tensor,  # TMA coordinate view of the host pool (P, d, Xh)
+        tma_d: cute.CopyAtom,
+        mKVd: cute.Tensor,  # TMA coordinate view of the HBM pool (P, d, Xd)
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mSeqLen: cute.Tensor,  # (B,)
+        mCuQ: cute.Tensor,  # (B + 1,)
+        num_kv_heads: Int32,
+        num_layers: Int32,
+        layer: Int32,
+        num_splits: Int32,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+    ):
+        d, tile_n, group = self.head_dim, self.tile_n, self.group
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        split, kvh, b = cute.arch.block_idx()
+
+        seq_len = mSeqLen[b]
+        q_start = mCuQ[b]
+        q_len = mCuQ[b + 1] - q_start
+        n_tiles = (seq_len + tile_n - 1) // tile_n
+        n_pages = (seq_len + self.page_size - 1) // self.page_size
+        per = n_tiles // num_splits
+        extra = n_tiles % num_splits
+        t_begin = split * per + cutlass.min(split, extra)
+        t_end = t_begin + per + (1 if split < extra else 0)
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_h)
+            cpasync.prefetch_descriptor(tma_d)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),
+            tx_count=self.stage_bytes,
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp_idx < 4:
+            # ---------------- producer warpgroup: warp 0 streams K/V pages with TMA ----------
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp_idx == 0:
+                self.load(
+                    kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, b, kvh, num_kv_heads, num_layers,
+                    layer, t_begin, t_end, n_pages,
+                )
+        else:
+            # ---------------- consumer warpgroups -------------------------------------------
+            cute.arch.setmaxregister_increase(CONSUMER_REGS[self.wgs])
+            ctidx = tidx - 128
+            wg = ctidx // 128
+            self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=1, number_of_threads=128 * self.wgs)
+
+            wg_tidx = ctidx % 128
+            thr_qk = tiled_mma_qk.get_slice(wg_tidx)
+            thr_pv = tiled_mma_pv.get_slice(wg_tidx)
+            sQ_wg = cute.local_tile(sQ, (64, d), (wg, 0))  # (64, d) rows of this warpgroup
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+            sVt = transpose_view(sV)  # (d, tile_n, stages)
+            tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
+            acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, tile_n)), Float32)
+            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, d)), Float32)
+            acc_O.fill(0.0)
+            tScS = acc_as_mn(thr_qk.partition_C(cute.make_identity_tensor((64, tile_n))))
+            row_max = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
+            row_sum = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+            tOrP = cute.make_rmem_tensor_like(acc_as_operand_a(acc_S), self.dtype)
+
+            row0 = wg * 64
+            cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            for t in cutlass.range(t_begin, t_end, unroll=1):
+                kv_pipe.consumer_wait(cons_state, kv_pipe.consumer_try_wait(cons_state))
+                stage = cons_state.index
+                gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+                # Mask keys past the sequence and, for q_len > 1, the causal future.
+                s_mn = acc_as_mn(acc_S)
+                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                    qi = (row0 + tScS[r, 0][0]) // group
+                    limit = seq_len - q_len + qi + 1 - t * tile_n  # keys [0, limit) of this tile
+                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                        if tScS[r, c][1] >= limit:
+                            s_mn[r, c] = -Float32.inf
+                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
+                kv_pipe.consumer_release(cons_state)
+                cons_state.advance()
+
+            lse = cute.make_rmem_tensor(cute.size(row_max), Float32)
+            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
+            self.store(mO, mLSE, acc_O, lse, thr_pv, tScS, split, q_start, q_len, kvh, row0)
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, b, kvh, num_kv_heads, num_layers,
+             layer, t_begin, t_end, n_pages):
+        """Producer: one elected lane issues every TMA copy of the CTA's tiles."""
+        rows, d = self.copy_rows, self.head_dim
+        gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
+        gKVd = cute.local_tile(mKVd, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xd)
+        sK_cp = cute.local_tile(sK, (rows, d), (None, 0, None))  # (rows, d, copies, stages)
+        sV_cp = cute.local_tile(sV, (rows, d), (None, 0, None))
+        tSh, tGh = cpasync.tma_partition(
+            tma_h, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVh, 0, 2)
+        )
+        tSVh, _ = cpasync.tma_partition(
+            tma_h, 0, cute.make_layout(1), cute.group_modes(sV_cp, 0, 2), cute.group_modes(gKVh, 0, 2)
+        )
+        _, tGd = cpasync.tma_partition(
+            tma_d, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVd, 0, 2)
+        )
+        blocks_per_page = self.page_size // rows
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        with cute.arch.elect_one():
+            for t in cutlass.range(t_begin, t_end, unroll=1):
+                kv_pipe.producer_acquire(prod_state)
+                bar = kv_pipe.producer_get_barrier(prod_state)
+                stage = prod_state.index
+                for c in cutlass.range_constexpr(self.copies):
+                    token = t * self.tile_n + c * rows
+                    slot = token // self.page_size
+                    blk = (token % self.page_size) // rows
+                    entry = mPT[b, cutlass.min(slot, n_pages - 1)]
+                    piece = ((entry * num_layers + layer) * num_kv_heads + kvh) * 2
+                    if slot >= n_pages:
+                        # Past the last page: an out-of-bounds box, zero-filled, no memory read.
+                        cute.copy(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], tma_bar_ptr=bar)
+                    elif entry >= 0:
+                        cute.copy(tma_h, tGh[None, blk, piece], tSh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], tma_bar_ptr=bar)
+                    else:
+                        hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
+                        cute.copy(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], tma_bar_ptr=bar)
+                prod_state.advance()
+            kv_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx):
+        """Consumers gather the CTA's query rows (row r = token r // group, head r % group of the
+        KV head's group) into SMEM; rows past q_len are zero."""
+        d, group = self.head_dim, self.group
+        n_thr = 128 * self.wgs
+        for i in cutlass.range(ctidx, self.rows * d, n_thr, unroll=4):
+            r = i // d
+            c = i % d
+            qi = r // group
+            val = self.dtype(0.0)
+            if qi < q_len:
+                val = mQ[q_start + qi, kvh * group + r % group, c]
+            sQ[r, c] = val
+
+    @cute.jit
+    def store(self, mO, mLSE, acc_O, lse, thr_pv, tScS, split, q_start, q_len, kvh, row0):
+        """Write this warpgroup's rows of O (and their LSE) for valid query tokens."""
+        group, d = self.group, self.head_dim
+        o_split = 0
+        if const_expr(self.split_out):
+            o_split = split
+        tOcO = acc_as_mn(thr_pv.partition_C(cute.make_identity_tensor((64, d))))
+        o_mn = acc_as_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            row = row0 + tOcO[r, 0][0]
+            qi = row // group
+            if qi < q_len:
+                head = kvh * group + row % group
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    col = tOcO[r, c][1]
+                    if const_expr(self.split_out):
+                        mO[o_split, q_start + qi, head, col] = o_mn[r, c]
+                    else:
+                        mO[o_split, q_start + qi, head, col] = o_mn[r, c].to(self.dtype)
+                if tOcO[r, 0][1] == 0:
+                    mLSE[o_split, q_start + qi, head] = lse[r]

@@ -1,0 +1,48 @@
+"""Launching compiled kernels with torch tensors: raw UVA pointers, sizes, the current stream."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from directkv_cute.kernels.jit import cutlass_dtype
+
+LOG2_E = math.log2(math.e)
+
+
+def _ptr(t: torch.Tensor, align: int = 16):
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale):
+    """Run the compiled decode kernel. o/lse are the final (q dtype / fp32) outputs when
+    num_splits == 1, else the fp32 split partials (splits, ...)."""
+    from cutlass import Float32, Int32
+
+    host = cache.host_pool
+    hbm = cache.hbm_pool if cache.hbm_pool is not None else host
+    batch, max_pages = page_table.shape
+    fn(
+        _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm),
+        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4),
+        Int32(batch), Int32(q.shape[0]), Int32(cache.num_kv_heads), Int32(cache.num_layers), Int32(layer),
+        Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(num_splits),
+        Float32(scale * LOG2_E), _stream(),
+    )
+
+
+def launch_combine(fn, o_part, lse_part, out, lse, num_splits):
+    from cutlass import Int32
+
+    rows = out.shape[0] * out.shape[1]
+    fn(_ptr(o_part), _ptr(lse_part, 4), _ptr(out), _ptr(lse, 4), Int32(rows), Int32(num_splits), _stream())

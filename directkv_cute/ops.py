@@ -1,0 +1,159 @@
+"""The torch-facing attention op over the paged host KV cache.
+
+``paged_attention`` validates its inputs, picks a config (explicit, tuned profile, or the
+heuristic default), and launches the split-KV decode kernel and, when the context is split
+across CTAs, the combine kernel, on the current CUDA stream. Nothing is staged: the kernel
+reads host pages through their UVA addresses. Once a shape's kernels are compiled the op only
+allocates its small fp32 split workspace from torch's caching allocator, so it can be captured
+in a CUDA graph (the captured graph pins the pools' base addresses, which never move).
+
+On a CPU-only machine the same call runs the float32 reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from directkv_cute.config import DecodeConfig, default_decode_config
+
+_ALIGN = 16
+
+
+def _check(cond: bool, msg: str, exc=ValueError):
+    if not cond:
+        raise exc(msg)
+
+
+def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor, int]:
+    """(cu_q int32 (B + 1,) on device, max_q_len) from per-sequence query lengths."""
+    if q_lens is None:
+        _check(total_q == batch, f"q has {total_q} rows but there are {batch} sequences and no q_lens")
+        return _arange_cache(batch + 1, device), 1
+    if isinstance(q_lens, torch.Tensor):
+        q_lens = q_lens.tolist()
+    q_lens = [int(x) for x in q_lens]
+    _check(len(q_lens) == batch, f"q_lens has {len(q_lens)} entries for {batch} sequences")
+    _check(all(x >= 1 for x in q_lens), "every q_len must be >= 1")
+    _check(sum(q_lens) == total_q, f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
+    cu = [0]
+    for x in q_lens:
+        cu.append(cu[-1] + x)
+    return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True), max(q_lens)
+
+
+_ARANGE: dict = {}
+
+
+def _arange_cache(n: int, device) -> torch.Tensor:
+    key = (n, str(device))
+    t = _ARANGE.get(key)
+    if t is None:
+        t = _ARANGE[key] = torch.arange(n, dtype=torch.int32, device=device)
+    return t
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def select_config(cache, group: int, max_q_len: int, batch: int, max_context: int,
+                  config: DecodeConfig | None) -> DecodeConfig:
+    """An explicit config wins; else the tuned profile for this GPU; else the heuristic default."""
+    rows = group * max_q_len
+    if config is not None:
+        return config
+    try:
+        from directkv_cute.tuning.lookup import lookup_decode_config
+    except ImportError:  # tuning not importable: run untuned
+        return default_decode_config(cache.head_dim, rows, cache.page_size)
+    return lookup_decode_config(
+        dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
+        batch=batch, context=max_context, q_len=max_q_len, rows=rows,
+    )
+
+
+def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
+                    softmax_scale: float | None = None, *, config: DecodeConfig | None = None,
+                    out: torch.Tensor | None = None, return_lse: bool = False):
+    """Attention of new query tokens over their sequences' whole cached history.
+
+    q: (total_q, Hq, d), packed by sequence (``q_lens[i]`` rows for ``seq_ids[i]``, default 1).
+    The new tokens' K/V must already be in the cache; query j of a sequence of length L and
+    q_len Q sits at position L - Q + j and attends causally to keys [0, L - Q + j].
+    Returns out (total_q, Hq, d) in q's dtype, and the natural-log LSE (total_q, Hq) fp32 when
+    ``return_lse``.
+    """
+    if q.device.type != "cuda":
+        from directkv_cute.reference import paged_attention_ref
+
+        o, lse = paged_attention_ref(q, cache, layer, list(seq_ids), q_lens, softmax_scale)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return (o, lse) if return_lse else o
+    tables = cache.kernel_tables(list(seq_ids))
+    return paged_attention_tables(q, cache, layer, tables, q_lens, softmax_scale, config=config, out=out,
+                                  return_lse=return_lse)
+
+
+def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=None,
+                           softmax_scale: float | None = None, *, config: DecodeConfig | None = None,
+                           out: torch.Tensor | None = None, return_lse: bool = False,
+                           max_seq_len: int | None = None):
+    """``paged_attention`` with page tables built once (``cache.kernel_tables``) and reused,
+    e.g. across the layers of one step or inside a CUDA graph."""
+    page_table, seq_lens = tables.page_table, tables.seq_lens
+    # ---- validation (before anything is written) ------------------------------------------
+    _check(isinstance(q, torch.Tensor) and q.dim() == 3, "q must be a (total_q, Hq, head_dim) tensor", TypeError)
+    _check(q.is_cuda, "paged_attention_tables needs q on a CUDA device (use paged_attention on CPU)")
+    _check(q.dtype == cache.dtype, f"q dtype {q.dtype} differs from the cache's {cache.dtype}", TypeError)
+    total_q, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    _check(d == cache.head_dim, f"q head_dim {d} differs from the cache's {cache.head_dim}")
+    _check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    _check(0 <= layer < cache.num_layers, f"layer {layer} out of range [0, {cache.num_layers})", IndexError)
+    _check(q.is_contiguous() and q.data_ptr() % _ALIGN == 0, "q must be contiguous and 16-byte aligned")
+    _check(page_table.is_cuda and page_table.dtype == torch.int32 and page_table.dim() == 2,
+           "tables.page_table must be a (B, max_pages) int32 CUDA tensor")
+    _check(seq_lens.is_cuda and seq_lens.dtype == torch.int32, "tables.seq_lens must be an int32 CUDA tensor")
+    _check(page_table.device == q.device, f"tables on {page_table.device}, q on {q.device}")
+    batch, max_pages = page_table.shape
+    _check(batch >= 1 and seq_lens.shape == (batch,), "seq_lens must have one entry per page-table row")
+    group = hq // hkv
+    cu_q, max_q_len = _cu_seqlens(q_lens, batch, total_q, q.device)
+    if max_seq_len is None:
+        max_seq_len = getattr(tables, "max_seq_len", None)
+    if max_seq_len is None:
+        max_seq_len = max_pages * cache.page_size
+    if out is not None:
+        _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.is_contiguous(),
+               "out must be a contiguous tensor like q")
+
+    cfg = select_config(cache, group, max_q_len, batch, max_seq_len, config)
+    cfg.check(d, cache.page_size)
+    _check(group * max_q_len <= cfg.rows,
+           f"{group} query heads x q_len {max_q_len} = {group * max_q_len} rows exceed one CTA's {cfg.rows}; "
+           "use a config with consumer_wgs=2 or the multi-token kernel")
+    _check(cfg.rows % group == 0, f"GQA group {group} must divide {cfg.rows}")
+    splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+    from directkv_cute.kernels.jit import compile_combine, compile_decode
+    from directkv_cute.kernels.launch import launch_combine, launch_decode
+
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if splits == 1:
+        fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=False)
+        launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale)
+    else:
+        o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
+        fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=True)
+        launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale)
+        launch_combine(compile_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
+    return (out, lse) if return_lse else out
