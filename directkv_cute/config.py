@@ -146,3 +146,19 @@ def default_decode_config(head_dim: int, rows: int = 8, page_size: int | None = 
         if cfg.is_legal(head_dim, page_size) and cfg.resident_ctas(head_dim) >= 1:
             return cfg
     raise ConfigError(f"no legal default decode config for head_dim={head_dim} rows={rows}")
+
+
+def default_prefill_config(head_dim: int) -> DecodeConfig:
+    """Untuned default of the multi-token (KV-chunk resident) kernel: two consumer warpgroups
+    (128 query rows per block) and a 4-tile KV chunk per CTA with all L1 given to SMEM."""
+    for stages in (4, 3, 2):
+        cfg = DecodeConfig(tile_n=64, stages=stages, consumer_wgs=2, carveout=100)
+        if cfg.is_legal(head_dim):
+            return cfg
+    raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
+
+
+def resident_splits(cfg: DecodeConfig, max_context: int) -> int:
+    """Chunks per sequence for the resident kernel: each CTA's chunk must fit its SMEM ring."""
+    n_tiles = max(1, math.ceil(max_context / cfg.tile_n))
+    return math.ceil(n_tiles / cfg.stages)

@@ -13,11 +13,17 @@ On a CPU-only machine the same call runs the float32 reference.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
 
-from directkv_cute.config import DecodeConfig, default_decode_config
+from directkv_cute.config import (
+    DecodeConfig,
+    default_decode_config,
+    default_prefill_config,
+    resident_splits,
+)
 
 _ALIGN = 16
 
@@ -59,20 +65,37 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
+_WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
+
+
+def _fits_streaming(cfg: DecodeConfig, group: int, max_q_len: int) -> bool:
+    return group <= cfg.rows and max_q_len <= cfg.rows // group
+
+
 def select_config(cache, group: int, max_q_len: int, batch: int, max_context: int,
-                  config: DecodeConfig | None) -> DecodeConfig:
-    """An explicit config wins; else the tuned profile for this GPU; else the heuristic default."""
+                  config: DecodeConfig | None) -> tuple[DecodeConfig, str]:
+    """(config, kernel): an explicit config wins, else the tuned profile for this GPU, else the
+    heuristic default. kernel is "decode" (streaming) when every query row of a KV head fits one
+    CTA, else "prefill" (KV-chunk resident)."""
     rows = group * max_q_len
     if config is not None:
-        return config
+        return config, "decode" if _fits_streaming(config, group, max_q_len) else "prefill"
+    kernel = "decode" if rows <= 128 else "prefill"
     try:
-        from directkv_cute.tuning.lookup import lookup_decode_config
+        from directkv_cute.tuning.lookup import lookup_config
     except ImportError:  # tuning not importable: run untuned
-        return default_decode_config(cache.head_dim, rows, cache.page_size)
-    return lookup_decode_config(
-        dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
-        batch=batch, context=max_context, q_len=max_q_len, rows=rows,
-    )
+        lookup_config = None
+    if lookup_config is not None:
+        cfg = lookup_config(
+            kernel, dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
+            batch=batch, context=max_context, q_len=max_q_len, rows=rows,
+        )
+    elif kernel == "decode":
+        cfg = default_decode_config(cache.head_dim, rows, cache.page_size)
+    else:
+        cfg = default_prefill_config(cache.head_dim)
+    return cfg, kernel
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
@@ -94,9 +117,10 @@ def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], 
             out.copy_(o)
             o = out
         return (o, lse) if return_lse else o
-    tables = cache.kernel_tables(list(seq_ids))
+    seq_ids = list(seq_ids)
+    tables = cache.kernel_tables(seq_ids)
     return paged_attention_tables(q, cache, layer, tables, q_lens, softmax_scale, config=config, out=out,
-                                  return_lse=return_lse)
+                                  return_lse=return_lse, max_seq_len=max(cache.seq_len(s) for s in seq_ids))
 
 
 def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=None,
@@ -132,13 +156,20 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.is_contiguous(),
                "out must be a contiguous tensor like q")
 
-    cfg = select_config(cache, group, max_q_len, batch, max_seq_len, config)
+    cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
     cfg.check(d, cache.page_size)
-    _check(group * max_q_len <= cfg.rows,
-           f"{group} query heads x q_len {max_q_len} = {group * max_q_len} rows exceed one CTA's {cfg.rows}; "
-           "use a config with consumer_wgs=2 or the multi-token kernel")
-    _check(cfg.rows % group == 0, f"GQA group {group} must divide {cfg.rows}")
-    splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device))
+    _check(group <= cfg.rows, f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
+    resident = kernel == "prefill"
+    if resident:
+        splits = resident_splits(cfg, max_seq_len)
+        ws = splits * total_q * hq * (d + 1) * 4
+        cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or torch.cuda.get_device_properties(
+            q.device).total_memory / 4
+        _check(ws <= cap, f"the multi-token kernel needs {ws / 2**30:.1f} GiB of fp32 partials "
+               f"({splits} KV chunks x {total_q} query rows x {hq} heads), over the {cap / 2**30:.1f} GiB cap "
+               f"({_WORKSPACE_ENV}); use a config with more stages or feed fewer query tokens per call")
+    else:
+        splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
     from directkv_cute.kernels.jit import compile_combine, compile_decode
@@ -147,13 +178,13 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    if splits == 1:
+    if splits == 1 and not resident:
         fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=False)
         launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale)
     else:
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=True)
+        fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=True, resident=resident)
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale)
         launch_combine(compile_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out

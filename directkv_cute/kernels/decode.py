@@ -18,6 +18,8 @@ combine kernel; otherwise it writes the final O (q dtype) and LSE directly.
 
 from __future__ import annotations
 
+from functools import partial
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -44,7 +46,8 @@ CONSUMER_REGS = {1: 232, 2: 232}
 class DecodeAttention:
     """Static configuration (everything that changes code generation) lives here."""
 
-    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: DecodeConfig, split_out: bool):
+    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: DecodeConfig, split_out: bool,
+                 resident: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.page_size = page_size
@@ -56,9 +59,13 @@ class DecodeAttention:
         self.copy_rows = min(page_size, cfg.tile_n)
         self.copies = cfg.tile_n // self.copy_rows
         self.split_out = split_out
+        self.resident = resident
         self.num_threads = cfg.num_threads
         self.carveout = cfg.carveout
-        assert self.rows % group == 0, "GQA group must divide the CTA's query rows"
+        # Query tokens whose whole GQA group fits in the CTA's rows; rows past
+        # q_per_cta * group are padding.
+        self.q_per_cta = self.rows // group
+        assert self.q_per_cta >= 1, "a GQA group larger than the CTA's query rows"
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -187,7 +194,7 @@ class DecodeAttention:
             cpasync.prefetch_descriptor(tma_h)
             cpasync.prefetch_descriptor(tma_d)
 
-        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
@@ -215,10 +222,6 @@ class DecodeAttention:
             cute.arch.setmaxregister_increase(CONSUMER_REGS[self.wgs])
             ctidx = tidx - 128
             wg = ctidx // 128
-            self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=1, number_of_threads=128 * self.wgs)
-
             wg_tidx = ctidx % 128
             thr_qk = tiled_mma_qk.get_slice(wg_tidx)
             thr_pv = tiled_mma_pv.get_slice(wg_tidx)
@@ -229,37 +232,75 @@ class DecodeAttention:
             tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, tile_n)), Float32)
             acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, d)), Float32)
-            acc_O.fill(0.0)
             tScS = acc_as_mn(thr_qk.partition_C(cute.make_identity_tensor((64, tile_n))))
-            row_max = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
-            row_sum = cute.make_rmem_tensor(cute.size(tScS, mode=[0]), Float32)
-            row_max.fill(-Float32.inf)
-            row_sum.fill(0.0)
+            n_rows = cute.size(tScS, mode=[0])
+            row_max = cute.make_rmem_tensor(n_rows, Float32)
+            row_sum = cute.make_rmem_tensor(n_rows, Float32)
+            lse = cute.make_rmem_tensor(n_rows, Float32)
             tOrP = cute.make_rmem_tensor_like(acc_as_operand_a(acc_S), self.dtype)
-
             row0 = wg * 64
-            cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for t in cutlass.range(t_begin, t_end, unroll=1):
-                kv_pipe.consumer_wait(cons_state, kv_pipe.consumer_try_wait(cons_state))
-                stage = cons_state.index
-                gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
-                # Mask keys past the sequence and, for q_len > 1, the causal future.
-                s_mn = acc_as_mn(acc_S)
-                for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-                    qi = (row0 + tScS[r, 0][0]) // group
-                    limit = seq_len - q_len + qi + 1 - t * tile_n  # keys [0, limit) of this tile
-                    for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                        if tScS[r, c][1] >= limit:
-                            s_mn[r, c] = -Float32.inf
-                softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
-                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-                gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
-                kv_pipe.consumer_release(cons_state)
-                cons_state.advance()
+            n_cons = 128 * self.wgs
+            tile = partial(
+                self.attend_tile, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt,
+                tScS=tScS, row_max=row_max, row_sum=row_sum, row0=row0, seq_len=seq_len, q_len=q_len,
+                scale_log2=scale_log2, tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv,
+            )
+            if const_expr(not self.resident):
+                # Streaming: every query row fits one block; tiles flow through the ring.
+                self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, 0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)
+                acc_O.fill(0.0)
+                row_max.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                for t in cutlass.range(t_begin, t_end, unroll=1):
+                    kv_pipe.consumer_wait(cons_state, kv_pipe.consumer_try_wait(cons_state))
+                    tile(t=t, stage=cons_state.index, tok0=0)
+                    kv_pipe.consumer_release(cons_state)
+                    cons_state.advance()
+                softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
+                self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, 0)
+            else:
+                # Resident: the CTA's whole KV chunk (<= stages tiles) stays in SMEM, loaded
+                # once, and every block of query rows is applied to it (KV-outer order).
+                n_blocks = (q_len + self.q_per_cta - 1) // self.q_per_cta
+                for rb in cutlass.range(n_blocks, unroll=1):
+                    tok0 = rb * self.q_per_cta
+                    cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)  # sQ free again
+                    self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, tok0)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)
+                    acc_O.fill(0.0)
+                    row_max.fill(-Float32.inf)
+                    row_sum.fill(0.0)
+                    # Keys visible to the block's last token bound the tiles it needs.
+                    last_tok = cutlass.min(q_len, tok0 + self.q_per_cta) - 1
+                    key_end = seq_len - q_len + last_tok + 1
+                    t_stop = cutlass.min(t_end, (key_end + tile_n - 1) // tile_n)
+                    for t in cutlass.range(t_begin, t_stop, unroll=1):
+                        kv_pipe.sync_object_full.wait(t - t_begin, 0)
+                        tile(t=t, stage=t - t_begin, tok0=tok0)
+                    softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
+                    self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0)
 
-            lse = cute.make_rmem_tensor(cute.size(row_max), Float32)
-            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
-            self.store(mO, mLSE, acc_O, lse, thr_pv, tScS, split, q_start, q_len, kvh, row0)
+    @cute.jit
+    def attend_tile(self, t, stage, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS, row_max, row_sum, row0,
+                    seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv):
+        """One KV tile for one block of query rows: S = Q K^T, mask, online softmax, O += P V."""
+        tile_n, group = self.tile_n, self.group
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+        # Mask keys past the sequence and the causal future of each query token.
+        s_mn = acc_as_mn(acc_S)
+        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+            qi = tok0 + (row0 + tScS[r, 0][0]) // group
+            limit = seq_len - q_len + qi + 1 - t * tile_n  # keys [0, limit) of this tile
+            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                if tScS[r, c][1] >= limit:
+                    s_mn[r, c] = -Float32.inf
+        softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+        tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+        gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -305,12 +346,13 @@ class DecodeAttention:
                         cute.copy(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], tma_bar_ptr=bar)
                         cute.copy(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], tma_bar_ptr=bar)
                 prod_state.advance()
-            kv_pipe.producer_tail(prod_state)
+            if const_expr(not self.resident):
+                kv_pipe.producer_tail(prod_state)
 
     @cute.jit
-    def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx):
-        """Consumers gather the CTA's query rows (row r = token r // group, head r % group of the
-        KV head's group) into SMEM; rows past q_len are zero."""
+    def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0):
+        """Consumers gather a block of query rows (row r = token tok0 + r // group, head r % group
+        of the KV head's group) into SMEM; rows past q_len are zero."""
         d, group = self.head_dim, self.group
         n_thr = 128 * self.wgs
         for i in cutlass.range(ctidx, self.rows * d, n_thr, unroll=4):
@@ -318,12 +360,12 @@ class DecodeAttention:
             c = i % d
             qi = r // group
             val = self.dtype(0.0)
-            if qi < q_len:
-                val = mQ[q_start + qi, kvh * group + r % group, c]
+            if qi < cutlass.min(q_len - tok0, self.q_per_cta):
+                val = mQ[q_start + tok0 + qi, kvh * group + r % group, c]
             sQ[r, c] = val
 
     @cute.jit
-    def store(self, mO, mLSE, acc_O, lse, thr_pv, tScS, split, q_start, q_len, kvh, row0):
+    def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0):
         """Write this warpgroup's rows of O (and their LSE) for valid query tokens."""
         group, d = self.group, self.head_dim
         o_split = 0
@@ -334,13 +376,13 @@ class DecodeAttention:
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             row = row0 + tOcO[r, 0][0]
             qi = row // group
-            if qi < q_len:
+            if qi < cutlass.min(q_len - tok0, self.q_per_cta):
                 head = kvh * group + row % group
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     col = tOcO[r, c][1]
                     if const_expr(self.split_out):
-                        mO[o_split, q_start + qi, head, col] = o_mn[r, c]
+                        mO[o_split, q_start + tok0 + qi, head, col] = o_mn[r, c]
                     else:
-                        mO[o_split, q_start + qi, head, col] = o_mn[r, c].to(self.dtype)
+                        mO[o_split, q_start + tok0 + qi, head, col] = o_mn[r, c].to(self.dtype)
                 if tOcO[r, 0][1] == 0:
-                    mLSE[o_split, q_start + qi, head] = lse[r]
+                    mLSE[o_split, q_start + tok0 + qi, head] = lse[r]

@@ -3,12 +3,23 @@
 ``compile_decode`` and ``compile_combine`` compile on the first request for a key and return
 the same compiled function afterwards. They need no GPU when ``CUTE_DSL_ARCH=sm_90a`` is set
 (CI compiles every shipped config that way). Sizes are runtime arguments, never part of a key.
+
+Compiled kernels also persist on disk (``export_to_c`` objects, loaded back with
+``cute.runtime.load_module``), so a new process skips compilation. The directory is
+``$DIRECTKV_CACHE_DIR`` (default ``~/.cache/directkv_cute``) / a fingerprint of the kernel
+sources and the cutlass-dsl version; ``DIRECTKV_DISK_CACHE=0`` turns it off. Files are written
+to a temporary name and renamed, under an exclusive lock, so concurrent processes never read a
+half-written object.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
+import tempfile
 import threading
+from pathlib import Path
 
 import torch
 
@@ -16,6 +27,65 @@ from directkv_cute.config import DecodeConfig
 
 _LOCK = threading.Lock()  # cute.compile is not thread-safe
 _CACHE: dict[tuple, object] = {}
+_KERNEL_DIR = Path(__file__).resolve().parent
+
+
+def source_fingerprint() -> str:
+    """sha256 over the kernel sources and the cutlass-dsl version (part of every disk key)."""
+    h = hashlib.sha256()
+    for f in sorted(_KERNEL_DIR.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    try:
+        from importlib.metadata import version
+
+        h.update(version("nvidia-cutlass-dsl").encode())
+    except Exception:  # pragma: no cover - metadata missing in odd installs
+        h.update(b"unknown-cutlass")
+    return h.hexdigest()[:16]
+
+
+def disk_cache_dir() -> Path | None:
+    if os.environ.get("DIRECTKV_DISK_CACHE", "1") == "0":
+        return None
+    root = Path(os.environ.get("DIRECTKV_CACHE_DIR", Path.home() / ".cache" / "directkv_cute"))
+    return root / source_fingerprint()
+
+
+def _cached_compile(key: tuple, build):
+    """Memory cache -> disk cache -> build(); returns the compiled callable."""
+    fn = _CACHE.get(key)
+    if fn is not None:
+        return fn
+    with _LOCK:
+        fn = _CACHE.get(key)
+        if fn is None:
+            fn = _load_or_build(key, build)
+            _CACHE[key] = fn
+    return fn
+
+
+def _load_or_build(key: tuple, build):
+    directory = disk_cache_dir()
+    if directory is None:
+        return build()
+    import cutlass.cute as cute
+
+    name = "dk_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    obj = directory / f"{name}.o"
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if obj.exists():
+            try:
+                return getattr(cute.runtime.load_module(str(obj)), name)
+            except Exception:  # a stale or foreign object: rebuild it
+                obj.unlink(missing_ok=True)
+        fn = build()
+        with tempfile.TemporaryDirectory(dir=directory) as tmp:
+            fn.export_to_c(tmp, name, function_prefix=name)
+            os.replace(Path(tmp) / f"{name}.o", obj)
+        return fn
 
 _TORCH_TO_CUTLASS = {}
 
@@ -52,33 +122,37 @@ def _ptr(dtype, align=16):
     return make_ptr(dtype, 16 * 1024, cute.AddressSpace.gmem, assumed_align=align)
 
 
-def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool):
+def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool,
+               resident: bool = False):
     # num_splits and ctas_per_sm only change the launch, not the code: keep them out of the key.
     return ("decode", arch(), str(dtype), head_dim, page_size, group, cfg.tile_n, cfg.stages,
-            cfg.consumer_wgs, cfg.carveout, bool(split_out))
+            cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident))
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                   max_q_len: int = 1, split_out: bool = True):
-    """Compile (once per key) the decode kernel; returns a callable taking the runtime arguments."""
+                   max_q_len: int = 1, split_out: bool = True, resident: bool = False):
+    """Compile (once per key) the paged attention kernel; returns a callable taking the runtime
+    arguments. ``resident=False`` streams KV tiles through the SMEM ring (decode: every query row
+    of a KV head fits one CTA); ``resident=True`` keeps each CTA's KV chunk of ``stages`` tiles in
+    SMEM and applies it to any number of query rows (multi-token queries)."""
     cfg.check(head_dim, page_size)
-    if group * max_q_len > cfg.rows:
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if group < 1 or group > cfg.rows:
+        raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
+    if not resident and group * max_q_len > (cfg.rows // group) * group:
         raise ValueError(f"group {group} x q_len {max_q_len} rows exceed the config's {cfg.rows} rows")
-    if cfg.rows % group:
-        raise ValueError(f"GQA group {group} must divide {cfg.rows}")
-    key = decode_key(cfg, dtype, head_dim, page_size, group, split_out)
-    fn = _CACHE.get(key)
-    if fn is not None:
-        return fn
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            fn = _compile_decode(key, cfg, dtype, head_dim, page_size, group, split_out)
-            _CACHE[key] = fn
-    return fn
+    key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident)
+    return _cached_compile(key, lambda: _compile_decode(cfg, dtype, head_dim, page_size, group, split_out,
+                                                        resident))
 
 
-def _compile_decode(key, cfg, dtype, head_dim, page_size, group, split_out):
+def compile_prefill(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int):
+    """The multi-token (KV-chunk resident) kernel; always writes split partials."""
+    return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, resident=True)
+
+
+def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -87,7 +161,7 @@ def _compile_decode(key, cfg, dtype, head_dim, page_size, group, split_out):
     from directkv_cute.kernels.decode import DecodeAttention
 
     dt = cutlass_dtype(dtype)
-    kernel = DecodeAttention(dt, head_dim, page_size, group, cfg, split_out)
+    kernel = DecodeAttention(dt, head_dim, page_size, group, cfg, split_out, resident)
     o_dt = cutlass.Float32 if split_out else dt
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
@@ -100,26 +174,29 @@ def _compile_decode(key, cfg, dtype, head_dim, page_size, group, split_out):
 def compile_combine(head_dim: int, dtype: torch.dtype):
     """Compile (once per key) the split-KV combine kernel."""
     key = ("combine", arch(), str(dtype), head_dim)
-    fn = _CACHE.get(key)
-    if fn is not None:
-        return fn
-    with _LOCK:
-        fn = _CACHE.get(key)
-        if fn is None:
-            import cuda.bindings.driver as cuda
-            import cutlass
-            import cutlass.cute as cute
-            from cutlass import Int32
+    return _cached_compile(key, lambda: _compile_combine(head_dim, dtype))
 
-            from directkv_cute.kernels.combine import SplitCombine
 
-            dt = cutlass_dtype(dtype)
-            args = (_ptr(cutlass.Float32), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(cutlass.Float32, 4),
-                    Int32(1), Int32(1), cuda.CUstream(0))
-            fn = cute.compile(SplitCombine(dt, head_dim), *args)
-            _CACHE[key] = fn
-    return fn
+def _compile_combine(head_dim, dtype):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    from directkv_cute.kernels.combine import SplitCombine
+
+    dt = cutlass_dtype(dtype)
+    args = (_ptr(cutlass.Float32), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(cutlass.Float32, 4),
+            Int32(1), Int32(1), cuda.CUstream(0))
+    return cute.compile(SplitCombine(dt, head_dim), *args)
 
 
 def cache_size() -> int:
+    """Kernels compiled or loaded by this process."""
     return len(_CACHE)
+
+
+def clear_memory_cache() -> None:
+    """Forget this process's compiled kernels (the disk cache stays)."""
+    with _LOCK:
+        _CACHE.clear()

@@ -30,7 +30,9 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     from cutlass import Float32, Int32
 
     host = cache.host_pool
-    hbm = cache.hbm_pool if cache.hbm_pool is not None else host
+    hbm = cache.hbm_pool
+    if hbm is None or hbm.numel() == 0:  # no HBM tier: a valid stand-in the kernel never reads
+        hbm = host
     batch, max_pages = page_table.shape
     fn(
         _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm),

@@ -1,0 +1,180 @@
+"""GPU tests of the attention kernels against an independent float64 reference.
+
+Every case builds a fresh cache with fresh random K/V (appended from GPU tensors straight into
+pinned host pages), places pages in host memory, HBM or both, poisons the output with NaN, runs
+the op, and compares with ``dense_attention_ref`` over the original, unpaged K/V.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from directkv_cute import DecodeConfig
+from directkv_cute.cache import PagedKVCache
+from directkv_cute.ops import paged_attention, paged_attention_tables
+from directkv_cute.reference import dense_attention_ref
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _build(lens, hkv, d, page_size, dtype, hbm_fraction=0.0, placement="strided", layers=2, seed=0):
+    """A cache holding one random sequence per length; returns (cache, seq_ids, k_list, v_list, layer)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = sum(math.ceil(n / page_size) for n in lens)
+    cache = PagedKVCache(layers, hkv, d, page_size, num_host_pages=pages + 2, num_hbm_pages=pages + 2,
+                         dtype=dtype, device="cuda")
+    layer = layers - 1
+    ids, ks, vs = [], [], []
+    for n in lens:
+        sid = cache.add_sequence()
+        k = torch.randn(n, layers, hkv, d, generator=g, device="cuda").to(dtype)
+        v = torch.randn(n, layers, hkv, d, generator=g, device="cuda").to(dtype)
+        cache.append(sid, k, v)
+        if hbm_fraction:
+            cache.set_hbm_fraction(sid, hbm_fraction, placement)
+        ids.append(sid)
+        ks.append(k[:, layer])
+        vs.append(v[:, layer])
+    return cache, ids, ks, vs, layer
+
+
+def _check(out, lse, q, ks, vs, q_lens, dtype):
+    ref_o, ref_lse = dense_attention_ref(q, ks, vs, q_lens, None)
+    assert not torch.isnan(out).any(), "NaN in the output (unwritten rows?)"
+    err = ((out.double() - ref_o).norm() / ref_o.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.3e}"
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-3, rtol=1e-4), (lse.double() - ref_lse).abs().max()
+
+
+def _run(lens, q_lens, hq, hkv, d, page_size, dtype, hbm_fraction=0.0, config=None, seed=0, placement="strided"):
+    cache, ids, ks, vs, layer = _build(lens, hkv, d, page_size, dtype, hbm_fraction, placement, seed=seed)
+    total = sum(q_lens) if q_lens else len(lens)
+    q = torch.randn(total, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1)).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    o, lse = paged_attention(q, cache, layer, ids, q_lens, config=config, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    _check(o, lse, q, ks, vs, q_lens, dtype)
+    cache.close()
+
+
+DECODE_CASES = [
+    # lens, hq, hkv, d, page, dtype, hbm_fraction, config
+    ([1000, 37, 4101, 129], 32, 8, 128, 16, torch.bfloat16, 0.0, None),
+    ([1000, 37, 4101, 129], 32, 8, 128, 64, torch.float16, 0.5, None),
+    ([513], 8, 8, 64, 128, torch.bfloat16, 0.25, None),
+    ([513], 8, 8, 64, 32, torch.bfloat16, 1.0, None),
+    ([70000], 64, 8, 128, 64, torch.bfloat16, 0.0, None),
+    ([5] * 64, 32, 8, 128, 16, torch.float16, 0.0, None),
+    ([3000, 1, 17], 16, 4, 64, 16, torch.float16, 0.5, DecodeConfig(tile_n=32, stages=6)),
+    ([3000, 1, 17], 16, 4, 128, 128, torch.bfloat16, 0.0, DecodeConfig(tile_n=128, stages=2, carveout=100)),
+    ([2049, 300], 32, 8, 128, 64, torch.bfloat16, 0.0, DecodeConfig(tile_n=64, stages=3, num_splits=1)),
+    ([2049, 300], 32, 8, 128, 64, torch.bfloat16, 0.0, DecodeConfig(tile_n=64, stages=3, num_splits=7)),
+    ([999], 40, 8, 128, 16, torch.bfloat16, 0.0, None),  # group 5: rows not a power of two
+]
+
+
+@pytest.mark.parametrize("lens,hq,hkv,d,page,dtype,hbm,config", DECODE_CASES)
+def test_decode_matches_reference(lens, hq, hkv, d, page, dtype, hbm, config):
+    _run(lens, None, hq, hkv, d, page, dtype, hbm, config)
+
+
+SPEC_CASES = [
+    # speculative-decoding windows: the streaming kernel holds group x q_len rows
+    ([800, 90], [4, 4], 32, 8, 128, 16, torch.bfloat16, 0.0),
+    ([800, 90, 2000], [2, 8, 1], 32, 8, 128, 64, torch.float16, 0.5),
+    ([333], [16], 16, 4, 64, 32, torch.bfloat16, 0.0),
+]
+
+
+@pytest.mark.parametrize("lens,q_lens,hq,hkv,d,page,dtype,hbm", SPEC_CASES)
+def test_small_q_len_matches_reference(lens, q_lens, hq, hkv, d, page, dtype, hbm):
+    _run(lens, q_lens, hq, hkv, d, page, dtype, hbm)
+
+
+PREFILL_CASES = [
+    # chunk at position 0 (no history), chunk longer than its history, ragged lengths, q_len 1
+    # mixed with long chunks, host/HBM/mixed pages
+    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 0.0),
+    ([1300], [1000], 32, 8, 128, 16, torch.bfloat16, 0.5),
+    ([5000, 77, 3001], [513, 1, 64], 32, 8, 128, 64, torch.float16, 0.0),
+    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 0.25),
+    ([4099], [300], 64, 8, 128, 32, torch.bfloat16, 1.0),
+]
+
+
+@pytest.mark.parametrize("lens,q_lens,hq,hkv,d,page,dtype,hbm", PREFILL_CASES)
+def test_multi_token_matches_reference(lens, q_lens, hq, hkv, d, page, dtype, hbm):
+    _run(lens, q_lens, hq, hkv, d, page, dtype, hbm)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_shapes(seed):
+    """Random draws over the whole supported grid (seeded, so a failure reproduces)."""
+    r = random.Random(seed)
+    dtype = r.choice([torch.bfloat16, torch.float16])
+    hkv = r.choice([1, 2, 8])
+    group = r.choice([1, 4, 8])
+    d = r.choice([64, 128])
+    page = r.choice([16, 32, 64, 128])
+    batch = r.choice([1, 3, 9])
+    lens = [r.randint(1, 3000) for _ in range(batch)]
+    q_lens = [r.randint(1, min(n, r.choice([1, 4, 200]))) for n in lens]
+    hbm = r.choice([0.0, 0.3, 1.0])
+    tile = r.choice([32, 64, 128])
+    cfg = DecodeConfig(tile_n=tile, stages=2, carveout=100) if r.random() < 0.5 else None
+    _run(lens, q_lens, hkv * group, hkv, d, page, dtype, hbm, cfg, seed=seed, placement="strided")
+
+
+def test_cuda_graph_replay():
+    """Captured once, replayed with new queries and appended tokens' tables: same answers."""
+    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
+    cache, ids, ks, vs, layer = _build([3000, 1200], hkv, d, 64, dtype)
+    tables = cache.kernel_tables(ids)
+    q = torch.randn(2, hq, d, device="cuda").to(dtype)
+    out = torch.empty_like(q)
+    paged_attention_tables(q, cache, layer, tables, out=out, max_seq_len=3000)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = paged_attention_tables(q, cache, layer, tables, out=out, max_seq_len=3000, return_lse=True)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, lse, q, ks, vs, None, dtype)
+
+
+def test_compiles_once():
+    from directkv_cute.kernels import jit
+
+    cache, ids, _, _, layer = _build([100], 8, 128, 16, torch.bfloat16)
+    q = torch.randn(1, 8, 128, device="cuda").to(torch.bfloat16)
+    cfg = DecodeConfig(tile_n=64, stages=3)
+    paged_attention(q, cache, layer, ids, config=cfg)
+    n = jit.cache_size()
+    for _ in range(3):
+        paged_attention(q, cache, layer, ids, config=cfg)
+    assert jit.cache_size() == n
+
+
+def test_bad_inputs_raise_before_launch():
+    cache, ids, _, _, layer = _build([100], 8, 128, 16, torch.bfloat16)
+    q = torch.randn(1, 8, 128, device="cuda").to(torch.bfloat16)
+    with pytest.raises(TypeError):
+        paged_attention(q.half(), cache, layer, ids)
+    with pytest.raises(ValueError):
+        paged_attention(q[:, :, :64].contiguous(), cache, layer, ids)
+    with pytest.raises(ValueError):
+        paged_attention(torch.randn(1, 12, 128, device="cuda").to(torch.bfloat16), cache, layer, ids)
+    with pytest.raises(IndexError):
+        paged_attention(q, cache, 7, ids)
+    with pytest.raises(ValueError):
+        paged_attention(q, cache, layer, ids, q_lens=[2])

@@ -1,0 +1,135 @@
+"""Every kernel variant compiles for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a, set in conftest),
+and the compile cache (memory and disk) returns kernels without recompiling."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from directkv_cute.config import (
+    SUPPORTED_PAGE_SIZES,
+    ConfigError,
+    DecodeConfig,
+    default_decode_config,
+    default_prefill_config,
+)
+from directkv_cute.kernels import jit
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(autouse=True)
+def _isolated_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIRECTKV_CACHE_DIR", str(tmp_path / "kc"))
+    yield
+
+
+def _ptx_has(fn, *needles):
+    ptx = getattr(fn, "__ptx__", None)
+    if not ptx:
+        return True  # PTX is only kept with CUTE_DSL_KEEP=ptx
+    return all(n in ptx for n in needles)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", SUPPORTED_PAGE_SIZES)
+def test_default_configs_compile(dtype, head_dim, page_size):
+    for group, q_len in ((1, 1), (4, 1), (8, 1), (8, 8)):
+        cfg = default_decode_config(head_dim, group * q_len, page_size)
+        for split_out in (True, False):
+            fn = jit.compile_decode(cfg, dtype, head_dim, page_size, group, q_len, split_out)
+            assert callable(fn)
+    fn = jit.compile_prefill(default_prefill_config(head_dim), dtype, head_dim, page_size, 4)
+    assert _ptx_has(fn, "wgmma.mma_async", "cp.async.bulk.tensor")
+    assert callable(jit.compile_combine(head_dim, dtype))
+
+
+def test_search_space_configs_compile():
+    """Every code-generation-distinct legal config of the tuner's decode space compiles."""
+    from directkv_cute.tuning.space import TuneShape, get_space
+
+    space = get_space("decode")
+    seen = set()
+    for cfg in space.legal_configs(TuneShape(32, 8, 128, batch=1, context=32768, page_size=64)):
+        key = jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True)
+        if key in seen:
+            continue
+        seen.add(key)
+        jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, True)
+    assert len(seen) >= 10
+
+
+def test_memory_cache_hits_without_recompiling(monkeypatch):
+    cfg = DecodeConfig(tile_n=64, stages=3)
+    fn = jit.compile_decode(cfg, torch.bfloat16, 128, 32, 8, 1, True)
+    monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("recompiled"))
+    assert jit.compile_decode(cfg, torch.bfloat16, 128, 32, 8, 1, True) is fn
+    # num_splits / ctas_per_sm change only the launch, so they share the compiled kernel
+    assert jit.compile_decode(DecodeConfig(tile_n=64, stages=3, num_splits=5), torch.bfloat16, 128, 32, 8) is fn
+
+
+def test_disk_cache_survives_a_new_process_cache(monkeypatch, tmp_path):
+    cfg = DecodeConfig(tile_n=32, stages=5)
+    jit.compile_decode(cfg, torch.float16, 64, 16, 2, 1, False)
+    objs = list((tmp_path / "kc").rglob("*.o"))
+    assert objs, "nothing written to the disk cache"
+    jit.clear_memory_cache()
+    monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("recompiled despite the disk cache"))
+    assert callable(jit.compile_decode(cfg, torch.float16, 64, 16, 2, 1, False))
+
+
+def test_disk_cache_can_be_disabled(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIRECTKV_DISK_CACHE", "0")
+    jit.clear_memory_cache()
+    jit.compile_decode(DecodeConfig(tile_n=64, stages=2), torch.bfloat16, 64, 64, 1, 1, True)
+    assert not list((tmp_path / "kc").rglob("*.o"))
+
+
+def test_cache_key_covers_codegen_fields():
+    base = DecodeConfig()
+    k0 = jit.decode_key(base, torch.bfloat16, 128, 64, 4, True)
+    variants = [
+        jit.decode_key(DecodeConfig(tile_n=32), torch.bfloat16, 128, 64, 4, True),
+        jit.decode_key(DecodeConfig(stages=3), torch.bfloat16, 128, 64, 4, True),
+        jit.decode_key(DecodeConfig(consumer_wgs=2), torch.bfloat16, 128, 64, 4, True),
+        jit.decode_key(DecodeConfig(carveout=100), torch.bfloat16, 128, 64, 4, True),
+        jit.decode_key(base, torch.float16, 128, 64, 4, True),
+        jit.decode_key(base, torch.bfloat16, 64, 64, 4, True),
+        jit.decode_key(base, torch.bfloat16, 128, 16, 4, True),
+        jit.decode_key(base, torch.bfloat16, 128, 64, 8, True),
+        jit.decode_key(base, torch.bfloat16, 128, 64, 4, False),
+        jit.decode_key(base, torch.bfloat16, 128, 64, 4, True, resident=True),
+    ]
+    assert len({k0, *variants}) == len(variants) + 1
+
+
+@pytest.mark.parametrize(
+    "cfg,kwargs,exc",
+    [
+        (DecodeConfig(tile_n=128, stages=6), dict(head_dim=128, page_size=64), ConfigError),  # SMEM
+        (DecodeConfig(tile_n=48), dict(head_dim=128, page_size=64), ConfigError),
+        (DecodeConfig(), dict(head_dim=96, page_size=64), ConfigError),
+        (DecodeConfig(), dict(head_dim=128, page_size=64, max_q_len=17, group=4), ValueError),
+        (DecodeConfig(), dict(head_dim=128, page_size=64, group=65), ValueError),
+    ],
+)
+def test_illegal_requests_fail_before_compiling(cfg, kwargs, exc, monkeypatch):
+    monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("compiled an illegal request"))
+    kwargs = {"group": 4, "max_q_len": 1, **kwargs}
+    with pytest.raises(exc):
+        jit.compile_decode(cfg, torch.bfloat16, kwargs["head_dim"], kwargs["page_size"], kwargs["group"],
+                           kwargs["max_q_len"])
+
+
+def test_dtype_is_checked():
+    with pytest.raises(TypeError):
+        jit.compile_decode(DecodeConfig(), torch.float32, 128, 64, 4)
+
+
+@pytest.mark.parametrize("tile_n,page_size", list(itertools.product([32, 64, 128], SUPPORTED_PAGE_SIZES)))
+def test_tile_page_combinations_compile(tile_n, page_size):
+    cfg = DecodeConfig(tile_n=tile_n, stages=2, carveout=100)
+    jit.compile_decode(cfg, torch.bfloat16, 128, page_size, 8, 1, True)
