@@ -12,18 +12,14 @@ On a CPU-only machine the same call runs the float32 reference.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
 
 import torch
 
-from directkv_cute.config import (
-    DecodeConfig,
-    default_decode_config,
-    default_prefill_config,
-    resident_splits,
-)
+from directkv_cute.config import DecodeConfig, resident_splits
 
 _ALIGN = 16
 
@@ -82,20 +78,25 @@ def select_config(cache, group: int, max_q_len: int, batch: int, max_context: in
     if config is not None:
         return config, "decode" if _fits_streaming(config, group, max_q_len) else "prefill"
     kernel = "decode" if rows <= 128 else "prefill"
-    try:
-        from directkv_cute.tuning.lookup import lookup_config
-    except ImportError:  # tuning not importable: run untuned
-        lookup_config = None
-    if lookup_config is not None:
-        cfg = lookup_config(
-            kernel, dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
-            batch=batch, context=max_context, q_len=max_q_len, rows=rows,
-        )
-    elif kernel == "decode":
-        cfg = default_decode_config(cache.head_dim, rows, cache.page_size)
-    else:
-        cfg = default_prefill_config(cache.head_dim)
-    return cfg, kernel
+    return _lookup(kernel, cache, group, batch, max_context, max_q_len, rows), kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int, rows: int) -> DecodeConfig:
+    """The tuned profile entry for this GPU (exact, else nearest bucket), else the default."""
+    from directkv_cute.tuning.lookup import select_config as lookup_profile
+    from directkv_cute.tuning.profiles import current_kernel_hash
+
+    cfg, _source = lookup_profile(
+        kernel, gpu_name=_gpu_name(torch.cuda.current_device()), kernel_hash=current_kernel_hash(),
+        dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
+        batch=batch, context=context, q_len=q_len, rows=rows,
+    )
+    return cfg
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,

@@ -99,7 +99,8 @@ class DecodeAttention:
         pool_layout = lambda x: cute.make_layout((P, d, x), stride=(d, 1, P * d))  # noqa: E731
         mKVh = cute.make_tensor(host_ptr, pool_layout(x_host))  # (P, d, Xh)
         mKVd = cute.make_tensor(hbm_ptr, pool_layout(x_hbm))  # (P, d, Xd)
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((total_q, hq, d), stride=(hq * d, d, 1)))
+        q_row = cute.assume(hq * d, divby=64)  # rows stay 16-byte aligned: vector loads of Q
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((total_q, hq, d), stride=(q_row, d, 1)))
         mPT = cute.make_tensor(page_table_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
         mSeqLen = cute.make_tensor(seq_lens_ptr, cute.make_layout(batch))
         mCuQ = cute.make_tensor(cu_q_ptr, cute.make_layout(batch + 1))
@@ -290,14 +291,16 @@ class DecodeAttention:
         """One KV tile for one block of query rows: S = Q K^T, mask, online softmax, O += P V."""
         tile_n, group = self.tile_n, self.group
         gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
-        # Mask keys past the sequence and the causal future of each query token.
-        s_mn = acc_as_mn(acc_S)
-        for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
-            qi = tok0 + (row0 + tScS[r, 0][0]) // group
-            limit = seq_len - q_len + qi + 1 - t * tile_n  # keys [0, limit) of this tile
-            for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
-                if tScS[r, c][1] >= limit:
-                    s_mn[r, c] = -Float32.inf
+        # Mask keys past the sequence and the causal future of each query token; only tiles
+        # that reach past the first token's position need it.
+        if (t + 1) * tile_n > seq_len - q_len + tok0 + 1:
+            s_mn = acc_as_mn(acc_S)
+            for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
+                qi = tok0 + (row0 + tScS[r, 0][0]) // group
+                limit = seq_len - q_len + qi + 1 - t * tile_n  # keys [0, limit) of this tile
+                for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
+                    if tScS[r, c][1] >= limit:
+                        s_mn[r, c] = -Float32.inf
         softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
@@ -353,16 +356,19 @@ class DecodeAttention:
     def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0):
         """Consumers gather a block of query rows (row r = token tok0 + r // group, head r % group
         of the KV head's group) into SMEM; rows past q_len are zero."""
-        d, group = self.head_dim, self.group
+        d, group, vec = self.head_dim, self.group, 8  # 8 x 16-bit = one 16-byte access
         n_thr = 128 * self.wgs
-        for i in cutlass.range(ctidx, self.rows * d, n_thr, unroll=4):
-            r = i // d
-            c = i % d
+        n_valid = cutlass.min(q_len - tok0, self.q_per_cta)
+        for i in cutlass.range(ctidx, self.rows * d // vec, n_thr, unroll=2):
+            r = i // (d // vec)
+            cv = i % (d // vec)
             qi = r // group
-            val = self.dtype(0.0)
-            if qi < cutlass.min(q_len - tok0, self.q_per_cta):
-                val = mQ[q_start + tok0 + qi, kvh * group + r % group, c]
-            sQ[r, c] = val
+            sQv = cute.local_tile(sQ[r, None], (vec,), (cv,))  # (8,) swizzle keeps 16 B chunks whole
+            if qi < n_valid:
+                gQv = cute.local_tile(mQ[q_start + tok0 + qi, kvh * group + r % group, None], (vec,), (cv,))
+                cute.autovec_copy(gQv, sQv)
+            else:
+                sQv.fill(self.dtype(0.0))
 
     @cute.jit
     def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0):

@@ -1,0 +1,137 @@
+"""``python -m bench {decode,prefill,all,check,regress,refresh}`` (also ``directkv-bench``).
+
+decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
+                        tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
+                        (``--out-dir`` elsewhere); exit 1 if a correctness check failed.
+check                   the GPU-free CI part: profiles validate, every default / profile config
+                        compiles for sm_90a, the host-traffic model reads each byte once.
+regress                 compare a run (``--results FILE``, or a fresh run replaying the
+                        baseline's options) with bench/baselines/<gpu>.json; exit 1 on a
+                        regression, a missing record or a failed check.
+refresh                 make a run (``--results FILE`` or a fresh one) the baseline of its GPU,
+                        only if it passed every correctness check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.regress import DEFAULT_ATOL, DEFAULT_RTOL
+
+REPLAYED_ARGS = ("preset", "batches", "contexts", "q_lens", "heads", "head_dim", "dtype", "page_size",
+                 "hbm_fractions", "placement", "num_layers", "max_gb", "config")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from bench.suite import add_run_arguments
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("decode", "decode sweep over host KV, hybrid HBM fractions"),
+                       ("prefill", "multi-token queries over host KV"), ("all", "decode then prefill")):
+        add_run_arguments(sub.add_parser(name, help=text))
+
+    c = sub.add_parser("check", help="GPU-free CI checks: profiles, compile for sm_90a, traffic model")
+    c.add_argument("--no-profiles", action="store_true")
+    c.add_argument("--no-compile", action="store_true")
+    c.add_argument("--no-traffic", action="store_true")
+    c.add_argument("--no-fp16", action="store_true", help="skip the float16 compile spot checks")
+    c.add_argument("--profile-dir", default=None, help="validate these profiles instead of the shipped ones")
+    c.add_argument("--verbose", action="store_true", help="list every compiled kernel")
+    c.add_argument("--no-progress", action="store_true")
+
+    for name, text in (("regress", "compare a run with the committed baseline of its GPU"),
+                       ("refresh", "make a passing run the baseline of its GPU")):
+        r = sub.add_parser(name, help=text)
+        r.add_argument("--results", default=None, help="a results JSON (default: run the benchmarks now)")
+        r.add_argument("--baseline-dir", default=None, help="default bench/baselines")
+        if name == "regress":
+            r.add_argument("--baseline", default=None, help="a baseline JSON (default <baseline-dir>/<gpu>.json)")
+            r.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
+            r.add_argument("--atol", type=float, default=DEFAULT_ATOL)
+            r.add_argument("--allow-missing", action="store_true", help="report missing records without failing")
+            r.add_argument("--show-all", action="store_true", help="list every tracked ratio, not only changes")
+        add_run_arguments(r)
+    return p
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from bench.suite import run_suite
+
+    benches = ["decode", "prefill"] if ns.command == "all" else [ns.command]
+    return run_suite(ns, benches).exit_code
+
+
+def cmd_check(ns: argparse.Namespace) -> int:
+    from bench.check import run_check
+
+    return run_check(profiles=not ns.no_profiles, compile=not ns.no_compile, traffic=not ns.no_traffic,
+                     profile_dir=ns.profile_dir, fp16=not ns.no_fp16, progress=not ns.no_progress,
+                     verbose=ns.verbose)
+
+
+def _fresh_run(ns: argparse.Namespace, benches: list[str]) -> dict:
+    from bench.suite import run_suite
+
+    result = run_suite(ns, benches)
+    return result.combined or result.docs[benches[0]]
+
+
+def _baseline_dir(ns: argparse.Namespace):
+    from bench.regress import BASELINE_DIR
+
+    return ns.baseline_dir or BASELINE_DIR
+
+
+def cmd_regress(ns: argparse.Namespace) -> int:
+    from bench.common import env_info, load_json
+    from bench.regress import compare, format_report, load_baseline
+    from bench.suite import resolve_device
+
+    fresh = load_json(ns.results) if ns.results else None
+    gpu_key = fresh["header"]["gpu_key"] if fresh else env_info(resolve_device(ns.device))["gpu_key"]
+    try:
+        baseline = load_baseline(gpu_key, ns.baseline, _baseline_dir(ns))
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if fresh is None:
+        for key in REPLAYED_ARGS:  # replay the baseline's shapes and options
+            if key in baseline.get("args", {}):
+                setattr(ns, key, baseline["args"][key])
+        fresh = _fresh_run(ns, list(baseline.get("args", {}).get("benches", ["decode", "prefill"])))
+    report = compare(baseline, fresh, rtol=ns.rtol, atol=ns.atol, allow_missing=ns.allow_missing)
+    print(format_report(report, show_all=ns.show_all))
+    return 0 if report.ok else 1
+
+
+def cmd_refresh(ns: argparse.Namespace) -> int:
+    from bench.common import load_json
+    from bench.regress import RefreshRefused, refresh_baseline
+
+    if ns.results:
+        doc, source = load_json(ns.results), str(ns.results)
+    else:
+        doc, source = _fresh_run(ns, ["decode", "prefill"]), "fresh run"
+    try:
+        path = refresh_baseline(doc, _baseline_dir(ns), source=source)
+    except RefreshRefused as e:
+        print(f"refresh refused: {e}", file=sys.stderr)
+        return 1
+    print(f"baseline written: {path}")
+    return 0
+
+
+COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
+            "regress": cmd_regress, "refresh": cmd_refresh}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return COMMANDS[ns.command](ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""Shared pieces of every benchmark: records, result files, timing, tables and the environment.
+
+A *record* is one measured (or computed) method on one shape, with exactly the fields in
+``RECORD_FIELDS``. A *results document* is the JSON written per run::
+
+    {"schema": SCHEMA, "bench": "decode" | "prefill" | "all",
+     "header": {"gpu", "gpu_key", "date", "versions", ...},
+     "ceilings": {"host_read_gbps", "hbm_read_gbps", "memcpy_h2d_gbps"},
+     "ceiling_details": {...}, "args": {...}, "passed": bool,
+     "checks": [...], "skipped": [...], "missing": [...], "notes": {...},
+     "records": [record, ...]}
+
+Bandwidths are in GB/s with GB = 1e9 bytes; times in milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+SCHEMA = "directkv-bench/1"
+
+RECORD_FIELDS = (
+    "bench", "method", "batch", "context", "q_len", "hq", "hkv", "head_dim", "dtype",
+    "hbm_fraction", "ms", "host_bytes", "hbm_bytes", "gbps", "staging_bytes", "gpu_bytes",
+    "frac_of_ceiling",
+)
+CEILING_FIELDS = ("host_read_gbps", "hbm_read_gbps", "memcpy_h2d_gbps")
+HEADER_FIELDS = ("gpu", "gpu_key", "date", "versions")
+DOC_FIELDS = ("schema", "bench", "header", "ceilings", "passed", "checks", "records")
+
+# Fields that identify a record (everything that is not a measurement).
+KEY_FIELDS = ("bench", "method", "batch", "context", "q_len", "hq", "hkv", "head_dim", "dtype", "hbm_fraction")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+GB = 1e9
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+# ---- dtypes and shapes ---------------------------------------------------------------------
+def dtype_name(name: str | torch.dtype) -> str:
+    """Canonical dtype name ("bfloat16", "float16", "float32") for a string or torch dtype."""
+    if isinstance(name, torch.dtype):
+        for key, value in DTYPES.items():
+            if value == name:
+                return key
+        raise ValueError(f"unsupported dtype {name}")
+    key = _DTYPE_ALIASES.get(name.lower(), name.lower())
+    if key not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}")
+    return key
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[dtype_name(name)]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark problem: ``batch`` sequences of ``context`` KV tokens (one layer).
+
+    The last ``q_len`` tokens of each sequence are the new ones: their queries are the
+    ``q_len`` query rows, causal among themselves, and they see the whole prefix.
+    """
+
+    bench: str
+    batch: int
+    context: int
+    q_len: int
+    hq: int
+    hkv: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.hkv
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.tensor([], dtype=torch_dtype(self.dtype)).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K and V for one token of one sequence (all KV heads, one layer)."""
+        return 2 * self.hkv * self.head_dim * self.elem_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        """Unique K/V bytes of the whole batch for one layer."""
+        return self.batch * self.context * self.token_bytes
+
+    @property
+    def label(self) -> str:
+        return (f"B{self.batch} ctx{_kilo(self.context)} q{self.q_len} "
+                f"{self.hq}/{self.hkv} d{self.head_dim} {self.dtype}")
+
+    def fields(self) -> dict:
+        """The record fields this shape fixes."""
+        return {"bench": self.bench, "batch": self.batch, "context": self.context, "q_len": self.q_len,
+                "hq": self.hq, "hkv": self.hkv, "head_dim": self.head_dim, "dtype": self.dtype}
+
+
+def _kilo(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+# ---- ceilings and records ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ceilings:
+    """Run-level bandwidth ceilings, measured in the same run as the methods (GB/s)."""
+
+    host_read_gbps: float
+    hbm_read_gbps: float
+    memcpy_h2d_gbps: float
+
+    def ideal_ms(self, host_bytes: int, hbm_bytes: int) -> float:
+        """Fastest possible time to read the bytes: both tiers stream concurrently, so the
+        slower of the two decides: max(host_bytes / host ceiling, hbm_bytes / HBM ceiling)."""
+        host_s = host_bytes / (self.host_read_gbps * GB) if host_bytes else 0.0
+        hbm_s = hbm_bytes / (self.hbm_read_gbps * GB) if hbm_bytes else 0.0
+        return 1e3 * max(host_s, hbm_s)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Ceilings":
+        return cls(**{k: float(d[k]) for k in CEILING_FIELDS})
+
+
+@dataclass
+class Record:
+    """One method on one shape. ``ms`` is None when the method could not run (missing)."""
+
+    bench: str
+    method: str
+    batch: int
+    context: int
+    q_len: int
+    hq: int
+    hkv: int
+    head_dim: int
+    dtype: str
+    hbm_fraction: float
+    ms: float | None
+    host_bytes: int
+    hbm_bytes: int
+    gbps: float | None
+    staging_bytes: int
+    gpu_bytes: int
+    frac_of_ceiling: float | None
+
+    def to_dict(self) -> dict:
+        return {f: getattr(self, f) for f in RECORD_FIELDS}
+
+
+def make_record(shape: Shape, method: str, ms: float | None, ceilings: Ceilings, *,
+                host_bytes: int = 0, hbm_bytes: int = 0, staging_bytes: int = 0, gpu_bytes: int = 0,
+                hbm_fraction: float = 0.0) -> Record:
+    """Build a record, deriving the effective bandwidth and the fraction of the ideal time.
+
+    gbps = (host_bytes + hbm_bytes) / time: the KV bytes the method makes available, each
+    counted once however often the method actually moves it.
+    frac_of_ceiling = ceilings.ideal_ms(host_bytes, hbm_bytes) / ms (1.0 = at the ceiling).
+    """
+    gbps = frac = None
+    if ms is not None and ms > 0:
+        gbps = (host_bytes + hbm_bytes) / (ms * 1e-3) / GB
+        ideal = ceilings.ideal_ms(host_bytes, hbm_bytes)
+        frac = ideal / ms if ideal > 0 else None
+    return Record(**shape.fields(), method=method, hbm_fraction=round(float(hbm_fraction), 4), ms=ms,
+                  host_bytes=int(host_bytes), hbm_bytes=int(hbm_bytes), gbps=gbps,
+                  staging_bytes=int(staging_bytes), gpu_bytes=int(gpu_bytes), frac_of_ceiling=frac)
+
+
+def record_key(rec: Mapping) -> str:
+    """A stable string naming a record's method and shape (its non-measured fields)."""
+    return (f"{rec['bench']}/{rec['method']}/B{rec['batch']}/ctx{rec['context']}/q{rec['q_len']}/"
+            f"{rec['hq']}x{rec['hkv']}/d{rec['head_dim']}/{rec['dtype']}/hbm{float(rec['hbm_fraction']):.2f}")
+
+
+def shape_key(rec: Mapping) -> str:
+    """Like record_key but without the method and HBM fraction: the shape alone."""
+    return (f"{rec['bench']}/B{rec['batch']}/ctx{rec['context']}/q{rec['q_len']}/"
+            f"{rec['hq']}x{rec['hkv']}/d{rec['head_dim']}/{rec['dtype']}")
+
+
+# ---- environment ---------------------------------------------------------------------------
+def gpu_key(name: str) -> str:
+    """File-name-safe GPU name: 'NVIDIA H200' -> 'NVIDIA_H200'."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "unknown"
+
+
+def _package_version(dist: str) -> str | None:
+    try:
+        from importlib.metadata import version
+        return version(dist)
+    except Exception:  # noqa: BLE001 - any lookup failure just means "unknown"
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             timeout=5, cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def env_info(device: str) -> dict:
+    """GPU name, date and software versions for the results header."""
+    import directkv_cute
+
+    now = _dt.datetime.now(_dt.timezone.utc)
+    info = {"date": now.strftime("%Y-%m-%d"), "time": now.strftime("%H:%M:%SZ"), "device": device,
+            "host": platform.node(), "git_commit": _git_commit()}
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "directkv_cute": directkv_cute.__version__,
+                "nvidia_cutlass_dsl": _package_version("nvidia-cutlass-dsl"),
+                "numpy": _package_version("numpy")}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        info.update(gpu=props.name, sm_count=props.multi_processor_count,
+                    l2_bytes=getattr(props, "L2_cache_size", None), gpu_mem_bytes=props.total_memory,
+                    capability=f"{props.major}.{props.minor}")
+        try:
+            versions["driver"] = torch._C._cuda_getDriverVersion()
+        except (AttributeError, RuntimeError):
+            versions["driver"] = None
+    else:
+        info["gpu"] = "cpu"
+    info["gpu_key"] = gpu_key(info["gpu"])
+    info["versions"] = versions
+    return info
+
+
+# ---- results documents ---------------------------------------------------------------------
+def new_results(bench: str, header: dict, ceilings: Ceilings, *, ceiling_details: dict | None = None,
+                args: dict | None = None) -> dict:
+    """An empty results document for one run."""
+    return {"schema": SCHEMA, "bench": bench, "header": dict(header), "ceilings": ceilings.to_dict(),
+            "ceiling_details": ceiling_details or {}, "args": args or {}, "passed": True,
+            "checks": [], "skipped": [], "missing": [], "notes": {}, "records": []}
+
+
+def add_check(doc: dict, shape: Shape, method: str, ok: bool, *, hbm_fraction: float = 0.0,
+              rel_err: float | None = None, against: str = "", detail: str = "") -> None:
+    """Log one correctness comparison; any failed check marks the whole run as failed."""
+    doc["checks"].append({"shape": shape.label, "bench": shape.bench, "method": method,
+                          "hbm_fraction": hbm_fraction, "ok": bool(ok), "rel_err": rel_err,
+                          "against": against, "detail": detail})
+    if not ok:
+        doc["passed"] = False
+
+
+def merge_results(bench: str, docs: Sequence[dict]) -> dict:
+    """One document holding the records of several runs that share a header and ceilings."""
+    first = docs[0]
+    out = new_results(bench, first["header"], Ceilings.from_dict(first["ceilings"]),
+                      ceiling_details=first.get("ceiling_details"), args=first.get("args"))
+    for doc in docs:
+        out["passed"] = out["passed"] and bool(doc["passed"])
+        for key in ("checks", "skipped", "missing", "records"):
+            out[key].extend(doc.get(key, []))
+        out["notes"].update(doc.get("notes", {}))
+    return out
+
+
+def validate_results(doc: Mapping) -> list[str]:
+    """Problems with a results document's structure (empty list = valid)."""
+    problems = [f"missing top-level field {f!r}" for f in DOC_FIELDS if f not in doc]
+    if problems:
+        return problems
+    if doc["schema"] != SCHEMA:
+        problems.append(f"schema {doc['schema']!r} != {SCHEMA!r}")
+    problems += [f"header lacks {f!r}" for f in HEADER_FIELDS if f not in doc["header"]]
+    for f in CEILING_FIELDS:
+        v = doc["ceilings"].get(f)
+        if not isinstance(v, (int, float)) or not v > 0:
+            problems.append(f"ceiling {f!r} must be a positive number, got {v!r}")
+    if not isinstance(doc["passed"], bool):
+        problems.append("'passed' must be a bool")
+    for i, rec in enumerate(doc["records"]):
+        problems += [f"record {i}: {p}" for p in validate_record(rec)]
+    return problems
+
+
+def validate_record(rec: Mapping) -> list[str]:
+    """Problems with one record (exact field set, types, derived-value consistency)."""
+    problems = []
+    if set(rec) != set(RECORD_FIELDS):
+        extra, lacking = sorted(set(rec) - set(RECORD_FIELDS)), sorted(set(RECORD_FIELDS) - set(rec))
+        return [f"fields differ: extra {extra}, missing {lacking}"]
+    for f in ("batch", "context", "q_len", "hq", "hkv", "head_dim", "host_bytes", "hbm_bytes",
+              "staging_bytes", "gpu_bytes"):
+        if not isinstance(rec[f], int) or rec[f] < 0:
+            problems.append(f"{f} must be a non-negative int, got {rec[f]!r}")
+    if not 0.0 <= float(rec["hbm_fraction"]) <= 1.0:
+        problems.append(f"hbm_fraction {rec['hbm_fraction']} outside [0, 1]")
+    for f in ("ms", "gbps", "frac_of_ceiling"):
+        if rec[f] is not None and (not isinstance(rec[f], (int, float)) or not math.isfinite(rec[f]) or rec[f] < 0):
+            problems.append(f"{f} must be null or a finite non-negative number, got {rec[f]!r}")
+    if rec["ms"] is None and rec["gbps"] is not None:
+        problems.append("gbps given without ms")
+    if rec["ms"] and rec["gbps"] is not None:
+        expect = (rec["host_bytes"] + rec["hbm_bytes"]) / (rec["ms"] * 1e-3) / GB
+        if not math.isclose(expect, rec["gbps"], rel_tol=1e-6):
+            problems.append(f"gbps {rec['gbps']} != bytes/time {expect}")
+    return problems
+
+
+def results_path(out_dir: str | Path, header: Mapping, suffix: str = "", ext: str = "json") -> Path:
+    """<out_dir>/<gpu>-<date>[-suffix].<ext>."""
+    name = f"{header['gpu_key']}-{header['date']}" + (f"-{suffix}" if suffix else "")
+    return Path(out_dir) / f"{name}.{ext}"
+
+
+def write_json(path: str | Path, doc: Mapping) -> Path:
+    """Write atomically (temp file + rename), so a killed run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_json(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+# ---- timing --------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    """Median time per call over ``samples`` (each the mean of ``inner`` back-to-back calls)."""
+
+    ms: float
+    samples: list[float]
+    inner: int
+
+
+class Timer:
+    """Times a stretch of work: CUDA events on the current stream, or wall clock on a CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def measure(self, work: Callable[[], object]) -> float:
+        """Milliseconds the device spends on ``work()`` (launched and finished inside)."""
+        if self.device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        work()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def time_calls(calls: Sequence[Callable[[], object]], timer: Timer, *, warmup: int = 2, reps: int = 7,
+               min_sample_ms: float = 2.0, max_total_s: float = 3.0, max_inner: int = 256) -> Timing:
+    """Median per-call time of a method, rotating among ``calls`` (one per input set).
+
+    Each call runs a different input set, so consecutive calls do not find their inputs in L2.
+    Calls run back to back in samples of ``inner`` calls (a multiple of ``len(calls)``, at least
+    ``min_sample_ms`` of work) between two events; the result is the median over the samples of
+    the mean per call. Slow methods get fewer samples so that the timed part stays under about
+    ``max_total_s`` seconds (at least one sample).
+    """
+    if not calls:
+        raise ValueError("time_calls needs at least one call")
+    n = len(calls)
+    for i in range(max(1, warmup)):
+        calls[i % n]()
+    timer.sync()
+    est = max(timer.measure(calls[0]), 1e-4)
+    inner = min(max_inner, max(n, math.ceil(min_sample_ms / est)))
+    inner = n * math.ceil(inner / n)
+    n_samples = max(1, min(reps, int(max_total_s * 1e3 / (est * inner))))
+
+    def sample():
+        for i in range(inner):
+            calls[i % n]()
+
+    samples = [timer.measure(sample) / inner for _ in range(n_samples)]
+    return Timing(ms=statistics.median(samples), samples=samples, inner=inner)
+
+
+# ---- tables --------------------------------------------------------------------------------
+def _fmt_bytes(n: int | None) -> str:
+    if not n:
+        return "0"
+    if n < 10 * MiB:
+        return f"{n / MiB:.2f}M"
+    return f"{n / MiB:.0f}M" if n < 100 * GiB else f"{n / GiB:.0f}G"
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+TABLE_COLUMNS = ("method", "shape", "hbm%", "ms", "GB/s", "%host", "%ideal", "staging", "gpu")
+
+
+def format_table(records: Iterable[Mapping], ceilings: Ceilings, variants: Mapping | None = None) -> str:
+    """A fixed-width table: method, shape, ms, effective GB/s, % of the host ceiling,
+    % of the ideal time (frac_of_ceiling), staging and extra GPU bytes. ``variants`` maps
+    (shape_key, method) to the formulation a baseline used (shown after the method)."""
+    rows = [TABLE_COLUMNS]
+    for rec in records:
+        method = rec["method"]
+        variant = (variants or {}).get(f"{shape_key(rec)}|{method}")
+        if variant:
+            method = f"{method}[{variant}]"
+        shape = (f"B{rec['batch']} ctx{_kilo(rec['context'])} q{rec['q_len']} "
+                 f"{rec['hq']}/{rec['hkv']} d{rec['head_dim']}")
+        pct_host = None if rec["gbps"] is None else 100.0 * rec["gbps"] / ceilings.host_read_gbps
+        pct_ideal = None if rec["frac_of_ceiling"] is None else 100.0 * rec["frac_of_ceiling"]
+        ms = "missing" if rec["ms"] is None else f"{rec['ms']:.3f}"
+        rows.append((method, shape, f"{100 * float(rec['hbm_fraction']):.0f}", ms, _fmt(rec["gbps"], ".1f"),
+                     _fmt(pct_host, ".1f"), _fmt(pct_ideal, ".1f"), _fmt_bytes(rec["staging_bytes"]),
+                     _fmt_bytes(rec["gpu_bytes"])))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(TABLE_COLUMNS))]
+    lines = ["  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    head = (f"ceilings: host read {ceilings.host_read_gbps:.1f} GB/s, HBM read {ceilings.hbm_read_gbps:.0f} GB/s, "
+            f"memcpy H2D {ceilings.memcpy_h2d_gbps:.1f} GB/s")
+    return head + "\n" + "\n".join(lines)

@@ -1,0 +1,177 @@
+"""Regression check of a fresh run against the committed per-GPU baseline.
+
+Tracked ratios, per ``ours`` record (bench, shape, HBM fraction):
+
+* ``frac_of_ceiling``: ideal time / our time, the ideal being the bytes at the run's own
+  ceilings (so link or clock drift between runs cancels out);
+* ``speedup_vs_zero_copy``: naive zero-copy time / our time on the same shape.
+
+A ratio *regresses* when it drops by more than ``max(rtol * |baseline|, atol)``: the relative
+tolerance absorbs run-to-run noise, the absolute one keeps tiny ratios from flagging on noise.
+With the defaults (rtol 3%, atol 0.005) a 5% drop of any ratio >= 0.1 is caught. Baseline
+records that the fresh run lacks (or could not measure) are reported as MISSING and fail the
+check unless allowed; a fresh run whose correctness checks failed always fails.
+
+``refresh`` writes the baseline from a run only if that run passed every correctness check.
+The comparison takes two JSON dicts, so all of it runs without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from bench.common import load_json, record_key, shape_key, validate_results, write_json
+
+TRACKED = ("frac_of_ceiling", "speedup_vs_zero_copy")
+DEFAULT_RTOL = 0.03
+DEFAULT_ATOL = 0.005
+BASELINE_DIR = Path(__file__).resolve().parent / "baselines"
+
+
+class RefreshRefused(RuntimeError):
+    """The run may not become a baseline (it failed a check, or has nothing to track)."""
+
+
+def tracked_ratios(doc: Mapping) -> dict[str, dict[str, float | None]]:
+    """{record key of each ours record: {ratio name: value or None when not measured}}."""
+    records = doc["records"]
+    zero_copy = {shape_key(r): r for r in records if r["method"] == "zero_copy"}
+    out = {}
+    for r in records:
+        if r["method"] != "ours":
+            continue
+        ms = r["ms"]
+        z = zero_copy.get(shape_key(r))
+        out[record_key(r)] = {
+            "frac_of_ceiling": r["frac_of_ceiling"] if ms else None,
+            "speedup_vs_zero_copy": z["ms"] / ms if ms and z and z["ms"] else None,
+        }
+    return out
+
+
+def is_regression(base: float, fresh: float, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL) -> bool:
+    """True when ``fresh`` is lower than ``base`` by more than max(rtol * |base|, atol)."""
+    return base - fresh > max(rtol * abs(base), atol)
+
+
+def is_improvement(base: float, fresh: float, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL) -> bool:
+    return fresh - base > max(rtol * abs(base), atol)
+
+
+@dataclass
+class DiffRow:
+    key: str
+    ratio: str
+    base: float | None
+    fresh: float | None
+    status: str  # ok | REGRESSED | improved | MISSING | new
+
+    @property
+    def change(self) -> float | None:
+        if self.base is None or self.fresh is None or self.base == 0:
+            return None
+        return self.fresh / self.base - 1.0
+
+
+@dataclass
+class Report:
+    rows: list[DiffRow] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    allow_missing: bool = False
+
+    @property
+    def regressions(self) -> list[DiffRow]:
+        return [r for r in self.rows if r.status == "REGRESSED"]
+
+    @property
+    def missing(self) -> list[DiffRow]:
+        return [r for r in self.rows if r.status == "MISSING"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and not self.regressions and (self.allow_missing or not self.missing)
+
+
+def compare(baseline: Mapping, fresh: Mapping, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
+            allow_missing: bool = False) -> Report:
+    """Compare the tracked ratios of ``fresh`` with ``baseline`` (two results documents)."""
+    report = Report(allow_missing=allow_missing)
+    for name, doc in (("baseline", baseline), ("fresh run", fresh)):
+        report.problems += [f"{name}: {p}" for p in validate_results(doc)]
+    if report.problems:
+        return report
+    b_gpu, f_gpu = baseline["header"]["gpu_key"], fresh["header"]["gpu_key"]
+    if b_gpu != f_gpu:
+        report.problems.append(f"baseline is for {b_gpu}, the fresh run is on {f_gpu}")
+    if not fresh["passed"]:
+        failed = [c for c in fresh["checks"] if not c["ok"]]
+        report.problems.append(f"the fresh run failed {len(failed)} correctness checks")
+    base, new = tracked_ratios(baseline), tracked_ratios(fresh)
+    for key in sorted(set(base) | set(new)):
+        for ratio in TRACKED:
+            b = base.get(key, {}).get(ratio)
+            f = new.get(key, {}).get(ratio)
+            report.rows.append(DiffRow(key, ratio, b, f, _status(b, f, rtol, atol)))
+    return report
+
+
+def _status(b: float | None, f: float | None, rtol: float, atol: float) -> str:
+    if b is None:
+        return "new" if f is not None else "ok"
+    if f is None:
+        return "MISSING"
+    if is_regression(b, f, rtol, atol):
+        return "REGRESSED"
+    if is_improvement(b, f, rtol, atol):
+        return "improved"
+    return "ok"
+
+
+def format_report(report: Report, show_all: bool = False) -> str:
+    """A diff table (all rows, or only the interesting ones) and a verdict line."""
+    rows = report.rows if show_all else [r for r in report.rows if r.status != "ok"]
+    fmt = lambda v: "-" if v is None else f"{v:.4f}"  # noqa: E731
+    table = [("record", "ratio", "baseline", "fresh", "change", "status")]
+    for r in rows:
+        change = "-" if r.change is None else f"{100 * r.change:+.1f}%"
+        table.append((r.key, r.ratio, fmt(r.base), fmt(r.fresh), change, r.status))
+    widths = [max(len(str(t[i])) for t in table) for i in range(6)]
+    lines = ["  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(t, widths)))
+             for t in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if len(table) == 1:
+        lines.append(f"(all {len(report.rows)} tracked ratios within tolerance)")
+    lines += [f"PROBLEM: {p}" for p in report.problems]
+    counts = {s: sum(r.status == s for r in report.rows) for s in ("ok", "improved", "new", "REGRESSED", "MISSING")}
+    lines.append(("PASS" if report.ok else "FAIL") + ": " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    return "\n".join(lines)
+
+
+def baseline_path(gpu_key: str, baseline_dir: str | Path = BASELINE_DIR) -> Path:
+    return Path(baseline_dir) / f"{gpu_key}.json"
+
+
+def refresh_baseline(fresh: Mapping, baseline_dir: str | Path = BASELINE_DIR, source: str = "") -> Path:
+    """Write ``fresh`` as the baseline of its GPU; refuse a run that failed any check."""
+    problems = validate_results(fresh)
+    if problems:
+        raise RefreshRefused("the run is not a valid results document: " + "; ".join(problems[:5]))
+    failed = [c for c in fresh["checks"] if not c["ok"]]
+    if not fresh["passed"] or failed:
+        raise RefreshRefused(f"the run failed {len(failed)} correctness checks; a baseline must come from a run "
+                             "that passed them all")
+    if not any(v is not None for ratios in tracked_ratios(fresh).values() for v in ratios.values()):
+        raise RefreshRefused("the run has no measured 'ours' records to track")
+    doc = dict(fresh)
+    doc["baseline_source"] = source
+    return write_json(baseline_path(fresh["header"]["gpu_key"], baseline_dir), doc)
+
+
+def load_baseline(gpu_key: str, baseline: str | Path | None = None,
+                  baseline_dir: str | Path = BASELINE_DIR) -> dict:
+    path = Path(baseline) if baseline else baseline_path(gpu_key, baseline_dir)
+    if not path.is_file():
+        raise FileNotFoundError(f"no baseline at {path}: create one with `python -m bench refresh --results RUN.json`")
+    return load_json(path)

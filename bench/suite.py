@@ -1,0 +1,210 @@
+"""Running the GPU benchmarks: ceilings once per run, then each bench's shapes, then files.
+
+Files (under ``--out-dir``, default bench/results): ``<gpu>-<date>-<bench>.json`` per bench
+and its table as ``.txt``, ``<gpu>-<date>.json`` with every record when several benches ran
+(``all``), and PNG plots next to them. JSON files are rewritten after every shape, so a run cut short keeps what it
+measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench import decode, prefill
+from bench.ceilings import measure_ceilings
+from bench.common import (GiB, MiB, Ceilings, env_info, format_table, merge_results, new_results, results_path,
+                          write_json)
+from bench.harness import BenchOptions, load_ours, run_shapes
+from bench.plots import plot_decode, plot_prefill
+
+BENCHES = {"decode": decode, "prefill": prefill}
+DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
+DECODE_SHARE = 0.6  # of --time-budget-s, when both benches run
+
+
+@dataclass
+class SuiteResult:
+    exit_code: int
+    docs: dict = field(default_factory=dict)  # bench -> results document
+    combined: dict | None = None
+    files: list[Path] = field(default_factory=list)
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    return requested
+
+
+def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict) -> BenchOptions:
+    """BenchOptions for one bench from the parsed command line."""
+    fractions = ns.hbm_fractions if ns.hbm_fractions is not None else BENCHES[bench].HBM_FRACTIONS
+    return BenchOptions(
+        device=device, page_size=ns.page_size, hbm_fractions=tuple(fractions), placement=ns.placement,
+        num_layers=ns.num_layers, warmup=ns.warmup, reps=ns.reps, max_rep_s=ns.max_rep_s, tol=ns.tol,
+        seed=ns.seed, max_gb=ns.max_gb, config=ns.config,
+        host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
+        hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"))
+
+
+def bench_shapes(ns: argparse.Namespace, bench: str):
+    common = dict(heads=ns.heads, contexts=ns.contexts, head_dim=ns.head_dim, dtype=ns.dtype)
+    if bench == "decode":
+        return decode.shapes(ns.preset, batches=ns.batches, **common)
+    return prefill.shapes(ns.preset, q_lens=ns.q_lens, batches=ns.batches, **common)
+
+
+def _json_args(ns: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, tuple, dict, type(None)))
+            and k != "func"}
+
+
+def run_suite(ns: argparse.Namespace, benches: list[str], ours_loader=load_ours) -> SuiteResult:
+    """Measure the ceilings, run each bench, write JSON, tables and plots."""
+    device = resolve_device(ns.device)
+    out_dir = Path(ns.out_dir)
+    header = env_info(device)
+    small = device != "cuda"
+    print(f"directkv bench {'+'.join(benches)} ({ns.preset}) on {header['gpu']} -> {out_dir}", flush=True)
+    ceilings, details = measure_ceilings(device, host_bytes=64 * MiB if small else int(ns.ceiling_gb * GiB),
+                                         hbm_bytes=64 * MiB if small else int(2 * ns.ceiling_gb * GiB))
+    print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s ({details['host_read']['kernel']}), "
+          f"HBM read {ceilings.hbm_read_gbps:.1f} GB/s, memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s", flush=True)
+    result = SuiteResult(exit_code=0)
+    start = time.monotonic()
+    args = _json_args(ns) | {"benches": benches}
+    for i, bench in enumerate(benches):
+        deadline = _deadline(ns.time_budget_s, start, benches, i)
+        doc = new_results(bench, header, ceilings, ceiling_details=details, args=args)
+        path = results_path(out_dir, header, bench)
+        write_json(path, doc)
+        run_shapes(bench_shapes(ns, bench), bench_options(ns, bench, device, details), ceilings, doc, path,
+                   deadline=deadline, progress=not ns.no_progress, ours_loader=ours_loader)
+        result.docs[bench] = doc
+        result.files.append(write_json(path, doc))
+        text = summarize(doc)
+        print(text, flush=True)
+        txt = results_path(out_dir, header, bench, ext="txt")
+        txt.write_text(text + "\n")
+        result.files.append(txt)
+        if not ns.no_plot:
+            result.files += _plots(doc, bench, out_dir, header)
+    if len(benches) > 1:
+        result.combined = merge_results("all", list(result.docs.values()))
+        result.files.append(write_json(results_path(out_dir, header), result.combined))
+    final = result.combined or result.docs[benches[0]]
+    result.exit_code = 0 if final["passed"] else 1
+    print("files:\n" + "\n".join(f"  {p}" for p in result.files), flush=True)
+    print("PASSED all correctness checks" if final["passed"] else "FAILED: some correctness checks failed", flush=True)
+    return result
+
+
+def _deadline(budget: float | None, start: float, benches: list[str], index: int) -> float | None:
+    """Deadline (time.monotonic) for starting shapes of bench ``index``: decode gets
+    DECODE_SHARE of the budget when prefill also runs, the last bench gets the rest."""
+    if budget is None:
+        return None
+    if index == len(benches) - 1:
+        return start + budget
+    return start + budget * (DECODE_SHARE if benches[index] == "decode" else 1.0 / len(benches))
+
+
+def _plots(doc: dict, bench: str, out_dir: Path, header: dict) -> list[Path]:
+    prefix = results_path(out_dir, header, bench).with_suffix("")
+    try:
+        files = plot_decode(doc, prefix) if bench == "decode" else plot_prefill(doc, prefix)
+    except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
+        print(f"plotting failed: {type(e).__name__}: {e}")
+        return []
+    if not files:
+        print("no plots (matplotlib not installed or nothing measured)")
+    return files
+
+
+def summarize(doc: dict) -> str:
+    """The full table of a bench plus its missing, skipped and failed items."""
+    ceilings = Ceilings.from_dict(doc["ceilings"])
+    parts = [f"== {doc['bench']}: {len(doc['records'])} records",
+             format_table(doc["records"], ceilings, doc["notes"].get("variants"))]
+    for m in doc["missing"]:
+        parts.append(f"missing: ours on {m['shape']} (hbm {m['hbm_fractions']}): {m['reason']}")
+    for s in doc["skipped"]:
+        parts.append(f"skipped: {s['shape']}: {s['reason']}")
+    for c in doc["checks"]:
+        if not c["ok"]:
+            parts.append(f"CHECK FAILED: {c['method']} on {c['shape']} hbm={c['hbm_fraction']}: "
+                         f"rel_err={c['rel_err']} vs {c['against']} {c['detail']}")
+    return "\n".join(parts)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by decode / prefill / all / regress / refresh (when they run)."""
+    g = p.add_argument_group("run")
+    preset = g.add_mutually_exclusive_group()
+    preset.add_argument("--quick", dest="preset", action="store_const", const="quick",
+                        help="a few shapes of each grid, meant to take a few minutes on an H200 (default)")
+    preset.add_argument("--full", dest="preset", action="store_const", const="full", help="the whole grid")
+    p.set_defaults(preset="quick")
+    g.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), help="where JSON and PNG files go")
+    g.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="cpu runs the same code on tiny shapes (a smoke test, no meaningful timing)")
+    g.add_argument("--max-gb", type=float, default=32.0, help="skip shapes whose one-layer KV exceeds this (GiB)")
+    g.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no new shape after this many seconds (decode gets 60%% when both run)")
+    g.add_argument("--batches", type=_ints, default=None, help="e.g. 1,4,16 (replaces the preset's batches)")
+    g.add_argument("--contexts", type=_ints, default=None, help="e.g. 4096,32768")
+    g.add_argument("--q-lens", type=_ints, default=None, help="prefill query lengths, e.g. 16,512")
+    g.add_argument("--heads", type=_heads, default=None, help="Hq/Hkv pairs, e.g. 32/8,64/8")
+    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    g.add_argument("--page-size", type=int, default=64)
+    g.add_argument("--hbm-fractions", type=_floats, default=None,
+                   help="fractions of pages in HBM for ours (decode default 0,0.25,0.5,0.75; prefill 0)")
+    g.add_argument("--placement", default="spread", choices=("spread", "recent", "oldest"))
+    g.add_argument("--num-layers", type=int, default=1, help="layers in the benchmark cache (one is read)")
+    g.add_argument("--config", type=_config, default=None,
+                   help='DecodeConfig for ours as JSON, e.g. \'{"tile_n": 64, "stages": 4}\' (default: profile)')
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--reps", type=int, default=7, help="timed samples per method (fewer for slow methods)")
+    g.add_argument("--max-rep-s", type=float, default=3.0, help="timed seconds per method, about")
+    g.add_argument("--tol", type=float, default=2e-2, help="max |out - ref| / max |ref| for a check to pass")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ceiling-gb", type=float, default=2.0, help="host buffer for the ceilings (HBM: twice)")
+    g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _heads(s: str) -> list[tuple[int, int]]:
+    out = []
+    for pair in s.split(","):
+        hq, hkv = pair.split("/")
+        out.append((int(hq), int(hkv)))
+    return out
+
+
+def _config(s: str) -> dict:
+    import json
+
+    from directkv_cute.config import DecodeConfig
+
+    d = json.loads(s)
+    DecodeConfig.from_dict(d)  # validate early
+    return d
+
+
+__all__ = ["SuiteResult", "add_run_arguments", "run_suite", "summarize"]
