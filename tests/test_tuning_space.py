@@ -1,0 +1,173 @@
+"""Search space, static legality filter, space hash, registry and model presets (CPU only)."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from directkv_cute.config import SM90_SMEM_PER_BLOCK_OPTIN, DecodeConfig
+from directkv_cute.tuning import presets
+from directkv_cute.tuning.space import DecodeSpace, KernelSpace, Param, TuneShape, get_space, register_space
+
+SHAPE = TuneShape(num_q_heads=64, num_kv_heads=8, head_dim=128, batch=4, context=16384)
+
+
+def test_shape_fields():
+    assert SHAPE.group == 8 and SHAPE.rows == 8 and SHAPE.elem_bytes == 2
+    assert SHAPE.bucket == (4, 16384, 1)
+    assert SHAPE.class_key == ("bf16", 128, 8, 64)
+    assert SHAPE.kv_bytes() == 2 * 4 * 16384 * 8 * 128 * 2
+    assert TuneShape(8, 8, 64, 1, 10, dtype="torch.float16").dtype == "fp16"
+    with pytest.raises(ValueError):
+        TuneShape(12, 8, 128, 1, 4096)  # heads not a multiple
+    with pytest.raises(ValueError):
+        TuneShape(8, 8, 128, 0, 4096)
+    with pytest.raises(ValueError):
+        TuneShape(8, 8, 128, 1, 4096, dtype="fp8")
+
+
+def test_legality_partitions_the_space_with_reasons():
+    space = get_space("decode")
+    rep = space.legality(SHAPE)
+    assert rep.total == space.cardinality() == 3 * 7 * 8 * 4 * 6
+    assert len(rep.legal) + len(rep.illegal) == rep.total
+    assert 0 < rep.legal_count < rep.total
+    for cfg in rep.legal:
+        assert cfg.is_legal(128, 64) and cfg.consumer_wgs == 1
+        assert cfg.smem_bytes(128) <= SM90_SMEM_PER_BLOCK_OPTIN and cfg.resident_ctas(128) >= 1
+    for cfg, reasons in rep.illegal:
+        assert reasons and not cfg.is_legal(128, 64)
+    counts = rep.reason_counts()
+    assert counts["SMEM over the per-block opt-in limit"] > 0
+    assert counts["SMEM over the carveout budget"] > 0
+
+
+def test_specific_configs_excluded_for_the_right_reason():
+    space = get_space("decode")
+    too_big = DecodeConfig(tile_n=128, stages=8, consumer_wgs=1)
+    assert any("per-block limit" in r for r in space.problems(too_big, SHAPE))
+    # 5 stages of 64-token tiles fit the opt-in limit but not alpha = 50 % of the SM's SMEM
+    over_alpha = DecodeConfig(tile_n=64, stages=5, carveout=50, consumer_wgs=1)
+    assert any("carveout budget" in r for r in space.problems(over_alpha, SHAPE))
+    assert space.problems(DecodeConfig(tile_n=64, stages=5, carveout=80, consumer_wgs=1), SHAPE) == []
+    odd_page = TuneShape(64, 8, 128, 1, 4096, page_size=48)
+    assert any("page_size 48" in r for r in space.problems(DecodeConfig(), odd_page))
+    assert space.legality(odd_page).legal_count == 0
+    # consumer warpgroups follow the query rows
+    wrong_wgs = DecodeConfig(consumer_wgs=2)
+    assert any("consumer_wgs" in r for r in space.problems(wrong_wgs, SHAPE))
+
+
+def test_consumer_wgs_fixed_by_rows():
+    space = get_space("decode")
+    spec = TuneShape(64, 8, 128, 1, 4096, q_len=16)  # 8 x 16 = 128 rows -> two warpgroups
+    legal = space.legal_configs(spec)
+    assert legal and {c.consumer_wgs for c in legal} == {2}
+    too_many = TuneShape(64, 8, 128, 1, 4096, q_len=32)  # 256 rows
+    rep = space.legality(too_many)
+    assert rep.legal_count == 0
+    assert any("exceed the 128 rows" in r for _c, rs in rep.illegal for r in rs)
+
+
+def test_default_config_is_legal_and_in_space():
+    space = get_space("decode")
+    for q_len in (1, 8):
+        shape = TuneShape(32, 8, 128, 1, 4096, q_len=q_len)
+        d = space.default_for(shape)
+        assert space.is_legal(d, shape) and space.in_space(d)
+
+
+def test_launch_key_merges_equivalent_split_choices():
+    space = get_space("decode")
+    shape = TuneShape(64, 8, 128, 1, 4096)
+    auto = DecodeConfig(num_splits=0, ctas_per_sm=2)
+    fixed = DecodeConfig(num_splits=auto.splits_for(1, 8, 4096, 132), ctas_per_sm=4)
+    assert space.launch_key(auto, shape, 132) == space.launch_key(fixed, shape, 132)
+    assert space.launch_key(auto, shape, 132) != space.launch_key(DecodeConfig(num_splits=1), shape, 132)
+    assert space.config_key(auto) != space.config_key(fixed)
+    assert space.launch_classes(shape) < space.legality(shape).legal_count
+
+
+def test_space_hash_is_stable_and_tracks_the_space():
+    space = get_space("decode")
+    h = space.space_hash()
+    assert h == space.space_hash() == DecodeSpace().space_hash()
+    blob = json.dumps(space.describe(), sort_keys=True, separators=(",", ":"))
+    assert h == hashlib.sha256(blob.encode()).hexdigest()
+
+    class Narrow(DecodeSpace):
+        params = (Param("tile_n", (64,)),) + DecodeSpace.params[1:]
+
+    assert Narrow().space_hash() != h
+    # same hash in another process (no dependence on dict order, ids, hash seeds)
+    code = "from directkv_cute.tuning.space import space_hash; print(space_hash('decode'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == h
+
+
+def test_prefill_space():
+    space = get_space("prefill")
+    shape = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
+    rep = space.legality(shape)
+    assert rep.total == 3 * 7 * 6 and 0 < rep.legal_count < rep.total
+    assert {(c.num_splits, c.ctas_per_sm, c.consumer_wgs) for c in rep.legal} == {(0, 2, 2)}
+    d = space.default_for(shape)
+    assert space.is_legal(d, shape) and space.in_space(d) and d.consumer_wgs == 2
+    assert get_space("decode").legality(shape).legal_count == 0  # too many rows for one CTA
+    assert space.space_hash() != get_space("decode").space_hash()
+
+
+def test_registry_accepts_a_second_kernel():
+    class PrefillSpace(DecodeSpace):
+        kernel = "prefill-test"
+
+    sp = register_space(PrefillSpace())
+    try:
+        assert get_space("prefill-test") is sp
+        with pytest.raises(ValueError):
+            register_space(PrefillSpace())
+        register_space(PrefillSpace(), replace=True)
+    finally:
+        from directkv_cute.tuning import space as space_mod
+
+        space_mod._SPACES.pop("prefill-test", None)
+    with pytest.raises(KeyError, match="no search space"):
+        get_space("nope")
+    with pytest.raises(ValueError):
+        register_space(KernelSpace())
+
+
+def test_presets_match_public_configs():
+    p = presets.PRESETS
+    assert set(p) == {"llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large"}
+    assert (p["llama3-8b"].num_q_heads, p["llama3-8b"].num_kv_heads, p["llama3-8b"].head_dim,
+            p["llama3-8b"].hidden_size, p["llama3-8b"].num_layers) == (32, 8, 128, 4096, 32)
+    assert (p["llama3-70b"].num_q_heads, p["llama3-70b"].num_kv_heads, p["llama3-70b"].hidden_size,
+            p["llama3-70b"].num_layers) == (64, 8, 8192, 80)
+    assert (p["qwen2.5-72b"].num_q_heads, p["qwen2.5-72b"].num_kv_heads, p["qwen2.5-72b"].hidden_size,
+            p["qwen2.5-72b"].num_layers) == (64, 8, 8192, 80)
+    m = p["mistral-large"]
+    assert (m.num_q_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.num_layers) == (96, 8, 128, 12288, 88)
+    for preset in p.values():
+        assert preset.page_size == 64 and preset.dtype == "bf16"
+        shapes = preset.shapes()
+        assert len(shapes) == 16
+        assert {s.batch for s in shapes} == {1, 4, 16, 64}
+        assert {s.context for s in shapes} == {4096, 16384, 32768, 131072}
+        assert {s.q_len for s in shapes} == {1}
+
+
+def test_preset_names_and_dedupe():
+    assert presets.get_preset("Llama-3-8B").name == "llama3-8b"
+    assert presets.get_preset("Mistral-Large-Instruct-2407").name == "mistral-large"
+    assert presets.get_preset("QWEN2.5-72B").name == "qwen2.5-72b"
+    with pytest.raises(KeyError, match="unknown preset"):
+        presets.get_preset("gpt-5")
+    both = presets.resolve_presets(["llama3-70b", "qwen2.5-72b"])
+    shapes = presets.unique_shapes(s for pr in both for s in pr.shapes())
+    assert len(shapes) == 16  # identical attention geometry
+    assert len(presets.resolve_presets(["all"])) == 4
+    custom = presets.get_preset("llama3-8b").shapes(batches=[2], contexts=[1000, 2000], page_size=16, dtype="fp16")
+    assert [(s.batch, s.context, s.page_size, s.dtype) for s in custom] == [(2, 1000, 16, "fp16"), (2, 2000, 16, "fp16")]

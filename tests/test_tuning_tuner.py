@@ -1,0 +1,270 @@
+"""The Optuna search loop on the modelled objective: determinism, resume, failures, profile output."""
+
+import collections
+
+import optuna
+import pytest
+
+from directkv_cute.config import DecodeConfig
+from directkv_cute.tuning import lookup as L
+from directkv_cute.tuning import profiles as P
+from directkv_cute.tuning.objectives import HardwareModel, ModelledObjective
+from directkv_cute.tuning.space import DecodeSpace, Param, TuneShape, get_space, register_space
+from directkv_cute.tuning.tuner import BucketResult, TuneOptions, Tuner, TunerAbort, format_results
+
+SHAPE = TuneShape(32, 8, 128, batch=4, context=16384)
+SPACE = get_space("decode")
+
+
+class Counting:
+    """Wraps an objective; counts search measurements (reps=None) per config key."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = inner.name
+        self.search = collections.Counter()
+        self.rebench = collections.Counter()
+        self.reps = getattr(inner, "reps", 10)
+
+    def environment(self):
+        return self.inner.environment()
+
+    def __call__(self, cfg, shape, reps=None):
+        (self.rebench if reps else self.search)[SPACE.config_key(cfg)] += 1
+        return self.inner(cfg, shape, reps=reps)
+
+
+def opts(**kw):
+    base = dict(n_trials=12, seed=3, progress=False, n_startup_trials=6)
+    base.update(kw)
+    return TuneOptions(**base)
+
+
+def measured_trials(study):
+    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("kind") == "measured"]
+
+
+def test_model_objective_is_deterministic_and_sane():
+    m = ModelledObjective(seed=1)
+    cfg = SPACE.default_for(SHAPE)
+    a, b = m(cfg, SHAPE), m(cfg, SHAPE)
+    assert a == b and a["ok"] and a["p50_us"] > 0 and a["reps"] == 10
+    assert m(cfg, SHAPE, reps=30)["reps"] == 30
+    ideal = SHAPE.kv_bytes() / (m.hw.link_gbps * 1e3)
+    assert m.model_us(cfg, SHAPE) >= ideal  # never faster than the link
+    one_cta = DecodeConfig(num_splits=1, stages=2, tile_n=32)
+    batch1 = TuneShape(32, 8, 128, batch=1, context=32768)
+    assert m.model_us(one_cta, batch1) > 2 * m.model_us(SPACE.default_for(batch1), batch1)  # splits matter
+    bad = m(DecodeConfig(tile_n=128, stages=8), SHAPE)
+    assert not bad["ok"] and "per-block" in bad["err"]
+    assert ModelledObjective(seed=2)(cfg, SHAPE)["p50_us"] != a["p50_us"]
+
+
+def test_same_seed_same_result():
+    runs = []
+    for _ in range(2):
+        t = Tuner("decode", ModelledObjective(seed=0), options=opts())
+        r = t.tune_bucket(SHAPE)
+        study = optuna.load_study(study_name=r.study_name, storage=t.storage)
+        seq = [t_.user_attrs.get("config") for t_ in study.get_trials(deepcopy=False)]
+        runs.append((r.config, r.p50_us, seq))
+    assert runs[0] == runs[1]
+    r = runs[0]
+    assert r[0] is not None and SPACE.is_legal(r[0], SHAPE)
+
+
+def test_first_trial_is_the_heuristic_default_and_result_is_sane():
+    t = Tuner("decode", ModelledObjective(seed=0), options=opts())
+    r = t.tune_bucket(SHAPE)
+    study = optuna.load_study(study_name=r.study_name, storage=t.storage)
+    first = study.get_trials(deepcopy=False)[0]
+    assert first.user_attrs["config"] == SPACE.default_for(SHAPE).to_dict()
+    assert r.mode == "tpe" and r.status in ("tuned", "default")
+    assert r.trials == 12 and len(measured_trials(study)) == 12
+    assert r.default_p50_us is not None and r.p50_us <= r.default_p50_us * 1.01
+    best_search = min(t_.value for t_ in measured_trials(study))
+    assert r.p50_us <= 1.5 * best_search
+    table = format_results([r])
+    assert "speedup" in table and str(SHAPE.context) in table
+
+
+def test_resume_continues_without_rerunning(tmp_path):
+    journal = tmp_path / "tune.journal"
+    obj = Counting(ModelledObjective(seed=0))
+    r1 = Tuner("decode", obj, storage=journal, options=opts(n_trials=8)).tune_bucket(SHAPE)
+    assert r1.trials == 8 and sum(obj.search.values()) == 8
+    # same target again: the study is finished, nothing is measured
+    obj.search.clear()
+    obj.rebench.clear()
+    r1b = Tuner("decode", obj, storage=journal, options=opts(n_trials=8)).tune_bucket(SHAPE)
+    assert r1b.status == "cached" and not obj.search and not obj.rebench
+    assert r1b.config == r1.config
+    # resume to 2N: N more distinct configs, none measured twice across both runs
+    obj2 = Counting(ModelledObjective(seed=0))
+    t2 = Tuner("decode", obj2, storage=journal, options=opts(n_trials=16))
+    r2 = t2.tune_bucket(SHAPE)
+    assert r2.trials == 16 and sum(obj2.search.values()) == 8
+    study = optuna.load_study(study_name=r2.study_name, storage=t2.storage)
+    keys = [SPACE.config_key(DecodeConfig.from_dict(t.user_attrs["config"])) for t in measured_trials(study)]
+    assert len(keys) == 16 and len(set(keys)) == 16
+    launches = {SPACE.launch_key(DecodeConfig.from_dict(t.user_attrs["config"]), SHAPE) for t in measured_trials(study)}
+    assert len(launches) == 16  # launch-equivalent configs are not re-measured either
+    assert max(obj2.search.values()) == 1
+    assert not set(obj2.search) & {k for k in keys[:8]}
+
+
+def test_failures_are_recorded_and_never_rerun():
+    def fail(cfg, shape):
+        if cfg.tile_n == 32:
+            raise RuntimeError("compile failed: tile 32 unsupported")
+        if cfg.carveout == 100:
+            return {"ok": False, "err": "launch failed: carveout 100"}
+        return None
+
+    class Flaky(ModelledObjective):
+        def __call__(self, cfg, shape, reps=None):
+            out = fail(cfg, shape)
+            if out is not None:
+                return out
+            return super().__call__(cfg, shape, reps)
+
+    obj = Counting(Flaky(seed=0))
+    t = Tuner("decode", obj, options=opts(n_trials=30, n_startup_trials=15, seed=5))
+    r = t.tune_bucket(SHAPE)
+    study = optuna.load_study(study_name=r.study_name, storage=t.storage)
+    failed = [x for x in study.get_trials(deepcopy=False) if x.user_attrs.get("kind") == "failed"]
+    assert failed and r.failures == len(failed)
+    for x in failed:
+        assert x.state == optuna.trial.TrialState.PRUNED
+        assert "compile failed" in x.user_attrs["error"] or "carveout 100" in x.user_attrs["error"]
+        assert x.user_attrs["error"].startswith(("RuntimeError: compile failed", "launch failed"))
+    assert max(obj.search.values()) == 1
+    assert r.config.tile_n != 32 and r.config.carveout != 100
+    again = [x for x in study.get_trials(deepcopy=False) if x.user_attrs.get("kind") == "failed_before"]
+    for x in again:
+        assert x.state == optuna.trial.TrialState.PRUNED
+
+
+def test_illegal_points_are_pruned_with_reasons():
+    t = Tuner("decode", ModelledObjective(seed=0), options=opts(n_trials=10))
+    r = t.tune_bucket(SHAPE)
+    study = optuna.load_study(study_name=r.study_name, storage=t.storage)
+    illegal = [x for x in study.get_trials(deepcopy=False) if x.user_attrs.get("kind") == "illegal"]
+    for x in illegal:
+        assert x.state == optuna.trial.TrialState.PRUNED and x.user_attrs["problems"]
+
+
+def test_all_failing_stops_early():
+    obj = ModelledObjective(seed=0, fail=lambda cfg, shape: "GQA group must divide the rows")
+    r = Tuner("decode", obj, options=opts(n_trials=40, max_consecutive_failures=5)).tune_bucket(SHAPE)
+    assert r.status == "failed" and r.config is None and r.trials == 5
+    assert "GQA group must divide" in r.err
+
+
+def test_fatal_failure_aborts_and_resume_skips_it(tmp_path):
+    journal = tmp_path / "j.journal"
+    calls = []
+
+    class Fatal(ModelledObjective):
+        def __call__(self, cfg, shape, reps=None):
+            calls.append(cfg)
+            if len(calls) == 3:
+                return {"ok": False, "fatal": True, "err": "CUDA error: an illegal memory access"}
+            return super().__call__(cfg, shape, reps)
+
+    with pytest.raises(TunerAbort, match="illegal memory access"):
+        Tuner("decode", Fatal(seed=0), storage=journal, options=opts(n_trials=8)).tune_bucket(SHAPE)
+    bad = calls[2]
+    obj = Counting(ModelledObjective(seed=0))
+    r = Tuner("decode", obj, storage=journal, options=opts(n_trials=8)).tune_bucket(SHAPE)
+    assert r.trials == 8 and r.failures == 1
+    assert SPACE.config_key(bad) not in obj.search and sum(obj.search.values()) == 8 - 3
+
+
+def test_crashed_running_trial_is_recorded_on_resume(tmp_path):
+    journal = tmp_path / "j.journal"
+    t = Tuner("decode", ModelledObjective(seed=0), storage=journal, options=opts(n_trials=4))
+    r = t.tune_bucket(SHAPE)
+    # simulate a process killed while measuring: a RUNNING trial with its config recorded
+    study = optuna.load_study(study_name=r.study_name, storage=t.storage)
+    crashed_cfg = DecodeConfig(tile_n=64, stages=3, num_splits=2, ctas_per_sm=1, carveout=90)
+    trial = study.ask()
+    trial.set_user_attr("config", crashed_cfg.to_dict())
+    trial.set_user_attr("kind", "running")
+    obj = Counting(ModelledObjective(seed=0))
+    t2 = Tuner("decode", obj, storage=journal, options=opts(n_trials=10))
+    r2 = t2.tune_bucket(SHAPE)
+    assert SPACE.config_key(crashed_cfg) not in obj.search
+    study = optuna.load_study(study_name=r2.study_name, storage=t2.storage)
+    assert study.get_trials(deepcopy=False)[trial.number].state == optuna.trial.TrialState.FAIL
+    assert r2.failures == 1
+
+
+def test_exhaustive_search_on_a_small_space_finds_the_model_optimum():
+    class SmallSpace(DecodeSpace):
+        kernel = "decode-small-test"
+        params = (
+            Param("tile_n", (32, 64)),
+            Param("stages", (2, 3, 4)),
+            Param("num_splits", (0, 1, 4)),
+            Param("ctas_per_sm", (2,)),
+            Param("carveout", (80, 100)),
+        )
+
+    register_space(SmallSpace(), replace=True)
+    try:
+        obj = Counting(ModelledObjective(seed=0, noise=0.0, kernel="decode-small-test"))
+        t = Tuner("decode-small-test", obj, options=opts(n_trials=3, exhaustive_threshold=64))
+        shape = TuneShape(32, 8, 128, batch=1, context=32768)
+        r = t.tune_bucket(shape)
+        assert r.mode == "exhaustive"
+        legal = t.space.legal_configs(shape)
+        assert r.trials == t.space.launch_classes(shape)  # every distinct launch measured once
+        best = min(obj.inner.model_us(c, shape) for c in legal)
+        assert r.p50_us == pytest.approx(best)
+        assert max(obj.search.values()) == 1
+    finally:
+        from directkv_cute.tuning import space as space_mod
+
+        space_mod._SPACES.pop("decode-small-test", None)
+
+
+def test_profile_written_and_served_by_the_lookup(tmp_path, monkeypatch):
+    hw = HardwareModel(gpu_name="Modelled Test GPU")
+    out = tmp_path / "profiles"
+    shapes = [TuneShape(64, 8, 128, batch=1, context=4096), TuneShape(64, 8, 128, batch=16, context=4096)]
+    t = Tuner("decode", ModelledObjective(hw, seed=0), options=opts(n_trials=6), output_dir=out)
+    results = t.tune(shapes)
+    assert [r.status in ("tuned", "default") for r in results] == [True, True]
+    path = out / "Modelled_Test_GPU.yaml"
+    prof = P.load_profile(path)
+    assert prof.metadata["objective"] == "model" and prof.metadata["gpu_name"] == "Modelled Test GPU"
+    assert prof.kernel_hash == P.current_kernel_hash() and len(prof) == 2
+    rec = prof.get(("decode", "bf16", 128, 8, 64), (16, 4096, 1))
+    assert rec["trials"] == 6 and rec["config"] == results[1].config.to_dict()
+    assert rec["default_p50_us"] == pytest.approx(results[1].default_p50_us, abs=1e-3)
+
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(out))
+    monkeypatch.delenv(L.REQUIRE_ENV, raising=False)
+    L.clear_cache()
+    try:
+        cfg, source = L.select_config("decode", gpu_name="Modelled Test GPU", kernel_hash=P.current_kernel_hash(),
+                                      dtype="bf16", head_dim=128, group=8, page_size=64, batch=16, context=4096,
+                                      q_len=1, rows=8)
+        assert (cfg, source) == (results[1].config, "exact")
+    finally:
+        L.clear_cache()
+
+    # a second run seeds its search with the profile's config and merges into the file
+    t2 = Tuner("decode", ModelledObjective(hw, seed=1), options=opts(n_trials=4, seed=1), output_dir=out)
+    t2.tune([TuneShape(64, 8, 128, batch=4, context=4096)])
+    assert len(P.load_profile(path)) == 3
+
+
+def test_time_budget_skips_buckets():
+    shapes = [TuneShape(32, 8, 128, batch=b, context=4096) for b in (1, 4, 16)]
+    t = Tuner("decode", ModelledObjective(seed=0), options=opts(n_trials=5, time_budget_s=1e-9))
+    results = t.tune(shapes)
+    assert all(isinstance(r, BucketResult) for r in results)
+    assert [r.status for r in results] == ["skipped"] * 3
+    assert "skipped" in format_results(results)

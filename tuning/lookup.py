@@ -1,0 +1,314 @@
+"""Pick a kernel config for a launch: tuned profile entry, else the nearest tuned bucket, else the
+heuristic default. Never tunes; cheap after the first call.
+
+Fallback chain (the rule recorded here is the one the code runs):
+
+1. **exact** -- the profile for this GPU (and these kernel sources) has a bucket with the same
+   kernel, dtype, head_dim, GQA group, page_size *and* the same (batch, context, q_len).
+2. **nearest** -- among that class's buckets (kernel, dtype, head_dim, group, page_size must
+   match exactly; configs are never borrowed across them) whose config is legal for the actual
+   launch (SMEM / divisibility / consumer warpgroups for the actual query rows): the nearest
+   q_len, then the nearest batch, then the nearest context, each measured in log2 space, ties
+   going to the smaller tuned value.
+3. **default** -- ``default_config(head_dim, rows, page_size)`` of the kernel's space
+   (``directkv_cute.config.default_decode_config`` for decode). A warning (once per key) names
+   the profile path expected and the ``directkv-tune`` command that would produce it.
+
+Profiles for another GPU, other kernel sources (``kernel_hash``) or another tune_version are
+never used. ``DIRECTKV_REQUIRE_PROFILE=1`` turns a fall-through to the default into a
+:class:`ProfileMissError` that shows the asked key against the nearest key on disk;
+``DIRECTKV_REQUIRE_PROFILE=exact`` also rejects a nearest-bucket match.
+
+Profiles are searched in ``$DIRECTKV_PROFILE_DIR`` and then in the bundled
+``directkv_cute.profiles`` folder. Loaded profiles and decisions are cached (a decision per full
+key in a dict); :func:`clear_cache` forgets them (call it after writing a profile in-process).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import os
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .profiles import (
+    PROFILE_DIR_ENV,
+    TUNE_COMMAND,
+    Profile,
+    ProfileError,
+    ProfileWarning,
+    find_profile,
+    load_profile,
+    profile_dirs,
+)
+from .space import get_space, normalize_dtype
+
+log = logging.getLogger("directkv_cute.tuning")
+
+REQUIRE_ENV = "DIRECTKV_REQUIRE_PROFILE"
+_MAX_DECISIONS = 1 << 16
+
+_LOCK = threading.Lock()
+_DECISIONS: dict = {}  # full key -> (config, source)
+_TABLES: dict = {}  # key without context -> _Table
+_PROFILES: dict = {}  # path -> ((mtime_ns, size), Profile | ProfileError)
+_WARNED: set = set()
+
+
+class ProfileMissError(ProfileError):
+    """DIRECTKV_REQUIRE_PROFILE is set and no (exact) tuned entry serves the launch."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    config: object
+    source: str  # "exact" | "nearest" | "default"
+    bucket: tuple | None  # (batch, context, q_len) of the profile entry used
+    profile_path: Path | None
+    expected_path: Path
+    reason: str  # why not exact (empty when exact)
+
+
+class _Table:
+    """Everything a decision needs for one key except the context: built once, then bisected."""
+
+    __slots__ = ("contexts", "bounds", "configs", "pair", "reason", "profile_path", "expected_path", "default")
+
+    def __init__(self):
+        self.contexts = []
+        self.bounds = []
+        self.configs = []
+        self.pair = None  # (q_len, batch) of the tuned buckets used
+        self.reason = ""
+        self.profile_path = None
+        self.expected_path = None
+        self.default = None
+
+
+def _require_mode() -> str:
+    v = os.environ.get(REQUIRE_ENV, "").strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return ""
+    return "exact" if v == "exact" else "any"
+
+
+def clear_cache() -> None:
+    """Forget loaded profiles, decisions and which warnings were given."""
+    with _LOCK:
+        _DECISIONS.clear()
+        _TABLES.clear()
+        _PROFILES.clear()
+        _WARNED.clear()
+
+
+def _warn_once(key, msg, category=ProfileWarning):
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    # attribute the warning to the first caller outside this package (the op)
+    here, level, f = os.path.dirname(__file__), 1, sys._getframe(0)
+    while f is not None and os.path.dirname(f.f_code.co_filename) == here:
+        f, level = f.f_back, level + 1
+    warnings.warn(msg, category, stacklevel=level)
+    log.info(msg)
+
+
+def _load_cached(path: Path):
+    """The profile at ``path`` (or the ProfileError it raised), re-read when the file changes."""
+    try:
+        st = path.stat()
+        sig = (st.st_mtime_ns, st.st_size)
+    except OSError as e:
+        return ProfileError(f"{path}: cannot stat: {e}")
+    hit = _PROFILES.get(path)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    try:
+        prof = load_profile(path)
+    except ProfileError as e:
+        prof = e
+    _PROFILES[path] = (sig, prof)
+    return prof
+
+
+def _log2_dist(a: int, b: int) -> float:
+    return abs(math.log2(a) - math.log2(b))
+
+
+def _build_table(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, q_len, rows) -> _Table:
+    space = get_space(kernel)
+    t = _Table()
+    t.default = space.default_config(head_dim, rows, page_size)
+    path, expected = find_profile(gpu_name)
+    t.profile_path, t.expected_path = path, expected
+    if path is None:
+        t.reason = f"no profile file {expected.name} in {', '.join(str(d) for d in profile_dirs())}"
+        return t
+    prof = _load_cached(path)
+    if isinstance(prof, ProfileError):
+        t.reason = f"unusable profile: {prof}"
+        _warn_once(("bad", path, str(prof)), f"directkv-cute: ignoring {prof}")
+        return t
+    problems = prof.compat_problems(gpu_name=gpu_name, kernel_hash=kernel_hash)
+    if problems:
+        t.reason = f"{path} is not usable here: " + "; ".join(problems)
+        _warn_once(("foreign", path, tuple(problems)), f"directkv-cute: ignoring {t.reason}")
+        return t
+    entries = prof.entries.get((kernel, dtype, head_dim, group, page_size))
+    if not entries:
+        t.reason = f"{path} has no {kernel} entry for dtype={dtype} head_dim={head_dim} group={group} page_size={page_size}"
+        return t
+    legal = {}
+    illegal = []
+    for bk, rec in entries.items():
+        try:
+            cfg = space.config_from_dict(rec["config"])
+        except Exception as e:  # validated on load; belt and braces
+            illegal.append(f"{bk}: {e}")
+            continue
+        probs = space.static_problems(cfg, head_dim=head_dim, page_size=page_size, rows=rows, dtype=dtype)
+        if probs:
+            illegal.append(f"{bk}: {'; '.join(probs)}")
+        else:
+            legal[bk] = cfg
+    if not legal:
+        t.reason = f"{path}: no tuned config of this class is legal for rows={rows}: " + " | ".join(illegal[:3])
+        return t
+    pairs = {(bk[2], bk[0]) for bk in legal}
+    q_best, b_best = min(pairs, key=lambda p: (_log2_dist(p[0], q_len), p[0], _log2_dist(p[1], batch), p[1]))
+    t.pair = (q_best, b_best)
+    picked = sorted((bk[1], cfg) for bk, cfg in legal.items() if bk[2] == q_best and bk[0] == b_best)
+    t.contexts = [c for c, _ in picked]
+    t.configs = [cfg for _, cfg in picked]
+    # geometric midpoints: context x goes to contexts[i] for bounds[i-1] < x <= bounds[i]
+    t.bounds = [math.sqrt(a * b) for a, b in zip(t.contexts, t.contexts[1:])]
+    return t
+
+
+def _asked_key(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len):
+    return {
+        "gpu_name": gpu_name, "kernel_hash": kernel_hash, "kernel": kernel, "dtype": dtype, "head_dim": head_dim,
+        "group": group, "page_size": page_size, "batch": batch, "context": context, "q_len": q_len,
+    }
+
+
+def _key_diff(asked: dict, path: Path | None) -> str:
+    """Field-by-field difference between the asked key and the closest key of the profile."""
+    if path is None:
+        return "  (no profile file found)"
+    prof = _load_cached(path)
+    if isinstance(prof, ProfileError):
+        return f"  (profile unreadable: {prof})"
+    best, best_score = None, None
+    for ck, bk, _rec in prof.records():
+        k = dict(zip(("kernel", "dtype", "head_dim", "group", "page_size"), ck))
+        k.update(zip(("batch", "context", "q_len"), bk))
+        k["gpu_name"], k["kernel_hash"] = prof.gpu_name, prof.kernel_hash
+        n_diff = sum(k[f] != asked[f] for f in k if f not in ("batch", "context", "q_len"))
+        dist = sum(_log2_dist(k[f], asked[f]) for f in ("batch", "context", "q_len"))
+        score = (n_diff, dist)
+        if best_score is None or score < best_score:
+            best, best_score = k, score
+    if best is None:
+        return f"  ({path} has no entries)"
+    lines = []
+    for f in ("gpu_name", "kernel_hash", "kernel", "dtype", "head_dim", "group", "page_size", "batch", "context", "q_len"):
+        a, b = asked[f], best[f]
+        if f == "kernel_hash":
+            a, b = str(a)[:12], str(b)[:12]
+        mark = "  " if a == b else "!="
+        lines.append(f"  {mark} {f:<12} asked {a!s:<24} nearest entry {b}")
+    return "\n".join(lines)
+
+
+def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows) -> Decision:
+    dt = normalize_dtype(dtype)
+    tkey = (kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows,
+            os.environ.get(PROFILE_DIR_ENV))
+    t = _TABLES.get(tkey)
+    if t is None:
+        t = _build_table(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows)
+        _TABLES[tkey] = t
+    mode = _require_mode()
+    if t.configs:
+        i = bisect.bisect_left(t.bounds, context)
+        q_b, b_b = t.pair
+        bucket = (b_b, t.contexts[i], q_b)
+        exact = bucket == (batch, context, q_len)
+        if exact:
+            return Decision(t.configs[i], "exact", bucket, t.profile_path, t.expected_path, "")
+        if mode == "exact":
+            asked = _asked_key(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, context, q_len)
+            raise ProfileMissError(
+                f"{REQUIRE_ENV}=exact: no exact {kernel} entry in {t.profile_path} for this launch; "
+                f"the nearest bucket is batch={b_b} context={t.contexts[i]} q_len={q_b}:\n"
+                + _key_diff(asked, t.profile_path)
+            )
+        log.debug("directkv-cute: %s uses the nearest tuned bucket %s for batch=%s context=%s q_len=%s",
+                  kernel, bucket, batch, context, q_len)
+        return Decision(t.configs[i], "nearest", bucket, t.profile_path, t.expected_path, "nearest bucket")
+    hint = (
+        f"{TUNE_COMMAND} run --shape HQ,HKV,{head_dim},{batch},{context},{q_len} --page-size {page_size} "
+        f"--dtype {dt} --output {t.expected_path.parent}   (HQ/HKV = {group}; or --preset NAME)"
+    )
+    if mode:
+        asked = _asked_key(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, context, q_len)
+        raise ProfileMissError(
+            f"{REQUIRE_ENV} is set and no tuned {kernel} config serves this launch ({t.reason}).\n"
+            f"Expected profile: {t.expected_path}\nKey difference (asked vs nearest key on disk):\n"
+            + _key_diff(asked, t.profile_path)
+            + f"\nProduce it with: {hint}"
+        )
+    _warn_once(
+        ("miss", tkey),
+        f"directkv-cute: no tuned {kernel} config for {gpu_name} (dtype={dt} head_dim={head_dim} group={group} "
+        f"page_size={page_size} batch={batch} q_len={q_len}): {t.reason}. Using the heuristic default "
+        f"{t.default}. Expected profile: {t.expected_path}. Produce it with: {hint}",
+    )
+    return Decision(t.default, "default", None, t.profile_path, t.expected_path, t.reason)
+
+
+def select_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_dim: int, group: int, page_size: int,
+                  batch: int, context: int, q_len: int, rows: int):
+    """``(config, source)`` for one launch; source is "exact", "nearest" or "default".
+
+    ``rows`` is the query rows per CTA (GQA group x max q_len); ``context`` the longest sequence.
+    After the first call for a key this is one dict lookup.
+    """
+    key = (kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows,
+           os.environ.get(PROFILE_DIR_ENV), os.environ.get(REQUIRE_ENV))
+    hit = _DECISIONS.get(key)
+    if hit is not None:
+        return hit
+    with _LOCK:
+        d = _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows)
+        if len(_DECISIONS) >= _MAX_DECISIONS:
+            _DECISIONS.clear()
+        out = (d.config, d.source)
+        _DECISIONS[key] = out
+    return out
+
+
+def explain_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_dim: int, group: int, page_size: int,
+                   batch: int, context: int, q_len: int, rows: int) -> Decision:
+    """Like :func:`select_config` but returns the whole :class:`Decision` (uncached, for tools)."""
+    with _LOCK:
+        return _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows)
+
+
+def profile_for(gpu_name: str) -> Profile | None:
+    """The profile the lookup would use for ``gpu_name`` (None if missing or unreadable)."""
+    path, _ = find_profile(gpu_name)
+    if path is None:
+        return None
+    prof = _load_cached(path)
+    return None if isinstance(prof, ProfileError) else prof
+
+
+__all__ = ["Decision", "ProfileMissError", "REQUIRE_ENV", "clear_cache", "explain_config", "profile_for",
+           "select_config"]

@@ -1,0 +1,514 @@
+"""What the tuner minimises: ``measure(config, shape, reps=None) -> dict``.
+
+The returned dict has ``ok`` (bool), ``p50_us`` (median time of one call, microseconds, when ok)
+and ``err`` (a message when not ok); optionally ``p20_us``, ``p80_us``, ``reps``, and ``fatal``
+(True when the process can measure nothing more, e.g. a sticky CUDA error: the tuner records
+the failure and stops so that the run can be resumed in a fresh process).
+
+* :class:`ModelledObjective` -- a deterministic cost model of the decode kernel over a PCIe
+  link plus seeded noise. For CPU tests and ``--objective model`` demos; its numbers are not
+  measurements and its profiles carry ``objective: model`` and a GPU name of their own.
+* :class:`GpuObjective` -- builds a PagedKVCache filled with random data, checks the config's
+  numerics against ``directkv_cute.reference.paged_attention_ref``, then times
+  ``directkv_cute.paged_attention_tables(..., config=cfg)`` with CUDA events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from directkv_cute.config import SM90_NUM_SMS, SM90_SMEM_PER_BLOCK_OPTIN
+
+from .space import TuneShape, get_space, torch_dtype
+
+
+def _quantile(sorted_vals, q):
+    if not sorted_vals:
+        return float("nan")
+    i = (len(sorted_vals) - 1) * q
+    lo, hi = math.floor(i), math.ceil(i)
+    return sorted_vals[lo] + (sorted_vals[hi] - sorted_vals[lo]) * (i - lo)
+
+
+def summarize(times_us) -> dict:
+    s = sorted(times_us)
+    return {"p50_us": statistics.median(s), "p20_us": _quantile(s, 0.2), "p80_us": _quantile(s, 0.8), "reps": len(s)}
+
+
+# ---- cost model ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HardwareModel:
+    """Parameters of the cost model (defaults: the H200 on PCIe Gen5 of the design notes)."""
+
+    gpu_name: str = "Modelled H200 PCIe5"
+    compute_capability: str = "9.0"
+    sm_count: int = SM90_NUM_SMS
+    smem_optin_bytes: int = SM90_SMEM_PER_BLOCK_OPTIN
+    link_gbps: float = 51.2  # kernel loads from pinned host memory
+    hbm_gbps: float = 4400.0
+    launch_us: float = 4.0  # launch + prologue of the attention kernel
+    combine_launch_us: float = 2.5  # the split-combine kernel
+    host_latency_us: float = 3.0  # latency of a host read over the link (Little's law)
+    sm_link_gbps: float = 1.2  # host read bandwidth one SM can sustain
+    tile_overhead_us: float = 0.12  # barriers / softmax bookkeeping per KV tile per CTA
+    sm_tflops: float = 7.5  # dense bf16 WGMMA per SM
+    l1_penalty: float = 0.04  # slowdown with no L1 left (carveout 100)
+    max_threads_per_sm: int = 2048
+
+
+_CHUNK_EFF = ((256, 0.24), (1024, 0.96), (4096, 1.0))  # gathered host pages: 12.4 / 49.3 / 51 GB/s
+
+
+def _chunk_efficiency(nbytes: int) -> float:
+    if nbytes >= _CHUNK_EFF[-1][0]:
+        return 1.0
+    if nbytes <= _CHUNK_EFF[0][0]:
+        return _CHUNK_EFF[0][1] * nbytes / _CHUNK_EFF[0][0]
+    for (b0, e0), (b1, e1) in zip(_CHUNK_EFF, _CHUNK_EFF[1:]):
+        if b0 <= nbytes <= b1:
+            f = (math.log2(nbytes) - math.log2(b0)) / (math.log2(b1) - math.log2(b0))
+            return e0 + f * (e1 - e0)
+    return 1.0
+
+
+class ModelledObjective:
+    """Deterministic decode-time model + seeded log-normal noise (a stand-in for a GPU).
+
+    time = launch + sum over waves of max(wave bytes / achieved bandwidth, per-CTA serial time)
+           x L1 penalty(carveout) + split-combine cost,
+    where a wave's bandwidth is the least of the link (scaled by the page-chunk efficiency),
+    the active SMs x a per-SM cap, and Little's law on the bytes in flight (active CTAs x
+    (stages - 1) x K+V tile bytes / link latency); the per-CTA serial time is the latency plus
+    per-tile overhead and WGMMA work.
+    ``fail`` (optional) maps (config, shape) to an error message to inject failures.
+    """
+
+    name = "model"
+
+    def __init__(self, hw: HardwareModel | None = None, *, seed: int = 0, noise: float = 0.02, reps: int = 10,
+                 fail=None, kernel: str = "decode"):
+        self.hw = hw or HardwareModel()
+        self.seed = seed
+        self.noise = noise
+        self.reps = reps
+        self.fail = fail
+        self.kernel = kernel
+        self.calls = 0
+
+    def environment(self) -> dict:
+        hw = self.hw
+        return {
+            "gpu_name": hw.gpu_name,
+            "compute_capability": hw.compute_capability,
+            "sm_count": hw.sm_count,
+            "smem_optin_bytes": hw.smem_optin_bytes,
+            "host_link_gbps": hw.link_gbps,
+            "hbm_gbps": hw.hbm_gbps,
+        }
+
+    def model_us(self, cfg, shape: TuneShape) -> float:
+        """Noise-free modelled time of one call (microseconds)."""
+        hw = self.hw
+        d, elem = shape.head_dim, shape.elem_bytes
+        splits = cfg.splits_for(shape.batch, shape.num_kv_heads, shape.context, hw.sm_count)
+        n_tiles = math.ceil(shape.context / cfg.tile_n)
+        tiles_per_cta = math.ceil(n_tiles / splits)
+        ctas = splits * shape.num_kv_heads * shape.batch
+        resident = min(cfg.resident_ctas(d, elem), hw.max_threads_per_sm // cfg.num_threads)
+        if resident < 1:
+            raise ValueError(f"{cfg} cannot be resident on an SM")
+        slots = resident * hw.sm_count
+        tile_bytes = 2 * cfg.tile_n * d * elem
+        tokens = min(n_tiles * cfg.tile_n, math.ceil(shape.context / shape.page_size) * shape.page_size)
+        cta_bytes = 2 * shape.num_kv_heads * shape.batch * tokens * d * elem / ctas
+        chunk_eff = _chunk_efficiency(min(shape.page_size, cfg.tile_n) * d * elem)
+        link = hw.link_gbps * 1e3 * chunk_eff  # bytes per microsecond
+        flops_tile = 4 * cfg.rows * cfg.tile_n * d
+        tile_us = hw.tile_overhead_us + flops_tile / (hw.sm_tflops * 1e6)
+        cta_serial = hw.host_latency_us + cfg.stages * 0.05 + tiles_per_cta * tile_us
+        # wave by wave: the link is shared by the CTAs of the wave; few CTAs cannot fill it
+        # (Little's law on the bytes in flight, and a per-SM cap on host read bandwidth)
+        t_main, left = 0.0, ctas
+        while left > 0:
+            active = min(left, slots)
+            sms = min(hw.sm_count, active)
+            inflight = active * max(1, cfg.stages - 1) * tile_bytes
+            bw = min(link, sms * hw.sm_link_gbps * 1e3, inflight / hw.host_latency_us)
+            t_main += max(active * cta_bytes / bw, cta_serial)
+            left -= active
+        l1 = 1.0 + hw.l1_penalty * max(0.0, (cfg.carveout - 80) / 20) ** 2
+        t = hw.launch_us + t_main * l1
+        if splits > 1:
+            partial = splits * shape.batch * shape.num_q_heads * shape.q_len * (d + 1) * 4
+            t += hw.combine_launch_us + 2 * partial / (hw.hbm_gbps * 1e3)
+        return t
+
+    def _rng(self, cfg, shape, reps) -> random.Random:
+        key = f"{self.seed}|{sorted(cfg.to_dict().items())}|{shape}|{reps}".encode()
+        return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+    def __call__(self, cfg, shape: TuneShape, reps: int | None = None) -> dict:
+        self.calls += 1
+        if self.fail is not None:
+            msg = self.fail(cfg, shape)
+            if msg:
+                return {"ok": False, "err": str(msg)}
+        problems = get_space(self.kernel).problems(cfg, shape)
+        if problems:
+            return {"ok": False, "err": "; ".join(problems)}
+        base = self.model_us(cfg, shape)
+        n = int(reps or self.reps)
+        rng = self._rng(cfg, shape, n)
+        times = [base * math.exp(self.noise * rng.gauss(0.0, 1.0)) for _ in range(n)]
+        out = summarize(times)
+        out.update(ok=True, err=None)
+        return out
+
+
+# ---- real measurement on the GPU -------------------------------------------------------------
+
+
+def _replace_tables(tables, page_table, seq_lens):
+    """A KernelTables like ``tables`` with other page_table / seq_lens (dataclass, namedtuple or plain)."""
+    if dataclasses.is_dataclass(tables):
+        return dataclasses.replace(tables, page_table=page_table, seq_lens=seq_lens)
+    if hasattr(tables, "_replace"):
+        return tables._replace(page_table=page_table, seq_lens=seq_lens)
+    return type(tables)(page_table, seq_lens)
+
+
+class _Setup:
+    """Cache, tables and inputs for one shape (kept while configs for that shape are measured)."""
+
+    def __init__(self):
+        self.shape = None
+        self.cache_key = None
+        self.cache = None
+        self.tables = None
+        self.seq_ids = None
+        self.qs = []
+        self.outs = []
+        self.q_lens = None
+        self.layers = 1
+        self.check_rows = []  # sequence indices b checked against the reference
+        self.ref = None  # (rows, reference output of layer 0 for check_rows)
+        self.distinct = 0
+
+
+def _cache_key(shape: TuneShape):
+    # everything but the query heads: presets that differ only in GQA group share one cache
+    return (shape.num_kv_heads, shape.head_dim, shape.page_size, shape.dtype, shape.batch, shape.context, shape.q_len)
+
+
+class GpuObjective:
+    """Time the op on the GPU (CUDA events), after a numerics check of the same launch.
+
+    For a shape, one PagedKVCache is built per the contract: ``layers`` layers so that the
+    rotated working set is >= ``l2_factor`` x L2 (each repetition reads another layer and another
+    q), as many distinct sequences as fit ``max_host_bytes`` of pinned memory (beyond that the
+    remaining sequences reuse those pages through page tables rotated by a fraction of the
+    sequence, so concurrent CTAs still read different pages), pool contents ~ N(0, 1) written
+    from the GPU through ``host_pool_cuda``. Shapes that differ only in the number of query heads
+    reuse the cache (sort buckets so they are adjacent). Each new config first runs once on
+    NaN-poisoned outputs: every output must be finite and the first and last distinct sequences
+    must match the float32 reference within ``rtol`` (relative Frobenius error). Then ``warmup``
+    calls and a number of timed calls auto-scaled to about ``target_ms`` of kernel time, within
+    [min_reps, max_reps]; a ``torch.cuda._sleep`` ahead of the timed calls keeps the host's
+    launch overhead out of the events. p50/p20/p80 of the per-call times are returned; ``reps``
+    given (the tuner's re-benchmark) fixes the number of timed calls.
+
+    ``device="cpu"`` runs the same steps on the CPU with wall-clock timing (a smoke test of the
+    harness: the op runs its reference path there); ``op`` replaces
+    ``directkv_cute.paged_attention_tables``.
+    """
+
+    name = "gpu"
+    RTOL = {"bf16": 2e-2, "fp16": 1e-2}
+
+    def __init__(self, *, device=None, op=None, warmup: int = 2, min_reps: int = 3, max_reps: int = 100,
+                 target_ms: float = 150.0, max_host_bytes: int = 40 << 30, l2_factor: float = 2.0, max_layers: int = 8,
+                 check: bool = True, rtol: float | None = None, seed: int = 0, kernel: str = "decode"):
+        import torch
+
+        self.torch = torch
+        self.device = torch.device(device or "cuda")
+        self.cuda = self.device.type == "cuda"
+        if self.cuda and not torch.cuda.is_available():
+            raise RuntimeError("GpuObjective needs a CUDA GPU (use --objective model for a CPU demo)")
+        self.warmup, self.min_reps, self.max_reps = warmup, min_reps, max_reps
+        self.target_ms = target_ms
+        self.max_host_bytes = max_host_bytes
+        self.l2_factor, self.max_layers = l2_factor, max_layers
+        self.check, self.rtol, self.seed, self.kernel = check, rtol, seed, kernel
+        self._setup = _Setup()
+        self._checked = set()
+        self._env = None
+        if op is None:
+            import directkv_cute
+
+            op = getattr(directkv_cute, "paged_attention_tables", None)
+            if op is None:
+                from directkv_cute.ops import paged_attention_tables as op  # clear ImportError if missing
+        self.op = op
+
+    # ---- environment -----------------------------------------------------------------------
+    def environment(self) -> dict:
+        if self._env is None:
+            torch = self.torch
+            if not self.cuda:
+                import platform
+
+                self._env = {"gpu_name": f"CPU {platform.machine()} (harness smoke test)", "compute_capability": "",
+                             "sm_count": SM90_NUM_SMS, "smem_optin_bytes": SM90_SMEM_PER_BLOCK_OPTIN,
+                             "l2_bytes": 60 << 20, "host_link_gbps": None, "hbm_gbps": None}
+                return self._env
+            props = torch.cuda.get_device_properties(self.device)
+            self._env = {
+                "gpu_name": torch.cuda.get_device_name(self.device),
+                "compute_capability": f"{props.major}.{props.minor}",
+                "sm_count": props.multi_processor_count,
+                "smem_optin_bytes": int(getattr(props, "shared_memory_per_block_optin", 0) or SM90_SMEM_PER_BLOCK_OPTIN),
+                "l2_bytes": int(getattr(props, "L2_cache_size", 0) or 60 << 20),
+                "host_link_gbps": self._measure_h2d_gbps(),
+                "hbm_gbps": self._measure_hbm_gbps(),
+            }
+        return self._env
+
+    def _time_ms(self, fn, reps=5):
+        torch = self.torch
+        fn()
+        torch.cuda.synchronize(self.device)
+        best = float("inf")
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            best = min(best, s.elapsed_time(e))
+        return best
+
+    def _measure_h2d_gbps(self, nbytes: int = 512 << 20) -> float:
+        torch = self.torch
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        ms = self._time_ms(lambda: dst.copy_(src, non_blocking=True))
+        del src, dst
+        return nbytes / (ms * 1e-3) / 1e9
+
+    def _measure_hbm_gbps(self, nbytes: int = 2 << 30) -> float:
+        torch = self.torch
+        src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        dst = torch.empty_like(src)
+        ms = self._time_ms(lambda: dst.copy_(src))
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / (ms * 1e-3) / 1e9
+
+    def _sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    # ---- per-shape setup ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the cache and inputs of the current shape (frees the pinned pool)."""
+        cache = self._setup.cache
+        if cache is not None and hasattr(cache, "close"):
+            try:
+                self._sync()
+                cache.close()
+            except Exception:  # freeing must not fail a run
+                pass
+        self._setup = _Setup()
+        self._checked.clear()
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+            self.torch.cuda.empty_cache()
+
+    def _prepare(self, shape: TuneShape) -> _Setup:
+        st = self._setup
+        if st.shape == shape:
+            return st
+        if st.cache_key != _cache_key(shape):
+            self.close()
+            st = self._build_cache(shape)
+        self._build_inputs(st, shape)
+        self._setup = st
+        return st
+
+    def _build_cache(self, shape: TuneShape) -> _Setup:
+        torch = self.torch
+        from directkv_cute.cache import PagedKVCache
+
+        dt = torch_dtype(shape.dtype)
+        env = self.environment()
+        ps, d, hkv, elem = shape.page_size, shape.head_dim, shape.num_kv_heads, shape.elem_bytes
+        pages_per_seq = math.ceil(shape.context / ps)
+        page_bytes_layer = hkv * 2 * ps * d * elem
+        layer_bytes = shape.batch * pages_per_seq * page_bytes_layer
+        layers = max(1, min(self.max_layers, math.ceil(self.l2_factor * env["l2_bytes"] / layer_bytes)))
+        seq_bytes = pages_per_seq * page_bytes_layer * layers
+        distinct = max(1, min(shape.batch, self.max_host_bytes // seq_bytes))
+        if distinct < shape.batch and layers > 1:
+            layers = 1
+            seq_bytes = pages_per_seq * page_bytes_layer
+            distinct = max(1, min(shape.batch, self.max_host_bytes // seq_bytes))
+
+        cache = PagedKVCache(layers, hkv, d, ps, distinct * pages_per_seq, num_hbm_pages=0, dtype=dt,
+                             device=str(self.device))
+        seq_ids = []
+        for _ in range(distinct):
+            s = cache.add_sequence()
+            cache.extend(s, shape.context)
+            seq_ids.append(s)
+        # random K/V everywhere (never zeros); from the GPU through the UVA view when there is one
+        pool = cache.host_pool_cuda if getattr(cache, "host_pool_cuda", None) is not None else cache.host_pool
+        gen = torch.Generator(device=pool.device)
+        gen.manual_seed(self.seed)
+        chunk = max(1, (256 << 20) // max(1, pool[0].numel() * elem))
+        for i in range(0, pool.shape[0], chunk):
+            pool[i:i + chunk].normal_(generator=gen)
+        self._sync()
+
+        tables = cache.kernel_tables(seq_ids)
+        if distinct < shape.batch:
+            base = tables.page_table
+            reuse = math.ceil(shape.batch / distinct)
+            step = max(1, pages_per_seq // reuse)
+            rows = []
+            for b in range(shape.batch):
+                row = base[b % distinct].clone()
+                row[:pages_per_seq] = torch.roll(row[:pages_per_seq], shifts=(b // distinct) * step)
+                rows.append(row)
+            page_table = torch.stack(rows)
+            seq_lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=base.device)
+            tables = _replace_tables(tables, page_table, seq_lens)
+
+        st = _Setup()
+        st.cache_key, st.cache, st.tables, st.seq_ids = _cache_key(shape), cache, tables, seq_ids
+        st.layers, st.distinct = layers, distinct
+        st.check_rows = sorted({0, distinct - 1})
+        return st
+
+    def _build_inputs(self, st: _Setup, shape: TuneShape) -> None:
+        torch = self.torch
+        dt = torch_dtype(shape.dtype)
+        gq = torch.Generator(device=self.device)
+        gq.manual_seed(self.seed + 1)
+        n_q = shape.batch * shape.q_len
+        st.qs = [torch.randn((n_q, shape.num_q_heads, shape.head_dim), generator=gq, device=self.device, dtype=dt)
+                 for _ in range(st.layers)]
+        st.outs = [torch.empty_like(q) for q in st.qs]
+        st.q_lens = None if shape.q_len == 1 else [shape.q_len] * shape.batch
+        st.ref = None
+        st.shape = shape
+        self._checked.clear()
+
+    def _reference(self, st: _Setup):
+        if st.ref is None:
+            from directkv_cute.reference import paged_attention_ref
+
+            torch = self.torch
+            q_len = st.shape.q_len
+            rows = torch.cat([torch.arange(b * q_len, (b + 1) * q_len) for b in st.check_rows]).to(self.device)
+            q = st.qs[0].index_select(0, rows)
+            ids = [st.seq_ids[b] for b in st.check_rows]
+            q_lens = None if q_len == 1 else [q_len] * len(ids)
+            out, _lse = paged_attention_ref(q, st.cache, 0, ids, q_lens=q_lens)
+            st.ref = (rows, out.float())
+        return st.ref
+
+    def _call(self, st: _Setup, cfg, i: int):
+        return self.op(st.qs[i], st.cache, i, st.tables, q_lens=st.q_lens, config=cfg, out=st.outs[i])
+
+    def _numerics(self, st: _Setup, cfg) -> str | None:
+        torch = self.torch
+        st.outs[0].fill_(float("nan"))  # poison: rows the kernel forgets stay NaN
+        res = self._call(st, cfg, 0)
+        self._sync()
+        out = res[0] if isinstance(res, (tuple, list)) else res
+        if not isinstance(out, torch.Tensor):
+            out = st.outs[0]
+        if tuple(out.shape) != tuple(st.qs[0].shape):
+            return f"numerics: output shape {tuple(out.shape)} != q shape {tuple(st.qs[0].shape)}"
+        if not bool(torch.isfinite(out).all()):
+            bad = int((~torch.isfinite(out)).sum())
+            return f"numerics: {bad} non-finite output values (NaN-poisoned output not fully written?)"
+        rows, ref = self._reference(st)
+        got = out.index_select(0, rows).float()
+        err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+        tol = self.rtol if self.rtol is not None else self.RTOL.get(st.shape.dtype, 2e-2)
+        if not err <= tol:
+            return f"numerics: relative error {err:.3g} > {tol:g} against the float32 reference"
+        return None
+
+    def _timed(self, st: _Setup, cfg, n: int) -> list[float]:
+        """Per-call times (microseconds) of n calls rotating over the input sets."""
+        torch = self.torch
+        if not self.cuda:
+            times = []
+            for r in range(n):
+                t0 = time.perf_counter()
+                self._call(st, cfg, r % st.layers)
+                times.append((time.perf_counter() - t0) * 1e6)
+            return times
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        sleep = getattr(torch.cuda, "_sleep", None)
+        if sleep is not None:  # ~100 us of GPU time per call to enqueue (2000 cycles ~ 1 us), <= 200 ms
+            sleep(int(min(200_000, 100 * n) * 2000))
+        for r in range(n):
+            starts[r].record()
+            self._call(st, cfg, r % st.layers)
+            ends[r].record()
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+    # ---- the objective -----------------------------------------------------------------------
+    def __call__(self, cfg, shape: TuneShape, reps: int | None = None) -> dict:
+        problems = get_space(self.kernel).problems(cfg, shape)
+        if problems:
+            return {"ok": False, "err": "illegal: " + "; ".join(problems)}
+        try:
+            st = self._prepare(shape)
+        except Exception as e:  # setup problems are not the config's fault: stop the run
+            return {"ok": False, "fatal": True, "err": f"setup for {shape.describe()} failed: {type(e).__name__}: {e}"}
+        try:
+            key = tuple(sorted(cfg.to_dict().items()))
+            if self.check and key not in self._checked:
+                msg = self._numerics(st, cfg)
+                if msg:
+                    return {"ok": False, "err": msg}
+                self._checked.add(key)
+            for w in range(self.warmup):
+                self._call(st, cfg, w % st.layers)
+            self._sync()
+            t0 = time.perf_counter()
+            self._call(st, cfg, 0)
+            self._sync()
+            est_ms = max(1e-3, (time.perf_counter() - t0) * 1e3)
+            n = int(reps) if reps else min(self.max_reps, max(self.min_reps, math.ceil(self.target_ms / est_ms)))
+            times = self._timed(st, cfg, n)
+        except Exception as e:
+            err = f"{type(e).__name__}: {e}"
+            if self.cuda:
+                try:
+                    self.torch.cuda.synchronize(self.device)
+                except Exception as e2:  # sticky CUDA error: this process can measure nothing more
+                    return {"ok": False, "fatal": True,
+                            "err": f"{err} (CUDA context lost: {e2}; resume in a new process)"}
+            return {"ok": False, "err": err}
+        out = summarize(times)
+        out.update(ok=True, err=None)
+        return out
+
+
+__all__ = ["GpuObjective", "HardwareModel", "ModelledObjective", "summarize"]

@@ -1,0 +1,640 @@
+"""Tuned profiles: one YAML file per GPU, ``profiles/<GPU_NAME>.yaml``.
+
+Layout (schema_version 1)::
+
+    schema_version: 1
+    metadata:
+      tune_version: 1                 # version of the tuning semantics (bumped by hand)
+      gpu_name: NVIDIA H200
+      compute_capability: '9.0'
+      sm_count: 132
+      smem_optin_bytes: 232448
+      host_link_gbps: 54.3            # measured pinned host -> device copy
+      hbm_gbps: 4400.0                # measured device-to-device copy
+      kernel_hash: 3f5c...            # sha256 of directkv_cute/kernels/*.py
+      objective: gpu                  # 'gpu' (measured) or 'model' (cost model, demos only)
+      versions: {cutlass_dsl: 4.8.1, torch: 2.11.0, cuda: '13.0', optuna: 5.0.0, directkv_cute: 0.1.0}
+      created: '2026-11-30T10:00:00Z'
+      updated: '2026-11-30T10:42:00Z'
+    entries:
+    - kernel: decode                  # key, part 1: kernel, dtype, head_dim, GQA group, page_size
+      dtype: bf16
+      head_dim: 128
+      group: 8
+      page_size: 64
+      buckets:                        # key, part 2: the shape bucket
+      - batch: 1
+        context: 4096
+        q_len: 1
+        config: {tile_n: 64, stages: 4, num_splits: 0, ctas_per_sm: 2, carveout: 80, consumer_wgs: 1}
+        p50_us: 95.1                  # tuned config, median
+        default_p50_us: 120.4         # heuristic default, same run and repetitions
+        trials: 40                    # configs measured
+
+Files are read with ``yaml.safe_load`` and validated by hand (no schema dependency); a bad
+file raises :class:`ProfileError` naming the file and the field. Writes are atomic (temp file
++ ``os.replace``) and merged with the file on disk (the new run wins per bucket).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime as _dt
+import functools
+import hashlib
+import importlib.util
+import math
+import os
+import re
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from directkv_cute.config import ConfigError
+
+from .space import get_space, kernels, normalize_dtype
+
+SCHEMA_VERSION = 1
+TUNE_VERSION = 1
+PROFILE_DIR_ENV = "DIRECTKV_PROFILE_DIR"
+TUNE_COMMAND = "directkv-tune"
+
+ClassKey = tuple  # (kernel, dtype, head_dim, group, page_size)
+BucketKey = tuple  # (batch, context, q_len)
+
+CLASS_FIELDS = ("kernel", "dtype", "head_dim", "group", "page_size")
+BUCKET_FIELDS = ("batch", "context", "q_len")
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used: corrupt, of an unknown schema, or for other hardware."""
+
+
+class ProfileWarning(UserWarning):
+    """A profile (or a profile entry) that is skipped: stale, foreign, or missing."""
+
+
+# ---- names and places ------------------------------------------------------------------------
+
+
+def sanitize_gpu_name(name: str) -> str:
+    """File-name form of a GPU name: 'NVIDIA H200' -> 'NVIDIA_H200'."""
+    s = re.sub(r"[^A-Za-z0-9.+-]+", "_", str(name).strip()).strip("_.")
+    if not s:
+        raise ValueError(f"cannot make a file name of GPU name {name!r}")
+    return s
+
+
+def profile_filename(gpu_name: str) -> str:
+    return sanitize_gpu_name(gpu_name) + ".yaml"
+
+
+def bundled_profile_dir() -> Path:
+    """The profiles shipped with the package (``directkv_cute.profiles``).
+
+    ``tuning/`` and ``profiles/`` are siblings in every layout: the source checkout (the GPU
+    machine runs ``python -m tuning.cli`` from it, uninstalled), an editable install, and an
+    installed wheel (``directkv_cute/tuning`` next to ``directkv_cute/profiles``).
+    """
+    sibling = Path(__file__).resolve().parent.parent / "profiles"
+    if sibling.is_dir():
+        return sibling
+    try:
+        spec = importlib.util.find_spec("directkv_cute.profiles")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return sibling
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up, in order: $DIRECTKV_PROFILE_DIR (one folder, or several
+    separated by os.pathsep), then the bundled folder. The first file found wins."""
+    out = [Path(d) for d in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if d]
+    out.append(bundled_profile_dir())
+    return out
+
+
+def find_profile(gpu_name: str, dirs=None) -> tuple[Path | None, Path]:
+    """(existing profile path or None, the path where it is expected first)."""
+    dirs = profile_dirs() if dirs is None else [Path(d) for d in dirs]
+    name = profile_filename(gpu_name)
+    for d in dirs:
+        p = d / name
+        if p.is_file():
+            return p, dirs[0] / name
+    return None, dirs[0] / name
+
+
+# ---- identity of the kernels and the environment ----------------------------------------------
+
+
+def kernels_dir() -> Path:
+    spec = importlib.util.find_spec("directkv_cute.kernels")
+    if spec is None or not spec.submodule_search_locations:
+        raise ProfileError("cannot locate the directkv_cute.kernels package")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def kernel_source_hash(directory: str | None = None) -> str:
+    """sha256 over the kernel sources (``directkv_cute/kernels/*.py``: names and bytes, sorted)."""
+    d = Path(directory) if directory else kernels_dir()
+    h = hashlib.sha256()
+    for f in sorted(d.glob("*.py")):
+        h.update(f.name.encode() + b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def current_kernel_hash() -> str:
+    """The kernel source hash of this installation (computed once per process)."""
+    return kernel_source_hash(None)
+
+
+def _dist_version(name: str):
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:
+        return None
+
+
+def software_versions() -> dict:
+    """Versions recorded in a profile's metadata (None where a package is absent)."""
+    out = {"cutlass_dsl": _dist_version("nvidia-cutlass-dsl"), "torch": None, "cuda": None, "optuna": None}
+    try:
+        import torch
+
+        out["torch"] = str(torch.__version__)  # TorchVersion is a str subclass yaml cannot dump
+        out["cuda"] = None if torch.version.cuda is None else str(torch.version.cuda)
+    except Exception:
+        pass
+    try:
+        import optuna
+
+        out["optuna"] = str(optuna.__version__)
+    except Exception:
+        pass
+    try:
+        import directkv_cute
+
+        out["directkv_cute"] = str(directkv_cute.__version__)
+    except Exception:
+        pass
+    return out
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def make_metadata(env: dict, *, kernel_hash: str, objective: str, extra: dict | None = None) -> dict:
+    """Metadata block for a run, from an objective's ``environment()`` record."""
+    now = utc_now()
+    md = {
+        "tune_version": TUNE_VERSION,
+        "gpu_name": str(env["gpu_name"]),
+        "compute_capability": str(env.get("compute_capability", "")),
+        "sm_count": int(env["sm_count"]),
+        "smem_optin_bytes": int(env["smem_optin_bytes"]),
+        "host_link_gbps": _round_or_none(env.get("host_link_gbps"), 2),
+        "hbm_gbps": _round_or_none(env.get("hbm_gbps"), 1),
+        "kernel_hash": kernel_hash,
+        "objective": objective,
+        "versions": software_versions(),
+        "created": now,
+        "updated": now,
+    }
+    if extra:
+        md.update(extra)
+    return md
+
+
+def _round_or_none(v, nd):
+    return None if v is None else round(float(v), nd)
+
+
+# ---- the in-memory profile -------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    metadata: dict
+    entries: dict = field(default_factory=dict)  # ClassKey -> {BucketKey: record}
+    path: Path | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def gpu_name(self) -> str:
+        return self.metadata["gpu_name"]
+
+    @property
+    def kernel_hash(self) -> str:
+        return self.metadata["kernel_hash"]
+
+    def set(self, class_key: ClassKey, bucket: BucketKey, record: dict) -> None:
+        self.entries.setdefault(tuple(class_key), {})[tuple(bucket)] = dict(record)
+
+    def get(self, class_key: ClassKey, bucket: BucketKey):
+        return self.entries.get(tuple(class_key), {}).get(tuple(bucket))
+
+    def records(self):
+        """(class_key, bucket_key, record) for every bucket, in key order."""
+        for ck in sorted(self.entries, key=_sort_key):
+            for bk in sorted(self.entries[ck]):
+                yield ck, bk, self.entries[ck][bk]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.entries.values())
+
+    def compat_problems(self, *, gpu_name: str | None = None, kernel_hash: str | None = None) -> list[str]:
+        """Why this profile may not serve this GPU / these kernel sources (empty: it may)."""
+        out = []
+        if gpu_name is not None and self.gpu_name != gpu_name:
+            out.append(f"gpu_name: the profile is for {self.gpu_name!r}, this GPU is {gpu_name!r}")
+        if kernel_hash is not None and self.kernel_hash != kernel_hash:
+            out.append(
+                f"kernel_hash: the profile was tuned for kernel sources {self.kernel_hash[:12]}, "
+                f"these are {kernel_hash[:12]} (the kernels changed; re-run {TUNE_COMMAND})"
+            )
+        tv = self.metadata.get("tune_version")
+        if tv != TUNE_VERSION:
+            out.append(f"tune_version: the profile has {tv}, this directkv-cute uses {TUNE_VERSION}")
+        return out
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_doc(self) -> dict:
+        entries = []
+        for ck in sorted(self.entries, key=_sort_key):
+            buckets = []
+            for bk in sorted(self.entries[ck]):
+                rec = self.entries[ck][bk]
+                b = dict(zip(BUCKET_FIELDS, bk))
+                b.update(_ordered_record(rec))
+                buckets.append(b)
+            e = dict(zip(CLASS_FIELDS, ck))
+            e["buckets"] = buckets
+            entries.append(e)
+        return {"schema_version": self.schema_version, "metadata": dict(self.metadata), "entries": entries}
+
+    def to_yaml(self) -> str:
+        header = (
+            f"# directkv-cute tuned profile for {self.gpu_name}. Written by {TUNE_COMMAND}; "
+            "edit with care (validated on load).\n"
+        )
+        return header + yaml.safe_dump(self.to_doc(), sort_keys=False, default_flow_style=None, width=120)
+
+    @classmethod
+    def from_doc(cls, doc, source: str = "<profile>") -> "Profile":
+        return _validate(doc, source)
+
+
+def _sort_key(ck):
+    return tuple(str(x) if isinstance(x, str) else f"{x:012d}" for x in ck)
+
+
+_RECORD_ORDER = ("config", "p50_us", "default_p50_us", "trials")
+
+
+def _ordered_record(rec: dict) -> dict:
+    out = {k: rec[k] for k in _RECORD_ORDER if k in rec}
+    out.update({k: v for k, v in rec.items() if k not in out})
+    return out
+
+
+# ---- validation ------------------------------------------------------------------------------
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+class _V:
+    """Collects schema problems with their location."""
+
+    def __init__(self, source):
+        self.source = source
+        self.problems = []
+
+    def bad(self, where, msg):
+        self.problems.append(f"{where}: {msg}")
+
+    def int_(self, d, k, where, *, minimum=None, required=True):
+        if k not in d:
+            if required:
+                self.bad(where, f"missing {k!r}")
+            return None
+        v = d[k]
+        if not _is_int(v):
+            self.bad(f"{where}.{k}", f"must be an integer, got {type(v).__name__} {v!r}")
+            return None
+        if minimum is not None and v < minimum:
+            self.bad(f"{where}.{k}", f"must be >= {minimum}, got {v}")
+        return v
+
+    def num(self, d, k, where, *, positive=True, required=True, nullable=False):
+        if k not in d:
+            if required:
+                self.bad(where, f"missing {k!r}")
+            return None
+        v = d[k]
+        if v is None and nullable:
+            return None
+        if not _is_num(v):
+            self.bad(f"{where}.{k}", f"must be a finite number, got {type(v).__name__} {v!r}")
+            return None
+        if positive and v <= 0:
+            self.bad(f"{where}.{k}", f"must be > 0, got {v}")
+        return v
+
+    def str_(self, d, k, where, *, required=True, loose=False, nullable=False):
+        if k not in d:
+            if required:
+                self.bad(where, f"missing {k!r}")
+            return None
+        v = d[k]
+        if v is None and nullable:
+            return None
+        if loose and (_is_num(v) or isinstance(v, (_dt.date, _dt.datetime))):
+            return str(v)  # hand-edited versions / timestamps that YAML typed
+        if not isinstance(v, str) or not v:
+            self.bad(f"{where}.{k}", f"must be a non-empty string, got {type(v).__name__} {v!r}")
+            return None
+        return v
+
+
+_METADATA_INTS = ("tune_version", "sm_count", "smem_optin_bytes")
+_KNOWN_TOP = {"schema_version", "metadata", "entries"}
+
+
+def _validate(doc, source) -> Profile:
+    if not isinstance(doc, dict):
+        raise ProfileError(f"{source}: not a profile (the YAML top level is {type(doc).__name__}, not a mapping)")
+    sv = doc.get("schema_version")
+    if not _is_int(sv):
+        raise ProfileError(f"{source}: schema_version missing or not an integer ({sv!r})")
+    if sv != SCHEMA_VERSION:
+        newer = " (written by a newer directkv-cute?)" if sv > SCHEMA_VERSION else ""
+        raise ProfileError(f"{source}: unknown schema_version {sv}{newer}; this version reads {SCHEMA_VERSION}")
+    v = _V(source)
+    unknown = set(doc) - _KNOWN_TOP
+    if unknown:
+        v.bad("<top>", f"unknown keys {sorted(unknown)}")
+
+    md = doc.get("metadata")
+    if not isinstance(md, dict):
+        v.bad("metadata", "missing or not a mapping")
+        md = {}
+    else:
+        md = dict(md)
+        for k in _METADATA_INTS:
+            v.int_(md, k, "metadata", minimum=0)
+        v.str_(md, "gpu_name", "metadata")
+        cc = v.str_(md, "compute_capability", "metadata", loose=True)
+        if cc is not None:
+            md["compute_capability"] = cc
+        kh = v.str_(md, "kernel_hash", "metadata")
+        if kh is not None and not re.fullmatch(r"[0-9a-f]{64}", kh):
+            v.bad("metadata.kernel_hash", f"must be a sha256 hex digest, got {kh!r}")
+        for k in ("host_link_gbps", "hbm_gbps"):
+            v.num(md, k, "metadata", nullable=True)
+        for k in ("created", "updated"):
+            s = v.str_(md, k, "metadata", loose=True)
+            if s is not None:
+                md[k] = s
+        v.str_(md, "objective", "metadata", required=False)
+        vers = md.get("versions", {})
+        if not isinstance(vers, dict):
+            v.bad("metadata.versions", "must be a mapping")
+        else:
+            vers = dict(vers)
+            for k in list(vers):
+                if vers[k] is not None:
+                    s = v.str_(vers, k, "metadata.versions", loose=True)
+                    if s is not None:
+                        vers[k] = s
+            md["versions"] = vers
+
+    prof = Profile(metadata=md, schema_version=sv)
+    ents = doc.get("entries")
+    if ents is None:
+        ents = []
+    if not isinstance(ents, list):
+        v.bad("entries", f"must be a list, got {type(ents).__name__}")
+        ents = []
+    for i, e in enumerate(ents):
+        where = f"entries[{i}]"
+        if not isinstance(e, dict):
+            v.bad(where, "must be a mapping")
+            continue
+        kernel = v.str_(e, "kernel", where)
+        dtype = v.str_(e, "dtype", where)
+        if dtype is not None:
+            try:
+                dtype = normalize_dtype(dtype)
+            except ValueError as err:
+                v.bad(f"{where}.dtype", str(err))
+                dtype = None
+        nums = [v.int_(e, k, where, minimum=1) for k in ("head_dim", "group", "page_size")]
+        unknown = set(e) - set(CLASS_FIELDS) - {"buckets"}
+        if unknown:
+            v.bad(where, f"unknown keys {sorted(unknown)}")
+        buckets = e.get("buckets")
+        if not isinstance(buckets, list):
+            v.bad(f"{where}.buckets", "missing or not a list")
+            continue
+        if kernel is None or dtype is None or None in nums:
+            continue
+        ck = (kernel, dtype, *nums)
+        if ck in prof.entries:
+            v.bad(where, f"duplicate entry for {dict(zip(CLASS_FIELDS, ck))}")
+            continue
+        prof.entries[ck] = {}
+        space = get_space(kernel) if kernel in kernels() else None
+        for j, b in enumerate(buckets):
+            bw = f"{where}.buckets[{j}]"
+            if not isinstance(b, dict):
+                v.bad(bw, "must be a mapping")
+                continue
+            bk = tuple(v.int_(b, k, bw, minimum=1) for k in BUCKET_FIELDS)
+            rec = {k: val for k, val in b.items() if k not in BUCKET_FIELDS}
+            cfg = rec.get("config")
+            if not isinstance(cfg, dict) or not cfg:
+                v.bad(f"{bw}.config", "missing or not a mapping")
+            else:
+                for k, val in cfg.items():
+                    if not isinstance(k, str) or not _is_int(val):
+                        v.bad(f"{bw}.config.{k}", f"must be an integer, got {type(val).__name__} {val!r}")
+                if space is not None and all(_is_int(x) for x in cfg.values()):
+                    try:
+                        space.config_from_dict(cfg)
+                    except (ConfigError, TypeError, ValueError) as err:
+                        v.bad(f"{bw}.config", str(err))
+            v.num(rec, "p50_us", bw)
+            v.num(rec, "default_p50_us", bw, nullable=True)
+            v.int_(rec, "trials", bw, minimum=0)
+            for k in ("p20_us", "p80_us"):
+                v.num(rec, k, bw, required=False, nullable=True)
+            if None in bk:
+                continue
+            if bk in prof.entries[ck]:
+                v.bad(bw, f"duplicate bucket {dict(zip(BUCKET_FIELDS, bk))}")
+                continue
+            prof.entries[ck][bk] = rec
+    if v.problems:
+        shown = v.problems[:12]
+        more = f"\n  ... and {len(v.problems) - 12} more" if len(v.problems) > 12 else ""
+        raise ProfileError(f"{source}: invalid profile:\n  " + "\n  ".join(shown) + more)
+    return prof
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+
+def parse_profile(text: str, source: str = "<string>") -> Profile:
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ProfileError(f"{source}: corrupt YAML: {e}") from e
+    if doc is None:
+        raise ProfileError(f"{source}: empty file")
+    return Profile.from_doc(doc, source)
+
+
+def load_profile(path, *, gpu_name: str | None = None, kernel_hash: str | None = None, strict: bool = False) -> Profile:
+    """Read and validate a profile file.
+
+    Raises ProfileError for an unreadable, corrupt or invalid file. With ``gpu_name`` /
+    ``kernel_hash`` given, a profile for other hardware or other kernel sources raises
+    ProfileError when ``strict``, else warns (ProfileWarning) and is returned as is; the caller
+    decides (the lookup never uses such entries).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ProfileError(f"{path}: cannot read: {e}") from e
+    except UnicodeDecodeError as e:
+        raise ProfileError(f"{path}: corrupt (not UTF-8 text): {e}") from e
+    prof = parse_profile(text, str(path))
+    prof.path = path
+    problems = prof.compat_problems(gpu_name=gpu_name, kernel_hash=kernel_hash)
+    if problems:
+        msg = f"{path}: not usable here: " + "; ".join(problems)
+        if strict:
+            raise ProfileError(msg)
+        warnings.warn(msg, ProfileWarning, stacklevel=2)
+    return prof
+
+
+def atomic_write_text(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file in the same folder and os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "w") as lf:
+        fcntl.flock(lf, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lf, fcntl.LOCK_UN)
+
+
+def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
+    """Write ``profile`` atomically, merged with the file already at ``path``.
+
+    Merge rule: per (kernel, dtype, head_dim, group, page_size, batch, context, q_len) the new
+    profile's bucket wins; the other buckets of the file on disk are kept when that file is for
+    the same GPU, kernel sources and tune_version (else they are stale and dropped, with a
+    warning). ``created`` keeps the older date; ``updated`` is now. A corrupt or foreign file on
+    disk raises ProfileError instead of being overwritten. Returns the profile written.
+    """
+    path = Path(path or profile.path)
+    with _file_lock(path):
+        merged = copy.deepcopy(profile)
+        merged.path = path
+        if merge and path.exists():
+            old = load_profile(path)  # ProfileError if corrupt / unknown schema
+            if old.gpu_name != profile.gpu_name:
+                raise ProfileError(
+                    f"{path}: holds a profile for {old.gpu_name!r}, not {profile.gpu_name!r}; "
+                    "refusing to overwrite it (move it away or pick another output folder)"
+                )
+            stale = old.compat_problems(kernel_hash=profile.kernel_hash)
+            if stale:
+                warnings.warn(
+                    f"{path}: dropping {len(old)} stale bucket(s) of the old profile: " + "; ".join(stale),
+                    ProfileWarning,
+                    stacklevel=2,
+                )
+            else:
+                for ck, bk, rec in old.records():
+                    if merged.get(ck, bk) is None:
+                        merged.set(ck, bk, rec)
+            merged.metadata["created"] = old.metadata.get("created", merged.metadata.get("created"))
+        merged.metadata["updated"] = utc_now()
+        text = merged.to_yaml()
+        parse_profile(text, f"{path} (about to be written)")  # never write what we could not read back
+        atomic_write_text(path, text)
+    return merged
+
+
+def list_profiles(directory) -> list[Path]:
+    d = Path(directory)
+    return sorted(p for p in d.glob("*.yaml") if p.is_file()) if d.is_dir() else []
+
+
+__all__ = [
+    "PROFILE_DIR_ENV",
+    "SCHEMA_VERSION",
+    "TUNE_VERSION",
+    "Profile",
+    "ProfileError",
+    "ProfileWarning",
+    "atomic_write_text",
+    "bundled_profile_dir",
+    "current_kernel_hash",
+    "find_profile",
+    "kernel_source_hash",
+    "list_profiles",
+    "load_profile",
+    "make_metadata",
+    "parse_profile",
+    "profile_dirs",
+    "profile_filename",
+    "sanitize_gpu_name",
+    "save_profile",
+    "software_versions",
+]

@@ -1,0 +1,417 @@
+"""Search spaces of the tunable kernels, with a static legality filter.
+
+A :class:`KernelSpace` declares, for one kernel, the tunable parameters (each a small ordered
+tuple of integer choices), the parameters fixed by the problem (``consumer_wgs`` follows the
+query rows), how a point becomes a config object, and which points are illegal for a problem
+shape *before* anything is sampled, compiled or launched (SMEM under the carveout alpha, the
+per-block opt-in limit, tile / page divisibility: ``DecodeConfig.problems()``).
+
+Spaces live in a registry (:func:`register_space`, :func:`get_space`), so a second kernel
+("prefill") only needs a new subclass; the tuner, the profile code and the lookup work on any
+registered space.
+
+Plain Python: importable without CUDA, cutlass or optuna.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, default_decode_config
+
+try:  # the multi-token kernel's default (directkv_cute.config, with the resident kernel)
+    from directkv_cute.config import default_prefill_config
+except ImportError:  # pragma: no cover - older config.py
+
+    def default_prefill_config(head_dim: int) -> DecodeConfig:
+        for stages in (4, 3, 2):
+            cfg = DecodeConfig(tile_n=64, stages=stages, consumer_wgs=2, carveout=100)
+            if cfg.is_legal(head_dim):
+                return cfg
+        raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
+
+# Bump when the meaning of a space changes in a way its parameter lists do not show
+# (e.g. a new legality rule); it is part of the space hash.
+SPACE_RULES_VERSION = 1
+
+DTYPE_ALIASES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "torch.half": "fp16",
+}
+ELEM_BYTES = {"bf16": 2, "fp16": 2}
+
+
+def normalize_dtype(dtype) -> str:
+    """'bf16' or 'fp16' from a torch dtype or one of its usual spellings."""
+    name = DTYPE_ALIASES.get(str(dtype).lower())
+    if name is None:
+        raise ValueError(f"unsupported dtype {dtype!r} (expected one of bf16, fp16)")
+    return name
+
+
+def torch_dtype(dtype):
+    """The torch dtype for 'bf16' / 'fp16' (imports torch lazily)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[normalize_dtype(dtype)]
+
+
+def consumer_wgs_for(rows: int) -> int:
+    """Consumer warpgroups a decode CTA needs for ``rows`` query rows (64 rows each)."""
+    return 1 if rows <= 64 else 2
+
+
+@dataclass(frozen=True)
+class TuneShape:
+    """One problem the tuner measures: a model's attention geometry at one shape bucket."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    batch: int
+    context: int
+    q_len: int = 1
+    page_size: int = 64
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "batch", "context", "q_len", "page_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TuneShape.{name} must be a positive int, got {v!r}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def rows(self) -> int:
+        """Query rows one CTA serves: GQA group x q_len."""
+        return self.group * self.q_len
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def bucket(self) -> tuple[int, int, int]:
+        return (self.batch, self.context, self.q_len)
+
+    @property
+    def class_key(self) -> tuple[str, int, int, int]:
+        """(dtype, head_dim, group, page_size): fields a profile never borrows across."""
+        return (self.dtype, self.head_dim, self.group, self.page_size)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K and V one layer of this shape holds (= host bytes one decode step reads)."""
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+    def describe(self) -> str:
+        return (
+            f"hq={self.num_q_heads} hkv={self.num_kv_heads} d={self.head_dim} {self.dtype} page={self.page_size} "
+            f"batch={self.batch} context={self.context} q_len={self.q_len}"
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "num_q_heads": self.num_q_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "batch": self.batch,
+            "context": self.context,
+            "q_len": self.q_len,
+            "page_size": self.page_size,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True)
+class Param:
+    """One tunable parameter: an ordered tuple of integer choices."""
+
+    name: str
+    choices: tuple[int, ...]
+    doc: str = ""
+
+    def index(self, value: int) -> int:
+        return self.choices.index(value)
+
+
+@dataclass
+class LegalityReport:
+    """Outcome of the static filter over the whole Cartesian space for one shape."""
+
+    total: int
+    legal: list = field(default_factory=list)
+    illegal: list = field(default_factory=list)  # (config, [reasons])
+
+    @property
+    def legal_count(self) -> int:
+        return len(self.legal)
+
+    def reason_counts(self) -> Counter:
+        """How many points each reason excludes (SMEM budget, opt-in limit, divisibility...)."""
+        c = Counter()
+        for _cfg, reasons in self.illegal:
+            for r in reasons:
+                c[_reason_class(r)] += 1
+        return c
+
+
+def _reason_class(reason: str) -> str:
+    if "carveout budget" in reason:
+        return "SMEM over the carveout budget"
+    if "per-block limit" in reason:
+        return "SMEM over the per-block opt-in limit"
+    if "divide one another" in reason:
+        return "tile_n / page_size divisibility"
+    return reason
+
+
+class KernelSpace:
+    """Base class of a kernel's search space; subclasses fill in the kernel specifics."""
+
+    kernel: str = ""
+    config_cls: type = object
+    params: tuple[Param, ...] = ()
+    fixed_doc: str = ""
+
+    # ---- points <-> configs -----------------------------------------------------------------
+    def fixed(self, shape: TuneShape) -> dict:
+        """Config fields fixed by the problem rather than tuned."""
+        return {}
+
+    def make_config(self, values: dict, shape: TuneShape):
+        return self.config_cls(**values, **self.fixed(shape))
+
+    def config_from_dict(self, d: dict):
+        return self.config_cls.from_dict(d)
+
+    def point(self, cfg) -> dict:
+        """The tunable values of a config (the fixed fields left out)."""
+        d = cfg.to_dict()
+        return {p.name: d[p.name] for p in self.params}
+
+    def in_space(self, cfg) -> bool:
+        pt = self.point(cfg)
+        return all(pt[p.name] in p.choices for p in self.params)
+
+    def config_key(self, cfg) -> str:
+        """A stable, readable key of a whole config (used to deduplicate trials)."""
+        d = cfg.to_dict()
+        return ",".join(f"{k}={d[k]}" for k in sorted(d))
+
+    def launch_key(self, cfg, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
+        """Key under which two configs run the very same kernel launch for ``shape``."""
+        return self.config_key(cfg)
+
+    # ---- legality -------------------------------------------------------------------------
+    def problems(self, cfg, shape: TuneShape) -> list[str]:
+        """Why ``cfg`` cannot run ``shape`` (empty: it is legal). Checked before any launch."""
+        raise NotImplementedError
+
+    def static_problems(self, cfg, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
+        """The same check from the fields a profile lookup knows (no full shape)."""
+        raise NotImplementedError
+
+    def is_legal(self, cfg, shape: TuneShape) -> bool:
+        return not self.problems(cfg, shape)
+
+    def default_config(self, head_dim: int, rows: int, page_size: int):
+        raise NotImplementedError
+
+    def default_for(self, shape: TuneShape):
+        return self.default_config(shape.head_dim, shape.rows, shape.page_size)
+
+    # ---- enumeration ----------------------------------------------------------------------
+    def cardinality(self) -> int:
+        return math.prod(len(p.choices) for p in self.params)
+
+    def iter_points(self):
+        names = [p.name for p in self.params]
+        for values in itertools.product(*(p.choices for p in self.params)):
+            yield dict(zip(names, values))
+
+    def legality(self, shape: TuneShape) -> LegalityReport:
+        """Run the static filter over every point of the Cartesian space."""
+        rep = LegalityReport(total=0)
+        for values in self.iter_points():
+            rep.total += 1
+            cfg = self.make_config(values, shape)
+            reasons = self.problems(cfg, shape)
+            if reasons:
+                rep.illegal.append((cfg, reasons))
+            else:
+                rep.legal.append(cfg)
+        return rep
+
+    def legal_configs(self, shape: TuneShape) -> list:
+        return self.legality(shape).legal
+
+    def launch_classes(self, shape: TuneShape, num_sms: int = SM90_NUM_SMS) -> int:
+        """Number of distinct launches among the legal configs (what exhaustive search must run)."""
+        return len({self.launch_key(c, shape, num_sms) for c in self.legal_configs(shape)})
+
+    # ---- identity -------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {
+            "kernel": self.kernel,
+            "rules_version": SPACE_RULES_VERSION,
+            "params": {p.name: list(p.choices) for p in self.params},
+            "fixed": self.fixed_doc,
+        }
+
+    def space_hash(self) -> str:
+        """sha256 of the canonical JSON description of the space (stable across runs and hosts)."""
+        blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class DecodeSpace(KernelSpace):
+    """The split-KV decode kernel (``DecodeConfig``)."""
+
+    kernel = "decode"
+    config_cls = DecodeConfig
+    params = (
+        Param("tile_n", (32, 64, 128), "KV tokens per pipeline stage"),
+        Param("stages", (2, 3, 4, 5, 6, 7, 8), "depth of the SMEM ring"),
+        Param("num_splits", (0, 1, 2, 4, 8, 16, 32, 64), "CTAs along the context (0 = automatic)"),
+        Param("ctas_per_sm", (1, 2, 3, 4), "target CTAs per SM of the automatic split count"),
+        Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
+    )
+    fixed_doc = "consumer_wgs = 1 if group*q_len <= 64 else 2"
+
+    def fixed(self, shape: TuneShape) -> dict:
+        return {"consumer_wgs": consumer_wgs_for(shape.rows)}
+
+    def problems(self, cfg: DecodeConfig, shape: TuneShape) -> list[str]:
+        return self.static_problems(
+            cfg, head_dim=shape.head_dim, page_size=shape.page_size, rows=shape.rows, dtype=shape.dtype
+        )
+
+    def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
+        out = list(cfg.problems(head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)]))
+        want = consumer_wgs_for(rows)
+        if cfg.consumer_wgs != want:
+            out.append(f"consumer_wgs {cfg.consumer_wgs} does not fit {rows} query rows (needs {want})")
+        if rows > 128:
+            out.append(f"{rows} query rows (group x q_len) exceed the 128 rows of one CTA")
+        return out
+
+    def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
+        # num_splits and ctas_per_sm only choose the split count of the launch (the compiled
+        # code does not depend on them), so configs with the same resolved split count run the
+        # same launch for this shape.
+        splits = cfg.splits_for(shape.batch, shape.num_kv_heads, shape.context, num_sms)
+        return (cfg.tile_n, cfg.stages, splits, cfg.carveout, cfg.consumer_wgs)
+
+    def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
+        return default_decode_config(head_dim, rows, page_size)
+
+
+class PrefillSpace(KernelSpace):
+    """The multi-token, KV-chunk resident kernel (the op's "prefill" path, rows > 128).
+
+    Same ``DecodeConfig`` type; each CTA keeps a chunk of ``stages`` tiles in SMEM, so the split
+    count follows from tile_n and stages (``resident_splits``): num_splits and ctas_per_sm are
+    fixed, and two consumer warpgroups (128 query rows per pass) as in the default.
+    """
+
+    kernel = "prefill"
+    config_cls = DecodeConfig
+    params = (
+        Param("tile_n", (32, 64, 128), "KV tokens per tile"),
+        Param("stages", (2, 3, 4, 5, 6, 7, 8), "tiles of the KV chunk each CTA keeps in SMEM"),
+        Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
+    )
+    fixed_doc = "num_splits = 0, ctas_per_sm = 2 (unused: splits = ceil(tiles / stages)), consumer_wgs = 2"
+
+    def fixed(self, shape: TuneShape) -> dict:
+        return {"num_splits": 0, "ctas_per_sm": 2, "consumer_wgs": 2}
+
+    def problems(self, cfg: DecodeConfig, shape: TuneShape) -> list[str]:
+        return self.static_problems(
+            cfg, head_dim=shape.head_dim, page_size=shape.page_size, rows=shape.rows, dtype=shape.dtype
+        )
+
+    def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
+        return list(cfg.problems(head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)]))
+
+    def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
+        return (cfg.tile_n, cfg.stages, cfg.carveout, cfg.consumer_wgs)
+
+    def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
+        return default_prefill_config(head_dim)
+
+
+_SPACES: dict[str, KernelSpace] = {}
+
+
+def register_space(space: KernelSpace, *, replace: bool = False) -> KernelSpace:
+    """Add a kernel's space to the registry (the tuner, the profiles and the lookup use it)."""
+    if not space.kernel:
+        raise ValueError("a KernelSpace needs a kernel name")
+    if space.kernel in _SPACES and not replace:
+        raise ValueError(f"a space for kernel {space.kernel!r} is already registered")
+    _SPACES[space.kernel] = space
+    return space
+
+
+def get_space(kernel: str) -> KernelSpace:
+    try:
+        return _SPACES[kernel]
+    except KeyError:
+        raise KeyError(f"no search space for kernel {kernel!r}; known: {sorted(_SPACES)}") from None
+
+
+def kernels() -> list[str]:
+    return sorted(_SPACES)
+
+
+def space_hash(kernel: str) -> str:
+    return get_space(kernel).space_hash()
+
+
+def legal_configs(kernel: str, shape: TuneShape) -> list:
+    return get_space(kernel).legal_configs(shape)
+
+
+def config_problems(kernel: str, cfg, shape: TuneShape) -> list[str]:
+    return get_space(kernel).problems(cfg, shape)
+
+
+register_space(DecodeSpace())
+register_space(PrefillSpace())
+
+__all__ = [
+    "ConfigError",
+    "DecodeSpace",
+    "KernelSpace",
+    "PrefillSpace",
+    "LegalityReport",
+    "Param",
+    "TuneShape",
+    "config_problems",
+    "consumer_wgs_for",
+    "get_space",
+    "kernels",
+    "legal_configs",
+    "normalize_dtype",
+    "register_space",
+    "space_hash",
+    "torch_dtype",
+]
