@@ -29,7 +29,8 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     num_splits == 1, else the fp32 split partials (splits, ...)."""
     from cutlass import Float32, Int32
 
-    host = cache.host_pool
+    # The device-side alias of the pinned pool (its UVA/device address), not the host tensor.
+    host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
     hbm = cache.hbm_pool
     if hbm is None or hbm.numel() == 0:  # no HBM tier: a valid stand-in the kernel never reads
         hbm = host

@@ -1,0 +1,649 @@
+"""Paged KV cache in pinned host memory, with an optional HBM tier (see docs/CONTRACT.md).
+
+Layout
+------
+A *page* holds ``page_size`` consecutive tokens of one sequence for every layer and KV head. Each
+tier is one pool tensor of shape ``(num_pages, num_layers, num_kv_heads, 2, page_size, head_dim)``
+(``2`` = K then V), so for one (page, layer, kv_head) the K rows and then the V rows form one
+contiguous piece of ``2 * page_size * head_dim * elem`` bytes -- at least 4 KB for the kernel
+shapes (page 16, d 64), the size from which randomly ordered host pages stream over PCIe at full
+speed. Pieces start at multiples of their size from a page-aligned base, hence 16-byte aligned.
+
+* ``host_pool``: one exact-size allocation (``PinnedHostBuffer``: anonymous ``mmap``, zero-filled,
+  ``cudaHostRegister``-ed, no power-of-two rounding). ``host_pool_cuda`` aliases it as a CUDA
+  tensor (zero-copy, through UVA); it is what GPU kernels and GPU-side writes use.
+* ``hbm_pool``: ``num_hbm_pages`` pages (possibly 0) on the cache device.
+* ``device="cpu"`` (no CUDA): ``host_pool`` is an ordinary CPU tensor, ``host_pool_cuda`` is None
+  and the "HBM" tier is a second CPU pool, so every code path -- mixed tiers included -- runs in
+  CPU tests.
+
+Page tables
+-----------
+Each sequence has a list of page-table entries in logical order; ``e >= 0`` is host page ``e``,
+``e < 0`` is HBM page ``-e - 1`` (``encode_page`` / ``decode_page``). Pages are reference-counted
+per tier; a page with refcount 0 is on its tier's free list, and a page never appears twice in
+one table. A sequence of length ``n`` owns exactly ``ceil(n / page_size)`` pages.
+
+Design choices
+--------------
+* **Fork** shares the full pages (refcount + 1) and copies the partial last page *immediately*,
+  so the last page of every sequence -- the one appends and fused kernels write to -- is always
+  private and writers that bypass this class (kernels) cannot leak into a fork. Any later
+  ``write`` into a page that is still shared first gives the writer its own copy of that page
+  (copy-on-write), so sharers never see each other's writes.
+* **move_pages** moves the *physical* page: the data is copied once to a new page of the target
+  tier, every sequence sharing the page is repointed to it (sharing and refcount carry over),
+  and the old page returns to its free list. Nobody's view of the data changes.
+* **set_hbm_fraction** places ``floor(fraction * num_pages + 0.5)`` pages of a sequence in HBM and the
+  rest in host memory, either the most recent pages (``"recent"``) or evenly spread pages
+  (``"strided"``, which gives every split of the kernel a share of both tiers).
+* **Capacity**: every operation computes how many free pages it needs per tier and raises
+  ``CacheCapacityError`` before it modifies anything.
+* **Writes** of GPU tensors go straight into the destination pages -- host pages through
+  ``host_pool_cuda`` (the GPU stores into host memory over the link), no staging buffer -- as a
+  few advanced-index stores covering all touched pages. All data movement (writes, copies,
+  moves) is enqueued on the current CUDA stream; host-side reads of ``host_pool`` must
+  synchronise first (``read`` works on the device and needs no care).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+
+from directkv_cute._pinned import PinnedHostBuffer
+from directkv_cute.config import SUPPORTED_PAGE_SIZES
+
+Tier = Literal["host", "hbm"]
+TIERS: tuple[Tier, ...] = ("host", "hbm")
+PLACEMENTS = ("recent", "strided")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_PAGES = 2**31 - 1  # page ids must fit int32 entries
+
+
+class CacheCapacityError(ValueError):
+    """A tier has too few free pages for the operation; the cache was left unchanged."""
+
+
+class UnknownSequenceError(KeyError):
+    """The sequence id is not (or no longer) in the cache."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0])
+
+
+def encode_page(tier: Tier, index: int) -> int:
+    """Page-table entry of page ``index`` of ``tier``: host -> index, HBM -> -index - 1."""
+    return index if tier == "host" else -index - 1
+
+
+def decode_page(entry: int) -> tuple[Tier, int]:
+    """Inverse of ``encode_page``: (tier, page index)."""
+    return ("host", entry) if entry >= 0 else ("hbm", -entry - 1)
+
+
+class KernelTables(NamedTuple):
+    """Per-batch page tables for the kernels, on the cache device.
+
+    page_table: int32 (B, max_pages) -- encoded entries; past a sequence's pages, its last page
+                repeats (a valid page, so a stray read is harmless).
+    seq_lens:   int32 (B,)
+    """
+
+    page_table: torch.Tensor  # int32 (B, max_pages)
+    seq_lens: torch.Tensor  # int32 (B,)
+
+    @property
+    def is_hbm(self) -> torch.Tensor:
+        """bool (B, max_pages): True where the entry is an HBM page."""
+        return self.page_table < 0
+
+    def num_pages(self, page_size: int) -> torch.Tensor:
+        """int32 (B,): pages each sequence owns, ``ceil(seq_len / page_size)``."""
+        return torch.div(self.seq_lens + (page_size - 1), page_size, rounding_mode="floor")
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """A deep snapshot of the cache's bookkeeping (not its data), comparable with ``==``."""
+
+    seq_lens: dict[int, int]
+    page_tables: dict[int, tuple[int, ...]]
+    refcounts: dict[str, tuple[int, ...]]  # tier -> refcount of every page
+    free_lists: dict[str, tuple[int, ...]]  # tier -> free page ids, in allocation (pop) order
+
+
+@dataclass
+class _Sequence:
+    """One sequence: its page-table entries and token count, plus a cached int32 copy."""
+
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+    _table: np.ndarray | None = None  # int32 (len(pages),), rebuilt after a change
+
+    def set_entry(self, index: int, entry: int) -> None:
+        self.pages[index] = entry
+        self._table = None
+
+    def add_entries(self, entries: list[int]) -> None:
+        self.pages.extend(entries)
+        self._table = None
+
+    def table(self) -> np.ndarray:
+        if self._table is None:
+            self._table = np.asarray(self.pages, dtype=np.int32)
+        return self._table
+
+
+def _check_int(value: object, name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+class PagedKVCache:
+    """Whole-model paged KV cache: host tier in pinned memory, optional HBM tier.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape (head_dim a multiple of 8, so that every
+            row is 16-byte aligned).
+        page_size: tokens per page, one of 16, 32, 64, 128.
+        num_host_pages: capacity of the host tier (>= 1); allocated and pinned once, exactly.
+        num_hbm_pages: capacity of the HBM tier (may be 0).
+        dtype: torch.bfloat16 or torch.float16.
+        device: "cuda" / "cuda:N" (pinned, GPU-mapped host pool; HBM pool on that GPU) or "cpu"
+            (everything in ordinary CPU tensors).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        num_host_pages: int,
+        num_hbm_pages: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cuda",
+    ) -> None:
+        self.num_layers = _check_int(num_layers, "num_layers", 1)
+        self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", 1)
+        self.head_dim = _check_int(head_dim, "head_dim", 8)
+        if self.head_dim % 8:
+            raise ValueError(f"head_dim must be a multiple of 8 (16-byte rows), got {head_dim}")
+        self.page_size = _check_int(page_size, "page_size", 1)
+        if self.page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+        capacity = {
+            "host": _check_int(num_host_pages, "num_host_pages", 1),
+            "hbm": _check_int(num_hbm_pages, "num_hbm_pages", 0),
+        }
+        for tier, n in capacity.items():
+            if n > _MAX_PAGES:
+                raise ValueError(f"{tier} tier: {n} pages do not fit int32 page-table entries")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        self.dtype = dtype
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError("device='cuda' but CUDA is not available (use device='cpu')")
+            device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        elif device.type != "cpu":
+            raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
+        self.device = device
+
+        # One page: (num_layers, num_kv_heads, 2, page_size, head_dim).
+        self.page_shape = (self.num_layers, self.num_kv_heads, 2, self.page_size, self.head_dim)
+        self.page_bytes = math.prod(self.page_shape) * dtype.itemsize
+        self._host_buffer = PinnedHostBuffer(
+            capacity["host"] * self.page_bytes, device if device.type == "cuda" else None
+        )
+        # (num_host_pages, L, Hkv, 2, page_size, d), CPU; pinned and mapped on CUDA.
+        self.host_pool = self._host_buffer.tensor.view(dtype).view(capacity["host"], *self.page_shape)
+        # Same shape, a CUDA alias of host_pool's memory (None on CPU).
+        self.host_pool_cuda = (
+            self._host_buffer.cuda_view(dtype).view(capacity["host"], *self.page_shape)
+            if device.type == "cuda"
+            else None
+        )
+        # (num_hbm_pages, L, Hkv, 2, page_size, d) on the cache device.
+        self.hbm_pool = torch.zeros((capacity["hbm"], *self.page_shape), dtype=dtype, device=device)
+
+        self._capacity = capacity
+        self._refs = {tier: np.zeros(n, dtype=np.int32) for tier, n in capacity.items()}
+        # Free lists are stacks popped from the end, so pages are handed out in increasing order.
+        self._free = {tier: list(range(n - 1, -1, -1)) for tier, n in capacity.items()}
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self._closed = False
+
+    # ---- lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unpin the host pool now (idempotent). The cache, and CUDA views of it, are unusable after."""
+        self._closed = True
+        self.host_pool_cuda = None
+        self._host_buffer.close()
+
+    def __enter__(self) -> "PagedKVCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"page_size={self.page_size}, dtype={self.dtype}, device={self.device}, "
+            f"host {self.free_pages('host')}/{self._capacity['host']} free, "
+            f"hbm {self.free_pages('hbm')}/{self._capacity['hbm']} free, {len(self._seqs)} sequences)"
+        )
+
+    @property
+    def host_pinned(self) -> bool:
+        """True while the host pool is page-locked and mapped for the GPU."""
+        return self._host_buffer.registered
+
+    # ---- queries ---------------------------------------------------------------------------
+    @property
+    def seq_ids(self) -> list[int]:
+        """Ids of the live sequences, in creation order."""
+        return list(self._seqs)
+
+    def num_pages(self, tier: Tier = "host") -> int:
+        """Capacity of ``tier`` in pages."""
+        return self._capacity[self._check_tier(tier)]
+
+    def free_pages(self, tier: Tier = "host") -> int:
+        """Free pages of ``tier``."""
+        return len(self._free[self._check_tier(tier)])
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens of the sequence (allocated by ``extend``/``append``)."""
+        return self._seq(seq_id).length
+
+    def page_table(self, seq_id: int) -> list[int]:
+        """The sequence's encoded page-table entries in logical order (a copy)."""
+        return list(self._seq(seq_id).pages)
+
+    def page_counts(self, seq_id: int) -> dict[str, int]:
+        """Pages of the sequence per tier, e.g. ``{"host": 30, "hbm": 2}``."""
+        table = self._seq(seq_id).table()
+        hbm = int(np.count_nonzero(table < 0))
+        return {"host": len(table) - hbm, "hbm": hbm}
+
+    def page_hbm(self, seq_ids: Sequence[int]) -> list[list[bool]]:
+        """Per sequence, per logical page: whether it lives in HBM (``plan.decode_traffic`` input)."""
+        return [(self._seq(s).table() < 0).tolist() for s in seq_ids]
+
+    def state(self) -> CacheState:
+        """A deep snapshot of the bookkeeping, for invariant checks and tests."""
+        return CacheState(
+            seq_lens={i: s.length for i, s in self._seqs.items()},
+            page_tables={i: tuple(s.pages) for i, s in self._seqs.items()},
+            refcounts={t: tuple(int(r) for r in self._refs[t]) for t in TIERS},
+            free_lists={t: tuple(self._free[t]) for t in TIERS},
+        )
+
+    def device_pool(self, tier: Tier) -> torch.Tensor:
+        """The tier's pool as a tensor on the cache device (``host_pool_cuda`` for host on CUDA).
+
+        Shape (num_pages, num_layers, num_kv_heads, 2, page_size, head_dim).
+        """
+        self._check_open()
+        if self._check_tier(tier) == "hbm":
+            return self.hbm_pool
+        return self.host_pool if self.host_pool_cuda is None else self.host_pool_cuda
+
+    # ---- sequence operations ---------------------------------------------------------------
+    def add_sequence(self) -> int:
+        """Create an empty sequence and return its id (ids are never reused)."""
+        self._check_open()
+        seq_id = self._next_id
+        self._next_id += 1
+        self._seqs[seq_id] = _Sequence()
+        return seq_id
+
+    def extend(self, seq_id: int, n: int, tier: Tier = "host") -> int:
+        """Reserve ``n`` more tokens (all layers); new pages come from ``tier``. Returns the start position."""
+        seq = self._seq(seq_id)
+        n = _check_int(n, "n")
+        self._check_tier(tier)
+        need = self._pages_for(seq.length + n) - len(seq.pages)
+        self._require({tier: need}, f"extend sequence {seq_id} by {n} tokens")
+        start = seq.length
+        seq.add_entries([encode_page(tier, self._alloc(tier)) for _ in range(need)])
+        seq.length += n
+        return start
+
+    def write(self, seq_id: int, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of tokens ``[start, start + n)`` of one layer; the tokens must be allocated.
+
+        k, v: (n, num_kv_heads, head_dim), cache dtype, on the cache device. Pages still shared
+        with a fork are copied first (copy-on-write).
+        """
+        seq = self._seq(seq_id)
+        layer = self._check_layer(layer)
+        n = self._check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
+        start = _check_int(start, "start")
+        if start + n > seq.length:
+            raise ValueError(
+                f"write of tokens [{start}, {start + n}) past the end of sequence {seq_id} "
+                f"(length {seq.length}; extend it first)"
+            )
+        if n == 0:
+            return
+        shared = self._shared_pages(seq, start, start + n)
+        what = f"copy-on-write of {len(shared)} shared pages of sequence {seq_id}"
+        self._require(self._tier_counts(seq, shared), what)
+        self._unshare(seq, shared)
+        self._store(seq, layer, start, k, v)
+
+    def append(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, tier: Tier = "host") -> int:
+        """Extend by n tokens and write them for all layers. Returns the start position.
+
+        k, v: (n, num_layers, num_kv_heads, head_dim), cache dtype, on the cache device.
+        """
+        seq = self._seq(seq_id)
+        n = self._check_kv(
+            k, v, (self.num_layers, self.num_kv_heads, self.head_dim), "(n, num_layers, num_kv_heads, head_dim)"
+        )
+        # The new tokens land in the partial last page, which is never shared (fork copies it),
+        # and in new pages: extend's capacity check covers everything.
+        start = self.extend(seq_id, n, tier)
+        if n:
+            self._store(seq, None, start, k, v)
+        return start
+
+    def read(
+        self, seq_id: int, layer: int | None, start: int = 0, stop: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens ``[start, stop)``, gathered on the cache device.
+
+        Returns (n, num_kv_heads, head_dim) tensors for one layer, or
+        (n, num_layers, num_kv_heads, head_dim) for ``layer=None``.
+        """
+        seq = self._seq(seq_id)
+        if layer is not None:
+            layer = self._check_layer(layer)
+        stop = seq.length if stop is None else _check_int(stop, "stop")
+        start = _check_int(start, "start")
+        if not start <= stop <= seq.length:
+            raise ValueError(f"read range [{start}, {stop}) outside sequence {seq_id} of length {seq.length}")
+        lsel = slice(None) if layer is None else layer
+        token_shape = (self.num_kv_heads, self.head_dim)
+        if layer is None:
+            token_shape = (self.num_layers, *token_shape)
+        slots = list(self._slots(seq, start, stop - start))
+        if len(slots) == 1:  # one tier: the gathers are the result
+            tier, _, pidx, off = slots[0]
+            pool = self.device_pool(tier)
+            return pool[pidx, lsel, :, 0, off], pool[pidx, lsel, :, 1, off]
+        k = torch.empty((stop - start, *token_shape), dtype=self.dtype, device=self.device)  # (n, [L,] Hkv, d)
+        v = torch.empty_like(k)
+        for tier, tok, pidx, off in slots:
+            pool = self.device_pool(tier)
+            k[tok] = pool[pidx, lsel, :, 0, off]
+            v[tok] = pool[pidx, lsel, :, 1, off]
+        return k, v
+
+    def fork(self, seq_id: int) -> int:
+        """New sequence with the same contents: full pages shared, the partial last page copied now."""
+        seq = self._seq(seq_id)
+        n_full = seq.length // self.page_size
+        partial = seq.pages[n_full:]  # [] or [the partial last page]
+        self._require(self._tier_counts(seq, range(n_full, len(seq.pages))), f"fork sequence {seq_id}")
+        entries = list(seq.pages[:n_full])
+        for entry in entries:
+            tier, index = decode_page(entry)
+            self._refs[tier][index] += 1
+        for entry in partial:
+            tier = decode_page(entry)[0]
+            copy = encode_page(tier, self._alloc(tier))
+            self._copy_page(entry, copy)
+            entries.append(copy)
+        new_id = self.add_sequence()
+        self._seqs[new_id].add_entries(entries)
+        self._seqs[new_id].length = seq.length
+        return new_id
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence; pages whose refcount reaches 0 return to their tier's free list."""
+        seq = self._seq(seq_id)
+        for entry in seq.pages:
+            self._decref(entry)
+        del self._seqs[seq_id]
+
+    def move_pages(self, seq_id: int, logical_pages: Iterable[int], tier: Tier) -> None:
+        """Move the given logical pages of a sequence to ``tier``.
+
+        The physical page moves: its data is copied to a new page of ``tier``, every sequence
+        sharing it is repointed, and the old page is freed. Pages already in ``tier`` stay.
+        """
+        seq = self._seq(seq_id)
+        self._check_tier(tier)
+        if isinstance(logical_pages, (int, np.integer)):
+            raise TypeError("logical_pages must be an iterable of ints, not a single int")
+        lps = sorted({_check_int(lp, "logical page") for lp in logical_pages})
+        if lps and lps[-1] >= len(seq.pages):
+            raise IndexError(f"logical page {lps[-1]} out of range: sequence {seq_id} has {len(seq.pages)} pages")
+        moving = [seq.pages[lp] for lp in lps if decode_page(seq.pages[lp])[0] != tier]
+        self._require({tier: len(moving)}, f"move {len(moving)} pages of sequence {seq_id} to {tier}")
+        remap = {}
+        for old in moving:
+            new = encode_page(tier, self._alloc(tier, refs=self._refcount(old)))
+            self._copy_page(old, new)
+            self._release(old)
+            remap[old] = new
+        shared = any(self._refcount(new) > 1 for new in remap.values())
+        for s in self._seqs.values() if shared else [seq]:
+            for i, entry in enumerate(s.pages):
+                if entry in remap:
+                    s.set_entry(i, remap[entry])
+
+    def set_hbm_fraction(self, seq_id: int, fraction: float, placement: str = "recent") -> None:
+        """Place ``floor(fraction * num_pages + 0.5)`` of the sequence's pages in HBM, the rest in host memory.
+
+        placement "recent": the most recent (last) pages go to HBM; "strided": evenly spread pages
+        (page i is in HBM iff floor((i + 1) * f) > floor(i * f) for f = hbm_pages / num_pages).
+        Pages shared with forks move for every sharer (see ``move_pages``).
+        """
+        seq = self._seq(seq_id)
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+        n = len(seq.pages)
+        n_hbm = math.floor(fraction * n + 0.5)
+        if placement == "recent":
+            want_hbm = [i >= n - n_hbm for i in range(n)]
+        else:
+            want_hbm = [(i + 1) * n_hbm // n > i * n_hbm // n for i in range(n)]
+        is_hbm = [e < 0 for e in seq.pages]
+        to_host = [i for i in range(n) if is_hbm[i] and not want_hbm[i]]
+        to_hbm = [i for i in range(n) if want_hbm[i] and not is_hbm[i]]
+        # Host-bound moves run first and free HBM pages for the HBM-bound ones.
+        if len(to_host) > self.free_pages("host") or len(to_hbm) > self.free_pages("hbm") + len(to_host):
+            raise CacheCapacityError(
+                f"set_hbm_fraction({fraction}) of sequence {seq_id} moves {len(to_host)} pages to host "
+                f"({self.free_pages('host')} free) and {len(to_hbm)} to hbm ({self.free_pages('hbm')} free "
+                f"+ {len(to_host)} freed); the cache is unchanged"
+            )
+        self.move_pages(seq_id, to_host, "host")
+        self.move_pages(seq_id, to_hbm, "hbm")
+
+    def kernel_tables(self, seq_ids: Sequence[int]) -> KernelTables:
+        """Page tables and lengths of a batch for the kernels (one host-to-device copy)."""
+        self._check_open()
+        if isinstance(seq_ids, (int, np.integer)) or len(seq_ids) == 0:
+            raise ValueError(f"seq_ids must be a non-empty sequence of ids, got {seq_ids!r}")
+        seqs = [self._seq(s) for s in seq_ids]
+        for s, seq in zip(seq_ids, seqs):
+            if seq.length == 0:
+                raise ValueError(f"sequence {s} is empty; kernel_tables needs at least one token per sequence")
+        batch, max_pages = len(seqs), max(len(seq.pages) for seq in seqs)
+        packed = np.empty(batch * max_pages + batch, dtype=np.int32)  # page_table then seq_lens
+        table = packed[: batch * max_pages].reshape(batch, max_pages)
+        for row, seq in zip(table, seqs):
+            pages = seq.table()
+            row[: len(pages)] = pages
+            row[len(pages) :] = pages[-1]
+        packed[batch * max_pages :] = [seq.length for seq in seqs]
+        dev = torch.from_numpy(packed).to(self.device)
+        return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :])
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the cache is closed")
+
+    def _seq(self, seq_id: int) -> _Sequence:
+        self._check_open()
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise TypeError(f"seq_id must be an int, got {type(seq_id).__name__}")
+        try:
+            return self._seqs[int(seq_id)]
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id} (live: {self.seq_ids})") from None
+
+    def _check_tier(self, tier: str) -> Tier:
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        return tier
+
+    def _check_layer(self, layer: int) -> int:
+        layer = _check_int(layer, "layer")
+        if layer >= self.num_layers:
+            raise IndexError(f"layer {layer} out of range for a cache of {self.num_layers} layers")
+        return layer
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, tail: tuple[int, ...], expected: str) -> int:
+        """Validate a K/V pair of shape (n, *tail); return n."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the cache is on {self.device}")
+            if t.dim() != len(tail) + 1 or tuple(t.shape[1:]) != tail:
+                sizes = ", ".join(map(str, tail))
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected} = (n, {sizes})")
+        if k.shape != v.shape:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+        return k.shape[0]
+
+    def _pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_size)
+
+    def _require(self, needs: dict[str, int], what: str) -> None:
+        short = {t: n for t, n in needs.items() if n > len(self._free[t])}
+        if short:
+            detail = ", ".join(f"{n} {t} pages needed, {len(self._free[t])} free" for t, n in short.items())
+            raise CacheCapacityError(f"cannot {what}: {detail}; the cache is unchanged")
+
+    def _alloc(self, tier: Tier, refs: int = 1) -> int:
+        index = self._free[tier].pop()
+        self._refs[tier][index] = refs
+        return index
+
+    def _refcount(self, entry: int) -> int:
+        tier, index = decode_page(entry)
+        return int(self._refs[tier][index])
+
+    def _decref(self, entry: int) -> None:
+        tier, index = decode_page(entry)
+        self._refs[tier][index] -= 1
+        if self._refs[tier][index] == 0:
+            self._free[tier].append(index)
+
+    def _release(self, entry: int) -> None:
+        """Return a page to its free list whatever its refcount (its users were repointed)."""
+        tier, index = decode_page(entry)
+        self._refs[tier][index] = 0
+        self._free[tier].append(index)
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        """Copy a whole page (all layers) on the cache device, on the current stream.
+
+        An indexed-copy kernel rather than ``copy_``: ``copy_`` between two CUDA tensors is a
+        device-to-device memcpy, which is not specified for host memory reached through UVA;
+        a kernel's loads and stores are.
+        """
+        (src_tier, si), (dst_tier, di) = decode_page(src), decode_page(dst)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,)
+        dst_page = self.device_pool(dst_tier)[di : di + 1]  # (1, L, Hkv, 2, page_size, d)
+        dst_page.index_copy_(0, zero, self.device_pool(src_tier)[si : si + 1])
+
+    def _shared_pages(self, seq: _Sequence, start: int, stop: int) -> list[int]:
+        """Logical pages holding tokens [start, stop) whose physical page is shared."""
+        if stop <= start:
+            return []
+        lps = range(start // self.page_size, (stop - 1) // self.page_size + 1)
+        return [lp for lp in lps if self._refcount(seq.pages[lp]) > 1]
+
+    def _tier_counts(self, seq: _Sequence, logical_pages: Iterable[int]) -> dict[str, int]:
+        """Pages per tier among the given logical pages of the sequence."""
+        counts: dict[str, int] = {}
+        for lp in logical_pages:
+            tier = decode_page(seq.pages[lp])[0]
+            counts[tier] = counts.get(tier, 0) + 1
+        return counts
+
+    def _unshare(self, seq: _Sequence, logical_pages: list[int]) -> None:
+        """Give the sequence private copies of the given (shared) logical pages."""
+        for lp in logical_pages:
+            old = seq.pages[lp]
+            tier = decode_page(old)[0]
+            new = encode_page(tier, self._alloc(tier))
+            self._copy_page(old, new)
+            self._decref(old)
+            seq.set_entry(lp, new)
+
+    def _slots(self, seq: _Sequence, start: int, n: int):
+        """Where tokens [start, start + n) live, grouped by tier (one host-to-device copy).
+
+        Yields (tier, tok, pidx, off): ``tok`` int64 (m,) the tokens (relative to start) in this
+        tier, or None when all n are; ``pidx`` int64 (m,) their pages; ``off`` int64 (m,) their
+        rows within the page. Index tensors are on the cache device.
+        """
+        if n == 0:
+            return
+        pos = np.arange(start, start + n)  # (n,)
+        first = start // self.page_size
+        entries = seq.table()[first : (start + n - 1) // self.page_size + 1].astype(np.int64)
+        entries = entries[pos // self.page_size - first]  # (n,)
+        off = pos % self.page_size  # (n,)
+        in_hbm = entries < 0
+        if not in_hbm.any() or in_hbm.all():
+            tier: Tier = "hbm" if in_hbm[0] else "host"
+            pidx = -entries - 1 if in_hbm[0] else entries
+            dev = torch.from_numpy(np.concatenate([pidx, off])).to(self.device)
+            yield tier, None, dev[:n], dev[n:]
+            return
+        groups = [("host", np.flatnonzero(~in_hbm)), ("hbm", np.flatnonzero(in_hbm))]
+        parts = []
+        for tier, tok in groups:
+            pidx = entries[tok] if tier == "host" else -entries[tok] - 1
+            parts += [tok, pidx, off[tok]]
+        dev = torch.from_numpy(np.concatenate(parts)).to(self.device)
+        at = 0
+        for tier, tok in groups:
+            m = len(tok)
+            yield tier, dev[at : at + m], dev[at + m : at + 2 * m], dev[at + 2 * m : at + 3 * m]
+            at += 3 * m
+
+    def _store(self, seq: _Sequence, layer: int | None, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their pages."""
+        lsel = slice(None) if layer is None else layer
+        for tier, tok, pidx, off in self._slots(seq, start, k.shape[0]):
+            pool = self.device_pool(tier)
+            pool[pidx, lsel, :, 0, off] = k if tok is None else k[tok]
+            pool[pidx, lsel, :, 1, off] = v if tok is None else v[tok]
