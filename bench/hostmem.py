@@ -72,7 +72,8 @@ def _check_alias(host: torch.Tensor, alias: torch.Tensor) -> None:
     h = host.view(-1).view(torch.uint8)
     if h.numel() == 0:
         return
-    idx = torch.linspace(0, h.numel() - 1, steps=min(64, h.numel())).long()
+    steps = min(64, h.numel())
+    idx = torch.arange(steps) * (h.numel() - 1) // max(1, steps - 1)  # exact integer positions
     through_gpu = alias.view(-1).view(torch.uint8)[idx.cuda()].cpu()
     if not torch.equal(through_gpu, h[idx]):
         raise RuntimeError("the UVA view of pinned host memory reads different bytes than the host: "

@@ -36,7 +36,7 @@ class DecodeConfig:
     ctas_per_sm:   target resident CTAs per SM for the automatic split count.
     carveout:      percent of the unified L1/SMEM reserved as SMEM
                    (cudaFuncAttributePreferredSharedMemoryCarveout); the paper's default is 80.
-    consumer_wgs:  consumer warpgroups; each holds 64 query rows (GQA group x q_len).
+    consumer_wgs:  consumer warpgroups (1-3); each holds 64 query rows (GQA group x q_len).
     """
 
     tile_n: int = 64
@@ -91,8 +91,10 @@ class DecodeConfig:
             out.append("ctas_per_sm must be in 1..8")
         if not 0 <= self.carveout <= 100:
             out.append("carveout must be a percentage 0..100")
-        if self.consumer_wgs not in (1, 2):
-            out.append("consumer_wgs must be 1 or 2")
+        if self.consumer_wgs not in (1, 2, 3):
+            out.append("consumer_wgs must be 1, 2 or 3")
+        elif self.consumer_wgs == 3 and self.tile_n > 64:
+            out.append("3 consumer warpgroups (160 registers each) need tile_n <= 64")
         if page_size is not None:
             if page_size not in SUPPORTED_PAGE_SIZES:
                 out.append(f"page_size {page_size} not in {SUPPORTED_PAGE_SIZES}")

@@ -178,3 +178,17 @@ def test_bad_inputs_raise_before_launch():
         paged_attention(q, cache, 7, ids)
     with pytest.raises(ValueError):
         paged_attention(q, cache, layer, ids, q_lens=[2])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecodeConfig(tile_n=64, stages=4, consumer_wgs=1, carveout=100),
+        DecodeConfig(tile_n=64, stages=5, consumer_wgs=3, carveout=100),
+        DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100),
+        DecodeConfig(tile_n=128, stages=2, consumer_wgs=2, carveout=100),
+    ],
+)
+def test_multi_token_configs(config):
+    """The resident kernel across warpgroup counts, tiles and chunk sizes (ragged, mixed tiers)."""
+    _run([3333, 900], [700, 129], 32, 8, 128, 32, torch.bfloat16, 0.5, config)

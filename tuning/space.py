@@ -337,11 +337,12 @@ class PrefillSpace(KernelSpace):
         Param("tile_n", (32, 64, 128), "KV tokens per tile"),
         Param("stages", (2, 3, 4, 5, 6, 7, 8), "tiles of the KV chunk each CTA keeps in SMEM"),
         Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
+        Param("consumer_wgs", (1, 2, 3), "consumer warpgroups: 64 query rows each per pass over the chunk"),
     )
-    fixed_doc = "num_splits = 0, ctas_per_sm = 2 (unused: splits = ceil(tiles / stages)), consumer_wgs = 2"
+    fixed_doc = "num_splits = 0, ctas_per_sm = 2 (unused: splits = ceil(tiles / stages))"
 
     def fixed(self, shape: TuneShape) -> dict:
-        return {"num_splits": 0, "ctas_per_sm": 2, "consumer_wgs": 2}
+        return {"num_splits": 0, "ctas_per_sm": 2}
 
     def problems(self, cfg: DecodeConfig, shape: TuneShape) -> list[str]:
         return self.static_problems(

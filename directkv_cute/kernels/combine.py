@@ -34,8 +34,9 @@ class SplitCombine:
         stream: cuda.CUstream,
     ):
         d = self.head_dim
-        mOp = cute.make_tensor(o_part_ptr, cute.make_layout((num_splits, rows, d), stride=(rows * d, d, 1)))
-        mLp = cute.make_tensor(lse_part_ptr, cute.make_layout((num_splits, rows), stride=(rows, 1)))
+        # (splits x rows x d) partials can exceed 2^31 elements: 64-bit split stride.
+        mOp = cute.make_tensor(o_part_ptr, cute.make_layout((num_splits, rows, d), stride=(cutlass.Int64(rows) * d, d, 1)))
+        mLp = cute.make_tensor(lse_part_ptr, cute.make_layout((num_splits, rows), stride=(cutlass.Int64(rows), 1)))
         mO = cute.make_tensor(o_ptr, cute.make_layout((rows, d), stride=(d, 1)))
         mL = cute.make_tensor(lse_ptr, cute.make_layout(rows))
         self.kernel(mOp, mLp, mO, mL, num_splits).launch(grid=[rows, 1, 1], block=[d, 1, 1], stream=stream)

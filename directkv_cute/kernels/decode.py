@@ -39,8 +39,9 @@ from directkv_cute.kernels.helpers import (
     transpose_view,
 )
 
-PRODUCER_REGS = 40
-CONSUMER_REGS = {1: 232, 2: 232}
+# setmaxnreg budgets (producer warpgroup, each consumer warpgroup) by consumer warpgroups:
+# 128 x (producer + wgs x consumer) registers must fit the SM's 64K.
+REGS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
 
 
 class DecodeAttention:
@@ -105,10 +106,11 @@ class DecodeAttention:
         mSeqLen = cute.make_tensor(seq_lens_ptr, cute.make_layout(batch))
         mCuQ = cute.make_tensor(cu_q_ptr, cute.make_layout(batch + 1))
         if const_expr(self.split_out):
-            mO = cute.make_tensor(
-                o_ptr, cute.make_layout((num_splits, total_q, hq, d), stride=(total_q * hq * d, hq * d, d, 1))
-            )
-            mLSE = cute.make_tensor(lse_ptr, cute.make_layout((num_splits, total_q, hq), stride=(total_q * hq, hq, 1)))
+            # Partials of long prefills exceed 2^31 elements: 64-bit split strides.
+            split_o = cutlass.Int64(total_q) * hq * d
+            split_lse = cutlass.Int64(total_q) * hq
+            mO = cute.make_tensor(o_ptr, cute.make_layout((num_splits, total_q, hq, d), stride=(split_o, hq * d, d, 1)))
+            mLSE = cute.make_tensor(lse_ptr, cute.make_layout((num_splits, total_q, hq), stride=(split_lse, hq, 1)))
         else:
             mO = cute.make_tensor(o_ptr, cute.make_layout((1, total_q, hq, d), stride=(0, hq * d, d, 1)))
             mLSE = cute.make_tensor(lse_ptr, cute.make_layout((1, total_q, hq), stride=(0, hq, 1)))
@@ -212,7 +214,7 @@ class DecodeAttention:
 
         if warp_idx < 4:
             # ---------------- producer warpgroup: warp 0 streams K/V pages with TMA ----------
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(REGS[self.wgs][0])
             if warp_idx == 0:
                 self.load(
                     kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, b, kvh, num_kv_heads, num_layers,
@@ -220,7 +222,7 @@ class DecodeAttention:
                 )
         else:
             # ---------------- consumer warpgroups -------------------------------------------
-            cute.arch.setmaxregister_increase(CONSUMER_REGS[self.wgs])
+            cute.arch.setmaxregister_increase(REGS[self.wgs][1])
             ctidx = tidx - 128
             wg = ctidx // 128
             wg_tidx = ctidx % 128
