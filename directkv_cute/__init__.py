@@ -8,12 +8,32 @@ Public API:
     paged_attention_ref     the float32 reference (also the CPU path)
 """
 
-from directkv_cute.cache import CacheCapacityError, KernelTables, PagedKVCache
+from importlib import import_module
+
 from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_prefill_config
-from directkv_cute.ops import paged_attention, paged_attention_tables
-from directkv_cute.reference import dense_attention_ref, paged_attention_ref
 
 __version__ = "0.1.0"
+
+# torch-backed pieces load on first use, so that `directkv_cute.config` and
+# `directkv_cute.tuning` stay importable without torch (the tuner's CLI, CI tools).
+_LAZY = {
+    "CacheCapacityError": "directkv_cute.cache",
+    "KernelTables": "directkv_cute.cache",
+    "PagedKVCache": "directkv_cute.cache",
+    "paged_attention": "directkv_cute.ops",
+    "paged_attention_tables": "directkv_cute.ops",
+    "dense_attention_ref": "directkv_cute.reference",
+    "paged_attention_ref": "directkv_cute.reference",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'directkv_cute' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "CacheCapacityError",

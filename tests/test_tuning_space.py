@@ -111,8 +111,10 @@ def test_prefill_space():
     space = get_space("prefill")
     shape = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
     rep = space.legality(shape)
-    assert rep.total == 3 * 7 * 6 and 0 < rep.legal_count < rep.total
-    assert {(c.num_splits, c.ctas_per_sm, c.consumer_wgs) for c in rep.legal} == {(0, 2, 2)}
+    assert rep.total == 3 * 7 * 6 * 3 and 0 < rep.legal_count < rep.total
+    assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 2)}
+    assert {c.consumer_wgs for c in rep.legal} == {1, 2, 3}
+    assert all(c.tile_n <= 64 for c in rep.legal if c.consumer_wgs == 3)
     d = space.default_for(shape)
     assert space.is_legal(d, shape) and space.in_space(d) and d.consumer_wgs == 2
     assert get_space("decode").legality(shape).legal_count == 0  # too many rows for one CTA
