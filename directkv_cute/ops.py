@@ -189,3 +189,46 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale)
         launch_combine(compile_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
+
+
+# ---- torch.library registration --------------------------------------------------------------
+class _PoolView:
+    """The few cache attributes the kernels read, rebuilt from the pool tensors (the op below
+    takes tensors only, so that torch.compile and the dispatcher can see them)."""
+
+    def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor):
+        _, self.num_layers, self.num_kv_heads, _, self.page_size, self.head_dim = host_pool.shape
+        self.host_pool = self.host_pool_cuda = host_pool
+        self.hbm_pool = hbm_pool
+        self.dtype = host_pool.dtype
+
+
+@torch.library.custom_op("directkv_cute::paged_attention", mutates_args=())
+def attention_op(q: torch.Tensor, host_pool: torch.Tensor, hbm_pool: torch.Tensor, page_table: torch.Tensor,
+                 seq_lens: torch.Tensor, layer: int, q_lens: list[int] | None = None,
+                 softmax_scale: float | None = None, config: list[int] | None = None,
+                 max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.directkv_cute.paged_attention``: the op on plain tensors, returning (out, lse).
+
+    host_pool is ``cache.host_pool_cuda`` on a GPU (the UVA alias of the pinned pool) or
+    ``cache.host_pool`` on a CPU; hbm_pool is ``cache.hbm_pool``; page_table / seq_lens come from
+    ``cache.kernel_tables``; config lists the DecodeConfig fields in order (None: profile lookup).
+    Direct Python calls of ``paged_attention_tables`` skip the dispatcher's overhead; this entry
+    is for torch.compile'd models and other dispatcher users.
+    """
+    if q.is_cuda:
+        from directkv_cute.cache import KernelTables
+
+        cfg = DecodeConfig(*config) if config else None
+        out, lse = paged_attention_tables(q, _PoolView(host_pool, hbm_pool), layer, KernelTables(page_table, seq_lens),
+                                          q_lens, softmax_scale, config=cfg, return_lse=True, max_seq_len=max_seq_len)
+        return out, lse
+    from directkv_cute.reference import tables_attention_ref
+
+    return tables_attention_ref(q, host_pool, hbm_pool, page_table, seq_lens, layer, q_lens, softmax_scale)
+
+
+@attention_op.register_fake
+def _attention_op_fake(q, host_pool, hbm_pool, page_table, seq_lens, layer, q_lens=None, softmax_scale=None,
+                       config=None, max_seq_len=None):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

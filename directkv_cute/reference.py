@@ -66,15 +66,33 @@ def paged_attention_ref(
         raise ValueError(f"q has head_dim {head_dim}, the cache has {cache.head_dim}")
     if not 0 <= layer < cache.num_layers:
         raise IndexError(f"layer {layer} out of range for a cache of {cache.num_layers} layers")
-    group = _check_heads(num_q_heads, cache.num_kv_heads)
+    _check_heads(num_q_heads, cache.num_kv_heads)
     tables = cache.kernel_tables(seq_ids)
-    page_table = tables.page_table.cpu()  # int32 (B, max_pages)
-    seq_lens = tables.seq_lens.tolist()
+    return tables_attention_ref(q, cache.device_pool("host"), cache.device_pool("hbm"), tables.page_table,
+                                tables.seq_lens, layer, q_lens, softmax_scale)
+
+
+def tables_attention_ref(
+    q: torch.Tensor,
+    host_pool: torch.Tensor,
+    hbm_pool: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layer: int,
+    q_lens: Sequence[int] | None = None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``paged_attention_ref`` on the raw pieces the kernels see: the two page pools
+    (num_pages, L, Hkv, 2, page_size, d), an encoded int32 page table (B, max_pages) and the
+    sequence lengths (B,). Used by the CPU path of the ``directkv_cute::paged_attention`` op."""
+    total_q, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = host_pool.shape[2], host_pool.shape[4]
+    group = _check_heads(num_q_heads, num_kv_heads)
+    page_table = page_table.cpu()  # int32 (B, max_pages)
+    seq_lens = seq_lens.tolist()
     q_lens = _check_q_lens(q_lens, len(seq_lens), total_q, seq_lens)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
-    page_size = cache.page_size
-    host_pool, hbm_pool = cache.device_pool("host"), cache.device_pool("hbm")
     out = torch.empty_like(q)  # (total_q, Hq, d)
     lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device)
     row = 0
@@ -83,12 +101,12 @@ def paged_attention_ref(
         entries = page_table[b, : -(-seq_len // page_size)].long()  # (n_pages,)
         in_hbm = entries < 0
         # pages: (n_pages, Hkv, 2, page_size, d), this layer only.
-        pages = torch.empty((len(entries), *cache.page_shape[1:]), dtype=cache.dtype, device=q.device)
+        pages = torch.empty((len(entries), *host_pool.shape[2:]), dtype=q.dtype, device=q.device)
         at_hbm = in_hbm.to(q.device)
         pages[~at_hbm] = host_pool[entries[~in_hbm].to(host_pool.device), layer].to(q.device)
         pages[at_hbm] = hbm_pool[(-entries[in_hbm] - 1).to(hbm_pool.device), layer].to(q.device)
         # -> (2, n_pages * page_size, Hkv, d)
-        kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, cache.num_kv_heads, head_dim)
+        kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, num_kv_heads, head_dim)
         k = kv[0, :seq_len].float()  # (seq_len, Hkv, d)
         v = kv[1, :seq_len].float()  # (seq_len, Hkv, d)
         key_pos = torch.arange(seq_len, device=q.device)  # (seq_len,)
@@ -97,7 +115,7 @@ def paged_attention_ref(
         for j0 in range(0, q_len, chunk):
             j1 = min(q_len, j0 + chunk)
             # Head h = kv * group + g, so viewing Hq as (Hkv, group) maps h to KV head h // group.
-            qc = q[row + j0 : row + j1].float().view(j1 - j0, cache.num_kv_heads, group, head_dim)
+            qc = q[row + j0 : row + j1].float().view(j1 - j0, num_kv_heads, group, head_dim)
             scores = torch.einsum("qhgd,khd->hgqk", qc, k) * scale  # (Hkv, group, rows, seq_len)
             query_pos = torch.arange(seq_len - q_len + j0, seq_len - q_len + j1, device=q.device)  # (rows,)
             scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))

@@ -192,3 +192,17 @@ def test_bad_inputs_raise_before_launch():
 def test_multi_token_configs(config):
     """The resident kernel across warpgroup counts, tiles and chunk sizes (ragged, mixed tiers)."""
     _run([3333, 900], [700, 129], 32, 8, 128, 32, torch.bfloat16, 0.5, config)
+
+
+def test_torch_library_op_on_gpu():
+    """torch.ops.directkv_cute.paged_attention runs the same kernels on the pool tensors."""
+    dtype = torch.bfloat16
+    cache, ids, ks, vs, layer = _build([2000, 333], 8, 128, 64, dtype, hbm_fraction=0.5)
+    t = cache.kernel_tables(ids)
+    q = torch.randn(2 + 40, 32, 128, device="cuda").to(dtype)
+    o, lse = torch.ops.directkv_cute.paged_attention(q, cache.host_pool_cuda, cache.hbm_pool, t.page_table,
+                                                       t.seq_lens, layer, [2, 40])
+    _check(o, lse, q, ks, vs, [2, 40], dtype)
+    o2, lse2 = torch.ops.directkv_cute.paged_attention(q, cache.host_pool_cuda, cache.hbm_pool, t.page_table,
+                                                         t.seq_lens, layer, [2, 40], None, [64, 3, 0, 2, 100, 1])
+    _check(o2, lse2, q, ks, vs, [2, 40], dtype)

@@ -1,0 +1,115 @@
+"""The op's CPU-side behaviour: the CPU path, the torch.library registration, kernel dispatch and
+input validation (GPU launches are covered by tests/test_attention_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import directkv_cute as dk
+from directkv_cute import ops
+from directkv_cute.config import DecodeConfig, resident_splits
+
+
+@pytest.fixture
+def cache_and_q(randn):
+    cache = dk.PagedKVCache(2, 2, 64, 16, num_host_pages=40, num_hbm_pages=12, dtype=torch.bfloat16, device="cpu")
+    ids = []
+    for n in (70, 5, 33):
+        sid = cache.add_sequence()
+        cache.append(sid, randn(n, 2, 2, 64), randn(n, 2, 2, 64))
+        ids.append(sid)
+    cache.set_hbm_fraction(ids[0], 0.5, "strided")
+    q = randn(1 + 5 + 4, 8, 64)
+    return cache, ids, q, [1, 5, 4]
+
+
+def test_cpu_path_is_the_reference(cache_and_q):
+    cache, ids, q, q_lens = cache_and_q
+    out = torch.full_like(q, float("nan"))
+    o, lse = dk.paged_attention(q, cache, 1, ids, q_lens, out=out, return_lse=True)
+    ro, rl = dk.paged_attention_ref(q, cache, 1, ids, q_lens)
+    assert o.data_ptr() == out.data_ptr()
+    assert torch.equal(o, ro) and torch.equal(lse, rl)
+    # and the reference itself agrees with the independent float64 dense one
+    ks, vs = zip(*(cache.read(s, 1) for s in ids))
+    do, dl = dk.dense_attention_ref(q, ks, vs, q_lens, None)
+    assert ((o.double() - do).norm() / do.norm()) < 1e-2
+    assert torch.allclose(lse.double(), dl, atol=1e-3)
+
+
+def test_torch_library_op_matches_and_passes_opcheck(cache_and_q):
+    cache, ids, q, q_lens = cache_and_q
+    t = cache.kernel_tables(ids)
+    o, lse = torch.ops.directkv_cute.paged_attention(q, cache.host_pool, cache.hbm_pool, t.page_table, t.seq_lens, 0,
+                                                       q_lens)
+    ro, rl = dk.paged_attention_ref(q, cache, 0, ids, q_lens)
+    assert torch.equal(o, ro) and torch.equal(lse, rl)
+    torch.library.opcheck(ops.attention_op, (q, cache.host_pool, cache.hbm_pool, t.page_table, t.seq_lens, 0, q_lens))
+
+
+def test_fake_tensor_shapes(cache_and_q):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache, ids, q, q_lens = cache_and_q
+    t = cache.kernel_tables(ids)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(x) for x in (q, cache.host_pool, cache.hbm_pool, t.page_table, t.seq_lens)]
+        o, lse = torch.ops.directkv_cute.paged_attention(*args, 0, q_lens)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    assert lse.shape == q.shape[:2] and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "group,q_len,cfg,kernel",
+    [
+        (4, 1, DecodeConfig(), "decode"),
+        (8, 8, DecodeConfig(), "decode"),  # 64 rows: one consumer warpgroup
+        (8, 9, DecodeConfig(), "prefill"),  # 72 rows do not fit one warpgroup's 64
+        (8, 16, DecodeConfig(consumer_wgs=2), "decode"),
+        (4, 2048, DecodeConfig(consumer_wgs=2, carveout=100), "prefill"),
+        (5, 12, DecodeConfig(), "decode"),  # group 5: 60 of the 64 rows used
+        (5, 13, DecodeConfig(), "prefill"),
+    ],
+)
+def test_explicit_config_dispatch(group, q_len, cfg, kernel):
+    picked, k = ops.select_config(None, group, q_len, batch=1, max_context=4096, config=cfg)
+    assert picked is cfg and k == kernel
+
+
+def test_resident_splits_keep_each_chunk_in_smem():
+    cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100)
+    for ctx in (1, 63, 64, 65, 384, 385, 32768 + 512, 131072):
+        splits = resident_splits(cfg, ctx)
+        tiles = -(-ctx // 64)
+        assert -(-tiles // splits) <= cfg.stages  # the largest chunk fits the ring
+        assert splits == 1 or -(-tiles // (splits - 1)) > cfg.stages  # and no fewer splits would do
+
+
+@pytest.mark.parametrize(
+    "q_lens,total,msg",
+    [([1, 1], 3, "sum"), ([2], 2, "entries"), ([0, 2, 1], 3, ">= 1")],
+)
+def test_q_lens_validation(q_lens, total, msg):
+    with pytest.raises(ValueError, match=msg):
+        ops._cu_seqlens(q_lens, 3 if len(q_lens) == 3 else 2, total, "cpu")
+
+
+def test_tables_entry_needs_cuda(cache_and_q):
+    cache, ids, q, _ = cache_and_q
+    with pytest.raises(ValueError, match="CUDA"):
+        dk.paged_attention_tables(q[:3], cache, 0, cache.kernel_tables(ids))
+
+
+def test_bad_inputs_fail_before_anything_runs(cache_and_q):
+    cache, ids, q, q_lens = cache_and_q
+    with pytest.raises(TypeError):
+        dk.paged_attention(q.half(), cache, 0, ids, q_lens)
+    with pytest.raises(IndexError):
+        dk.paged_attention(q, cache, 2, ids, q_lens)
+    with pytest.raises(ValueError):
+        dk.paged_attention(q, cache, 0, ids, [1, 5, 3])
+    with pytest.raises(ValueError, match="head_dim"):
+        dk.paged_attention(q[:, :, :32].contiguous(), cache, 0, ids, q_lens)
+    with pytest.raises(ValueError, match="multiple"):
+        dk.paged_attention(q[:, :5].contiguous(), cache, 0, ids, q_lens)  # Hq 5, Hkv 2
