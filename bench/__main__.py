@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bench.regress import DEFAULT_ATOL, DEFAULT_RTOL
+from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 
 REPLAYED_ARGS = ("preset", "batches", "contexts", "q_lens", "heads", "head_dim", "dtype", "page_size",
                  "hbm_fractions", "placement", "num_layers", "max_gb", "config")
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
             r.add_argument("--baseline", default=None, help="a baseline JSON (default <baseline-dir>/<gpu>.json)")
             r.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
             r.add_argument("--atol", type=float, default=DEFAULT_ATOL)
+            r.add_argument("--min-ms", type=float, default=DEFAULT_MIN_MS,
+                           help="records faster than this in the baseline report drops as 'noisy' (default 1 ms)")
             r.add_argument("--allow-missing", action="store_true", help="report missing records without failing")
             r.add_argument("--show-all", action="store_true", help="list every tracked ratio, not only changes")
         add_run_arguments(r)
@@ -102,7 +104,7 @@ def cmd_regress(ns: argparse.Namespace) -> int:
             if key in baseline.get("args", {}):
                 setattr(ns, key, baseline["args"][key])
         fresh = _fresh_run(ns, list(baseline.get("args", {}).get("benches", ["decode", "prefill"])))
-    report = compare(baseline, fresh, rtol=ns.rtol, atol=ns.atol, allow_missing=ns.allow_missing)
+    report = compare(baseline, fresh, rtol=ns.rtol, atol=ns.atol, allow_missing=ns.allow_missing, min_ms=ns.min_ms)
     print(format_report(report, show_all=ns.show_all))
     return 0 if report.ok else 1
 

@@ -12,6 +12,11 @@ With the defaults (rtol 3%, atol 0.005) a 5% drop of any ratio >= 0.1 is caught.
 records that the fresh run lacks (or could not measure) are reported as MISSING and fail the
 check unless allowed; a fresh run whose correctness checks failed always fails.
 
+Records whose baseline time is under ``min_ms`` (default 1 ms) do not gate: at such times the
+op's host-side launch cost and launch latency are a large, machine-dependent share of the time,
+and a drop there is reported as ``noisy`` instead of ``REGRESSED`` (the same idea as a minimum
+absolute delta in pytest benchmark plugins). ``--min-ms 0`` gates everything.
+
 ``refresh`` writes the baseline from a run only if that run passed every correctness check.
 The comparison takes two JSON dicts, so all of it runs without a GPU.
 """
@@ -27,6 +32,7 @@ from bench.common import load_json, record_key, shape_key, validate_results, wri
 TRACKED = ("frac_of_ceiling", "speedup_vs_zero_copy")
 DEFAULT_RTOL = 0.03
 DEFAULT_ATOL = 0.005
+DEFAULT_MIN_MS = 1.0
 BASELINE_DIR = Path(__file__).resolve().parent / "baselines"
 
 
@@ -66,7 +72,7 @@ class DiffRow:
     ratio: str
     base: float | None
     fresh: float | None
-    status: str  # ok | REGRESSED | improved | MISSING | new
+    status: str  # ok | REGRESSED | noisy | improved | MISSING | new
 
     @property
     def change(self) -> float | None:
@@ -95,7 +101,7 @@ class Report:
 
 
 def compare(baseline: Mapping, fresh: Mapping, *, rtol: float = DEFAULT_RTOL, atol: float = DEFAULT_ATOL,
-            allow_missing: bool = False) -> Report:
+            allow_missing: bool = False, min_ms: float = DEFAULT_MIN_MS) -> Report:
     """Compare the tracked ratios of ``fresh`` with ``baseline`` (two results documents)."""
     report = Report(allow_missing=allow_missing)
     for name, doc in (("baseline", baseline), ("fresh run", fresh)):
@@ -109,11 +115,15 @@ def compare(baseline: Mapping, fresh: Mapping, *, rtol: float = DEFAULT_RTOL, at
         failed = [c for c in fresh["checks"] if not c["ok"]]
         report.problems.append(f"the fresh run failed {len(failed)} correctness checks")
     base, new = tracked_ratios(baseline), tracked_ratios(fresh)
+    base_ms = {record_key(r): r["ms"] for r in baseline["records"] if r["method"] == "ours"}
     for key in sorted(set(base) | set(new)):
         for ratio in TRACKED:
             b = base.get(key, {}).get(ratio)
             f = new.get(key, {}).get(ratio)
-            report.rows.append(DiffRow(key, ratio, b, f, _status(b, f, rtol, atol)))
+            status = _status(b, f, rtol, atol)
+            if status == "REGRESSED" and (base_ms.get(key) or 0.0) < min_ms:
+                status = "noisy"
+            report.rows.append(DiffRow(key, ratio, b, f, status))
     return report
 
 
@@ -144,7 +154,8 @@ def format_report(report: Report, show_all: bool = False) -> str:
     if len(table) == 1:
         lines.append(f"(all {len(report.rows)} tracked ratios within tolerance)")
     lines += [f"PROBLEM: {p}" for p in report.problems]
-    counts = {s: sum(r.status == s for r in report.rows) for s in ("ok", "improved", "new", "REGRESSED", "MISSING")}
+    counts = {s: sum(r.status == s for r in report.rows)
+              for s in ("ok", "improved", "new", "noisy", "REGRESSED", "MISSING")}
     lines.append(("PASS" if report.ok else "FAIL") + ": " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     return "\n".join(lines)
 

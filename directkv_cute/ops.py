@@ -24,22 +24,21 @@ from directkv_cute.config import DecodeConfig, resident_splits
 _ALIGN = 16
 
 
-def _check(cond: bool, msg: str, exc=ValueError):
-    if not cond:
-        raise exc(msg)
-
-
 def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor, int]:
     """(cu_q int32 (B + 1,) on device, max_q_len) from per-sequence query lengths."""
     if q_lens is None:
-        _check(total_q == batch, f"q has {total_q} rows but there are {batch} sequences and no q_lens")
+        if total_q != batch:
+            raise ValueError(f"q has {total_q} rows but there are {batch} sequences and no q_lens")
         return _arange_cache(batch + 1, device), 1
     if isinstance(q_lens, torch.Tensor):
         q_lens = q_lens.tolist()
     q_lens = [int(x) for x in q_lens]
-    _check(len(q_lens) == batch, f"q_lens has {len(q_lens)} entries for {batch} sequences")
-    _check(all(x >= 1 for x in q_lens), "every q_len must be >= 1")
-    _check(sum(q_lens) == total_q, f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
+    if len(q_lens) != batch:
+        raise ValueError(f"q_lens has {len(q_lens)} entries for {batch} sequences")
+    if not all(x >= 1 for x in q_lens):
+        raise ValueError("every q_len must be >= 1")
+    if sum(q_lens) != total_q:
+        raise ValueError(f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
     cu = [0]
     for x in q_lens:
         cu.append(cu[-1] + x)
@@ -57,8 +56,20 @@ def _arange_cache(n: int, device) -> torch.Tensor:
     return t
 
 
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _total_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_config(cfg: DecodeConfig, head_dim: int, page_size: int) -> None:
+    """cfg.check, once per (config, head_dim, page_size): the op runs it on every call."""
+    cfg.check(head_dim, page_size)
 
 
 # Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
@@ -99,6 +110,22 @@ def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int
     return cfg
 
 
+@functools.lru_cache(maxsize=1024)
+def _compiled(cfg: DecodeConfig, dtype, head_dim, page_size, group, max_q_len, split_out, resident):
+    """The compiled kernel for a launch (jit's cache keys on the target arch too; this memo keeps
+    that key's construction off the per-call path)."""
+    from directkv_cute.kernels.jit import compile_decode
+
+    return compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=split_out, resident=resident)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_combine(head_dim, dtype):
+    from directkv_cute.kernels.jit import compile_combine
+
+    return compile_combine(head_dim, dtype)
+
+
 def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
                     softmax_scale: float | None = None, *, config: DecodeConfig | None = None,
                     out: torch.Tensor | None = None, return_lse: bool = False):
@@ -131,63 +158,74 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     """``paged_attention`` with page tables built once (``cache.kernel_tables``) and reused,
     e.g. across the layers of one step or inside a CUDA graph."""
     page_table, seq_lens = tables.page_table, tables.seq_lens
-    # ---- validation (before anything is written) ------------------------------------------
-    _check(isinstance(q, torch.Tensor) and q.dim() == 3, "q must be a (total_q, Hq, head_dim) tensor", TypeError)
-    _check(q.is_cuda, "paged_attention_tables needs q on a CUDA device (use paged_attention on CPU)")
-    _check(q.dtype == cache.dtype, f"q dtype {q.dtype} differs from the cache's {cache.dtype}", TypeError)
+    # ---- validation (before anything is written; messages are only built on failure) -------
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise TypeError("q must be a (total_q, Hq, head_dim) tensor")
+    if not q.is_cuda:
+        raise ValueError("paged_attention_tables needs q on a CUDA device (use paged_attention on CPU)")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q dtype {q.dtype} differs from the cache's {cache.dtype}")
     total_q, hq, d = q.shape
     hkv = cache.num_kv_heads
-    _check(d == cache.head_dim, f"q head_dim {d} differs from the cache's {cache.head_dim}")
-    _check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
-    _check(0 <= layer < cache.num_layers, f"layer {layer} out of range [0, {cache.num_layers})", IndexError)
-    _check(q.is_contiguous() and q.data_ptr() % _ALIGN == 0, "q must be contiguous and 16-byte aligned")
-    _check(page_table.is_cuda and page_table.dtype == torch.int32 and page_table.dim() == 2,
-           "tables.page_table must be a (B, max_pages) int32 CUDA tensor")
-    _check(seq_lens.is_cuda and seq_lens.dtype == torch.int32, "tables.seq_lens must be an int32 CUDA tensor")
-    _check(page_table.device == q.device, f"tables on {page_table.device}, q on {q.device}")
+    if d != cache.head_dim:
+        raise ValueError(f"q head_dim {d} differs from the cache's {cache.head_dim}")
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
+    if not 0 <= layer < cache.num_layers:
+        raise IndexError(f"layer {layer} out of range [0, {cache.num_layers})")
+    if not q.is_contiguous() or q.data_ptr() % _ALIGN:
+        raise ValueError("q must be contiguous and 16-byte aligned")
+    if not (page_table.is_cuda and page_table.dtype == torch.int32 and page_table.dim() == 2):
+        raise ValueError("tables.page_table must be a (B, max_pages) int32 CUDA tensor")
+    if not (seq_lens.is_cuda and seq_lens.dtype == torch.int32):
+        raise ValueError("tables.seq_lens must be an int32 CUDA tensor")
+    if page_table.device != q.device:
+        raise ValueError(f"tables on {page_table.device}, q on {q.device}")
     batch, max_pages = page_table.shape
-    _check(batch >= 1 and seq_lens.shape == (batch,), "seq_lens must have one entry per page-table row")
+    if batch < 1 or seq_lens.shape != (batch,):
+        raise ValueError("seq_lens must have one entry per page-table row")
     group = hq // hkv
     cu_q, max_q_len = _cu_seqlens(q_lens, batch, total_q, q.device)
     if max_seq_len is None:
         max_seq_len = getattr(tables, "max_seq_len", None)
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
-    if out is not None:
-        _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device and out.is_contiguous(),
-               "out must be a contiguous tensor like q")
+    if out is not None and not (out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+                                and out.is_contiguous()):
+        raise ValueError("out must be a contiguous tensor like q")
 
     cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
-    cfg.check(d, cache.page_size)
-    _check(group <= cfg.rows, f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
+    _check_config(cfg, d, cache.page_size)
+    if group > cfg.rows:
+        raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
     resident = kernel == "prefill"
     if resident:
         splits = resident_splits(cfg, max_seq_len)
         ws = splits * total_q * hq * (d + 1) * 4
-        cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or torch.cuda.get_device_properties(
-            q.device).total_memory / 4
-        _check(ws <= cap, f"the multi-token kernel needs {ws / 2**30:.1f} GiB of fp32 partials "
-               f"({splits} KV chunks x {total_q} query rows x {hq} heads), over the {cap / 2**30:.1f} GiB cap "
-               f"({_WORKSPACE_ENV}); use a config with more stages or feed fewer query tokens per call")
+        cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or _total_memory(q.device.index) / 4
+        if ws > cap:
+            raise ValueError(
+                f"the multi-token kernel needs {ws / 2**30:.1f} GiB of fp32 partials ({splits} KV chunks x "
+                f"{total_q} query rows x {hq} heads), over the {cap / 2**30:.1f} GiB cap ({_WORKSPACE_ENV}); "
+                "use a config with more stages or feed fewer query tokens per call")
     else:
-        splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device))
+        splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device.index))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
-    from directkv_cute.kernels.jit import compile_combine, compile_decode
     from directkv_cute.kernels.launch import launch_combine, launch_decode
 
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
     if splits == 1 and not resident:
-        fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=False)
+        fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, False, False)
         launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale)
     else:
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        fn = compile_decode(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out=True, resident=resident)
+        fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident)
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale)
-        launch_combine(compile_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
+        launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
 
 

@@ -162,3 +162,20 @@ def test_compare_does_not_modify_its_inputs():
     before = copy.deepcopy((base, fresh))
     compare(base, fresh)
     assert (base, fresh) == before
+
+
+def test_sub_millisecond_records_report_drops_as_noisy():
+    """Below min_ms (host launch cost dominates) a drop is shown but does not gate; with the gate
+    lowered it fails again, so the flag cannot hide a real regression on larger shapes."""
+    small = Shape("decode", 1, 1024, 1, 32, 8, 128, "bfloat16")  # ideal ~0.02 ms
+    base, fresh = make_run(), make_run()
+    for doc, slow in ((base, 1.0), (fresh, 1 / 0.8)):
+        ms = _ideal(small) / 0.9 * slow
+        doc["records"].append(make_record(small, "zero_copy", ms * 1.2 / slow, CEIL, host_bytes=small.kv_bytes).to_dict())
+        doc["records"].append(make_record(small, "ours", ms, CEIL, host_bytes=small.kv_bytes).to_dict())
+        add_check(doc, small, "ours", True, rel_err=1e-3, against="fp32 anchor")
+    report = compare(base, fresh)
+    assert report.ok and {r.status for r in report.rows if "ctx1024" in r.key} == {"noisy"}
+    assert "noisy" in format_report(report)
+    strict = compare(base, fresh, min_ms=0.0)
+    assert not strict.ok and all("ctx1024" in r.key for r in strict.regressions)
