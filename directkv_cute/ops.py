@@ -1,8 +1,10 @@
 """The torch-facing attention op over the paged host KV cache.
 
 ``paged_attention`` validates its inputs, picks a config (explicit, tuned profile, or the
-heuristic default), and launches the split-KV decode kernel and, when the context is split
-across CTAs, the combine kernel, on the current CUDA stream. Nothing is staged: the kernel
+heuristic default) and a kernel -- the streaming split-KV kernel when all query rows of a KV head
+fit one CTA (decode, short speculative windows), else the KV-chunk resident kernel (multi-token
+queries) -- and launches it and, when the context is split across CTAs, the combine kernel, on
+the current CUDA stream. Nothing is staged: the kernel
 reads host pages through their UVA addresses. Once a shape's kernels are compiled the op only
 allocates its small fp32 split workspace from torch's caching allocator, so it can be captured
 in a CUDA graph (the captured graph pins the pools' base addresses, which never move).
@@ -156,7 +158,9 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
                            out: torch.Tensor | None = None, return_lse: bool = False,
                            max_seq_len: int | None = None):
     """``paged_attention`` with page tables built once (``cache.kernel_tables``) and reused,
-    e.g. across the layers of one step or inside a CUDA graph."""
+    e.g. across the layers of one step or inside a CUDA graph. ``max_seq_len`` (the longest
+    sequence, if the caller knows it) only steers the decode split count and the profile bucket;
+    without it the page table's width stands in."""
     page_table, seq_lens = tables.page_table, tables.seq_lens
     # ---- validation (before anything is written; messages are only built on failure) -------
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -200,7 +204,10 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
     resident = kernel == "prefill"
     if resident:
-        splits = resident_splits(cfg, max_seq_len)
+        # Each CTA's chunk must fit its SMEM ring for every sequence, so size the split count from
+        # the page table's width (a bound the host knows without reading seq_lens), never from a
+        # caller's hint.
+        splits = resident_splits(cfg, max_pages * cache.page_size)
         ws = splits * total_q * hq * (d + 1) * 4
         cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or _total_memory(q.device.index) / 4
         if ws > cap:
