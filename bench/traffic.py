@@ -166,13 +166,24 @@ def auto_splits(seq_lens, tile_n: int, num_kv_heads: int) -> int:
     return DecodeConfig(tile_n=tile_n).splits_for(len(seq_lens), num_kv_heads, max(seq_lens))
 
 
+def resident_splits_for(seq_lens, page_size: int, tile_n: int, stages: int) -> int:
+    """The split count of the multi-token (KV-chunk resident) kernel, sized as the op sizes it:
+    from the page table's width, so that no CTA's chunk outgrows its SMEM ring."""
+    from directkv_cute.config import DecodeConfig, resident_splits
+
+    width = -(-max(seq_lens) // page_size) * page_size
+    return resident_splits(DecodeConfig(tile_n=tile_n, stages=stages), width)
+
+
 def default_cases() -> list[TrafficCase]:
     """The CI grid: every page size with several tile sizes (all five at page 64), fixed and
-    automatic split counts, and HBM fractions with two placements, over ragged batches."""
+    automatic split counts (the decode kernel's and the multi-token kernel's), and HBM fractions
+    with two placements, over ragged batches."""
     cases = []
     for lens, page in itertools.product(SEQ_SETS, PAGE_SIZES):
         for tile in (ALL_TILE_SIZES if page == 64 else TILE_SIZES):
-            splits = sorted(set(SPLITS) | {auto_splits(lens, tile, 2)})
+            resident = {resident_splits_for(lens, page, tile, st) for st in (2, 6)}
+            splits = sorted(set(SPLITS) | {auto_splits(lens, tile, 2)} | resident)
             for s, (frac, placement) in itertools.product(splits, FRACTIONS):
                 cases.append(TrafficCase(lens, page, tile, s, hbm_fraction=frac, placement=placement))
     cases.append(TrafficCase((3000, 31), 32, 64, 5, num_kv_heads=1, head_dim=64, hbm_fraction=0.5))

@@ -120,3 +120,19 @@ def test_default_compile_targets_are_legal():
     for t in targets:
         assert t.cfg.is_legal(t.head_dim, t.page_size), t.label
         assert t.group * t.max_q_len <= t.cfg.rows and t.cfg.rows % t.group == 0
+
+
+def test_resident_split_counts_are_in_the_grid_and_fit_the_ring():
+    """The multi-token kernel's split counts are checked by CI, and with them no CTA is handed
+    more tiles than its SMEM ring holds (it would wait forever for a slot nobody frees)."""
+    from bench.traffic import SEQ_SETS, default_cases, resident_splits_for
+    from directkv_cute.plan import split_range
+
+    grid = {(c.seq_lens, c.page_size, c.tile_n, c.num_splits) for c in default_cases()}
+    for lens in SEQ_SETS:
+        for stages in (2, 6):
+            splits = resident_splits_for(lens, 64, 64, stages)
+            assert (tuple(lens), 64, 64, splits) in grid
+            for n in lens:
+                tiles = -(-n // 64)
+                assert all(b - a <= stages for a, b in (split_range(tiles, splits, s) for s in range(splits)))
