@@ -94,7 +94,6 @@ def test_check_command_exit_status(monkeypatch, tmp_path, capsys):
 
 
 def test_check_profiles_part(tmp_path, capsys):
-    pytest.importorskip("directkv_cute.tuning.profiles")
     assert run_check(profiles=True, compile=False, traffic=False, profile_dir=tmp_path, progress=False) == 0
     assert "no profiles" in capsys.readouterr().out
     (tmp_path / "NVIDIA_H200.yaml").write_text("schema_version: 1\nentries: [oops\n")
