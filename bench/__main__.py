@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("regress", "compare a run with the committed baseline of its GPU"),
                        ("refresh", "make a passing run the baseline of its GPU")):
         r = sub.add_parser(name, help=text)
-        r.add_argument("--results", default=None, help="a results JSON (default: run the benchmarks now)")
+        if name == "refresh":
+            r.add_argument("--results", action="append", default=None,
+                           help="a results JSON (default: run the benchmarks now); give it several times to "
+                                "build the baseline from several runs: medians, with their spread as the tolerance")
+        else:
+            r.add_argument("--results", default=None, help="a results JSON (default: run the benchmarks now)")
         r.add_argument("--baseline-dir", default=None, help="default bench/baselines")
         if name == "regress":
             r.add_argument("--baseline", default=None, help="a baseline JSON (default <baseline-dir>/<gpu>.json)")
@@ -114,11 +119,12 @@ def cmd_refresh(ns: argparse.Namespace) -> int:
     from bench.regress import RefreshRefused, refresh_baseline
 
     if ns.results:
-        doc, source = load_json(ns.results), str(ns.results)
+        doc, source = load_json(ns.results[0]), ", ".join(map(str, ns.results))
+        more = [load_json(r) for r in ns.results[1:]]
     else:
-        doc, source = _fresh_run(ns, ["decode", "prefill"]), "fresh run"
+        doc, source, more = _fresh_run(ns, ["decode", "prefill"]), "fresh run", []
     try:
-        path = refresh_baseline(doc, _baseline_dir(ns), source=source)
+        path = refresh_baseline(doc, _baseline_dir(ns), source=source, more_runs=more)
     except RefreshRefused as e:
         print(f"refresh refused: {e}", file=sys.stderr)
         return 1

@@ -18,14 +18,19 @@ and a drop there is reported as ``noisy`` instead of ``REGRESSED`` (the same ide
 absolute delta in pytest benchmark plugins). ``--min-ms 0`` gates everything.
 
 ``refresh`` writes the baseline from a run only if that run passed every correctness check.
+Given several runs (``--results A --results B ...``, e.g. from different leases of the same GPU
+model) it stores each tracked ratio's median and its relative spread (max - min) / median; a
+ratio's tolerance is then max(rtol, its spread), so ratios that swing between machines do not
+flag while steady ones keep the tight gate.
 The comparison takes two JSON dicts, so all of it runs without a GPU.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from bench.common import load_json, record_key, shape_key, validate_results, write_json
 
@@ -114,13 +119,14 @@ def compare(baseline: Mapping, fresh: Mapping, *, rtol: float = DEFAULT_RTOL, at
     if not fresh["passed"]:
         failed = [c for c in fresh["checks"] if not c["ok"]]
         report.problems.append(f"the fresh run failed {len(failed)} correctness checks")
-    base, new = tracked_ratios(baseline), tracked_ratios(fresh)
+    base, new = baseline.get("tracked") or tracked_ratios(baseline), tracked_ratios(fresh)
+    spread = baseline.get("spread", {})
     base_ms = {record_key(r): r["ms"] for r in baseline["records"] if r["method"] == "ours"}
     for key in sorted(set(base) | set(new)):
         for ratio in TRACKED:
             b = base.get(key, {}).get(ratio)
             f = new.get(key, {}).get(ratio)
-            status = _status(b, f, rtol, atol)
+            status = _status(b, f, max(rtol, spread.get(key, {}).get(ratio) or 0.0), atol)
             if status == "REGRESSED" and (base_ms.get(key) or 0.0) < min_ms:
                 status = "noisy"
             report.rows.append(DiffRow(key, ratio, b, f, status))
@@ -164,19 +170,42 @@ def baseline_path(gpu_key: str, baseline_dir: str | Path = BASELINE_DIR) -> Path
     return Path(baseline_dir) / f"{gpu_key}.json"
 
 
-def refresh_baseline(fresh: Mapping, baseline_dir: str | Path = BASELINE_DIR, source: str = "") -> Path:
-    """Write ``fresh`` as the baseline of its GPU; refuse a run that failed any check."""
-    problems = validate_results(fresh)
+def _check_refreshable(run: Mapping) -> None:
+    problems = validate_results(run)
     if problems:
         raise RefreshRefused("the run is not a valid results document: " + "; ".join(problems[:5]))
-    failed = [c for c in fresh["checks"] if not c["ok"]]
-    if not fresh["passed"] or failed:
+    failed = [c for c in run["checks"] if not c["ok"]]
+    if not run["passed"] or failed:
         raise RefreshRefused(f"the run failed {len(failed)} correctness checks; a baseline must come from a run "
                              "that passed them all")
-    if not any(v is not None for ratios in tracked_ratios(fresh).values() for v in ratios.values()):
+    if not any(v is not None for ratios in tracked_ratios(run).values() for v in ratios.values()):
         raise RefreshRefused("the run has no measured 'ours' records to track")
+
+
+def refresh_baseline(fresh: Mapping, baseline_dir: str | Path = BASELINE_DIR, source: str = "",
+                     more_runs: Sequence[Mapping] = ()) -> Path:
+    """Write ``fresh`` (with ``more_runs``: their per-ratio medians and spreads) as the baseline
+    of its GPU; refuse if any run failed a check or comes from another GPU."""
+    runs = [fresh, *more_runs]
+    for run in runs:
+        _check_refreshable(run)
+        if run["header"]["gpu_key"] != fresh["header"]["gpu_key"]:
+            raise RefreshRefused(f"runs from {run['header']['gpu_key']} and {fresh['header']['gpu_key']} cannot "
+                                 "make one baseline")
     doc = dict(fresh)
     doc["baseline_source"] = source
+    if more_runs:
+        per_run = [tracked_ratios(r) for r in runs]
+        tracked, spread = {}, {}
+        for key in per_run[0]:
+            for ratio in TRACKED:
+                vals = [t[key][ratio] for t in per_run if t.get(key, {}).get(ratio) is not None]
+                if not vals:
+                    continue
+                mid = statistics.median(vals)
+                tracked.setdefault(key, {})[ratio] = mid
+                spread.setdefault(key, {})[ratio] = (max(vals) - min(vals)) / mid if mid else 0.0
+        doc.update(tracked=tracked, spread=spread, baseline_runs=len(runs))
     return write_json(baseline_path(fresh["header"]["gpu_key"], baseline_dir), doc)
 
 

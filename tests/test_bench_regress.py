@@ -179,3 +179,31 @@ def test_sub_millisecond_records_report_drops_as_noisy():
     assert "noisy" in format_report(report)
     strict = compare(base, fresh, min_ms=0.0)
     assert not strict.ok and all("ctx1024" in r.key for r in strict.regressions)
+
+
+def test_multi_run_baseline_uses_medians_and_spread(tmp_path):
+    """Two baseline runs whose first shape differs by 8%: that ratio's tolerance widens to its
+    spread, the steady shapes keep the 3% gate, and the stored value is the median."""
+    a, b = make_run(), make_run(scale={0: 1 / 0.92})
+    path = refresh_baseline(a, tmp_path, source="a, b", more_runs=[b])
+    base = load_json(path)
+    assert base["baseline_runs"] == 2
+    key0 = "decode/ours/B1/ctx32768/q1/32x8/d128/bfloat16/hbm0.00"
+    assert base["spread"][key0]["frac_of_ceiling"] == pytest.approx(0.08 / 0.96, rel=1e-6)
+    assert base["tracked"][key0]["frac_of_ceiling"] == pytest.approx(0.98 * 0.96)
+    # 5% below the median on the noisy shape: within its spread
+    assert compare(base, make_run(scale={0: 1 / (0.96 * 0.95)})).ok
+    # 5% down on a steady shape: still caught
+    report = compare(base, make_run(scale={1: 1 / 0.95}))
+    assert not report.ok and all("B16" in r.key for r in report.regressions)
+
+
+def test_multi_run_refresh_refuses_a_failing_or_foreign_run(tmp_path):
+    bad = make_run()
+    add_check(bad, SHAPES[0], "ours", False, rel_err=1.0, against="fp32 anchor")
+    with pytest.raises(RefreshRefused):
+        refresh_baseline(make_run(), tmp_path, more_runs=[bad])
+    other = make_run()
+    other["header"] = dict(other["header"], gpu_key="NVIDIA_H100")
+    with pytest.raises(RefreshRefused):
+        refresh_baseline(make_run(), tmp_path, more_runs=[other])
