@@ -55,11 +55,11 @@ def test_a_five_percent_drop_is_caught_and_one_percent_is_not(base):
 @pytest.mark.parametrize("shape_index", [0, 1, 2])
 def test_five_percent_slower_ours_fails(shape_index):
     base = make_run()
-    fresh = make_run(scale={shape_index: 1 / 0.95})  # ours 5.3% slower: both ratios drop 5%
+    fresh = make_run(scale={shape_index: 1 / 0.95})  # ours 5.3% slower: every ratio drops 5%
     report = compare(base, fresh)
     assert not report.ok
-    assert len(report.regressions) == 2
-    assert {r.ratio for r in report.regressions} == {"frac_of_ceiling", "speedup_vs_zero_copy"}
+    assert len(report.regressions) == 3
+    assert {r.ratio for r in report.regressions} == {"frac_of_ceiling", "speedup_vs_zero_copy", "frac_of_memcpy"}
     text = format_report(report)
     assert "REGRESSED" in text and text.splitlines()[-1].startswith("FAIL")
 
@@ -99,14 +99,14 @@ def test_unmeasured_ours_counts_as_missing():
     rec = next(r for r in fresh["records"] if r["method"] == "ours" and r["bench"] == "prefill")
     rec.update(ms=None, gbps=None, frac_of_ceiling=None)
     report = compare(base, fresh)
-    assert len(report.missing) == 2 and not report.ok
+    assert len(report.missing) == 3 and not report.ok
 
 
 def test_new_records_do_not_fail():
     base, fresh = make_run(), make_run()
     base["records"] = base["records"][:4]
     report = compare(base, fresh)
-    assert report.ok and sum(r.status == "new" for r in report.rows) == 2
+    assert report.ok and sum(r.status == "new" for r in report.rows) == 3
 
 
 def test_a_fresh_run_with_failed_checks_fails():
@@ -207,3 +207,15 @@ def test_multi_run_refresh_refuses_a_failing_or_foreign_run(tmp_path):
     other["header"] = dict(other["header"], gpu_key="NVIDIA_H100")
     with pytest.raises(RefreshRefused):
         refresh_baseline(make_run(), tmp_path, more_runs=[other])
+
+
+def test_memcpy_ratio_gates_ours_when_the_other_ratios_are_noisy(tmp_path):
+    """Two baseline runs where the SM-read ceiling and zero-copy moved (not ours): those ratios get
+    wide tolerances, but a 5% slower kernel is still caught through frac_of_memcpy."""
+    a = make_run()
+    b = make_run(frac=0.98, zero_copy_x=0.9)  # zero-copy 14% faster on that lease, ours unchanged
+    base = load_json(refresh_baseline(a, tmp_path, more_runs=[b]))
+    assert compare(base, a).ok and compare(base, b).ok
+    report = compare(base, make_run(scale={1: 1 / 0.95}))
+    flagged = {r.ratio for r in report.regressions}
+    assert "frac_of_memcpy" in flagged and "speedup_vs_zero_copy" not in flagged
