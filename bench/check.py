@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from bench.common import dtype_name, torch_dtype
+from bench.common import dtype_name, progress_bar, torch_dtype
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, DecodeConfig, default_decode_config
 
 # rows (GQA group x q_len) -> (group, max_q_len) compiled for it: decode with group 8,
@@ -186,7 +186,7 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
     variants = (True, False) if has_split else (None,)
     seen, rows, problems = set(), [], []
     jobs = [(t, s) for t in targets for s in variants]
-    for t, split in _bar(jobs, progress, "compile"):
+    for t, split in progress_bar(jobs, progress, "compile", "kernel"):
         key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split)
         if key in seen:
             continue
@@ -208,16 +208,6 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
                 except Exception as e:  # noqa: BLE001
                     problems.append(f"combine d{d} {dtype}: {type(e).__name__}: {e}")
     return rows, problems
-
-
-def _bar(items, enabled: bool, desc: str):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc=desc, unit="kernel", dynamic_ncols=True)
 
 
 def format_compile_table(rows: list[tuple]) -> str:

@@ -410,6 +410,17 @@ def time_calls(calls: Sequence[Callable[[], object]], timer: Timer, *, warmup: i
     return Timing(ms=statistics.median(samples), samples=samples, inner=inner)
 
 
+def progress_bar(items, enabled: bool, desc: str, unit: str):
+    """``items`` wrapped in a tqdm progress bar when enabled (and tqdm is installed)."""
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit=unit, dynamic_ncols=True)
+
+
 # ---- tables --------------------------------------------------------------------------------
 def _fmt_bytes(n: int | None) -> str:
     if not n:

@@ -33,7 +33,7 @@ import torch
 
 from bench.ceilings import flat_bytes, read_gbps
 from bench.common import (GiB, MiB, Ceilings, Record, Shape, Timer, add_check, format_table, make_record,
-                          shape_key, time_calls, torch_dtype, write_json)
+                          progress_bar, shape_key, time_calls, torch_dtype, write_json)
 from bench.hostmem import PinnedBuffer
 from bench.methods import (SdpaVariant, anchor_reference, anchor_rows, anchor_slice, backend_context, q_as_4d,
                            rel_error, sdpa, sdpa_variants)
@@ -538,7 +538,7 @@ def run_shapes(shapes: Sequence[Shape], opts: BenchOptions, ceilings: Ceilings, 
                ours_loader: Callable[[str], OursApi] = load_ours) -> dict:
     """Run every shape (skipping those that do not fit or start after ``deadline``, a
     ``time.monotonic()`` value), rewriting ``out_path`` after each shape."""
-    bar = _progress(shapes, progress, doc["bench"])
+    bar = progress_bar(shapes, progress, doc["bench"], "shape")
     for shape in bar:
         if deadline is not None and time.monotonic() > deadline:
             doc["skipped"].append({"shape": shape.label, "bench": shape.bench, "reason": "time budget spent"})
@@ -563,16 +563,6 @@ def run_shapes(shapes: Sequence[Shape], opts: BenchOptions, ceilings: Ceilings, 
         write_json(out_path, doc)
         _say(bar, format_table([r.to_dict() for r in records], ceilings, doc["notes"].get("variants")))
     return doc
-
-
-def _progress(items, enabled: bool, desc: str):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc=desc, unit="shape", dynamic_ncols=True)
 
 
 def _say(bar, text: str) -> None:
