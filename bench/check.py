@@ -23,7 +23,14 @@ from typing import Callable
 import torch
 
 from bench.common import dtype_name, progress_bar, torch_dtype
-from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, DecodeConfig, default_decode_config
+from directkv_cute.config import (
+    PREFILL_WIDE_TILE_MAX_ROWS,
+    SUPPORTED_HEAD_DIMS,
+    SUPPORTED_PAGE_SIZES,
+    DecodeConfig,
+    default_decode_config,
+    default_prefill_config,
+)
 
 # rows (GQA group x q_len) -> (group, max_q_len) compiled for it: decode with group 8,
 # speculative / chunked windows with groups 4 and 8, two consumer warpgroups at 128 rows.
@@ -44,12 +51,14 @@ class CompileTarget:
     group: int
     max_q_len: int
     source: str
+    resident: bool = False  # the multi-token (KV-chunk resident) kernel
 
     @property
     def label(self) -> str:
         c = self.cfg
+        kind = f"prefill chunk{c.chunk} ctas{c.ctas_per_sm}" if self.resident else f"q{self.max_q_len}"
         return (f"{self.source}: {self.dtype} d{self.head_dim} page{self.page_size} group{self.group} "
-                f"q{self.max_q_len} tile{c.tile_n} st{c.stages} wg{c.consumer_wgs} a{c.carveout}")
+                f"{kind} tile{c.tile_n} st{c.stages} wg{c.consumer_wgs} a{c.carveout}")
 
 
 @dataclass
@@ -108,16 +117,17 @@ def _current_kernel_hash(mod) -> str | None:
 
 
 def profile_targets(loaded) -> list[CompileTarget]:
-    """Compile targets for the decode entries of loaded profiles."""
+    """Compile targets for the decode and prefill entries of loaded profiles."""
     out = []
     for path, prof in loaded:
         for class_key, bucket, rec in prof.records():
             kernel, dtype, head_dim, group, page_size = class_key
-            if kernel != "decode":
+            if kernel not in ("decode", "prefill"):
                 continue
             q_len = bucket[2] if len(bucket) > 2 else 1
             out.append(CompileTarget(DecodeConfig.from_dict(rec["config"]), dtype_name(str(dtype)), int(head_dim),
-                                     int(page_size), int(group), int(q_len), f"{path.name}"))
+                                     int(page_size), int(group), 1 if kernel == "prefill" else int(q_len),
+                                     f"{path.name}", resident=kernel == "prefill"))
     return out
 
 
@@ -126,12 +136,15 @@ def profile_legality_problems(prof) -> list[str]:
     problems = []
     for class_key, bucket, rec in prof.records():
         kernel, _dtype, head_dim, group, page_size = class_key
-        if kernel != "decode":
+        if kernel not in ("decode", "prefill"):
             continue
         cfg = DecodeConfig.from_dict(rec["config"])
         q_len = bucket[2] if len(bucket) > 2 else 1
         issues = cfg.problems(int(head_dim), int(page_size))
-        if int(group) * int(q_len) > cfg.rows:
+        if kernel == "prefill":
+            if int(group) > cfg.rows:
+                issues.append(f"group {group} exceeds {cfg.rows} rows")
+        elif int(group) * int(q_len) > cfg.rows:
             issues.append(f"group {group} x q_len {q_len} exceeds {cfg.rows} rows")
         if issues:
             problems.append(f"{class_key} {bucket}: " + "; ".join(issues))
@@ -150,6 +163,11 @@ def default_targets(dtypes=("bfloat16",)) -> list[CompileTarget]:
                         continue
                     cfg = default_decode_config(d, rows, page)
                     out.append(CompileTarget(cfg, dtype, d, page, group, q_len, "default"))
+            # The multi-token kernel's two defaults (link-bound and compute-bound), GQA 4 and 8.
+            for rows in (PREFILL_WIDE_TILE_MAX_ROWS, 4 * PREFILL_WIDE_TILE_MAX_ROWS):
+                for group in (4, 8):
+                    out.append(CompileTarget(default_prefill_config(d, rows), dtype, d, 64, group, 1, "default",
+                                             resident=True))
     return out
 
 
@@ -185,13 +203,15 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
     has_split = "split_out" in inspect.signature(compile_decode).parameters
     variants = (True, False) if has_split else (None,)
     seen, rows, problems = set(), [], []
-    jobs = [(t, s) for t in targets for s in variants]
+    jobs = [(t, s) for t in targets for s in ((True,) if t.resident else variants)]
     for t, split in progress_bar(jobs, progress, "compile", "kernel"):
-        key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split)
+        key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split, t.resident)
         if key in seen:
             continue
         seen.add(key)
         kwargs = {} if split is None else {"split_out": split}
+        if t.resident:
+            kwargs["resident"] = True
         t0 = time.perf_counter()
         try:
             compile_decode(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, t.max_q_len, **kwargs)

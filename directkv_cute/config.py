@@ -15,7 +15,7 @@ SM90_SMEM_PER_SM = 228 * 1024  # unified L1/SMEM capacity usable as SMEM per SM
 SM90_SMEM_PER_BLOCK_OPTIN = 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin
 SM90_NUM_SMS = 132  # H200 SXM; the op reads the real count off the device
 SMEM_RESERVED_PER_BLOCK = 1024  # the driver reserves 1 KB of SMEM per resident block
-_BARRIER_AND_ALIGN_BYTES = 2048  # mbarriers plus 1 KB alignment padding of the tiles
+_BARRIER_AND_ALIGN_BYTES = 1024  # the mbarriers (<= 192 B), padded to the tiles' 1 KB alignment
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
@@ -37,6 +37,11 @@ class DecodeConfig:
     carveout:      percent of the unified L1/SMEM reserved as SMEM
                    (cudaFuncAttributePreferredSharedMemoryCarveout); the paper's default is 80.
     consumer_wgs:  consumer warpgroups (1-3); each holds 64 query rows (GQA group x q_len).
+    chunk_tiles:   multi-token (resident) kernel only: KV tiles every query block is applied to
+                   before the chunk's ring slots are released. 0 = the whole ring (one chunk per
+                   CTA, no overlap); 1..stages-1 keeps ``stages - chunk_tiles`` slots loading the
+                   next chunk while the consumers work, and each CTA walks several chunks, merging
+                   its partial in place (double buffering when 2 * chunk_tiles <= stages).
     """
 
     tile_n: int = 64
@@ -45,12 +50,26 @@ class DecodeConfig:
     ctas_per_sm: int = 2
     carveout: int = 80
     consumer_wgs: int = 1
+    chunk_tiles: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
     def rows(self) -> int:
         """Query rows (GQA group x q_len) one CTA holds."""
         return 64 * self.consumer_wgs
+
+    @property
+    def chunk(self) -> int:
+        """KV tiles per chunk of the resident kernel."""
+        return self.chunk_tiles or self.stages
+
+    def resident_occupancy(self, head_dim: int, elem_bytes: int = 2) -> int:
+        """CTAs per SM the resident kernel is compiled for: 2 when asked (ctas_per_sm >= 2) with one
+        consumer warpgroup and SMEM for two, so one CTA loads its chunk while the other computes;
+        else 1."""
+        if self.ctas_per_sm >= 2 and self.consumer_wgs == 1 and self.resident_ctas(head_dim, elem_bytes) >= 2:
+            return 2
+        return 1
 
     @property
     def num_threads(self) -> int:
@@ -91,6 +110,8 @@ class DecodeConfig:
             out.append("ctas_per_sm must be in 1..8")
         if not 0 <= self.carveout <= 100:
             out.append("carveout must be a percentage 0..100")
+        if not 0 <= self.chunk_tiles < self.stages:
+            out.append(f"chunk_tiles {self.chunk_tiles} must be 0 (the whole ring) or in 1..stages-1")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:
@@ -150,18 +171,41 @@ def default_decode_config(head_dim: int, rows: int = 8, page_size: int | None = 
     raise ConfigError(f"no legal default decode config for head_dim={head_dim} rows={rows}")
 
 
-def default_prefill_config(head_dim: int) -> DecodeConfig:
+# Query rows (GQA group x q_len) up to which the multi-token default uses 128-token tiles; above
+# it the kernel is compute-bound and 64-token tiles with fewer, larger passes win (H200 sweep,
+# bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt).
+PREFILL_WIDE_TILE_MAX_ROWS = 2048
+
+
+def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConfig:
     """Untuned default of the multi-token (KV-chunk resident) kernel: two consumer warpgroups
-    (128 query rows per block) and the largest KV chunk (up to 6 tiles of 64) that fits SMEM with
-    all of L1 given to it (measured on the H200: 6 tiles beat 4 by 1.2-1.6x at q_len 512-2048)."""
-    for stages in (6, 5, 4, 3, 2):
-        cfg = DecodeConfig(tile_n=64, stages=stages, consumer_wgs=2, carveout=100)
+    (128 query rows per pass) and all of L1 as SMEM; CTAs walk their split in chunks while the
+    rest of the ring loads the next one. Up to ``PREFILL_WIDE_TILE_MAX_ROWS`` rows (link-bound):
+    a ring of three 128-token tiles, chunks of two; above (compute-bound): six 64-token tiles,
+    chunks of five (fewer passes of each query block)."""
+    wide = rows is None or rows <= PREFILL_WIDE_TILE_MAX_ROWS
+    candidates = ((128, 3, 2), (64, 6, 5), (64, 4, 3)) if wide else ((64, 6, 5), (64, 4, 3), (128, 3, 2))
+    for tile_n, stages, chunk in candidates + ((64, 2, 1),):
+        cfg = DecodeConfig(tile_n=tile_n, stages=stages, ctas_per_sm=1, consumer_wgs=2, carveout=100,
+                           chunk_tiles=chunk)
         if cfg.is_legal(head_dim):
             return cfg
     raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
 
 
-def resident_splits(cfg: DecodeConfig, max_context: int) -> int:
-    """Chunks per sequence for the resident kernel: each CTA's chunk must fit its SMEM ring."""
+def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_heads: int = 1,
+                    num_sms: int = SM90_NUM_SMS, head_dim: int = 128, elem_bytes: int = 2) -> int:
+    """Splits (CTAs per sequence and KV head) of the resident kernel.
+
+    A fixed ``num_splits`` is honoured (up to one per tile). With ``chunk_tiles == 0`` every CTA
+    holds one chunk of ``stages`` tiles (splits = chunks). Otherwise CTAs walk several chunks
+    each, so one wave of CTAs (as many as fit the SMs) covers the context and the fp32 partial
+    workspace scales with the SM count, not with the context."""
     n_tiles = max(1, math.ceil(max_context / cfg.tile_n))
-    return math.ceil(n_tiles / cfg.stages)
+    if cfg.num_splits:
+        return max(1, min(cfg.num_splits, n_tiles))
+    n_chunks = math.ceil(n_tiles / cfg.chunk)
+    if cfg.chunk_tiles == 0:
+        return n_chunks
+    wave = cfg.resident_occupancy(head_dim, elem_bytes) * num_sms
+    return max(1, min(n_chunks, wave // max(1, batch * num_kv_heads)))

@@ -204,17 +204,17 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
     resident = kernel == "prefill"
     if resident:
-        # Each CTA's chunk must fit its SMEM ring for every sequence, so size the split count from
-        # the page table's width (a bound the host knows without reading seq_lens), never from a
-        # caller's hint.
-        splits = resident_splits(cfg, max_pages * cache.page_size)
+        # Size the split count from the page table's width (a bound the host knows without reading
+        # seq_lens), never from a caller's hint.
+        splits = resident_splits(cfg, max_pages * cache.page_size, batch, hkv, _num_sms(q.device.index), d,
+                                 q.element_size())
         ws = splits * total_q * hq * (d + 1) * 4
         cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or _total_memory(q.device.index) / 4
         if ws > cap:
             raise ValueError(
                 f"the multi-token kernel needs {ws / 2**30:.1f} GiB of fp32 partials ({splits} KV chunks x "
                 f"{total_q} query rows x {hq} heads), over the {cap / 2**30:.1f} GiB cap ({_WORKSPACE_ENV}); "
-                "use a config with more stages or feed fewer query tokens per call")
+                "use a config with chunk_tiles > 0 (fewer splits) or feed fewer query tokens per call")
     else:
         splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device.index))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)

@@ -187,10 +187,17 @@ def test_bad_inputs_raise_before_launch():
         DecodeConfig(tile_n=64, stages=5, consumer_wgs=3, carveout=100),
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100),
         DecodeConfig(tile_n=128, stages=2, consumer_wgs=2, carveout=100),
+        # CTAs walking several chunks (partials merged in place across chunks):
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, num_splits=1),
+        DecodeConfig(tile_n=64, stages=2, consumer_wgs=2, carveout=100, chunk_tiles=1, num_splits=3),
+        DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, chunk_tiles=3),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, chunk_tiles=1, num_splits=2),
+        DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100, num_splits=2),  # one-chunk ring, walked
     ],
 )
 def test_multi_token_configs(config):
-    """The resident kernel across warpgroup counts, tiles and chunk sizes (ragged, mixed tiers)."""
+    """The resident kernel across warpgroup counts, tiles, chunk sizes and split counts (ragged,
+    mixed tiers)."""
     _run([3333, 900], [700, 129], 32, 8, 128, 32, torch.bfloat16, 0.5, config)
 
 

@@ -114,24 +114,30 @@ def test_compile_part_fails_clearly_without_the_kernel(monkeypatch, capsys):
 
 def test_default_compile_targets_are_legal():
     targets = default_targets(("bfloat16", "float16"))
-    assert len([t for t in targets if t.dtype == "bfloat16"]) == 2 * len(ROWS) * 4
-    assert len([t for t in targets if t.dtype == "float16"]) == 2 * 2
+    prefill = 2 * 2 * 2  # head dims x (link-bound, compute-bound default) x GQA 4 / 8
+    assert len([t for t in targets if t.dtype == "bfloat16"]) == 2 * len(ROWS) * 4 + prefill
+    assert len([t for t in targets if t.dtype == "float16"]) == 2 * 2 + prefill
+    assert {t.cfg.tile_n for t in targets if t.resident} == {64, 128}
     for t in targets:
         assert t.cfg.is_legal(t.head_dim, t.page_size), t.label
         assert t.group * t.max_q_len <= t.cfg.rows and t.cfg.rows % t.group == 0
 
 
-def test_resident_split_counts_are_in_the_grid_and_fit_the_ring():
-    """The multi-token kernel's split counts are checked by CI, and with them no CTA is handed
-    more tiles than its SMEM ring holds (it would wait forever for a slot nobody frees)."""
+def test_resident_split_counts_are_in_the_grid():
+    """The multi-token kernel's split counts (one chunk per CTA, and a wave of CTAs walking
+    several chunks) are checked by CI; the single-chunk count never hands a CTA more tiles than
+    its ring, the walking count never more CTAs than one wave."""
     from bench.traffic import SEQ_SETS, default_cases, resident_splits_for
     from directkv_cute.plan import split_range
 
     grid = {(c.seq_lens, c.page_size, c.tile_n, c.num_splits) for c in default_cases()}
     for lens in SEQ_SETS:
-        for stages in (2, 6):
-            splits = resident_splits_for(lens, 64, 64, stages)
+        for stages, chunk in ((2, 0), (6, 0), (6, 3)):
+            splits = resident_splits_for(lens, 64, 64, stages, chunk)
             assert (tuple(lens), 64, 64, splits) in grid
-            for n in lens:
-                tiles = -(-n // 64)
-                assert all(b - a <= stages for a, b in (split_range(tiles, splits, s) for s in range(splits)))
+            if chunk == 0:
+                for n in lens:
+                    tiles = -(-n // 64)
+                    assert all(b - a <= stages for a, b in (split_range(tiles, splits, s) for s in range(splits)))
+            else:
+                assert splits * len(lens) * 2 <= max(132, len(lens) * 2)

@@ -104,6 +104,28 @@ def test_cache_key_covers_codegen_fields():
         jit.decode_key(base, torch.bfloat16, 128, 64, 4, True, resident=True),
     ]
     assert len({k0, *variants}) == len(variants) + 1
+    # the resident kernel's chunk and occupancy change its code; the streaming kernel ignores them
+    walk = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1)
+    resident = {jit.decode_key(c, torch.bfloat16, 128, 64, 4, True, resident=True)
+                for c in (walk, DecodeConfig(**{**walk.to_dict(), "chunk_tiles": 1}),
+                          DecodeConfig(**{**walk.to_dict(), "ctas_per_sm": 2}))}
+    assert len(resident) == 3
+    assert jit.decode_key(DecodeConfig(chunk_tiles=2), torch.bfloat16, 128, 64, 4, True) == k0
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2),
+        DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2),  # two CTAs per SM
+        DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, ctas_per_sm=1, chunk_tiles=3),
+    ],
+)
+def test_resident_variants_compile(cfg):
+    """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups."""
+    fn = jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
+    assert _ptx_has(fn, "wgmma.mma_async", "cp.async.bulk.tensor")
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ input validation (GPU launches are covered by tests/test_attention_gpu.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,13 +79,28 @@ def test_explicit_config_dispatch(group, q_len, cfg, kernel):
     assert picked is cfg and k == kernel
 
 
-def test_resident_splits_keep_each_chunk_in_smem():
+def test_resident_splits_one_chunk_per_cta_without_chunk_tiles():
     cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100)
     for ctx in (1, 63, 64, 65, 384, 385, 32768 + 512, 131072):
         splits = resident_splits(cfg, ctx)
         tiles = -(-ctx // 64)
-        assert -(-tiles // splits) <= cfg.stages  # the largest chunk fits the ring
+        assert -(-tiles // splits) <= cfg.stages  # the largest split is one chunk
         assert splits == 1 or -(-tiles // (splits - 1)) > cfg.stages  # and no fewer splits would do
+
+
+@pytest.mark.parametrize("batch,hkv", [(1, 8), (2, 8), (1, 1), (16, 8), (40, 8)])
+def test_resident_splits_walking_chunks_fill_one_wave(batch, hkv):
+    cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3)
+    assert cfg.resident_ctas(128) == 1
+    for ctx in (64, 1000, 32768, 131072):
+        splits = resident_splits(cfg, ctx, batch, hkv, 132)
+        chunks = -(-(-(-ctx // 64)) // 3)
+        assert 1 <= splits <= chunks
+        ctas = splits * batch * hkv
+        assert ctas <= max(132, batch * hkv)  # never a second, partial wave
+        if splits < chunks:
+            assert (splits + 1) * batch * hkv > 132  # and no more CTAs would fit the wave
+    assert resident_splits(dataclasses.replace(cfg, num_splits=5), 32768, batch, hkv) == 5
 
 
 @pytest.mark.parametrize(
@@ -113,3 +130,23 @@ def test_bad_inputs_fail_before_anything_runs(cache_and_q):
         dk.paged_attention(q[:, :, :32].contiguous(), cache, 0, ids, q_lens)
     with pytest.raises(ValueError, match="multiple"):
         dk.paged_attention(q[:, :5].contiguous(), cache, 0, ids, q_lens)  # Hq 5, Hkv 2
+
+
+def test_resident_chunk_and_occupancy_rules():
+    from directkv_cute.config import ConfigError
+
+    with pytest.raises(ConfigError, match="chunk_tiles"):
+        DecodeConfig(stages=4, chunk_tiles=4).check(128)
+    assert DecodeConfig(stages=4, chunk_tiles=0).chunk == 4 and DecodeConfig(stages=4, chunk_tiles=3).chunk == 3
+    two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2)
+    assert two.resident_occupancy(128) == 2  # 2 x (96 KB ring + 16 KB Q + 1 KB + 1 KB reserved) = 228 KB
+    assert dataclasses.replace(two, consumer_wgs=2).resident_occupancy(128) == 1
+    assert dataclasses.replace(two, stages=4).resident_occupancy(128) == 1
+    assert dataclasses.replace(two, carveout=90).resident_occupancy(128) == 1
+    # defaults: wide tiles while link-bound, more tiles per pass when compute-bound
+    from directkv_cute.config import default_prefill_config
+
+    assert default_prefill_config(128, 2048).tile_n == 128 and default_prefill_config(128, 8192).chunk_tiles == 5
+    for rows in (256, 2048, 8192, 65536):
+        for d in (64, 128):
+            assert default_prefill_config(d, rows).is_legal(d)

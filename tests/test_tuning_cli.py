@@ -38,7 +38,7 @@ def test_dry_run_preset(capsys):
     rc, out, _ = run(capsys, "--preset", "llama3-8b", "--dry-run")  # 'run' is the default subcommand
     assert rc == 0
     assert "space hash" in out and "tile_n" in out and "consumer_wgs = 1 if group*q_len <= 64" in out
-    assert "1984 legal of 4032" in out and "SMEM over the carveout budget" in out
+    assert "2048 legal of 4032" in out and "SMEM over the carveout budget" in out
     assert "16 bucket(s)" in out and "131072" in out and "nothing was run" in out
 
 
@@ -51,7 +51,7 @@ def test_dry_run_shapes_and_dedupe(capsys):
 def test_dry_run_prefill_kernel(capsys):
     rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b", "--q-lens", "64,256",
                      "--batches", "1", "--contexts", "32768")
-    assert rc == 0 and "kernel prefill" in out and "378 points" in out and "2 bucket(s)" in out
+    assert rc == 0 and "kernel prefill" in out and "3780 points" in out and "2 bucket(s)" in out
 
 
 def test_bad_arguments(capsys):

@@ -209,9 +209,9 @@ def test_prefill_kernel_lookup(tmp_path):
                                page_size=64, batch=1, context=4096, rows=8 * 64, **kw)
 
     with pytest.warns(P.ProfileWarning, match="no tuned prefill config"):
-        assert pre(q_len=64) == (default_prefill_config(128), "default")
+        assert pre(q_len=64) == (default_prefill_config(128, 8 * 64), "default")
     L.clear_cache()
-    tuned = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90)
+    tuned = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90, ctas_per_sm=1, chunk_tiles=2)
     write_profile(tmp_path, entries={(1, 4096, 64): tuned}, cls=("prefill", "bf16", 128, 8, 64))
     assert pre(q_len=64) == (tuned, "exact")
     assert pre(q_len=128) == (tuned, "nearest")

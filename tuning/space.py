@@ -22,22 +22,11 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, default_decode_config
-
-try:  # the multi-token kernel's default (directkv_cute.config, with the resident kernel)
-    from directkv_cute.config import default_prefill_config
-except ImportError:  # pragma: no cover - older config.py
-
-    def default_prefill_config(head_dim: int) -> DecodeConfig:
-        for stages in (4, 3, 2):
-            cfg = DecodeConfig(tile_n=64, stages=stages, consumer_wgs=2, carveout=100)
-            if cfg.is_legal(head_dim):
-                return cfg
-        raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
+from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, default_decode_config, default_prefill_config
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 1
+SPACE_RULES_VERSION = 2  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -326,23 +315,26 @@ class DecodeSpace(KernelSpace):
 class PrefillSpace(KernelSpace):
     """The multi-token, KV-chunk resident kernel (the op's "prefill" path, rows > 128).
 
-    Same ``DecodeConfig`` type; each CTA keeps a chunk of ``stages`` tiles in SMEM, so the split
-    count follows from tile_n and stages (``resident_splits``): num_splits and ctas_per_sm are
-    fixed, and two consumer warpgroups (128 query rows per pass) as in the default.
+    Same ``DecodeConfig`` type. Each CTA applies every query block to a chunk of ``chunk_tiles``
+    tiles (0 = the whole ``stages`` ring) while the rest of the ring loads the next chunk; the
+    split count follows from the config (``resident_splits``), so num_splits and ctas_per_sm are
+    fixed.
     """
 
     kernel = "prefill"
     config_cls = DecodeConfig
     params = (
         Param("tile_n", (32, 64, 128), "KV tokens per tile"),
-        Param("stages", (2, 3, 4, 5, 6, 7, 8), "tiles of the KV chunk each CTA keeps in SMEM"),
+        Param("stages", (2, 3, 4, 5, 6, 7, 8), "depth of the SMEM ring of KV tiles"),
+        Param("chunk_tiles", (0, 1, 2, 3, 4), "tiles per chunk (0 = the whole ring, one chunk per CTA)"),
         Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
         Param("consumer_wgs", (1, 2, 3), "consumer warpgroups: 64 query rows each per pass over the chunk"),
+        Param("ctas_per_sm", (1, 2), "CTAs per SM (2 needs one consumer warpgroup and SMEM for two)"),
     )
-    fixed_doc = "num_splits = 0, ctas_per_sm = 2 (unused: splits = ceil(tiles / stages))"
+    fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
 
     def fixed(self, shape: TuneShape) -> dict:
-        return {"num_splits": 0, "ctas_per_sm": 2}
+        return {"num_splits": 0}
 
     def problems(self, cfg: DecodeConfig, shape: TuneShape) -> list[str]:
         return self.static_problems(
@@ -350,13 +342,18 @@ class PrefillSpace(KernelSpace):
         )
 
     def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
-        return list(cfg.problems(head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)]))
+        eb = ELEM_BYTES[normalize_dtype(dtype)]
+        out = list(cfg.problems(head_dim, page_size, eb))
+        if not out and cfg.ctas_per_sm >= 2 and cfg.resident_occupancy(head_dim, eb) < 2:
+            out.append(f"ctas_per_sm {cfg.ctas_per_sm} needs one consumer warpgroup and SMEM for two CTAs")
+        return out
 
     def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
-        return (cfg.tile_n, cfg.stages, cfg.carveout, cfg.consumer_wgs)
+        return (cfg.tile_n, cfg.stages, cfg.chunk_tiles, cfg.carveout, cfg.consumer_wgs,
+                cfg.resident_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)]))
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
-        return default_prefill_config(head_dim)
+        return default_prefill_config(head_dim, rows)
 
 
 _SPACES: dict[str, KernelSpace] = {}

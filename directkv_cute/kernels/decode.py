@@ -12,6 +12,12 @@ kv_head) * 2 + {0: K, 1: V}; a TMA copy moves ``rows = min(page_size, tile_n)`` 
 page. Copies past a sequence's last page use an out-of-bounds coordinate, which TMA fills with
 zeros without touching memory (and still counts the full box toward the stage's byte count).
 
+Resident mode (multi-token queries): KV-outer order. The CTA walks its split a chunk of
+``cfg.chunk`` tiles at a time; every block of query rows is applied to the chunk while it sits in
+SMEM, and the ring slots a chunk frees are refilled with the next chunk while the consumers work
+(no link idle time between chunks). A block's running softmax state is carried across chunks in
+the split's fp32 partial (normalised O and LSE, reloaded by the thread that stored it).
+
 Outputs: with ``split_out`` the CTA writes its normalised partial O (fp32) and LSE for the
 combine kernel; otherwise it writes the final O (q dtype) and LSE directly.
 """
@@ -30,6 +36,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels.helpers import (
+    LOG2_E,
     acc_as_mn,
     acc_as_operand_a,
     gemm,
@@ -39,9 +46,9 @@ from directkv_cute.kernels.helpers import (
     transpose_view,
 )
 
-# setmaxnreg budgets (producer warpgroup, each consumer warpgroup) by consumer warpgroups:
-# 128 x (producer + wgs x consumer) registers must fit the SM's 64K.
-REGS = {1: (40, 232), 2: (40, 232), 3: (32, 160)}
+# setmaxnreg budgets (producer warpgroup, each consumer warpgroup) by (consumer warpgroups, CTAs
+# per SM): 128 x (producer + wgs x consumer) x CTAs registers must fit the SM's 64K.
+REGS = {(1, 1): (40, 232), (2, 1): (40, 232), (3, 1): (32, 160), (1, 2): (40, 216)}
 
 
 class DecodeAttention:
@@ -61,6 +68,8 @@ class DecodeAttention:
         self.copies = cfg.tile_n // self.copy_rows
         self.split_out = split_out
         self.resident = resident
+        self.chunk = cfg.chunk
+        self.occupancy = cfg.resident_occupancy(head_dim) if resident else 1  # 16-bit dtypes only
         self.num_threads = cfg.num_threads
         self.carveout = cfg.carveout
         # Query tokens whose whole GQA group fits in the CTA's rows; rows past
@@ -150,7 +159,7 @@ class DecodeAttention:
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
-            min_blocks_per_mp=1,
+            min_blocks_per_mp=self.occupancy,
             preferred_smem_carveout=self.carveout,
         )
 
@@ -178,7 +187,7 @@ class DecodeAttention:
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
     ):
-        d, tile_n, group = self.head_dim, self.tile_n, self.group
+        d, tile_n = self.head_dim, self.tile_n
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         split, kvh, b = cute.arch.block_idx()
@@ -214,7 +223,7 @@ class DecodeAttention:
 
         if warp_idx < 4:
             # ---------------- producer warpgroup: warp 0 streams K/V pages with TMA ----------
-            cute.arch.setmaxregister_decrease(REGS[self.wgs][0])
+            cute.arch.setmaxregister_decrease(REGS[self.wgs, self.occupancy][0])
             if warp_idx == 0:
                 self.load(
                     kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, b, kvh, num_kv_heads, num_layers,
@@ -222,7 +231,7 @@ class DecodeAttention:
                 )
         else:
             # ---------------- consumer warpgroups -------------------------------------------
-            cute.arch.setmaxregister_increase(REGS[self.wgs][1])
+            cute.arch.setmaxregister_increase(REGS[self.wgs, self.occupancy][1])
             ctidx = tidx - 128
             wg = ctidx // 128
             wg_tidx = ctidx % 128
@@ -265,27 +274,51 @@ class DecodeAttention:
                 softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
                 self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, 0)
             else:
-                # Resident: the CTA's whole KV chunk (<= stages tiles) stays in SMEM, loaded
-                # once, and every block of query rows is applied to it (KV-outer order).
+                # Resident (KV-outer): the CTA walks its tiles a chunk at a time. Every block of
+                # query rows is applied to the chunk while it sits in SMEM; only then are its ring
+                # slots released, so the producer loads the next chunk (into the other slots of
+                # the ring) while the consumers work on this one. A block's running (O, max, sum)
+                # lives in this split's partial: stored normalised with its LSE after each chunk
+                # and reloaded for the next.
+                chunk = self.chunk
                 n_blocks = (q_len + self.q_per_cta - 1) // self.q_per_cta
-                for rb in cutlass.range(n_blocks, unroll=1):
-                    tok0 = rb * self.q_per_cta
-                    cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)  # sQ free again
-                    self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, tok0)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)
-                    acc_O.fill(0.0)
-                    row_max.fill(-Float32.inf)
-                    row_sum.fill(0.0)
-                    # Keys visible to the block's last token bound the tiles it needs.
-                    last_tok = cutlass.min(q_len, tok0 + self.q_per_cta) - 1
-                    key_end = seq_len - q_len + last_tok + 1
-                    t_stop = cutlass.min(t_end, (key_end + tile_n - 1) // tile_n)
-                    for t in cutlass.range(t_begin, t_stop, unroll=1):
-                        kv_pipe.sync_object_full.wait(t - t_begin, 0)
-                        tile(t=t, stage=t - t_begin, tok0=tok0)
-                    softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
-                    self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0)
+                # At least one pass: a split with no tiles still writes its (empty) partials.
+                n_chunks = cutlass.max((t_end - t_begin + chunk - 1) // chunk, 1)
+                wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                free_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                for j in cutlass.range(n_chunks, unroll=1):
+                    c_begin = t_begin + j * chunk
+                    c_end = cutlass.min(t_end, c_begin + chunk)
+                    for _t in cutlass.range(c_begin, c_end, unroll=1):
+                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+                        wait_state.advance()
+                    for rb in cutlass.range(n_blocks, unroll=1):
+                        tok0 = rb * self.q_per_cta
+                        # Keys visible to the block's last token bound the tiles it needs.
+                        last_tok = cutlass.min(q_len, tok0 + self.q_per_cta) - 1
+                        key_end = seq_len - q_len + last_tok + 1
+                        t_stop = cutlass.min(c_end, (key_end + tile_n - 1) // tile_n)
+                        # The first chunk writes every block's partial (an empty one for blocks
+                        # that see none of the split); later chunks touch only blocks they feed.
+                        if j == 0 or t_stop > c_begin:
+                            cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)  # sQ free again
+                            self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, tok0)
+                            cute.arch.fence_view_async_shared()
+                            cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)
+                            if j == 0:
+                                acc_O.fill(0.0)
+                                row_max.fill(-Float32.inf)
+                                row_sum.fill(0.0)
+                            else:
+                                self.reload(mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len,
+                                            kvh, row0, tok0, scale_log2)
+                            for t in cutlass.range(c_begin, t_stop, unroll=1):
+                                tile(t=t, stage=(t - t_begin) % self.stages, tok0=tok0)
+                            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
+                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0)
+                    for _t in cutlass.range(c_begin, c_end, unroll=1):
+                        kv_pipe.consumer_release(free_state)
+                        free_state.advance()
 
     @cute.jit
     def attend_tile(self, t, stage, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS, row_max, row_sum, row0,
@@ -361,16 +394,24 @@ class DecodeAttention:
         d, group, vec = self.head_dim, self.group, 8  # 8 x 16-bit = one 16-byte access
         n_thr = 128 * self.wgs
         n_valid = cutlass.min(q_len - tok0, self.q_per_cta)
-        for i in cutlass.range(ctidx, self.rows * d // vec, n_thr, unroll=2):
+        # d / 16 static iterations per thread, fully unrolled: every load is issued (into
+        # registers) before the first SMEM store waits on one, since the gather sits on the
+        # critical path of each block of query rows.
+        n_it = self.rows * d // vec // n_thr
+        rQ = cute.make_rmem_tensor((vec, n_it), self.dtype)  # (8, d/16) this thread's Q pieces
+        for k in cutlass.range_constexpr(n_it):
+            i = ctidx + k * n_thr
             r = i // (d // vec)
-            cv = i % (d // vec)
             qi = r // group
-            sQv = cute.local_tile(sQ[r, None], (vec,), (cv,))  # (8,) swizzle keeps 16 B chunks whole
             if qi < n_valid:
-                gQv = cute.local_tile(mQ[q_start + tok0 + qi, kvh * group + r % group, None], (vec,), (cv,))
-                cute.autovec_copy(gQv, sQv)
+                gQv = cute.local_tile(mQ[q_start + tok0 + qi, kvh * group + r % group, None], (vec,), (i % (d // vec),))
+                cute.autovec_copy(gQv, rQ[None, k])
             else:
-                sQv.fill(self.dtype(0.0))
+                rQ[None, k].fill(self.dtype(0.0))
+        for k in cutlass.range_constexpr(n_it):
+            i = ctidx + k * n_thr
+            sQv = cute.local_tile(sQ[i // (d // vec), None], (vec,), (i % (d // vec),))  # (8,) swizzle keeps 16 B whole
+            cute.autovec_copy(rQ[None, k], sQv)
 
     @cute.jit
     def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0):
@@ -394,3 +435,29 @@ class DecodeAttention:
                         mO[o_split, q_start + tok0 + qi, head, col] = o_mn[r, c].to(self.dtype)
                 if tOcO[r, 0][1] == 0:
                     mLSE[o_split, q_start + tok0 + qi, head] = lse[r]
+
+    @cute.jit
+    def reload(self, mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len, kvh, row0, tok0,
+               scale_log2):
+        """Resume a block's online softmax from the normalised partial O and LSE this thread
+        stored after the previous chunk: O_norm with max = LSE (in raw-score units) and sum = 1
+        (a quarter on each of the 4 lanes that share a row). Rows past the block's tokens start
+        empty."""
+        group, d = self.group, self.head_dim
+        tOcO = acc_as_mn(thr_pv.partition_C(cute.make_identity_tensor((64, d))))
+        o_mn = acc_as_mn(acc_O)
+        to_raw = LOG2_E / scale_log2
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            row = row0 + tOcO[r, 0][0]
+            qi = row // group
+            if qi < cutlass.min(q_len - tok0, self.q_per_cta):
+                head = kvh * group + row % group
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    o_mn[r, c] = mO[split, q_start + tok0 + qi, head, tOcO[r, c][1]]
+                row_max[r] = mLSE[split, q_start + tok0 + qi, head] * to_raw
+                row_sum[r] = Float32(0.25)
+            else:
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                    o_mn[r, c] = Float32(0.0)
+                row_max[r] = -Float32.inf
+                row_sum[r] = Float32(0.0)

@@ -124,17 +124,20 @@ def _ptr(dtype, align=16):
 
 def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool,
                resident: bool = False):
-    # num_splits and ctas_per_sm only change the launch, not the code: keep them out of the key.
+    # num_splits and ctas_per_sm only change the launch, not the code: keep them out of the key;
+    # the chunk exists only in the resident kernel.
     return ("decode", arch(), str(dtype), head_dim, page_size, group, cfg.tile_n, cfg.stages,
-            cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident))
+            cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident), cfg.chunk if resident else 0,
+            cfg.resident_occupancy(head_dim, 2) if resident else 1)
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
                    max_q_len: int = 1, split_out: bool = True, resident: bool = False):
     """Compile (once per key) the paged attention kernel; returns a callable taking the runtime
     arguments. ``resident=False`` streams KV tiles through the SMEM ring (decode: every query row
-    of a KV head fits one CTA); ``resident=True`` keeps each CTA's KV chunk of ``stages`` tiles in
-    SMEM and applies it to any number of query rows (multi-token queries)."""
+    of a KV head fits one CTA); ``resident=True`` keeps each CTA's KV chunk (``cfg.chunk`` tiles) in
+    SMEM and applies it to any number of query rows (multi-token queries), walking the CTA's
+    split a chunk at a time while the next chunk loads."""
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
