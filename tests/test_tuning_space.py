@@ -111,12 +111,12 @@ def test_prefill_space():
     space = get_space("prefill")
     shape = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
     rep = space.legality(shape)
-    assert rep.total == 3 * 7 * 5 * 6 * 3 * 2 and 0 < rep.legal_count < rep.total
+    assert rep.total == 3 * 7 * 6 * 6 * 3 * 2 and 0 < rep.legal_count < rep.total
     assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 1), (0, 2)}
     # two CTAs per SM only where they fit: one consumer warpgroup and SMEM for both
     assert all(c.consumer_wgs == 1 and c.resident_occupancy(128) == 2 for c in rep.legal if c.ctas_per_sm == 2)
     assert all(c.chunk_tiles < c.stages for c in rep.legal)
-    assert {c.chunk_tiles for c in rep.legal} == {0, 1, 2, 3, 4}
+    assert {c.chunk_tiles for c in rep.legal} == {0, 1, 2, 3, 4, 5}
     assert {c.consumer_wgs for c in rep.legal} == {1, 2, 3}
     assert all(c.tile_n <= 64 for c in rep.legal if c.consumer_wgs == 3)
     d = space.default_for(shape)
@@ -177,3 +177,11 @@ def test_preset_names_and_dedupe():
     assert len(presets.resolve_presets(["all"])) == 4
     custom = presets.get_preset("llama3-8b").shapes(batches=[2], contexts=[1000, 2000], page_size=16, dtype="fp16")
     assert [(s.batch, s.context, s.page_size, s.dtype) for s in custom] == [(2, 1000, 16, "fp16"), (2, 2000, 16, "fp16")]
+
+
+@pytest.mark.parametrize("q_len", [64, 512, 2048, 8192])
+def test_prefill_defaults_lie_in_the_space(q_len):
+    space = get_space("prefill")
+    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=q_len)
+    d = space.default_for(shape)
+    assert space.in_space(d) and space.is_legal(d, shape)
