@@ -155,3 +155,11 @@ def test_dtype_is_checked():
 def test_tile_page_combinations_compile(tile_n, page_size):
     cfg = DecodeConfig(tile_n=tile_n, stages=2, carveout=100)
     jit.compile_decode(cfg, torch.bfloat16, 128, page_size, 8, 1, True)
+
+
+def test_multi_token_group_limit_fails_before_compiling(monkeypatch):
+    """Each consumer warpgroup of the multi-token kernel holds whole GQA groups in its 64 rows."""
+    monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("compiled an illegal request"))
+    cfg = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1)
+    with pytest.raises(ValueError, match="up to 64"):
+        jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 96)

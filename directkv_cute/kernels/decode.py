@@ -76,6 +76,9 @@ class DecodeAttention:
         # q_per_cta * group are padding.
         self.q_per_cta = self.rows // group
         assert self.q_per_cta >= 1, "a GQA group larger than the CTA's query rows"
+        # Resident mode: each consumer warpgroup works through its own blocks of 64 rows.
+        self.q_per_wg = 64 // group
+        assert not resident or self.q_per_wg >= 1, "the multi-token kernel holds GQA groups up to 64"
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -259,7 +262,7 @@ class DecodeAttention:
             )
             if const_expr(not self.resident):
                 # Streaming: every query row fits one block; tiles flow through the ring.
-                self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, 0)
+                self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, 0, n_cons, self.q_per_cta)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)
                 acc_O.fill(0.0)
@@ -272,7 +275,7 @@ class DecodeAttention:
                     kv_pipe.consumer_release(cons_state)
                     cons_state.advance()
                 softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
-                self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, 0)
+                self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, 0, self.q_per_cta)
             else:
                 # Resident (KV-outer): the CTA walks its tiles a chunk at a time. Every block of
                 # query rows is applied to the chunk while it sits in SMEM; only then are its ring
@@ -280,10 +283,14 @@ class DecodeAttention:
                 # the ring) while the consumers work on this one. A block's running (O, max, sum)
                 # lives in this split's partial: stored normalised with its LSE after each chunk
                 # and reloaded for the next.
-                chunk = self.chunk
-                n_blocks = (q_len + self.q_per_cta - 1) // self.q_per_cta
+                # Each consumer warpgroup takes its own blocks of q_per_wg tokens (64 rows) and
+                # syncs only with itself, so one warpgroup's per-block work (Q gather, partial
+                # reload and store) overlaps the other's MMAs.
+                chunk, qb = self.chunk, self.q_per_wg
+                n_blocks = (q_len + qb - 1) // qb
                 # At least one pass: a split with no tiles still writes its (empty) partials.
                 n_chunks = cutlass.max((t_end - t_begin + chunk - 1) // chunk, 1)
+                wg_bar = 2 + wg  # named barrier of this warpgroup's 128 threads
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 free_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 for j in cutlass.range(n_chunks, unroll=1):
@@ -292,30 +299,30 @@ class DecodeAttention:
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
                         kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
                         wait_state.advance()
-                    for rb in cutlass.range(n_blocks, unroll=1):
-                        tok0 = rb * self.q_per_cta
+                    for rb in cutlass.range(wg, n_blocks, self.wgs, unroll=1):
+                        tok0 = rb * qb
                         # Keys visible to the block's last token bound the tiles it needs.
-                        last_tok = cutlass.min(q_len, tok0 + self.q_per_cta) - 1
+                        last_tok = cutlass.min(q_len, tok0 + qb) - 1
                         key_end = seq_len - q_len + last_tok + 1
                         t_stop = cutlass.min(c_end, (key_end + tile_n - 1) // tile_n)
                         # The first chunk writes every block's partial (an empty one for blocks
                         # that see none of the split); later chunks touch only blocks they feed.
                         if j == 0 or t_stop > c_begin:
-                            cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)  # sQ free again
-                            self.load_q(mQ, sQ, q_start, q_len, kvh, ctidx, tok0)
+                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
+                            self.load_q(mQ, sQ_wg, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
                             cute.arch.fence_view_async_shared()
-                            cute.arch.barrier(barrier_id=1, number_of_threads=n_cons)
+                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
                             if j == 0:
                                 acc_O.fill(0.0)
                                 row_max.fill(-Float32.inf)
                                 row_sum.fill(0.0)
                             else:
                                 self.reload(mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len,
-                                            kvh, row0, tok0, scale_log2)
+                                            kvh, tok0, scale_log2)
                             for t in cutlass.range(c_begin, t_stop, unroll=1):
-                                tile(t=t, stage=(t - t_begin) % self.stages, tok0=tok0)
+                                tile(t=t, stage=(t - t_begin) % self.stages, tok0=tok0, row0=0)
                             softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
-                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0)
+                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
                         kv_pipe.consumer_release(free_state)
                         free_state.advance()
@@ -388,16 +395,16 @@ class DecodeAttention:
                 kv_pipe.producer_tail(prod_state)
 
     @cute.jit
-    def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0):
-        """Consumers gather a block of query rows (row r = token tok0 + r // group, head r % group
-        of the KV head's group) into SMEM; rows past q_len are zero."""
+    def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0, n_thr, q_per_block):
+        """``n_thr`` consumer threads gather a block of query rows (row r = token tok0 + r // group,
+        head r % group of the KV head's group) into ``sQ`` (rows, d); rows past the block's
+        tokens are zero."""
         d, group, vec = self.head_dim, self.group, 8  # 8 x 16-bit = one 16-byte access
-        n_thr = 128 * self.wgs
-        n_valid = cutlass.min(q_len - tok0, self.q_per_cta)
+        n_valid = cutlass.min(q_len - tok0, q_per_block)
         # d / 16 static iterations per thread, fully unrolled: every load is issued (into
         # registers) before the first SMEM store waits on one, since the gather sits on the
         # critical path of each block of query rows.
-        n_it = self.rows * d // vec // n_thr
+        n_it = cute.size(sQ, mode=[0]) * d // vec // n_thr
         rQ = cute.make_rmem_tensor((vec, n_it), self.dtype)  # (8, d/16) this thread's Q pieces
         for k in cutlass.range_constexpr(n_it):
             i = ctidx + k * n_thr
@@ -414,7 +421,7 @@ class DecodeAttention:
             cute.autovec_copy(rQ[None, k], sQv)
 
     @cute.jit
-    def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0):
+    def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0, q_per_block):
         """Write this warpgroup's rows of O (and their LSE) for valid query tokens."""
         group, d = self.group, self.head_dim
         o_split = 0
@@ -425,7 +432,7 @@ class DecodeAttention:
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             row = row0 + tOcO[r, 0][0]
             qi = row // group
-            if qi < cutlass.min(q_len - tok0, self.q_per_cta):
+            if qi < cutlass.min(q_len - tok0, q_per_block):
                 head = kvh * group + row % group
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     col = tOcO[r, c][1]
@@ -437,8 +444,7 @@ class DecodeAttention:
                     mLSE[o_split, q_start + tok0 + qi, head] = lse[r]
 
     @cute.jit
-    def reload(self, mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len, kvh, row0, tok0,
-               scale_log2):
+    def reload(self, mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len, kvh, tok0, scale_log2):
         """Resume a block's online softmax from the normalised partial O and LSE this thread
         stored after the previous chunk: O_norm with max = LSE (in raw-score units) and sum = 1
         (a quarter on each of the 4 lanes that share a row). Rows past the block's tokens start
@@ -448,9 +454,9 @@ class DecodeAttention:
         o_mn = acc_as_mn(acc_O)
         to_raw = LOG2_E / scale_log2
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
-            row = row0 + tOcO[r, 0][0]
+            row = tOcO[r, 0][0]
             qi = row // group
-            if qi < cutlass.min(q_len - tok0, self.q_per_cta):
+            if qi < cutlass.min(q_len - tok0, self.q_per_wg):
                 head = kvh * group + row % group
                 for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
                     o_mn[r, c] = mO[split, q_start + tok0 + qi, head, tOcO[r, c][1]]

@@ -141,6 +141,8 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if resident and group > 64:
+        raise ValueError(f"the multi-token kernel holds GQA groups up to 64, got {group}")
     if group < 1 or group > cfg.rows:
         raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
     if not resident and group * max_q_len > (cfg.rows // group) * group:
