@@ -40,8 +40,11 @@ from directkv_cute.kernels.helpers import (
     acc_as_mn,
     acc_as_operand_a,
     gemm,
+    gemm_issue,
     kv_smem_layout,
+    rescale_rows,
     softmax_finalize,
+    softmax_step,
     softmax_update,
     transpose_view,
 )
@@ -252,6 +255,7 @@ class DecodeAttention:
             row_max = cute.make_rmem_tensor(n_rows, Float32)
             row_sum = cute.make_rmem_tensor(n_rows, Float32)
             lse = cute.make_rmem_tensor(n_rows, Float32)
+            row_scale = cute.make_rmem_tensor(n_rows, Float32)
             tOrP = cute.make_rmem_tensor_like(acc_as_operand_a(acc_S), self.dtype)
             row0 = wg * 64
             n_cons = 128 * self.wgs
@@ -319,8 +323,10 @@ class DecodeAttention:
                             else:
                                 self.reload(mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len,
                                             kvh, tok0, scale_log2)
-                            for t in cutlass.range(c_begin, t_stop, unroll=1):
-                                tile(t=t, stage=(t - t_begin) % self.stages, tok0=tok0, row0=0)
+                            self.attend_tiles(
+                                c_begin, t_stop, t_begin, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS,
+                                row_max, row_sum, row_scale, seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv,
+                            )
                             softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
                             self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
@@ -328,13 +334,10 @@ class DecodeAttention:
                         free_state.advance()
 
     @cute.jit
-    def attend_tile(self, t, stage, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS, row_max, row_sum, row0,
-                    seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv):
-        """One KV tile for one block of query rows: S = Q K^T, mask, online softmax, O += P V."""
+    def mask_tile(self, acc_S, t, tok0, row0, tScS, seq_len, q_len):
+        """Mask keys past the sequence and the causal future of each query token; only tiles that
+        reach past the first token's position need it."""
         tile_n, group = self.tile_n, self.group
-        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
-        # Mask keys past the sequence and the causal future of each query token; only tiles
-        # that reach past the first token's position need it.
         if (t + 1) * tile_n > seq_len - q_len + tok0 + 1:
             s_mn = acc_as_mn(acc_S)
             for r in cutlass.range_constexpr(cute.size(s_mn, mode=[0])):
@@ -343,9 +346,43 @@ class DecodeAttention:
                 for c in cutlass.range_constexpr(cute.size(s_mn, mode=[1])):
                     if tScS[r, c][1] >= limit:
                         s_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def attend_tile(self, t, stage, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS, row_max, row_sum, row0,
+                    seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv):
+        """One KV tile for one block of query rows: S = Q K^T, mask, online softmax, O += P V."""
+        gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True)
+        self.mask_tile(acc_S, t, tok0, row0, tScS, seq_len, q_len)
         softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
         tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
         gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage], False)
+
+    @cute.jit
+    def attend_tiles(self, t_first, t_stop, t_begin, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS, row_max,
+                     row_sum, row_scale, seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv):
+        """Tiles [t_first, t_stop) (all resident in SMEM) for one block of query rows, software
+        pipelined: S(t) = Q K(t)^T and O += P(t-1) V(t-1) are issued together, and the softmax of
+        tile t runs while the P V WGMMA is still in flight; O is rescaled once it lands."""
+        stages, row0 = self.stages, 0
+        if t_stop > t_first:
+            st = (t_first - t_begin) % stages
+            gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+            self.mask_tile(acc_S, t_first, tok0, row0, tScS, seq_len, q_len)
+            softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            for t in cutlass.range(t_first + 1, t_stop, unroll=1):
+                st_prev = st
+                st = (t - t_begin) % stages
+                warpgroup.fence()
+                gemm_issue(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+                gemm_issue(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev], False)
+                warpgroup.wait_group(1)  # S(t) is ready; P V of the previous tile may still run
+                self.mask_tile(acc_S, t, tok0, row0, tScS, seq_len, q_len)
+                softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2)
+                warpgroup.wait_group(0)
+                rescale_rows(acc_O, row_scale)
+                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, st], False)
 
     # ------------------------------------------------------------------------------------
     @cute.jit

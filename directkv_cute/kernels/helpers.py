@@ -69,15 +69,22 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
 
 
 @cute.jit
-def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: bool):
-    """acc (+)= A @ B on one warpgroup; waits for completion."""
-    warpgroup.fence()
+def gemm_issue(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: bool):
+    """Issue acc (+)= A @ B on one warpgroup and commit it as one group; no fence, no wait (the
+    caller fences before the first issue and waits with ``warpgroup.wait_group``)."""
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
     for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
         cute.gemm(atom, acc, tA[None, None, k], tB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor, zero_init: bool):
+    """acc (+)= A @ B on one warpgroup; waits for completion."""
+    warpgroup.fence()
+    gemm_issue(tiled_mma, acc, tA, tB, zero_init)
     warpgroup.wait_group(0)
 
 
@@ -87,8 +94,26 @@ def softmax_update(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
     """Online softmax step on one thread's rows of the S accumulator (a row is spread over a
     quad of 4 lanes, as WGMMA lays it out): exponentiate S in place into the unnormalised P,
     update the running max and sum, and rescale O by exp(m_old - m_new)."""
-    s_mn = acc_as_mn(acc_S)
+    row_scale = cute.make_rmem_tensor(cute.size(row_max), Float32)
+    softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2)
+    rescale_rows(acc_O, row_scale)
+
+
+@cute.jit
+def rescale_rows(acc_O: cute.Tensor, row_scale: cute.Tensor):
+    """O[r, :] *= row_scale[r] on one thread's rows of an accumulator."""
     o_mn = acc_as_mn(acc_O)
+    for r in cutlass.range_constexpr(cute.size(row_scale)):
+        o_mn[r, None].store(o_mn[r, None].load() * row_scale[r])
+
+
+@cute.jit
+def softmax_step(acc_S: cute.Tensor, row_max: cute.Tensor, row_sum: cute.Tensor, row_scale: cute.Tensor,
+                 scale_log2: Float32):
+    """The part of the online softmax step that leaves O alone (so it can run while a P V WGMMA
+    into O is in flight): S -> unnormalised P in place, running max and sum updated, and
+    row_scale[r] = exp(m_old - m_new), by which O must be rescaled."""
+    s_mn = acc_as_mn(acc_S)
     for r in cutlass.range_constexpr(cute.size(row_max)):
         row = s_mn[r, None].load()
         m_new = row.reduce(cute.ReductionOp.MAX, row_max[r], 0)
@@ -103,7 +128,7 @@ def softmax_update(acc_S: cute.Tensor, acc_O: cute.Tensor, row_max: cute.Tensor,
         scale = cute.math.exp2((m_old - m_safe) * scale_log2, fastmath=True)
         row_sum[r] = row_sum[r] * scale + p.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         s_mn[r, None].store(p)
-        o_mn[r, None].store(o_mn[r, None].load() * scale)
+        row_scale[r] = scale
 
 
 @cute.jit
