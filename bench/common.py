@@ -112,9 +112,8 @@ class Shape:
                 f"{self.hq}/{self.hkv} d{self.head_dim} {self.dtype}")
 
     def fields(self) -> dict:
-        """The record fields this shape fixes."""
-        return {"bench": self.bench, "batch": self.batch, "context": self.context, "q_len": self.q_len,
-                "hq": self.hq, "hkv": self.hkv, "head_dim": self.head_dim, "dtype": self.dtype}
+        """The record fields this shape fixes (every field of the shape)."""
+        return dataclasses.asdict(self)
 
 
 def _kilo(n: int) -> str:

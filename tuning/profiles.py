@@ -331,10 +331,17 @@ class _V:
     def bad(self, where, msg):
         self.problems.append(f"{where}: {msg}")
 
-    def int_(self, d, k, where, *, minimum=None, required=True):
+    def _present(self, d, k, where, required, nullable=False) -> bool:
+        """Whether d[k] is there to check: False when it is missing (a problem if required) or
+        an allowed None."""
         if k not in d:
             if required:
                 self.bad(where, f"missing {k!r}")
+            return False
+        return not (nullable and d[k] is None)
+
+    def int_(self, d, k, where, *, minimum=None, required=True):
+        if not self._present(d, k, where, required):
             return None
         v = d[k]
         if not _is_int(v):
@@ -345,13 +352,9 @@ class _V:
         return v
 
     def num(self, d, k, where, *, positive=True, required=True, nullable=False):
-        if k not in d:
-            if required:
-                self.bad(where, f"missing {k!r}")
+        if not self._present(d, k, where, required, nullable):
             return None
         v = d[k]
-        if v is None and nullable:
-            return None
         if not _is_num(v):
             self.bad(f"{where}.{k}", f"must be a finite number, got {type(v).__name__} {v!r}")
             return None
@@ -360,13 +363,9 @@ class _V:
         return v
 
     def str_(self, d, k, where, *, required=True, loose=False, nullable=False):
-        if k not in d:
-            if required:
-                self.bad(where, f"missing {k!r}")
+        if not self._present(d, k, where, required, nullable):
             return None
         v = d[k]
-        if v is None and nullable:
-            return None
         if loose and (_is_num(v) or isinstance(v, (_dt.date, _dt.datetime))):
             return str(v)  # hand-edited versions / timestamps that YAML typed
         if not isinstance(v, str) or not v:
