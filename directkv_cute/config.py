@@ -33,7 +33,8 @@ class DecodeConfig:
     stages:        depth of the SMEM ring the TMA producer warp keeps in flight.
     num_splits:    CTAs per (sequence, KV head) along the context; 0 lets the op pick
                    (enough CTAs to fill the GPU ``ctas_per_sm`` times over).
-    ctas_per_sm:   target resident CTAs per SM for the automatic split count.
+    ctas_per_sm:   target resident CTAs per SM for the automatic split count; the multi-token
+                   kernel runs two per SM where they fit (``resident_occupancy``).
     carveout:      percent of the unified L1/SMEM reserved as SMEM
                    (cudaFuncAttributePreferredSharedMemoryCarveout); the paper's default is 80.
     consumer_wgs:  consumer warpgroups (1-3); each holds 64 query rows (GQA group x q_len).

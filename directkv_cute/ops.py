@@ -212,7 +212,7 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or _total_memory(q.device.index) / 4
         if ws > cap:
             raise ValueError(
-                f"the multi-token kernel needs {ws / 2**30:.1f} GiB of fp32 partials ({splits} KV chunks x "
+                f"the multi-token kernel needs {ws / 2**30:.1f} GiB of fp32 partials ({splits} splits x "
                 f"{total_q} query rows x {hq} heads), over the {cap / 2**30:.1f} GiB cap ({_WORKSPACE_ENV}); "
                 "use a config with chunk_tiles > 0 (fewer splits) or feed fewer query tokens per call")
     else:
