@@ -122,12 +122,12 @@ class DecodeAttention:
         mCuQ = cute.make_tensor(cu_q_ptr, cute.make_layout(batch + 1))
         if const_expr(self.split_out):
             # Partials of long prefills exceed 2^31 elements: 64-bit split strides.
-            split_o = cutlass.Int64(total_q) * hq * d
+            split_o = cute.assume(cutlass.Int64(total_q) * hq * d, divby=64)
             split_lse = cutlass.Int64(total_q) * hq
-            mO = cute.make_tensor(o_ptr, cute.make_layout((num_splits, total_q, hq, d), stride=(split_o, hq * d, d, 1)))
+            mO = cute.make_tensor(o_ptr, cute.make_layout((num_splits, total_q, hq, d), stride=(split_o, q_row, d, 1)))
             mLSE = cute.make_tensor(lse_ptr, cute.make_layout((num_splits, total_q, hq), stride=(split_lse, hq, 1)))
         else:
-            mO = cute.make_tensor(o_ptr, cute.make_layout((1, total_q, hq, d), stride=(0, hq * d, d, 1)))
+            mO = cute.make_tensor(o_ptr, cute.make_layout((1, total_q, hq, d), stride=(0, q_row, d, 1)))
             mLSE = cute.make_tensor(lse_ptr, cute.make_layout((1, total_q, hq), stride=(0, hq, 1)))
 
         sQ_layout = kv_smem_layout(dt, self.rows, d)
@@ -294,6 +294,7 @@ class DecodeAttention:
                 n_blocks = (q_len + qb - 1) // qb
                 # At least one pass: a split with no tiles still writes its (empty) partials.
                 n_chunks = cutlass.max((t_end - t_begin + chunk - 1) // chunk, 1)
+                last_rb = wg + (n_blocks - 1 - wg) // self.wgs * self.wgs  # this warpgroup's last block
                 wg_bar = 2 + wg  # named barrier of this warpgroup's 128 threads
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 free_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -303,7 +304,12 @@ class DecodeAttention:
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
                         kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
                         wait_state.advance()
-                    for rb in cutlass.range(wg, n_blocks, self.wgs, unroll=1):
+                    # Serpentine order: odd chunks walk this warpgroup's blocks backwards, so the
+                    # partials stored last are reloaded first, while still in L2.
+                    back = j % 2  # 1: backwards
+                    step = self.wgs - 2 * self.wgs * back
+                    for k in cutlass.range(wg, n_blocks, self.wgs, unroll=1):
+                        rb = k + back * (last_rb + wg - 2 * k)
                         tok0 = rb * qb
                         # Keys visible to the block's last token bound the tiles it needs.
                         last_tok = cutlass.min(q_len, tok0 + qb) - 1
@@ -312,6 +318,12 @@ class DecodeAttention:
                         # The first chunk writes every block's partial (an empty one for blocks
                         # that see none of the split); later chunks touch only blocks they feed.
                         if j == 0 or t_stop > c_begin:
+                            # Warm L2 with the next block's Q rows and partial, so its gather and
+                            # reload do not wait on HBM latency. (The next chunk starts with this
+                            # same block.)
+                            nb = rb + step
+                            if nb >= 0 and nb < n_blocks:
+                                self.prefetch_block(mQ, mO, split, q_start, q_len, kvh, nb * qb, wg_tidx, j > 0)
                             cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
                             self.load_q(mQ, sQ_wg, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
                             cute.arch.fence_view_async_shared()
@@ -458,6 +470,29 @@ class DecodeAttention:
             cute.autovec_copy(rQ[None, k], sQv)
 
     @cute.jit
+    def prefetch_block(self, mQ, mO, split, q_start, q_len, kvh, tok0, wg_tidx, with_partial):
+        """Prefetch into L2 one block's Q rows (and, ``with_partial``, its fp32 partial O): each
+        token's GQA group is one contiguous run of ``group * d`` elements in both. The 128 threads
+        of a warpgroup issue one prefetch per 128-byte line."""
+        group, d, qb = self.group, self.head_dim, self.q_per_wg
+        n_tok = cutlass.min(q_len - tok0, qb)
+        q_elems = 128 // (self.dtype.width // 8)  # elements per line
+        q_lines = group * d // q_elems  # lines per token
+        for k in cutlass.range_constexpr((qb * q_lines + 127) // 128):
+            i = wg_tidx + k * 128
+            if i // q_lines < n_tok:
+                row = mQ[q_start + tok0 + i // q_lines, kvh * group, None]  # (d,) first head of the group
+                cute.arch.prefetch((row.iterator + (i % q_lines) * q_elems).to_llvm_ptr(), cache_level="L2")
+        if const_expr(self.split_out):
+            if with_partial:
+                o_lines = group * d // 32  # 32 fp32 per line
+                for k in cutlass.range_constexpr((qb * o_lines + 127) // 128):
+                    i = wg_tidx + k * 128
+                    if i // o_lines < n_tok:
+                        row = mO[split, q_start + tok0 + i // o_lines, kvh * group, None]  # (d,)
+                        cute.arch.prefetch((row.iterator + (i % o_lines) * 32).to_llvm_ptr(), cache_level="L2")
+
+    @cute.jit
     def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0, q_per_block):
         """Write this warpgroup's rows of O (and their LSE) for valid query tokens."""
         group, d = self.group, self.head_dim
@@ -471,12 +506,15 @@ class DecodeAttention:
             qi = row // group
             if qi < cutlass.min(q_len - tok0, q_per_block):
                 head = kvh * group + row % group
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    col = tOcO[r, c][1]
-                    if const_expr(self.split_out):
-                        mO[o_split, q_start + tok0 + qi, head, col] = o_mn[r, c]
-                    else:
-                        mO[o_split, q_start + tok0 + qi, head, col] = o_mn[r, c].to(self.dtype)
+                gO_row = mO[o_split, q_start + tok0 + qi, head, None]  # (d,)
+                # Columns come in pairs (2c, 2c + 1) held in adjacent registers: one vector store
+                # each, so a quad of lanes writes a whole 32-byte sector of the row at once.
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                    gO = cute.local_tile(gO_row, (2,), (tOcO[r, 2 * c][1] // 2,))  # (2,)
+                    rO = cute.make_rmem_tensor((2,), gO.element_type)  # (2,)
+                    rO[0] = o_mn[r, 2 * c].to(gO.element_type)
+                    rO[1] = o_mn[r, 2 * c + 1].to(gO.element_type)
+                    cute.autovec_copy(rO, gO)
                 if tOcO[r, 0][1] == 0:
                     mLSE[o_split, q_start + tok0 + qi, head] = lse[r]
 
@@ -495,8 +533,12 @@ class DecodeAttention:
             qi = row // group
             if qi < cutlass.min(q_len - tok0, self.q_per_wg):
                 head = kvh * group + row % group
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
-                    o_mn[r, c] = mO[split, q_start + tok0 + qi, head, tOcO[r, c][1]]
+                gO_row = mO[split, q_start + tok0 + qi, head, None]  # (d,)
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                    rO = cute.make_rmem_tensor((2,), Float32)  # (2,) columns 2c, 2c + 1
+                    cute.autovec_copy(cute.local_tile(gO_row, (2,), (tOcO[r, 2 * c][1] // 2,)), rO)
+                    o_mn[r, 2 * c] = rO[0]
+                    o_mn[r, 2 * c + 1] = rO[1]
                 row_max[r] = mLSE[split, q_start + tok0 + qi, head] * to_raw
                 row_sum[r] = Float32(0.25)
             else:
