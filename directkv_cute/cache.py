@@ -496,7 +496,10 @@ class PagedKVCache:
             row[: len(pages)] = pages
             row[len(pages) :] = pages[-1]
         packed[batch * max_pages :] = [seq.length for seq in seqs]
-        dev = torch.from_numpy(packed).to(self.device)
+        # non_blocking: a pageable source is staged by the driver before the call returns (so
+        # `packed` may go), and the host does not wait for the GPU's queued work, as a blocking
+        # copy (stream synchronize) would on every attention call.
+        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :])
 
     # ---- internals -------------------------------------------------------------------------
