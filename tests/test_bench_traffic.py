@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import directkv_cute.plan as plan
 from bench.check import ROWS, CheckError, default_targets, run_check
 from bench.traffic import (TrafficCase, check_case, default_cases, expected_bytes, format_traffic_table,
