@@ -59,6 +59,7 @@ class BenchOptions:
     seed: int = 0
     max_gb: float = 32.0
     config: dict | None = None
+    compare_configs: tuple[dict, ...] = ()  # more configs of ours, each its own method ours[...]
     host_read_kernel: str = "sum_f32"
     hbm_read_kernel: str = "sum_f32"
 
@@ -396,17 +397,23 @@ class ShapeBench:
             del cache
             gc.collect()
 
-    def _ours_unmeasured(self, fractions: Sequence[float]) -> None:
-        """Records with ms = None for fractions ours could not be measured at."""
-        for f in fractions:
-            host_b, hbm_b = self._tier_bytes(f)
-            self._add("ours", None, host_bytes=host_b, hbm_bytes=hbm_b, hbm_fraction=f)
+    def _ours_methods(self) -> list[str]:
+        return ["ours"] + [config_method(c) for c in self.opts.compare_configs]
 
-    def _ours_missing(self, fractions: Sequence[float], reason: str) -> None:
+    def _ours_unmeasured(self, fractions: Sequence[float], method: str | None = None) -> None:
+        """Records with ms = None for fractions ours (one config, or all of them) could not be
+        measured at."""
+        for m in [method] if method else self._ours_methods():
+            for f in fractions:
+                host_b, hbm_b = self._tier_bytes(f)
+                self._add(m, None, host_bytes=host_b, hbm_bytes=hbm_b, hbm_fraction=f)
+
+    def _ours_missing(self, fractions: Sequence[float], reason: str, method: str | None = None) -> None:
         """Ours does not support the shape (or is not there yet): not a failure, but listed."""
-        self._ours_unmeasured(fractions)
-        self.doc["missing"].append({"shape": self.shape.label, "bench": self.shape.bench, "method": "ours",
-                                    "hbm_fractions": list(fractions), "reason": reason})
+        self._ours_unmeasured(fractions, method)
+        for m in [method] if method else self._ours_methods():
+            self.doc["missing"].append({"shape": self.shape.label, "bench": self.shape.bench, "method": m,
+                                        "hbm_fractions": list(fractions), "reason": reason})
 
     def _pages_per_seq(self) -> int:
         return math.ceil(self.shape.context / self.opts.page_size)
@@ -468,6 +475,14 @@ class ShapeBench:
         self.timer.sync()
 
     def _ours_fraction(self, api: OursApi, cache, seq_ids, placed, fraction: float) -> None:
+        """Ours at one HBM fraction: with ``--config`` (or the profile) as method "ours", then with
+        each of ``--compare-configs`` as method "ours[field=value,...]" in the same run."""
+        self._ours_config(api, cache, seq_ids, placed, fraction, self.opts.config, "ours")
+        for cfg in self.opts.compare_configs:
+            self._ours_config(api, cache, seq_ids, placed, fraction, cfg, config_method(cfg))
+
+    def _ours_config(self, api: OursApi, cache, seq_ids, placed, fraction: float, cfg: dict | None,
+                     method: str) -> None:
         s = self.shape
         host_b, hbm_b = self._tier_bytes(fraction)
         page_bytes = 2 * s.hkv * self.opts.page_size * s.head_dim * s.elem_bytes * self.opts.num_layers
@@ -476,7 +491,7 @@ class ShapeBench:
         kw = dict(host_bytes=host_b, hbm_bytes=hbm_b, hbm_fraction=fraction)
         tables = [cache.kernel_tables(ids) for ids in seq_ids]
         outs = [torch.empty_like(q) for q in self.inputs.qs]
-        config = _decode_config(self.opts.config)
+        config = _decode_config(cfg)
 
         def call(i):
             return api.run(self.inputs.qs[i], cache, tables[i], seq_ids[i], q_lens, config, outs[i])
@@ -486,21 +501,21 @@ class ShapeBench:
         try:
             res, extra = peak_extra_bytes(calls[0], self.opts.device)
         except api.missing_errors as e:
-            self._ours_missing([fraction], _short_error(e))
+            self._ours_missing([fraction], _short_error(e), method)
             return
         except Exception as e:  # noqa: BLE001 - a crashing kernel is a failed check, not a crashed run
-            add_check(self.doc, s, "ours", False, hbm_fraction=fraction, against=self._against(),
+            add_check(self.doc, s, method, False, hbm_fraction=fraction, against=self._against(),
                       detail=f"raised {_short_error(e)}")
-            self._ours_unmeasured([fraction])
+            self._ours_unmeasured([fraction], method)
             return
         out = res if isinstance(res, torch.Tensor) else outs[0]
         ok, err = self._check(q_as_4d(out, s.batch, s.q_len))
-        add_check(self.doc, s, "ours", ok, hbm_fraction=fraction, rel_err=err, against=self._against())
+        add_check(self.doc, s, method, ok, hbm_fraction=fraction, rel_err=err, against=self._against())
         if not ok:
-            self._ours_unmeasured([fraction])
+            self._ours_unmeasured([fraction], method)
             return
         ms = self._time(calls)
-        self._add("ours", ms, gpu_bytes=resident + extra, **kw)
+        self._add(method, ms, gpu_bytes=resident + extra, **kw)
 
     def _release_all(self) -> None:
         self.timer.sync()
@@ -523,6 +538,11 @@ def _short_error(e: BaseException) -> str:
 def _public(trials: dict) -> dict:
     """Trial dicts without tensors, for the JSON."""
     return {n: {k: v for k, v in t.items() if k != "out"} for n, t in trials.items()}
+
+
+def config_method(cfg: dict) -> str:
+    """The method name of ours with one of ``--compare-configs``: ours[field=value,...]."""
+    return "ours[" + ",".join(f"{k}={v}" for k, v in cfg.items()) + "]"
 
 
 def _decode_config(cfg: dict | None):

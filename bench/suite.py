@@ -49,7 +49,7 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
     return BenchOptions(
         device=device, page_size=ns.page_size, hbm_fractions=tuple(fractions), placement=ns.placement,
         num_layers=ns.num_layers, warmup=ns.warmup, reps=ns.reps, max_rep_s=ns.max_rep_s, tol=ns.tol,
-        seed=ns.seed, max_gb=ns.max_gb, config=ns.config,
+        seed=ns.seed, max_gb=ns.max_gb, config=ns.config, compare_configs=tuple(ns.compare_configs),
         host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"))
 
@@ -171,6 +171,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers", type=int, default=1, help="layers in the benchmark cache (one is read)")
     g.add_argument("--config", type=_config, default=None,
                    help='DecodeConfig for ours as JSON, e.g. \'{"tile_n": 64, "stages": 4}\' (default: profile)')
+    g.add_argument("--compare-configs", type=_configs, default=(),
+                   help="more DecodeConfigs for ours, timed in the same run as methods ours[field=value,...]; "
+                        'a JSON list, e.g. \'[{"tile_n": 32, "stages": 12, "chunk_tiles": 6}]\'')
     g.add_argument("--warmup", type=int, default=2)
     g.add_argument("--reps", type=int, default=7, help="timed samples per method (fewer for slow methods)")
     g.add_argument("--max-rep-s", type=float, default=3.0, help="timed seconds per method, about")
@@ -195,6 +198,15 @@ def _heads(s: str) -> list[tuple[int, int]]:
         hq, hkv = pair.split("/")
         out.append((int(hq), int(hkv)))
     return out
+
+
+def _configs(s: str) -> tuple[dict, ...]:
+    import json
+
+    items = json.loads(s)
+    if not isinstance(items, list) or not all(isinstance(d, dict) for d in items):
+        raise ValueError("--compare-configs takes a JSON list of config objects")
+    return tuple(_config(json.dumps(d)) for d in items)
 
 
 def _config(s: str) -> dict:

@@ -357,3 +357,56 @@ def test_gpu_smoke_run(tmp_path):
     assert doc["passed"], [c for c in doc["checks"] if not c["ok"]]
     assert validate_results(doc) == []
     assert all(r["ms"] is not None for r in doc["records"] if r["method"] != "ours")
+
+
+def test_harness_compares_configs_in_one_run(tmp_path, capsys):
+    """--compare-configs: each config is its own checked and timed method ours[...] next to ours;
+    a config the op refuses for the shape is listed missing without failing the run, and a config
+    that computes wrong numbers fails it."""
+    from bench.harness import config_method
+
+    seen = []
+
+    def op(q, cache, tables, seq_ids, q_lens, config, out):
+        seen.append(config)
+        if config is not None and config.stages == 12:
+            raise ValueError("needs more SMEM than the GPU has")  # the op's own refusal
+        fake_attention(q, cache, tables, seq_ids, q_lens, config, out)
+        if config is not None and config.tile_n == 32:
+            out[0, 0, 0] += 1.0  # a broken variant
+        return out
+
+    good, refused, broken = {"tile_n": 64, "stages": 3}, {"tile_n": 64, "stages": 12}, {"tile_n": 32}
+    shape = Shape("prefill", 1, 64, 16, 4, 2, 64, "bfloat16")
+    opts = BenchOptions(compare_configs=(good, refused), **FAST)
+    doc = _run(tmp_path, [shape], opts, _loader(op))
+    assert doc["passed"], [c for c in doc["checks"] if not c["ok"]]
+    recs = {r["method"]: r for r in doc["records"]}
+    assert config_method(good) == "ours[tile_n=64,stages=3]"
+    assert recs["ours"]["ms"] > 0 and recs[config_method(good)]["ms"] > 0
+    assert recs[config_method(refused)]["ms"] is None
+    assert [m["method"] for m in doc["missing"]] == [config_method(refused)]
+    assert {c.stages for c in seen if c is not None} == {3, 12} and None in seen
+    assert validate_results(doc) == []
+    assert "ours[tile_n=64,stages=3]" in capsys.readouterr().out
+
+    doc = _run(tmp_path, [shape], BenchOptions(compare_configs=(broken,), **FAST), _loader(op))
+    assert not doc["passed"]
+    assert [c["method"] for c in doc["checks"] if not c["ok"]] == [config_method(broken)]
+    assert next(r for r in doc["records"] if r["method"] == config_method(broken))["ms"] is None
+
+
+def test_compare_configs_argument():
+    """--compare-configs parses a JSON list of configs into BenchOptions; a bad one is refused
+    by argparse before anything runs."""
+    from bench.__main__ import build_parser
+    from bench.suite import bench_options
+
+    p = build_parser()
+    ns = p.parse_args(["prefill", "--compare-configs", '[{"tile_n": 32, "stages": 12}, {"chunk_tiles": 2}]'])
+    opts = bench_options(ns, "prefill", "cpu", {})
+    assert opts.compare_configs == ({"tile_n": 32, "stages": 12}, {"chunk_tiles": 2})
+    assert bench_options(p.parse_args(["prefill"]), "prefill", "cpu", {}).compare_configs == ()
+    for bad in ('{"tile_n": 32}', '[{"tiles": 32}]', "[1]", "not json"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["prefill", "--compare-configs", bad])
