@@ -1,4 +1,4 @@
-"""``python -m bench {decode,prefill,all,check,regress,refresh}`` (also ``directkv-bench``).
+"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline}`` (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
                         tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
@@ -10,6 +10,8 @@ regress                 compare a run (``--results FILE``, or a fresh run replay
                         regression, a missing record or a failed check.
 refresh                 make a run (``--results FILE`` or a fresh one) the baseline of its GPU,
                         only if it passed every correctness check.
+timeline                per-CTA chunk and pass timeline of the multi-token kernel, from an
+                        instrumented copy of the kernels (GPU; ``bench/timeline.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--profile-dir", default=None, help="validate these profiles instead of the shipped ones")
     c.add_argument("--verbose", action="store_true", help="list every compiled kernel")
     c.add_argument("--no-progress", action="store_true")
+
+    from bench.timeline import add_arguments as add_timeline_arguments
+
+    add_timeline_arguments(sub.add_parser("timeline", help="per-CTA chunk and pass timeline of the multi-token kernel"))
 
     for name, text in (("regress", "compare a run with the committed baseline of its GPU"),
                        ("refresh", "make a passing run the baseline of its GPU")):
@@ -132,8 +138,14 @@ def cmd_refresh(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_timeline(ns) -> int:
+    from bench.timeline import cmd_timeline as run
+
+    return run(ns)
+
+
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
-            "regress": cmd_regress, "refresh": cmd_refresh}
+            "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline}
 
 
 def main(argv: list[str] | None = None) -> int:

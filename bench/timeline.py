@@ -1,0 +1,274 @@
+"""Per-CTA timeline of the multi-token kernel, a GPU diagnostic: ``python -m bench timeline``.
+
+It answers "where does the time go" questions that end-to-end timings cannot: when each CTA's
+chunk of KV tiles has landed, how long its consumers take per chunk, and how one chunk's passes
+(one 64-row query block over the chunk) split into the Q gather + partial reload, the WGMMA loop
+and the finalize + store, as medians and tails over all CTAs.
+
+How: an instrumented copy of the installed ``directkv_cute`` is written to a temporary folder
+(the package's own sources are never touched, so tuned profiles and compile caches stay valid).
+In the copy, the first consumer thread of each CTA reads ``%globaltimer`` at those points and
+stores the stamps into a buffer whose address is baked into the kernel at compile time. A child
+interpreter, started in that folder so that it imports the copy, runs the op on one shape and
+prints the summary. The patches are anchored on lines of ``kernels/decode.py``; when the kernel
+changes so that an anchor is gone, ``instrument`` says which one (a CPU test checks that they
+still apply and that the instrumented kernel compiles for sm_90a).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SLOTS = 128  # int64 stamps per CTA: [0] start, [1 + 2j] chunk j landed, [2 + 2j] chunk j done (j < 31),
+# [64 + 4p + k] pass p < 16 of the traced chunk: k = 0 start, 1 before the WGMMA loop, 2 after it, 3 stored
+
+_INIT = """        self.dtype = dtype
+        self.head_dim = head_dim
+"""
+_PATCHES = (
+    ("the kernel's static config", _INIT,
+     """        import os
+        self.trace_addr = int(os.environ["DIRECTKV_TIMELINE_ADDR"])
+        self.trace_chunk = int(os.environ.get("DIRECTKV_TIMELINE_CHUNK", "2"))
+""" + _INIT),
+    ("the resident loop's pipeline states",
+     """                wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                free_state""",
+     """                cta = split + num_splits * (kvh + num_kv_heads * b)
+                tr = cute.make_tensor(
+                    cute.make_ptr(cutlass.Int64, self.trace_addr, cute.AddressSpace.gmem, assumed_align=8),
+                    cute.make_layout(1 << 26),
+                )
+                if ctidx == 0:
+                    tr[cta * 128] = cute.arch.globaltimer()
+                wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                free_state"""),
+    ("the wait for a chunk's tiles",
+     """                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+                        wait_state.advance()
+""",
+     """                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+                        wait_state.advance()
+                    if ctidx == 0 and j < 31:
+                        tr[cta * 128 + 1 + 2 * j] = cute.arch.globaltimer()
+"""),
+    ("the release of a chunk's slots",
+     """                    for _t in cutlass.range(c_begin, c_end, unroll=1):
+                        kv_pipe.consumer_release(free_state)
+""",
+     """                    if ctidx == 0 and j < 31:
+                        tr[cta * 128 + 2 + 2 * j] = cute.arch.globaltimer()
+                    for _t in cutlass.range(c_begin, c_end, unroll=1):
+                        kv_pipe.consumer_release(free_state)
+"""),
+    ("the start of a pass",
+     """                            nb = rb + step
+""",
+     """                            pidx = (k - wg) // self.wgs
+                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                                tr[cta * 128 + 64 + 4 * pidx] = cute.arch.globaltimer()
+                            nb = rb + step
+"""),
+    ("the pass's WGMMA loop",
+     """                            self.attend_tiles(
+                                c_begin, t_stop""",
+     """                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                                tr[cta * 128 + 65 + 4 * pidx] = cute.arch.globaltimer()
+                            self.attend_tiles(
+                                c_begin, t_stop"""),
+    ("the pass's finalize and store",
+     """                            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
+                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
+""",
+     """                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                                tr[cta * 128 + 66 + 4 * pidx] = cute.arch.globaltimer()
+                            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
+                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
+                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                                tr[cta * 128 + 67 + 4 * pidx] = cute.arch.globaltimer()
+"""),
+)
+
+
+class InstrumentError(RuntimeError):
+    """The kernel source no longer has a line the instrumentation is anchored on."""
+
+
+def instrument(dst: Path, src_pkg: Path | None = None) -> Path:
+    """Copy the ``directkv_cute`` package (with ``tuning`` and ``profiles`` as its subpackages, as
+    installed) into ``dst`` and instrument the copy's multi-token kernel; returns ``dst``."""
+    import directkv_cute
+
+    src_pkg = Path(src_pkg or Path(directkv_cute.__file__).parent)
+    pkg = Path(dst) / "directkv_cute"
+    shutil.copytree(src_pkg, pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for sub in ("tuning", "profiles"):
+        if not (pkg / sub).exists():
+            try:
+                mod = __import__(f"directkv_cute.{sub}", fromlist=["__name__"])
+                shutil.copytree(Path(mod.__file__).parent, pkg / sub, ignore=shutil.ignore_patterns("__pycache__"))
+            except (ImportError, TypeError):
+                pass  # profiles are only needed for a lookup; the timeline always passes a config
+    kernel = pkg / "kernels" / "decode.py"
+    text = kernel.read_text()
+    for what, old, new in _PATCHES:
+        if text.count(old) != 1:
+            raise InstrumentError(f"bench.timeline: the anchor at {what} is not (once) in {kernel.name}; "
+                                  "update bench/timeline.py to the kernel's new code")
+        text = text.replace(old, new)
+    kernel.write_text(text)
+    return Path(dst)
+
+
+_CHILD = r'''
+import json, math, sys
+import torch
+from bench.timeline import SLOTS
+
+spec = json.loads(sys.argv[1])
+buf = torch.zeros(1 << 26, dtype=torch.int64, device="cuda")  # the kernel's view: (1 << 26,)
+import os
+os.environ["DIRECTKV_TIMELINE_ADDR"] = str(buf.data_ptr())
+os.environ["DIRECTKV_TIMELINE_CHUNK"] = str(spec["chunk"])
+os.environ["DIRECTKV_DISK_CACHE"] = "0"  # the address is part of the code
+import directkv_cute as dk
+from directkv_cute.config import DecodeConfig, default_prefill_config
+
+hq, hkv, d, page, ctx, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "page_size", "context", "q_len"))
+dtype = getattr(torch, spec["dtype"])
+cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else default_prefill_config(d, ql * hq // hkv)
+pages = math.ceil(ctx / page)
+cache = dk.PagedKVCache(1, hkv, d, page, num_host_pages=pages + 1, num_hbm_pages=pages + 1, dtype=dtype)
+sid = cache.add_sequence()
+gen = torch.Generator(device="cuda").manual_seed(0)
+for s in range(0, ctx, 8192):
+    n = min(8192, ctx - s)
+    cache.append(sid, torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype),
+                 torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype))
+if spec["hbm_fraction"]:
+    cache.set_hbm_fraction(sid, spec["hbm_fraction"])
+q = torch.randn(ql, hq, d, generator=gen, device="cuda").to(dtype)
+tables = cache.kernel_tables([sid])
+run = lambda: dk.paged_attention_tables(q, cache, 0, tables, [ql], config=cfg)
+for _ in range(3):
+    run()
+e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda.synchronize()
+e0.record()
+for _ in range(10):
+    run()
+e1.record()
+torch.cuda.synchronize()
+op_ms = e0.elapsed_time(e1) / 10
+buf.zero_()
+run()
+torch.cuda.synchronize()
+from bench.timeline import summarize_stamps
+
+stamps = buf.view(-1, SLOTS)
+res = summarize_stamps(stamps[stamps[:, 0] > 0].cpu(), cfg.to_dict(), op_ms)
+print(json.dumps(res))
+'''
+
+
+def summarize_stamps(stamps, config: dict, op_ms: float) -> dict:
+    """The summary of a stamp buffer (CTAs x SLOTS int64 nanoseconds, 0 = not written): per chunk
+    when its tiles landed and when the consumers were done (min / median / max over CTAs), and per
+    phase of the traced chunk's passes the median and p90."""
+    import torch
+
+    t = stamps[stamps[:, 0] > 0]
+    # Nanoseconds since the first CTA started, subtracted in int64 (a double cannot hold the
+    # absolute timer to the nanosecond); -1 marks a stamp that was never written.
+    rel = torch.where(t > 0, t - t[:, 0].min(), torch.full_like(t, -1)).double()
+    res = {"config": dict(config), "op_ms": float(op_ms), "ctas": int(t.shape[0]), "chunks": []}
+    for j in range(31):
+        ready, done = rel[:, 1 + 2 * j], rel[:, 2 + 2 * j]
+        m = (ready >= 0) & (done >= 0)
+        if not bool(m.any()):
+            break
+        r, e = ready[m] / 1e3, done[m] / 1e3
+        res["chunks"].append({"chunk": j, "ctas": int(m.sum()),
+                              "ready_us": [float(r.min()), float(r.median()), float(r.max())],
+                              "done_us": [float(e.min()), float(e.median()), float(e.max())],
+                              "busy_us_median": float((e - r).median())})
+    res["span_us"] = float(rel[:, 1:63].max() / 1e3)
+    p = rel[:, 64:128].reshape(-1, 4)
+    p = p[(p >= 0).all(dim=1)]
+    if p.shape[0]:
+        phase = {"gather_reload": p[:, 1] - p[:, 0], "wgmma": p[:, 2] - p[:, 1], "finalize_store": p[:, 3] - p[:, 2]}
+        res["passes"] = {k: {"n": int(v.numel()), "median_us": float(v.median() / 1e3),
+                             "p90_us": float(v.quantile(0.9) / 1e3)} for k, v in phase.items()}
+    return res
+
+
+def run_timeline(spec: dict, keep: Path | None = None) -> dict:
+    """Instrument a copy, run the child on the GPU, return its summary dict."""
+    with tempfile.TemporaryDirectory(prefix="dk-timeline-") as tmp:
+        root = instrument(Path(keep or tmp))
+        script = root / "timeline_child.py"
+        script.write_text(_CHILD)
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode:
+            raise RuntimeError(f"bench timeline: the instrumented run failed:\n{proc.stderr[-3000:]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def format_timeline(res: dict) -> str:
+    lines = [f"config {res['config']}", f"op {res['op_ms']:.3f} ms (10 back-to-back calls); {res['ctas']} CTAs; "
+             f"kernel span {res['span_us']:.0f} us (first CTA start to last chunk done)",
+             "chunk  ctas   landed min/med/max (us)        done min/med/max (us)       busy med (us)"]
+    for c in res["chunks"]:
+        r, d = c["ready_us"], c["done_us"]
+        lines.append(f"{c['chunk']:5d}  {c['ctas']:4d}  {r[0]:8.1f} {r[1]:8.1f} {r[2]:8.1f}   "
+                     f"{d[0]:8.1f} {d[1]:8.1f} {d[2]:8.1f}   {c['busy_us_median']:8.1f}")
+    for k, v in res.get("passes", {}).items():
+        lines.append(f"pass {k:15s} median {v['median_us']:6.2f} us  p90 {v['p90_us']:6.2f} us  ({v['n']} passes)")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--q-len", type=int, default=512)
+    p.add_argument("--heads", default="32/8", help="Hq/Hkv")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
+    p.add_argument("--config", default=None, help="DecodeConfig as JSON (default: the multi-token default)")
+    p.add_argument("--chunk", type=int, default=2, help="the chunk whose passes are stamped")
+    p.add_argument("--json", default=None, help="also write the summary here")
+
+
+def cmd_timeline(ns) -> int:
+    import torch
+
+    from directkv_cute.config import DecodeConfig
+
+    if not torch.cuda.is_available():
+        print("bench timeline needs a CUDA GPU", file=sys.stderr)
+        return 2
+    hq, hkv = (int(x) for x in ns.heads.split("/"))
+    config = json.loads(ns.config) if ns.config else None
+    if config is not None:
+        DecodeConfig.from_dict(config)  # a bad config fails here, before anything is built
+    spec = dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
+                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, chunk=ns.chunk)
+    res = run_timeline(spec)
+    print(format_timeline(res))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(dict(spec=spec, **res), indent=1))
+    return 0
+
+
+__all__ = ["InstrumentError", "add_arguments", "cmd_timeline", "format_timeline", "instrument", "run_timeline",
+           "summarize_stamps"]

@@ -1,0 +1,91 @@
+"""The timeline diagnostic's instrumentation: it still applies to the kernel sources, the
+instrumented kernel compiles for sm_90a with the timer reads in it, and a moved anchor is a clear
+error (the GPU run itself is `python -m bench timeline`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench.timeline import InstrumentError, instrument
+
+pytestmark = pytest.mark.compile
+
+_COMPILE = """
+import torch
+from directkv_cute.config import default_prefill_config
+from directkv_cute.kernels import jit
+import directkv_cute
+assert directkv_cute.__file__.startswith({root!r}), directkv_cute.__file__
+jit.compile_prefill(default_prefill_config(128), torch.bfloat16, 128, 64, 4)
+"""
+
+
+def test_instrumented_kernel_compiles_with_timer_reads(tmp_path):
+    root = instrument(tmp_path / "copy")
+    decode = (root / "directkv_cute" / "kernels" / "decode.py").read_text()
+    assert decode.count("cute.arch.globaltimer()") == 7
+    dump = tmp_path / "ptx"
+    dump.mkdir()
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
+               DIRECTKV_DISK_CACHE="0", DIRECTKV_TIMELINE_ADDR=str(1 << 40))
+    env.pop("PYTHONPATH", None)
+    subprocess.run([sys.executable, "-c", _COMPILE.format(root=str(root))], cwd=root, env=env, check=True,
+                   timeout=600)
+    (ptx,) = dump.rglob("*.ptx")
+    assert "%globaltimer" in ptx.read_text()
+
+
+def test_a_moved_anchor_is_named(tmp_path):
+    import directkv_cute
+
+    src = tmp_path / "src" / "directkv_cute"
+    shutil.copytree(os.path.dirname(directkv_cute.__file__), src, ignore=shutil.ignore_patterns("__pycache__"))
+    kernel = src / "kernels" / "decode.py"
+    kernel.write_text(kernel.read_text().replace("nb = rb + step", "nxt = rb + step"))
+    with pytest.raises(InstrumentError, match="the start of a pass"):
+        instrument(tmp_path / "copy", src_pkg=src)
+
+
+def test_summary_table_and_cpu_refusal(capsys):
+    from bench.__main__ import main
+    from bench.timeline import format_timeline
+
+    res = {"config": {"tile_n": 64}, "op_ms": 3.1, "ctas": 128, "span_us": 2969.0,
+           "chunks": [{"chunk": 0, "ctas": 128, "ready_us": [239.4, 328.2, 427.5], "done_us": [521.2, 537.6, 657.4],
+                       "busy_us_median": 216.1}],
+           "passes": {"wgmma": {"n": 2048, "median_us": 2.82, "p90_us": 11.52}}}
+    text = format_timeline(res)
+    assert "kernel span 2969 us" in text and "  328.2" in text and "p90  11.52 us" in text
+    if not __import__("torch").cuda.is_available():
+        assert main(["timeline", "--context", "4096"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_stamp_summary_keeps_nanoseconds():
+    """Absolute timer values (~1.7e18 ns) do not fit a double to the nanosecond: the summary works
+    relative to the first CTA's start, and unwritten stamps (0) are left out."""
+    import torch
+
+    from bench.timeline import SLOTS, summarize_stamps
+
+    base = 1_700_000_000_123_456_789
+    t = torch.zeros(6, SLOTS, dtype=torch.int64)
+    for cta in range(4):  # rows 4 and 5: CTAs that never ran
+        t[cta, 0] = base + cta * 10
+        for j in range(3):
+            t[cta, 1 + 2 * j] = base + 1000 * (j + 1) + cta
+            t[cta, 2 + 2 * j] = base + 1000 * (j + 1) + 500 + cta
+        for p in range(5 if cta < 3 else 2):  # CTA 3 ran fewer passes in the traced chunk
+            for k, dt in enumerate((0, 7, 20, 21)):
+                t[cta, 64 + 4 * p + k] = base + 3000 + 100 * p + dt
+    res = summarize_stamps(t, {"tile_n": 64}, 1.5)
+    assert res["ctas"] == 4 and len(res["chunks"]) == 3
+    assert res["chunks"][1]["ready_us"] == [2.0, 2.001, 2.003] and res["chunks"][1]["busy_us_median"] == 0.5
+    assert res["span_us"] == 3.503
+    assert res["passes"]["gather_reload"] == {"n": 17, "median_us": 0.007, "p90_us": 0.007}
+    assert res["passes"]["wgmma"]["median_us"] == 0.013 and res["passes"]["finalize_store"]["median_us"] == 0.001
