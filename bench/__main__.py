@@ -20,6 +20,8 @@ import argparse
 import sys
 
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
+from bench.timeline import add_arguments as add_timeline_arguments
+from bench.timeline import cmd_timeline
 
 REPLAYED_ARGS = ("preset", "batches", "contexts", "q_lens", "heads", "head_dim", "dtype", "page_size",
                  "hbm_fractions", "placement", "num_layers", "max_gb", "config")
@@ -43,8 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--profile-dir", default=None, help="validate these profiles instead of the shipped ones")
     c.add_argument("--verbose", action="store_true", help="list every compiled kernel")
     c.add_argument("--no-progress", action="store_true")
-
-    from bench.timeline import add_arguments as add_timeline_arguments
 
     add_timeline_arguments(sub.add_parser("timeline", help="per-CTA chunk and pass timeline of the multi-token kernel"))
 
@@ -136,12 +136,6 @@ def cmd_refresh(ns: argparse.Namespace) -> int:
         return 1
     print(f"baseline written: {path}")
     return 0
-
-
-def cmd_timeline(ns) -> int:
-    from bench.timeline import cmd_timeline as run
-
-    return run(ns)
 
 
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,

@@ -397,21 +397,22 @@ class ShapeBench:
             del cache
             gc.collect()
 
-    def _ours_methods(self) -> list[str]:
-        return ["ours"] + [config_method(c) for c in self.opts.compare_configs]
+    def _ours_methods(self, method: str | None = None) -> list[str]:
+        """``[method]``, or every method of ours in this run: "ours" and one per compared config."""
+        return [method] if method else ["ours"] + [config_method(c) for c in self.opts.compare_configs]
 
     def _ours_unmeasured(self, fractions: Sequence[float], method: str | None = None) -> None:
         """Records with ms = None for fractions ours (one config, or all of them) could not be
         measured at."""
-        for m in [method] if method else self._ours_methods():
+        for m in self._ours_methods(method):
             for f in fractions:
                 host_b, hbm_b = self._tier_bytes(f)
                 self._add(m, None, host_bytes=host_b, hbm_bytes=hbm_b, hbm_fraction=f)
 
     def _ours_missing(self, fractions: Sequence[float], reason: str, method: str | None = None) -> None:
         """Ours does not support the shape (or is not there yet): not a failure, but listed."""
-        self._ours_unmeasured(fractions, method)
-        for m in [method] if method else self._ours_methods():
+        for m in self._ours_methods(method):
+            self._ours_unmeasured(fractions, m)
             self.doc["missing"].append({"shape": self.shape.label, "bench": self.shape.bench, "method": m,
                                         "hbm_fractions": list(fractions), "reason": reason})
 

@@ -206,16 +206,20 @@ def _configs(s: str) -> tuple[dict, ...]:
     items = json.loads(s)
     if not isinstance(items, list) or not all(isinstance(d, dict) for d in items):
         raise ValueError("--compare-configs takes a JSON list of config objects")
-    return tuple(_config(json.dumps(d)) for d in items)
+    return tuple(_checked_config(d) for d in items)
 
 
 def _config(s: str) -> dict:
     import json
 
+    return _checked_config(json.loads(s))
+
+
+def _checked_config(d: dict) -> dict:
+    """``d`` if it names a DecodeConfig (raises ConfigError, a ValueError, early otherwise)."""
     from directkv_cute.config import DecodeConfig
 
-    d = json.loads(s)
-    DecodeConfig.from_dict(d)  # validate early
+    DecodeConfig.from_dict(d)
     return d
 
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+from ptx_dump import dumped_ptx
 
 from bench.timeline import InstrumentError, instrument
 
@@ -29,15 +28,8 @@ def test_instrumented_kernel_compiles_with_timer_reads(tmp_path):
     root = instrument(tmp_path / "copy")
     decode = (root / "directkv_cute" / "kernels" / "decode.py").read_text()
     assert decode.count("cute.arch.globaltimer()") == 7
-    dump = tmp_path / "ptx"
-    dump.mkdir()
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(dump),
-               DIRECTKV_DISK_CACHE="0", DIRECTKV_TIMELINE_ADDR=str(1 << 40))
-    env.pop("PYTHONPATH", None)
-    subprocess.run([sys.executable, "-c", _COMPILE.format(root=str(root))], cwd=root, env=env, check=True,
-                   timeout=600)
-    (ptx,) = dump.rglob("*.ptx")
-    assert "%globaltimer" in ptx.read_text()
+    ptx = dumped_ptx(tmp_path, _COMPILE.format(root=str(root)), cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
+    assert "%globaltimer" in ptx
 
 
 def test_a_moved_anchor_is_named(tmp_path):

@@ -16,6 +16,7 @@ from directkv_cute.config import (
     default_prefill_config,
 )
 from directkv_cute.kernels import jit
+from ptx_dump import dumped_ptx
 
 pytestmark = pytest.mark.compile
 
@@ -169,27 +170,11 @@ jit.compile_combine(128, torch.bfloat16)
 """
 
 
-def _dumped_ptx(tmp_path, script: str) -> str:
-    """Compile in a fresh interpreter with CuTe DSL's PTX dump on (it reads its env at import)."""
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "ptx"
-    out.mkdir()  # CuTe DSL dumps nothing into a folder that does not exist
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(out), DIRECTKV_DISK_CACHE="0",
-               CUTE_DSL_ARCH="sm_90a")
-    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
-    files = list(out.rglob("*.ptx"))
-    assert len(files) == 1, files
-    return files[0].read_text()
-
-
 def test_multi_token_kernel_ptx(tmp_path):
     """The multi-token kernel's generated code: TMA loads, WGMMA, the split partials written and
     reloaded with 8-byte vector accesses (scalar ones double the L2 transactions per pass), and the
     next block's Q rows and partial prefetched into L2."""
-    ptx = _dumped_ptx(tmp_path, _PTX_SCRIPT)
+    ptx = dumped_ptx(tmp_path, _PTX_SCRIPT)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v2.b32", "ld.global.v2.b32",
                    "prefetch.global.L2"):
         assert needle in ptx, needle
@@ -198,5 +183,5 @@ def test_multi_token_kernel_ptx(tmp_path):
 
 def test_combine_kernel_ptx(tmp_path):
     """The combine kernel reads each split's partial row with 16-byte vector loads (a warp per row)."""
-    ptx = _dumped_ptx(tmp_path, _PTX_COMBINE_SCRIPT)
+    ptx = dumped_ptx(tmp_path, _PTX_COMBINE_SCRIPT)
     assert "ld.global.v4.b32" in ptx
