@@ -43,6 +43,10 @@ class DecodeConfig:
                    CTA, no overlap); 1..stages-1 keeps ``stages - chunk_tiles`` slots loading the
                    next chunk while the consumers work, and each CTA walks several chunks, merging
                    its partial in place (double buffering when 2 * chunk_tiles <= stages).
+    max_inflight:  tiles the producer keeps issued but not yet landed (0 = no limit beyond the
+                   ring). Host reads have a long round trip, and while the whole ring is in flight
+                   on every SM the consumers' own HBM traffic (Q gathers, partials) slows down;
+                   a limit of 1-2 small tiles still keeps the link busy with one wave of CTAs.
     """
 
     tile_n: int = 64
@@ -52,6 +56,7 @@ class DecodeConfig:
     carveout: int = 80
     consumer_wgs: int = 1
     chunk_tiles: int = 0
+    max_inflight: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -113,6 +118,8 @@ class DecodeConfig:
             out.append("carveout must be a percentage 0..100")
         if not 0 <= self.chunk_tiles < self.stages:
             out.append(f"chunk_tiles {self.chunk_tiles} must be 0 (the whole ring) or in 1..stages-1")
+        if not 0 <= self.max_inflight < self.stages:
+            out.append(f"max_inflight {self.max_inflight} must be 0 (no limit) or in 1..stages-1")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:

@@ -76,6 +76,7 @@ DECODE_CASES = [
     ([3000, 1, 17], 16, 4, 128, 128, torch.bfloat16, 0.0, DecodeConfig(tile_n=128, stages=2, carveout=100)),
     ([2049, 300], 32, 8, 128, 64, torch.bfloat16, 0.0, DecodeConfig(tile_n=64, stages=3, num_splits=1)),
     ([2049, 300], 32, 8, 128, 64, torch.bfloat16, 0.0, DecodeConfig(tile_n=64, stages=3, num_splits=7)),
+    ([2049, 300], 32, 8, 128, 64, torch.bfloat16, 0.5, DecodeConfig(tile_n=64, stages=4, max_inflight=1)),
     ([999], 40, 8, 128, 16, torch.bfloat16, 0.0, None),  # group 5: rows not a power of two
 ]
 
@@ -193,6 +194,9 @@ def test_bad_inputs_raise_before_launch():
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, chunk_tiles=3),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, chunk_tiles=1, num_splits=2),
         DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100, num_splits=2),  # one-chunk ring, walked
+        # a producer limited to 1-2 tiles in flight (streams in order, phases of the full barriers):
+        DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, chunk_tiles=6, max_inflight=1),
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, max_inflight=2, num_splits=2),
     ],
 )
 def test_multi_token_configs(config):

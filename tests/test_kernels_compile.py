@@ -3,6 +3,7 @@ and the compile cache (memory and disk) returns kernels without recompiling."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -104,6 +105,10 @@ def test_cache_key_covers_codegen_fields():
                           DecodeConfig(**{**walk.to_dict(), "ctas_per_sm": 2}))}
     assert len(resident) == 3
     assert jit.decode_key(DecodeConfig(chunk_tiles=2), torch.bfloat16, 128, 64, 4, True) == k0
+    # the producer's in-flight limit changes both kernels' code
+    assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
+    assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
+                          resident=True) not in resident
 
 
 @pytest.mark.parametrize(
@@ -113,10 +118,12 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2),
         DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2),  # two CTAs per SM
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, ctas_per_sm=1, chunk_tiles=3),
+        DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=6, max_inflight=1),
     ],
 )
 def test_resident_variants_compile(cfg):
-    """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups."""
+    """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
+    throttled producer."""
     assert callable(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4))
 
 
@@ -185,3 +192,14 @@ def test_combine_kernel_ptx(tmp_path):
     """The combine kernel reads each split's partial row with 16-byte vector loads (a warp per row)."""
     ptx = dumped_ptx(tmp_path, _PTX_COMBINE_SCRIPT)
     assert "ld.global.v4.b32" in ptx
+
+
+def test_throttled_producer_ptx(tmp_path):
+    """With max_inflight the producer waits on a tile's full barrier before issuing a later one:
+    one more mbarrier wait loop in the producer than without."""
+    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
+    base = "import dataclasses\n" + base
+    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=0"))
+    limited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1"))
+    waits = lambda ptx: ptx.count("mbarrier.try_wait")  # noqa: E731
+    assert waits(limited) > waits(plain)

@@ -137,6 +137,12 @@ def test_resident_chunk_and_occupancy_rules():
 
     with pytest.raises(ConfigError, match="chunk_tiles"):
         DecodeConfig(stages=4, chunk_tiles=4).check(128)
+    for bad in (-1, 4):
+        with pytest.raises(ConfigError, match="max_inflight"):
+            DecodeConfig(stages=4, max_inflight=bad).check(128)
+    DecodeConfig(stages=4, max_inflight=3).check(128)
+    # profiles written before the field existed still load (it defaults to no limit)
+    assert DecodeConfig.from_dict({"tile_n": 64, "stages": 4}).max_inflight == 0
     assert DecodeConfig(stages=4, chunk_tiles=0).chunk == 4 and DecodeConfig(stages=4, chunk_tiles=3).chunk == 3
     two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2)
     assert two.resident_occupancy(128) == 2  # 2 x (96 KB ring + 16 KB Q + 1 KB + 1 KB reserved) = 228 KB

@@ -72,6 +72,7 @@ class DecodeAttention:
         self.split_out = split_out
         self.resident = resident
         self.chunk = cfg.chunk
+        self.max_inflight = cfg.max_inflight
         self.occupancy = cfg.resident_occupancy(head_dim) if resident else 1  # 16-bit dtypes only
         self.num_threads = cfg.num_threads
         self.carveout = cfg.carveout
@@ -417,8 +418,16 @@ class DecodeAttention:
         )
         blocks_per_page = self.page_size // rows
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        # With max_inflight, tile t is issued only once tile t - max_inflight has landed (its full
+        # barrier); that stage is not re-armed before tile t - max_inflight + stages > t, so the
+        # phase it waits on is unambiguous. The wait arrives on nothing.
+        landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         with cute.arch.elect_one():
             for t in cutlass.range(t_begin, t_end, unroll=1):
+                if const_expr(self.max_inflight > 0):
+                    if t - t_begin >= self.max_inflight:
+                        kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
+                        landed.advance()
                 kv_pipe.producer_acquire(prod_state)
                 bar = kv_pipe.producer_get_barrier(prod_state)
                 stage = prod_state.index
