@@ -18,6 +18,7 @@ SMEM_RESERVED_PER_BLOCK = 1024  # the driver reserves 1 KB of SMEM per resident 
 _BARRIER_AND_ALIGN_BYTES = 1024  # the mbarriers (<= 192 B), padded to the tiles' 1 KB alignment
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_LINK_CREDITS = 1 << 20  # far above any useful value; keeps ticket differences inside int32
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
 
 
@@ -47,6 +48,14 @@ class DecodeConfig:
                    ring). Host reads have a long round trip, and while the whole ring is in flight
                    on every SM the consumers' own HBM traffic (Q gathers, partials) slows down;
                    a limit of 1-2 small tiles still keeps the link busy with one wave of CTAs.
+    link_credits:  host-link admission control across the whole GPU (0 = off): at most this many
+                   tiles are in flight from all CTAs of all launches on the device together. Each
+                   producer takes a ticket from a device-wide counter and issues its tile once no
+                   more than ``link_credits - 1`` earlier tickets are still unlanded, so host
+                   requests never queue far beyond what the link needs (bandwidth x round trip)
+                   and the consumers' HBM traffic is not stuck behind them. Needs
+                   ``max_inflight == 1`` (a producer reports each tile's landing before taking
+                   its next ticket, so no spinning producer holds a credit).
     """
 
     tile_n: int = 64
@@ -57,6 +66,7 @@ class DecodeConfig:
     consumer_wgs: int = 1
     chunk_tiles: int = 0
     max_inflight: int = 0
+    link_credits: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -120,6 +130,10 @@ class DecodeConfig:
             out.append(f"chunk_tiles {self.chunk_tiles} must be 0 (the whole ring) or in 1..stages-1")
         if not 0 <= self.max_inflight < self.stages:
             out.append(f"max_inflight {self.max_inflight} must be 0 (no limit) or in 1..stages-1")
+        if not 0 <= self.link_credits <= MAX_LINK_CREDITS:
+            out.append(f"link_credits {self.link_credits} must be 0 (off) or in 1..{MAX_LINK_CREDITS}")
+        elif self.link_credits and self.max_inflight != 1:
+            out.append(f"link_credits {self.link_credits} needs max_inflight 1 (got {self.max_inflight})")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:

@@ -197,6 +197,9 @@ def test_bad_inputs_raise_before_launch():
         # a producer limited to 1-2 tiles in flight (streams in order, phases of the full barriers):
         DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, chunk_tiles=6, max_inflight=1),
         DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, max_inflight=2, num_splits=2),
+        # device-wide link admission: one tile in flight on the whole GPU, and a few
+        DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100, chunk_tiles=2, max_inflight=1, link_credits=1),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, chunk_tiles=2, max_inflight=1, link_credits=6),
     ],
 )
 def test_multi_token_configs(config):
@@ -217,3 +220,25 @@ def test_torch_library_op_on_gpu():
     o2, lse2 = torch.ops.directkv_cute.paged_attention(q, cache.host_pool_cuda, cache.hbm_pool, t.page_table,
                                                          t.seq_lens, layer, [2, 40], None, [64, 3, 0, 2, 100, 1])
     _check(o2, lse2, q, ks, vs, [2, 40], dtype)
+
+
+@pytest.mark.gpu
+def test_link_tickets_balance():
+    """Every link ticket a launch takes is reported landed: after credited launches (multi-token
+    and decode, one and several splits) the device counters agree again, and they advanced by at
+    least one ticket per KV tile read."""
+    from directkv_cute.kernels.launch import link_counters
+
+    torch.cuda.synchronize()
+    before = link_counters(torch.device("cuda")).clone()
+    _run([3333, 900], [700, 129], 32, 8, 128, 32, torch.bfloat16, 0.5,
+         DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100, chunk_tiles=2, max_inflight=1, link_credits=3))
+    _run([2049, 300], [1, 1], 32, 8, 128, 64, torch.bfloat16, 0.5,
+         DecodeConfig(tile_n=64, stages=4, max_inflight=1, link_credits=2))
+    torch.cuda.synchronize()
+    after = link_counters(torch.device("cuda")).clone()
+    issued, landed = (after - before).tolist()
+    assert issued == landed, (issued, landed)
+    tiles = 8 * (-(-3333 // 64) - (-900 // 64) - (-2049 // 64) - (-300 // 64))
+    assert issued >= tiles, (issued, tiles)
+    assert after[0].item() == after[1].item()

@@ -109,6 +109,12 @@ def test_cache_key_covers_codegen_fields():
     assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
                           resident=True) not in resident
+    # link admission control changes both kernels' code, and each credit count is its own kernel
+    credited = dataclasses.replace(walk, max_inflight=1, link_credits=8)
+    assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
+        dataclasses.replace(credited, link_credits=0), torch.bfloat16, 128, 64, 4, True, resident=True)
+    assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
+        dataclasses.replace(credited, link_credits=16), torch.bfloat16, 128, 64, 4, True, resident=True)
 
 
 @pytest.mark.parametrize(
@@ -119,11 +125,13 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2),  # two CTAs per SM
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, ctas_per_sm=1, chunk_tiles=3),
         DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=6, max_inflight=1),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
+                     link_credits=8),
     ],
 )
 def test_resident_variants_compile(cfg):
     """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
-    throttled producer."""
+    throttled producer, device-wide link admission."""
     assert callable(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4))
 
 
@@ -203,3 +211,16 @@ def test_throttled_producer_ptx(tmp_path):
     limited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1"))
     waits = lambda ptx: ptx.count("mbarrier.try_wait")  # noqa: E731
     assert waits(limited) > waits(plain)
+
+
+def test_link_admission_ptx(tmp_path):
+    """With link_credits the producer takes a ticket with an atomic add on the device-wide
+    counter, polls the landed counter with sleeps, and reports each landed tile with a reduction;
+    without it none of these are emitted."""
+    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
+    base = "import dataclasses\n" + base
+    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=1"))
+    credited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1, link_credits=8"))
+    for needle in ("atom.global.add", "ld.relaxed.gpu.global", "nanosleep", "red.relaxed.gpu.global.add"):
+        assert needle not in plain, needle
+        assert needle in credited, needle

@@ -33,6 +33,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
 
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels.helpers import (
@@ -73,6 +74,8 @@ class DecodeAttention:
         self.resident = resident
         self.chunk = cfg.chunk
         self.max_inflight = cfg.max_inflight
+        self.link_credits = cfg.link_credits
+        assert not cfg.link_credits or cfg.max_inflight == 1, "link_credits needs max_inflight == 1"
         self.occupancy = cfg.resident_occupancy(head_dim) if resident else 1  # 16-bit dtypes only
         self.num_threads = cfg.num_threads
         self.carveout = cfg.carveout
@@ -96,6 +99,7 @@ class DecodeAttention:
         page_table_ptr: cute.Pointer,  # (B, max_pages) int32
         seq_lens_ptr: cute.Pointer,  # (B,) int32
         cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
+        link_ptr: cute.Pointer,  # (2,) int32 device-wide link tickets: issued, landed (link_credits)
         batch: Int32,
         total_q: Int32,
         num_kv_heads: Int32,
@@ -121,6 +125,7 @@ class DecodeAttention:
         mPT = cute.make_tensor(page_table_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
         mSeqLen = cute.make_tensor(seq_lens_ptr, cute.make_layout(batch))
         mCuQ = cute.make_tensor(cu_q_ptr, cute.make_layout(batch + 1))
+        mLink = cute.make_tensor(link_ptr, cute.make_layout(2))
         if const_expr(self.split_out):
             # Partials of long prefills exceed 2^31 elements: 64-bit split strides.
             split_o = cute.assume(cutlass.Int64(total_q) * hq * d, divby=64)
@@ -158,7 +163,7 @@ class DecodeAttention:
         self.shared_storage = SharedStorage
         self.stage_bytes = stage_bytes
         self.kernel(
-            mQ, mO, mLSE, tma_h, mKVh_tma, tma_d, mKVd_tma, mPT, mSeqLen, mCuQ,
+            mQ, mO, mLSE, tma_h, mKVh_tma, tma_d, mKVd_tma, mPT, mSeqLen, mCuQ, mLink,
             num_kv_heads, num_layers, layer, num_splits, scale_log2,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv,
         ).launch(
@@ -184,6 +189,7 @@ class DecodeAttention:
         mPT: cute.Tensor,  # (B, max_pages) int32
         mSeqLen: cute.Tensor,  # (B,)
         mCuQ: cute.Tensor,  # (B + 1,)
+        mLink: cute.Tensor,  # (2,) int32: link tickets issued, landed
         num_kv_heads: Int32,
         num_layers: Int32,
         layer: Int32,
@@ -233,7 +239,7 @@ class DecodeAttention:
             cute.arch.setmaxregister_decrease(REGS[self.wgs, self.occupancy][0])
             if warp_idx == 0:
                 self.load(
-                    kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, b, kvh, num_kv_heads, num_layers,
+                    kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
                     layer, t_begin, t_end, n_pages,
                 )
         else:
@@ -399,7 +405,7 @@ class DecodeAttention:
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, b, kvh, num_kv_heads, num_layers,
+    def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
              layer, t_begin, t_end, n_pages):
         """Producer: one elected lane issues every TMA copy of the CTA's tiles."""
         rows, d = self.copy_rows, self.head_dim
@@ -422,13 +428,29 @@ class DecodeAttention:
         # barrier); that stage is not re-armed before tile t - max_inflight + stages > t, so the
         # phase it waits on is unambiguous. The wait arrives on nothing.
         landed = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        # link_credits (which implies max_inflight == 1): a tile that reads host pages takes a
+        # device-wide ticket before it is issued; ``held`` remembers whether the tile in flight
+        # holds one, reported once it lands. Tiles wholly in HBM leave the link counters alone.
+        held = Int32(0)
         with cute.arch.elect_one():
             for t in cutlass.range(t_begin, t_end, unroll=1):
                 if const_expr(self.max_inflight > 0):
                     if t - t_begin >= self.max_inflight:
                         kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
                         landed.advance()
+                        if const_expr(self.link_credits > 0):
+                            if held != 0:
+                                self.link_landed(mLink)
                 kv_pipe.producer_acquire(prod_state)
+                if const_expr(self.link_credits > 0):
+                    held = Int32(0)
+                    for c in cutlass.range_constexpr(self.copies):
+                        slot = (t * self.tile_n + c * rows) // self.page_size
+                        if slot < n_pages:
+                            if mPT[b, slot] >= 0:
+                                held = Int32(1)
+                    if held != 0:
+                        self.link_admit(mLink)
                 bar = kv_pipe.producer_get_barrier(prod_state)
                 stage = prod_state.index
                 for c in cutlass.range_constexpr(self.copies):
@@ -449,8 +471,29 @@ class DecodeAttention:
                         cute.copy(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], tma_bar_ptr=bar)
                         cute.copy(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], tma_bar_ptr=bar)
                 prod_state.advance()
+            if const_expr(self.link_credits > 0):
+                # The last tile's ticket: every ticket taken is reported exactly once, so the
+                # device-wide counters balance again when the launch ends.
+                if held != 0:
+                    kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
+                    self.link_landed(mLink)
             if const_expr(not self.resident):
                 kv_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def link_admit(self, mLink):
+        """Take a device-wide link ticket and wait until at most ``link_credits - 1`` earlier
+        tickets are unlanded (int32 differences: the counters may wrap)."""
+        ticket = cute.arch.atomic_add(mLink.iterator, Int32(1), sem="relaxed", scope="gpu")
+        landed = cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu")
+        while ticket - landed >= self.link_credits:
+            # About one tile's link time per ticket ahead, capped: few polls of one L2 line.
+            nanosleep(cutlass.min(ticket - landed - self.link_credits + 1, 8) * 256)
+            landed = cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu")
+
+    @cute.jit
+    def link_landed(self, mLink):
+        cute.arch.red(mLink.iterator + 1, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0, n_thr, q_per_block):

@@ -128,7 +128,7 @@ def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: 
     # the chunk exists only in the resident kernel.
     return ("decode", arch(), str(dtype), head_dim, page_size, group, cfg.tile_n, cfg.stages,
             cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident), cfg.chunk if resident else 0,
-            cfg.resident_occupancy(head_dim, 2) if resident else 1, cfg.max_inflight)
+            cfg.resident_occupancy(head_dim, 2) if resident else 1, cfg.max_inflight, cfg.link_credits)
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
@@ -170,7 +170,7 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident)
     o_dt = cutlass.Float32 if split_out else dt
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
-        _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
+        _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
         *(Int32(1) for _ in range(9)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)

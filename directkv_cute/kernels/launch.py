@@ -24,6 +24,22 @@ def _stream():
     return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
 
 
+_LINK_COUNTERS: dict[int, torch.Tensor] = {}
+
+
+def link_counters(device: torch.device) -> torch.Tensor:
+    """The device's (2,) int32 link-ticket counters (issued, landed), shared by every launch in
+    this process so ``link_credits`` bounds the host reads in flight across concurrent kernels.
+    They only ever grow (int32, wrapping); every launch reports each ticket it takes."""
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    counters = _LINK_COUNTERS.get(index)
+    if counters is None:
+        counters = _LINK_COUNTERS.setdefault(index, torch.zeros(2, dtype=torch.int32, device=f"cuda:{index}"))
+    return counters
+
+
 def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale):
     """Run the compiled decode kernel. o/lse are the final (q dtype / fp32) outputs when
     num_splits == 1, else the fp32 split partials (splits, ...)."""
@@ -37,7 +53,7 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     batch, max_pages = page_table.shape
     fn(
         _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm),
-        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4),
+        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(link_counters(q.device), 4),
         Int32(batch), Int32(q.shape[0]), Int32(cache.num_kv_heads), Int32(cache.num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(num_splits),
         Float32(scale * LOG2_E), _stream(),
