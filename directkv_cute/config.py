@@ -48,6 +48,10 @@ class DecodeConfig:
                    ring). Host reads have a long round trip, and while the whole ring is in flight
                    on every SM the consumers' own HBM traffic (Q gathers, partials) slows down;
                    a limit of 1-2 small tiles still keeps the link busy with one wave of CTAs.
+    edge_tiles:    multi-token kernel only: the first and the last chunk of each CTA hold this many
+                   tiles instead of ``chunk`` (0 = off). A small first chunk lets compute start
+                   once one tile per CTA has landed; a small last chunk shortens the compute left
+                   after the link goes quiet. Each costs one more pass of every query block.
     link_credits:  host-link admission control across the whole GPU (0 = off): at most this many
                    tiles are in flight from all CTAs of all launches on the device together. Each
                    producer takes a ticket from a device-wide counter and issues its tile once no
@@ -67,6 +71,7 @@ class DecodeConfig:
     chunk_tiles: int = 0
     max_inflight: int = 0
     link_credits: int = 0
+    edge_tiles: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -134,6 +139,8 @@ class DecodeConfig:
             out.append(f"link_credits {self.link_credits} must be 0 (off) or in 1..{MAX_LINK_CREDITS}")
         elif self.link_credits and self.max_inflight != 1:
             out.append(f"link_credits {self.link_credits} needs max_inflight 1 (got {self.max_inflight})")
+        if not 0 <= self.edge_tiles <= self.chunk:
+            out.append(f"edge_tiles {self.edge_tiles} must be 0 (off) or in 1..chunk ({self.chunk})")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:
@@ -213,6 +220,21 @@ def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConf
         if cfg.is_legal(head_dim):
             return cfg
     raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
+
+
+def chunk_bounds(n_tiles: int, chunk: int, edge: int = 0) -> list[tuple[int, int]]:
+    """The chunks [begin, end) (tile offsets from the split's first tile) the multi-token kernel
+    walks over a split of ``n_tiles`` tiles: ``chunk`` tiles each, or with ``edge`` > 0 a first and
+    a last chunk of ``edge`` tiles around middle chunks of up to ``chunk``. A split with no tiles
+    still makes one (empty) pass. The kernel computes the same bounds (``chunk_start``)."""
+    if edge <= 0:
+        n_chunks = max(1, math.ceil(n_tiles / chunk))
+        return [(j * chunk, min(n_tiles, (j + 1) * chunk)) for j in range(n_chunks)]
+    if n_tiles <= edge:
+        return [(0, n_tiles)]
+    n_chunks = 2 + math.ceil(max(0, n_tiles - 2 * edge) / chunk)
+    starts = [0] + [max(edge, min(edge + (j - 1) * chunk, n_tiles - edge)) for j in range(1, n_chunks)]
+    return [(b, e) for b, e in zip(starts, starts[1:] + [n_tiles])]
 
 
 def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_heads: int = 1,

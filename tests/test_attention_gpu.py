@@ -200,6 +200,11 @@ def test_bad_inputs_raise_before_launch():
         # device-wide link admission: one tile in flight on the whole GPU, and a few
         DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100, chunk_tiles=2, max_inflight=1, link_credits=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, chunk_tiles=2, max_inflight=1, link_credits=6),
+        # edge chunks (first and last chunk of one or two tiles), alone and with link admission
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=5, edge_tiles=1),
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, edge_tiles=2, num_splits=2),
+        DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, chunk_tiles=3, edge_tiles=1, max_inflight=1,
+                     link_credits=8),
     ],
 )
 def test_multi_token_configs(config):

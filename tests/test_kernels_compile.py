@@ -126,12 +126,12 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, ctas_per_sm=1, chunk_tiles=3),
         DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=6, max_inflight=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
-                     link_credits=8),
+                     link_credits=8, edge_tiles=1),
     ],
 )
 def test_resident_variants_compile(cfg):
     """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
-    throttled producer, device-wide link admission."""
+    throttled producer, device-wide link admission with edge chunks."""
     assert callable(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4))
 
 

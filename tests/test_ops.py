@@ -141,6 +141,19 @@ def test_resident_chunk_and_occupancy_rules():
         with pytest.raises(ConfigError, match="max_inflight"):
             DecodeConfig(stages=4, max_inflight=bad).check(128)
     DecodeConfig(stages=4, max_inflight=3).check(128)
+    # link admission needs one tile in flight per CTA; edge chunks fit in a chunk
+    for bad in (-1, 1 << 21):
+        with pytest.raises(ConfigError, match="link_credits"):
+            DecodeConfig(stages=4, max_inflight=1, link_credits=bad).check(128)
+    for f in (0, 2):
+        with pytest.raises(ConfigError, match="needs max_inflight 1"):
+            DecodeConfig(stages=4, max_inflight=f, link_credits=8).check(128)
+    DecodeConfig(stages=4, max_inflight=1, link_credits=8).check(128)
+    with pytest.raises(ConfigError, match="edge_tiles"):
+        DecodeConfig(stages=4, chunk_tiles=2, edge_tiles=3).check(128)
+    with pytest.raises(ConfigError, match="edge_tiles"):
+        DecodeConfig(stages=4, edge_tiles=-1).check(128)
+    DecodeConfig(stages=4, chunk_tiles=0, edge_tiles=4).check(128)  # chunk 0 = the whole ring
     # profiles written before the field existed still load (it defaults to no limit)
     assert DecodeConfig.from_dict({"tile_n": 64, "stages": 4}).max_inflight == 0
     assert DecodeConfig(stages=4, chunk_tiles=0).chunk == 4 and DecodeConfig(stages=4, chunk_tiles=3).chunk == 3
@@ -156,3 +169,25 @@ def test_resident_chunk_and_occupancy_rules():
     for rows in (256, 2048, 8192, 65536):
         for d in (64, 128):
             assert default_prefill_config(d, rows).is_legal(d)
+
+
+@pytest.mark.parametrize("chunk,edge", [(1, 0), (2, 0), (5, 0), (2, 1), (2, 2), (5, 1), (5, 2), (3, 3)])
+def test_chunk_bounds_partition_the_split(chunk, edge):
+    """The multi-token kernel's chunks over a split: contiguous, covering every tile once, none
+    longer than a chunk (the ring must hold it), and with edge chunks the first and the last
+    no longer than ``edge``; a split without tiles still makes one empty pass."""
+    from directkv_cute.config import chunk_bounds
+
+    assert chunk_bounds(0, chunk, edge) == [(0, 0)]
+    for n in range(1, 40):
+        b = chunk_bounds(n, chunk, edge)
+        assert b[0][0] == 0 and b[-1][1] == n
+        assert all(prev[1] == nxt[0] for prev, nxt in zip(b, b[1:]))
+        assert all(0 < end - begin <= chunk for begin, end in b), b
+        if edge:
+            assert b[0][1] - b[0][0] == min(edge, n) and b[-1][1] - b[-1][0] <= edge, b
+            assert len(b) == (1 if n <= edge else 2 + -(-max(0, n - 2 * edge) // chunk)), b
+        else:
+            assert len(b) == -(-n // chunk)
+    assert chunk_bounds(8, 5, 1) == [(0, 1), (1, 6), (6, 7), (7, 8)]
+    assert chunk_bounds(16, 2, 1)[:2] == [(0, 1), (1, 3)] and chunk_bounds(16, 2, 1)[-1] == (15, 16)

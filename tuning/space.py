@@ -26,7 +26,7 @@ from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, defaul
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 3  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight
+SPACE_RULES_VERSION = 4  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -331,6 +331,8 @@ class PrefillSpace(KernelSpace):
         Param("consumer_wgs", (1, 2, 3), "consumer warpgroups: 64 query rows each per pass over the chunk"),
         Param("ctas_per_sm", (1, 2), "CTAs per SM (2 needs one consumer warpgroup and SMEM for two)"),
         Param("max_inflight", (0, 1, 2), "tiles the producer keeps in flight (0 = the whole free ring)"),
+        Param("link_credits", (0, 8, 16), "host tiles in flight on the whole GPU (0 = no admission control; needs max_inflight 1)"),
+        Param("edge_tiles", (0, 1, 2), "tiles in each CTA's first and last chunk (0 = chunk_tiles)"),
     )
     fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
 
@@ -351,7 +353,8 @@ class PrefillSpace(KernelSpace):
 
     def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
         return (cfg.tile_n, cfg.stages, cfg.chunk_tiles, cfg.carveout, cfg.consumer_wgs,
-                cfg.resident_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)]), cfg.max_inflight)
+                cfg.resident_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)]), cfg.max_inflight,
+                cfg.link_credits, cfg.edge_tiles)
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
         return default_prefill_config(head_dim, rows)

@@ -568,7 +568,8 @@ def _fmt(v):
 def _short_config(c) -> str:
     d = c.to_dict()
     names = {"tile_n": "t", "stages": "s", "num_splits": "n", "ctas_per_sm": "c", "carveout": "a", "consumer_wgs": "w",
-             "chunk_tiles": "k", "max_inflight": "f"}
+             "chunk_tiles": "k", "max_inflight": "f",
+             "link_credits": "L", "edge_tiles": "e"}
     return " ".join(f"{names.get(k, k)}{v}" for k, v in d.items())
 
 

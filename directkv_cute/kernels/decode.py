@@ -73,6 +73,7 @@ class DecodeAttention:
         self.split_out = split_out
         self.resident = resident
         self.chunk = cfg.chunk
+        self.edge = cfg.edge_tiles if resident else 0
         self.max_inflight = cfg.max_inflight
         self.link_credits = cfg.link_credits
         assert not cfg.link_credits or cfg.max_inflight == 1, "link_credits needs max_inflight == 1"
@@ -300,7 +301,13 @@ class DecodeAttention:
                 chunk, qb = self.chunk, self.q_per_wg
                 n_blocks = (q_len + qb - 1) // qb
                 # At least one pass: a split with no tiles still writes its (empty) partials.
-                n_chunks = cutlass.max((t_end - t_begin + chunk - 1) // chunk, 1)
+                n_tiles = t_end - t_begin
+                n_chunks = cutlass.max((n_tiles + chunk - 1) // chunk, 1)
+                if const_expr(self.edge > 0):
+                    # Edge chunks of `edge` tiles open and close the split (config.chunk_bounds).
+                    n_chunks = 1
+                    if n_tiles > self.edge:
+                        n_chunks = 2 + (cutlass.max(n_tiles - 2 * self.edge, 0) + chunk - 1) // chunk
                 last_rb = wg + (n_blocks - 1 - wg) // self.wgs * self.wgs  # this warpgroup's last block
                 wg_bar = 2 + wg  # named barrier of this warpgroup's 128 threads
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -308,6 +315,11 @@ class DecodeAttention:
                 for j in cutlass.range(n_chunks, unroll=1):
                     c_begin = t_begin + j * chunk
                     c_end = cutlass.min(t_end, c_begin + chunk)
+                    if const_expr(self.edge > 0):
+                        c_begin = t_begin + self.chunk_start(j, n_tiles)
+                        c_end = t_end
+                        if j + 1 < n_chunks:
+                            c_end = t_begin + self.chunk_start(j + 1, n_tiles)
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
                         kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
                         wait_state.advance()
@@ -351,6 +363,15 @@ class DecodeAttention:
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
                         kv_pipe.consumer_release(free_state)
                         free_state.advance()
+
+    @cute.jit
+    def chunk_start(self, j, n_tiles):
+        """First tile (from the split's start) of chunk j >= 0 with edge chunks: the first chunk
+        holds `edge` tiles, the middle ones `chunk`, the last one what is left of `edge`."""
+        start = 0
+        if j > 0:
+            start = cutlass.max(self.edge, cutlass.min(self.edge + (j - 1) * self.chunk, n_tiles - self.edge))
+        return start
 
     @cute.jit
     def mask_tile(self, acc_S, t, tok0, row0, tScS, seq_len, q_len):

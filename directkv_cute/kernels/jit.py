@@ -128,7 +128,8 @@ def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: 
     # the chunk exists only in the resident kernel.
     return ("decode", arch(), str(dtype), head_dim, page_size, group, cfg.tile_n, cfg.stages,
             cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident), cfg.chunk if resident else 0,
-            cfg.resident_occupancy(head_dim, 2) if resident else 1, cfg.max_inflight, cfg.link_credits)
+            cfg.resident_occupancy(head_dim, 2) if resident else 1, cfg.max_inflight, cfg.link_credits,
+            cfg.edge_tiles if resident else 0)
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
