@@ -208,15 +208,26 @@ def summarize_stamps(stamps, config: dict, op_ms: float) -> dict:
     return res
 
 
+def child_env(environ=None) -> dict:
+    """The child's environment: PYTHONPATH keeps the folders that bring cutlass and torch (the GPU
+    machine's wheels live on it) but loses any that holds a ``directkv_cute``, which would shadow
+    the instrumented copy."""
+    env = dict(os.environ if environ is None else environ)
+    keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not (Path(p) / "directkv_cute").is_dir()]
+    if keep:
+        env["PYTHONPATH"] = os.pathsep.join(keep)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
 def run_timeline(spec: dict, keep: Path | None = None) -> dict:
     """Instrument a copy, run the child on the GPU, return its summary dict."""
     with tempfile.TemporaryDirectory(prefix="dk-timeline-") as tmp:
         root = instrument(Path(keep or tmp))
         script = root / "timeline_child.py"
         script.write_text(_CHILD)
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)
-        proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], cwd=root, env=env,
+        proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], cwd=root, env=child_env(),
                               capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise RuntimeError(f"bench timeline: the instrumented run failed:\n{proc.stderr[-3000:]}")

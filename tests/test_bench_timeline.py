@@ -81,3 +81,17 @@ def test_stamp_summary_keeps_nanoseconds():
     assert res["span_us"] == 3.503
     assert res["passes"]["gather_reload"] == {"n": 17, "median_us": 0.007, "p90_us": 0.007}
     assert res["passes"]["wgmma"]["median_us"] == 0.013 and res["passes"]["finalize_store"]["median_us"] == 0.001
+
+
+def test_child_env_keeps_wheels_but_not_a_shadowing_package(tmp_path):
+    """The child must still find cutlass on PYTHONPATH (how the GPU machine provides it) while a
+    folder holding another directkv_cute would shadow the instrumented copy and is dropped."""
+    from bench.timeline import child_env
+
+    wheels, shadow = tmp_path / "site", tmp_path / "repo"
+    (wheels / "cutlass").mkdir(parents=True)
+    (shadow / "directkv_cute").mkdir(parents=True)
+    env = child_env({"PYTHONPATH": f"{wheels}:{shadow}:", "X": "1"})
+    assert env["PYTHONPATH"] == str(wheels) and env["X"] == "1"
+    assert "PYTHONPATH" not in child_env({"PYTHONPATH": str(shadow)})
+    assert "PYTHONPATH" not in child_env({})
