@@ -24,7 +24,6 @@ import torch
 
 from bench.common import dtype_name, progress_bar, torch_dtype
 from directkv_cute.config import (
-    PREFILL_WIDE_TILE_MAX_ROWS,
     SUPPORTED_HEAD_DIMS,
     SUPPORTED_PAGE_SIZES,
     DecodeConfig,
@@ -163,11 +162,10 @@ def default_targets(dtypes=("bfloat16",)) -> list[CompileTarget]:
                         continue
                     cfg = default_decode_config(d, rows, page)
                     out.append(CompileTarget(cfg, dtype, d, page, group, q_len, "default"))
-            # The multi-token kernel's two defaults (link-bound and compute-bound), GQA 4 and 8.
-            for rows in (PREFILL_WIDE_TILE_MAX_ROWS, 4 * PREFILL_WIDE_TILE_MAX_ROWS):
-                for group in (4, 8):
-                    out.append(CompileTarget(default_prefill_config(d, rows), dtype, d, 64, group, 1, "default",
-                                             resident=True))
+            # The multi-token kernel's default, GQA 4 and 8.
+            for group in (4, 8):
+                out.append(CompileTarget(default_prefill_config(d), dtype, d, 64, group, 1, "default",
+                                         resident=True))
     return out
 
 

@@ -200,23 +200,21 @@ def default_decode_config(head_dim: int, rows: int = 8, page_size: int | None = 
     raise ConfigError(f"no legal default decode config for head_dim={head_dim} rows={rows}")
 
 
-# Query rows (GQA group x q_len) up to which the multi-token default uses 128-token tiles; above
-# it the kernel is compute-bound and 64-token tiles with fewer, larger passes win (H200 sweep,
-# bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt).
-PREFILL_WIDE_TILE_MAX_ROWS = 2048
+# Device-wide host tiles in flight of the multi-token default: 16 x 32 KB is several times the
+# link's bandwidth x round trip, yet keeps host requests from queueing in front of the consumers'
+# HBM traffic (H200 A/B: bench/results/NVIDIA_H200-2026-11-29-s4-ab.txt).
+PREFILL_LINK_CREDITS = 16
 
 
 def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConfig:
-    """Untuned default of the multi-token (KV-chunk resident) kernel: two consumer warpgroups
-    (128 query rows per pass) and all of L1 as SMEM; CTAs walk their split in chunks while the
-    rest of the ring loads the next one. Up to ``PREFILL_WIDE_TILE_MAX_ROWS`` rows (link-bound):
-    a ring of three 128-token tiles, chunks of two; above (compute-bound): six 64-token tiles,
-    chunks of five (fewer passes of each query block)."""
-    wide = rows is None or rows <= PREFILL_WIDE_TILE_MAX_ROWS
-    candidates = ((128, 3, 2), (64, 6, 5), (64, 4, 3)) if wide else ((64, 6, 5), (64, 4, 3), (128, 3, 2))
-    for tile_n, stages, chunk in candidates + ((64, 2, 1),):
+    """Untuned default of the multi-token (KV-chunk resident) kernel, for any number of query
+    rows: two consumer warpgroups (128 query rows per pass), all of L1 as SMEM, a ring of six
+    64-token tiles walked in chunks of five (few passes of each query block over the split), and
+    the producer admitted to the link one tile at a time under ``PREFILL_LINK_CREDITS``."""
+    del rows  # one default since link admission (session 4): it won or tied at 64-2048 query tokens
+    for tile_n, stages, chunk in ((64, 6, 5), (128, 3, 2), (64, 4, 3), (64, 2, 1)):
         cfg = DecodeConfig(tile_n=tile_n, stages=stages, ctas_per_sm=1, consumer_wgs=2, carveout=100,
-                           chunk_tiles=chunk)
+                           chunk_tiles=chunk, max_inflight=1, link_credits=PREFILL_LINK_CREDITS)
         if cfg.is_legal(head_dim):
             return cfg
     raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")

@@ -187,13 +187,19 @@ jit.compile_combine(128, torch.bfloat16)
 
 def test_multi_token_kernel_ptx(tmp_path):
     """The multi-token kernel's generated code: TMA loads, WGMMA, the split partials written and
-    reloaded with 8-byte vector accesses (scalar ones double the L2 transactions per pass), and the
-    next block's Q rows and partial prefetched into L2."""
+    reloaded with 8-byte vector accesses (scalar ones double the L2 transactions per pass), the
+    next block's Q rows and partial prefetched into L2, and a pass's loads issued together."""
     ptx = dumped_ptx(tmp_path, _PTX_SCRIPT)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v2.b32", "ld.global.v2.b32",
                    "prefetch.global.L2"):
         assert needle in ptx, needle
     assert ptx.count("st.global.b32") <= 4  # only the LSE stores stay scalar
+    # A pass issues its Q gather (16-byte loads) and its partial reload (8-byte loads) before the Q
+    # rows go to SMEM, so both are in flight together: one L2 round trip per pass, not two.
+    lines = ptx.splitlines()
+    at = lambda needle: [i for i, line in enumerate(lines) if needle in line]  # noqa: E731
+    assert at("ld.global.v4.b32") and at("st.shared.v4.b32")
+    assert max(at("ld.global.v4.b32") + at("ld.global.v2.b32")) < min(at("st.shared.v4.b32"))
 
 
 def test_combine_kernel_ptx(tmp_path):
@@ -207,8 +213,8 @@ def test_throttled_producer_ptx(tmp_path):
     one more mbarrier wait loop in the producer than without."""
     base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
     base = "import dataclasses\n" + base
-    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=0"))
-    limited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1"))
+    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=0, link_credits=0"))
+    limited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1, link_credits=0"))
     waits = lambda ptx: ptx.count("mbarrier.try_wait")  # noqa: E731
     assert waits(limited) > waits(plain)
 
@@ -219,7 +225,7 @@ def test_link_admission_ptx(tmp_path):
     without it none of these are emitted."""
     base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
     base = "import dataclasses\n" + base
-    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=1"))
+    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=1, link_credits=0"))
     credited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1, link_credits=8"))
     for needle in ("atom.global.add", "ld.relaxed.gpu.global", "nanosleep", "red.relaxed.gpu.global.add"):
         assert needle not in plain, needle

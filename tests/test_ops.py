@@ -162,10 +162,12 @@ def test_resident_chunk_and_occupancy_rules():
     assert dataclasses.replace(two, consumer_wgs=2).resident_occupancy(128) == 1
     assert dataclasses.replace(two, stages=4).resident_occupancy(128) == 1
     assert dataclasses.replace(two, carveout=90).resident_occupancy(128) == 1
-    # defaults: wide tiles while link-bound, more tiles per pass when compute-bound
-    from directkv_cute.config import default_prefill_config
+    # the default: five of six 64-token tiles per chunk, admitted to the link one tile at a time
+    from directkv_cute.config import PREFILL_LINK_CREDITS, default_prefill_config
 
-    assert default_prefill_config(128, 2048).tile_n == 128 and default_prefill_config(128, 8192).chunk_tiles == 5
+    d128 = default_prefill_config(128)
+    assert (d128.tile_n, d128.stages, d128.chunk_tiles, d128.consumer_wgs) == (64, 6, 5, 2)
+    assert d128.max_inflight == 1 and d128.link_credits == PREFILL_LINK_CREDITS > 0
     for rows in (256, 2048, 8192, 65536):
         for d in (64, 128):
             assert default_prefill_config(d, rows).is_legal(d)

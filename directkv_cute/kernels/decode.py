@@ -299,6 +299,7 @@ class DecodeAttention:
                 # syncs only with itself, so one warpgroup's per-block work (Q gather, partial
                 # reload and store) overlaps the other's MMAs.
                 chunk, qb = self.chunk, self.q_per_wg
+                rQ = cute.make_rmem_tensor((8, 64 * d // 8 // 128), self.dtype)  # (8, d/16) Q pieces of a pass
                 n_blocks = (q_len + qb - 1) // qb
                 # At least one pass: a split with no tiles still writes its (empty) partials.
                 n_tiles = t_end - t_begin
@@ -343,10 +344,10 @@ class DecodeAttention:
                             nb = rb + step
                             if nb >= 0 and nb < n_blocks:
                                 self.prefetch_block(mQ, mO, split, q_start, q_len, kvh, nb * qb, wg_tidx, j > 0)
-                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
-                            self.load_q(mQ, sQ_wg, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
-                            cute.arch.fence_view_async_shared()
-                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
+                            # The block's Q rows and its partial are loaded together (both in
+                            # flight at once, one L2 round trip per pass); the Q rows go to SMEM
+                            # once the warpgroup's previous pass is done with sQ_wg.
+                            self.gather_q(mQ, rQ, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
                             if j == 0:
                                 acc_O.fill(0.0)
                                 row_max.fill(-Float32.inf)
@@ -354,6 +355,10 @@ class DecodeAttention:
                             else:
                                 self.reload(mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len,
                                             kvh, tok0, scale_log2)
+                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
+                            self.store_q(rQ, sQ_wg, wg_tidx, 128)
+                            cute.arch.fence_view_async_shared()
+                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
                             self.attend_tiles(
                                 c_begin, t_stop, t_begin, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS,
                                 row_max, row_sum, row_scale, seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv,
@@ -518,17 +523,20 @@ class DecodeAttention:
 
     @cute.jit
     def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0, n_thr, q_per_block):
-        """``n_thr`` consumer threads gather a block of query rows (row r = token tok0 + r // group,
-        head r % group of the KV head's group) into ``sQ`` (rows, d); rows past the block's
-        tokens are zero."""
+        """``n_thr`` consumer threads gather a block of query rows into ``sQ`` (rows, d)."""
+        rQ = cute.make_rmem_tensor((8, cute.size(sQ, mode=[0]) * self.head_dim // 8 // n_thr), self.dtype)
+        self.gather_q(mQ, rQ, q_start, q_len, kvh, ctidx, tok0, n_thr, q_per_block)
+        self.store_q(rQ, sQ, ctidx, n_thr)
+
+    @cute.jit
+    def gather_q(self, mQ, rQ, q_start, q_len, kvh, ctidx, tok0, n_thr, q_per_block):
+        """Issue this thread's loads of a block of query rows (row r = token tok0 + r // group,
+        head r % group of the KV head's group) into ``rQ`` (8, pieces), one 16-byte piece per
+        column; rows past the block's tokens are zero. Fully unrolled, nothing waits on a load
+        here: the caller overlaps them with other loads before ``store_q`` consumes them."""
         d, group, vec = self.head_dim, self.group, 8  # 8 x 16-bit = one 16-byte access
         n_valid = cutlass.min(q_len - tok0, q_per_block)
-        # d / 16 static iterations per thread, fully unrolled: every load is issued (into
-        # registers) before the first SMEM store waits on one, since the gather sits on the
-        # critical path of each block of query rows.
-        n_it = cute.size(sQ, mode=[0]) * d // vec // n_thr
-        rQ = cute.make_rmem_tensor((vec, n_it), self.dtype)  # (8, d/16) this thread's Q pieces
-        for k in cutlass.range_constexpr(n_it):
+        for k in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
             i = ctidx + k * n_thr
             r = i // (d // vec)
             qi = r // group
@@ -537,7 +545,12 @@ class DecodeAttention:
                 cute.autovec_copy(gQv, rQ[None, k])
             else:
                 rQ[None, k].fill(self.dtype(0.0))
-        for k in cutlass.range_constexpr(n_it):
+
+    @cute.jit
+    def store_q(self, rQ, sQ, ctidx, n_thr):
+        """Write the pieces ``gather_q`` loaded into ``sQ`` (rows, d)."""
+        d, vec = self.head_dim, 8
+        for k in cutlass.range_constexpr(cute.size(rQ, mode=[1])):
             i = ctidx + k * n_thr
             sQv = cute.local_tile(sQ[i // (d // vec), None], (vec,), (i % (d // vec),))  # (8,) swizzle keeps 16 B whole
             cute.autovec_copy(rQ[None, k], sQv)
