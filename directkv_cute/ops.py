@@ -75,6 +75,24 @@ def _check_config(cfg: DecodeConfig, head_dim: int, page_size: int) -> None:
 
 
 # Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
+_LINK_READY: set[int] = set()  # devices whose link counters were allocated outside graph capture
+
+
+def _check_link_counters(device: torch.device, link_counters) -> None:
+    """Every launch passes the device's link-ticket counters; they are allocated on the first
+    call. Inside a CUDA graph capture that allocation would come from the graph's private pool
+    (and die with it), so the first call on a device must be an eager one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _LINK_READY:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"paged_attention: call it once outside CUDA graph capture on cuda:{index} first (it compiles its "
+            "kernels and allocates the device's link counters then); later calls can be captured")
+    link_counters(device)
+    _LINK_READY.add(index)
+
+
 _WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
 
 
@@ -219,8 +237,9 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device.index))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
-    from directkv_cute.kernels.launch import launch_combine, launch_decode
+    from directkv_cute.kernels.launch import launch_combine, launch_decode, link_counters
 
+    _check_link_counters(q.device, link_counters)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)

@@ -252,3 +252,38 @@ def test_link_tickets_balance():
     assert 0 < tickets([3333, 900], [700, 129], 0.5, walk) < tiles([3333, 900])
     decode = DecodeConfig(tile_n=64, stages=4, max_inflight=1, link_credits=2, num_splits=3)
     assert tickets([2049, 300], [1, 1], 0.0, decode) == tiles([2049, 300])
+
+
+@pytest.mark.gpu
+def test_first_call_inside_graph_capture_is_refused(monkeypatch):
+    """The op allocates the device's link counters on its first call; a first call inside a CUDA
+    graph capture is refused with a clear error instead of allocating from the graph's pool, and
+    an eager call first makes the capture work (decode with link admission, as in
+    test_cuda_graph_replay)."""
+    from directkv_cute import ops
+
+    dtype = torch.bfloat16
+    cache, ids, ks, vs, layer = _build([3000, 700], 8, 128, 64, dtype)
+    tables = cache.kernel_tables(ids)
+    q = torch.randn(2, 32, 128, device="cuda").to(dtype)
+    out = torch.empty_like(q)
+    cfg = DecodeConfig(tile_n=64, stages=4, max_inflight=1, link_credits=2, num_splits=3)
+    call = lambda: paged_attention_tables(q, cache, layer, tables, out=out, max_seq_len=3000,  # noqa: E731
+                                          config=cfg, return_lse=True)
+    call()  # compiles
+    torch.cuda.synchronize()
+    monkeypatch.setattr(ops, "_LINK_READY", set())
+    with pytest.raises(RuntimeError, match="outside CUDA graph capture"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            call()
+    torch.cuda.synchronize()
+    call()  # eager: the counters are ready again
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = call()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lse, q, ks, vs, None, dtype)
+    cache.close()
