@@ -109,6 +109,11 @@ def test_cache_key_covers_codegen_fields():
     assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
                           resident=True) not in resident
+    # edge chunks change the resident kernel only
+    edged = dataclasses.replace(walk, chunk_tiles=2, edge_tiles=1)
+    assert jit.decode_key(edged, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
+        dataclasses.replace(edged, edge_tiles=0), torch.bfloat16, 128, 64, 4, True, resident=True)
+    assert jit.decode_key(DecodeConfig(chunk_tiles=2, edge_tiles=1), torch.bfloat16, 128, 64, 4, True) == k0
     # link admission control changes both kernels' code, and each credit count is its own kernel
     credited = dataclasses.replace(walk, max_inflight=1, link_credits=8)
     assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
