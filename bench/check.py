@@ -169,6 +169,17 @@ def default_targets(dtypes=("bfloat16",)) -> list[CompileTarget]:
     return out
 
 
+def portfolio_targets() -> list[CompileTarget]:
+    """The prefill tuner's portfolio (the configs it tries right after the default), bf16, d 128,
+    GQA 4: they must compile wherever the tuner may pick them."""
+    from directkv_cute.tuning.space import TuneShape, get_space
+
+    space = get_space("prefill")
+    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
+    return [CompileTarget(cfg, "bfloat16", 128, 64, 4, 1, "portfolio", resident=True)
+            for cfg in space.portfolio(shape)]
+
+
 def resolve_compiler() -> tuple[Callable, Callable | None]:
     """(compile_decode, compile_combine or None) from the kernel package.
 
@@ -247,7 +258,8 @@ def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = Tr
         results.append(PartResult("profiles", not problems, f"{len(loaded)} loaded, {len(problems)} problems"))
     if compile:
         arch = ensure_arch()
-        targets = default_targets(("bfloat16", "float16") if fp16 else ("bfloat16",)) + profile_targets(loaded)
+        targets = (default_targets(("bfloat16", "float16") if fp16 else ("bfloat16",)) + portfolio_targets()
+                   + profile_targets(loaded))
         print(f"== (b) compile for {arch}: {len(targets)} configs")
         try:
             rows, problems = compile_targets(targets, progress)

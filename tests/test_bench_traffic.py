@@ -110,6 +110,17 @@ def test_compile_part_fails_clearly_without_the_kernel(monkeypatch, capsys):
     assert "cannot be compiled" in capsys.readouterr().out
 
 
+def test_portfolio_compile_targets_are_the_tuners_portfolio():
+    from bench.check import portfolio_targets
+    from directkv_cute.tuning.space import get_space
+
+    targets = portfolio_targets()
+    assert targets and all(t.resident and t.source == "portfolio" for t in targets)
+    assert [t.cfg for t in targets] == get_space("prefill").portfolio(None)
+    for t in targets:
+        assert t.cfg.is_legal(t.head_dim, t.page_size), t.label
+
+
 def test_default_compile_targets_are_legal():
     targets = default_targets(("bfloat16", "float16"))
     prefill = 2 * 2  # head dims x GQA 4 / 8 (one multi-token default for every row count)

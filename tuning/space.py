@@ -226,6 +226,13 @@ class KernelSpace:
     def default_for(self, shape: TuneShape):
         return self.default_config(shape.head_dim, shape.rows, shape.page_size)
 
+    def portfolio(self, shape: TuneShape) -> list:
+        """Configs that measured well on some GPU (next to the default), which the tuner tries
+        right after the default and the profile's previous entry: with a trial budget of a few
+        per bucket in a space of 10^5 points, known-good starting points are worth more than
+        random TPE start-up trials. The tuner skips the ones illegal for ``shape``."""
+        return []
+
     # ---- enumeration ----------------------------------------------------------------------
     def cardinality(self) -> int:
         return math.prod(len(p.choices) for p in self.params)
@@ -358,6 +365,18 @@ class PrefillSpace(KernelSpace):
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
         return default_prefill_config(head_dim, rows)
+
+    def portfolio(self, shape: TuneShape) -> list:
+        # The runners-up and the tuner's winners of the H200 A/B runs G-J and the session-4 tune
+        # (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-s4-tune-prefill.log).
+        base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)
+        picks = (
+            dict(tile_n=64, stages=6, chunk_tiles=4),  # 32k q2048 tuned winner
+            dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner
+            dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
+            dict(tile_n=64, stages=5, chunk_tiles=4, consumer_wgs=3),  # 128k q512
+        )
+        return [DecodeConfig(**{**base, **p}) for p in picks]
 
 
 _SPACES: dict[str, KernelSpace] = {}

@@ -7,7 +7,8 @@ Per bucket (kernel x TuneShape):
    space (every legal config is measured, time budget permitting); otherwise a seeded
    multivariate ``TPESampler``. Parameters are suggested as ordinal indices into each choice
    list (``tile_n_i`` ...), so TPE can exploit their order.
-2. The heuristic default and the existing profile's config for the bucket are enqueued first.
+2. The heuristic default, the existing profile's config for the bucket and the space's
+   portfolio (``KernelSpace.portfolio``: configs that measured well before) are enqueued first.
 3. Each trial: illegal points are pruned before anything runs (reasons in the trial's user
    attrs); a config already measured in the study is answered from the study (never re-run);
    a config that runs the same launch as a measured one (same resolved split count etc., see
@@ -304,7 +305,7 @@ class Tuner:
                 by_launch.setdefault(space.launch_key(cfg, shape, self.num_sms), key)
         evaluated0 = len(measured) + len(failed)
 
-        # ---- seeds: heuristic default, then the existing profile's entry ---------------------------
+        # ---- seeds: heuristic default, the existing profile's entry, then the space's portfolio ------
         seeds = [default]
         if self._old_profile is not None:
             rec = self._old_profile.get((self.kernel, *shape.class_key), shape.bucket)
@@ -313,6 +314,7 @@ class Tuner:
                     seeds.append(space.config_from_dict(rec["config"]))
                 except Exception:
                     pass
+        seeds += space.portfolio(shape)
         for cfg in seeds:
             params = self._params_of(cfg)
             if params is None or space.problems(cfg, shape) or space.config_key(cfg) in measured:
