@@ -74,7 +74,6 @@ def _check_config(cfg: DecodeConfig, head_dim: int, page_size: int) -> None:
     cfg.check(head_dim, page_size)
 
 
-# Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
 _LINK_READY: set[int] = set()  # devices whose link counters were allocated outside graph capture
 
 
@@ -93,6 +92,7 @@ def _check_link_counters(device: torch.device, link_counters) -> None:
     _LINK_READY.add(index)
 
 
+# Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
 _WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
 
 

@@ -190,3 +190,18 @@ def test_prefill_defaults_lie_in_the_space(q_len):
     shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=q_len)
     d = space.default_for(shape)
     assert space.in_space(d) and space.is_legal(d, shape)
+
+
+def test_prefill_launch_key_merges_only_unresolved_occupancy():
+    """Two prefill configs run the same launch when they differ only in a ctas_per_sm that resolves
+    to the same occupancy; any other field (including ones added later) separates them."""
+    import dataclasses
+
+    space = get_space("prefill")
+    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
+    wide = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5)
+    assert space.launch_key(wide, shape) == space.launch_key(dataclasses.replace(wide, ctas_per_sm=2), shape)
+    two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1)
+    assert space.launch_key(two, shape) != space.launch_key(dataclasses.replace(two, ctas_per_sm=2), shape)
+    for field, value in (("chunk_tiles", 4), ("max_inflight", 1), ("edge_tiles", 1), ("carveout", 90)):
+        assert space.launch_key(wide, shape) != space.launch_key(dataclasses.replace(wide, **{field: value}), shape)

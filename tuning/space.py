@@ -15,6 +15,7 @@ Plain Python: importable without CUDA, cutlass or optuna.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -359,9 +360,10 @@ class PrefillSpace(KernelSpace):
         return out
 
     def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
-        return (cfg.tile_n, cfg.stages, cfg.chunk_tiles, cfg.carveout, cfg.consumer_wgs,
-                cfg.resident_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)]), cfg.max_inflight,
-                cfg.link_credits, cfg.edge_tiles)
+        # ctas_per_sm only matters through the occupancy it resolves to (num_splits is fixed);
+        # every other field is part of the launch.
+        occupancy = cfg.resident_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)])
+        return self.config_key(dataclasses.replace(cfg, ctas_per_sm=occupancy))
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
         return default_prefill_config(head_dim, rows)
