@@ -52,6 +52,10 @@ class DecodeConfig:
                    tiles instead of ``chunk`` (0 = off). A small first chunk lets compute start
                    once one tile per CTA has landed; a small last chunk shortens the compute left
                    after the link goes quiet. Each costs one more pass of every query block.
+    q_regs:        multi-token kernel only (1 = on): each consumer warpgroup keeps its pass's Q rows
+                   in registers and the Q K^T WGMMA reads them from there, so the Q tile leaves
+                   SMEM (rows x head_dim x 2 B: 32 KB with two warpgroups at d 128) for one more
+                   ring stage.
     link_credits:  host-link admission control across the whole GPU (0 = off): at most this many
                    tiles are in flight from all CTAs of all launches on the device together. Each
                    producer takes a ticket from a device-wide counter and issues its tile once no
@@ -72,6 +76,7 @@ class DecodeConfig:
     max_inflight: int = 0
     link_credits: int = 0
     edge_tiles: int = 0
+    q_regs: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -99,7 +104,7 @@ class DecodeConfig:
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Dynamic SMEM one CTA needs: the K/V ring, the Q tile, barriers and padding."""
         kv_ring = self.stages * 2 * self.tile_n * head_dim * elem_bytes
-        q_tile = self.rows * head_dim * elem_bytes
+        q_tile = 0 if self.q_regs else self.rows * head_dim * elem_bytes
         return kv_ring + q_tile + _BARRIER_AND_ALIGN_BYTES
 
     def smem_budget(self) -> int:
@@ -141,6 +146,8 @@ class DecodeConfig:
             out.append(f"link_credits {self.link_credits} needs max_inflight 1 (got {self.max_inflight})")
         if not 0 <= self.edge_tiles <= self.chunk:
             out.append(f"edge_tiles {self.edge_tiles} must be 0 (off) or in 1..chunk ({self.chunk})")
+        if self.q_regs not in (0, 1):
+            out.append(f"q_regs {self.q_regs} must be 0 or 1")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:

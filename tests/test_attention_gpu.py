@@ -205,6 +205,11 @@ def test_bad_inputs_raise_before_launch():
         DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, edge_tiles=2, num_splits=2),
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, chunk_tiles=3, edge_tiles=1, max_inflight=1,
                      link_credits=8),
+        # Q rows in registers (Q K^T from registers), with the ring it frees and with wide tiles, GQA 4
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, chunk_tiles=5, max_inflight=1, link_credits=16,
+                     q_regs=1),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, chunk_tiles=1, num_splits=2, q_regs=1),
+        DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, chunk_tiles=3, q_regs=1),
     ],
 )
 def test_multi_token_configs(config):

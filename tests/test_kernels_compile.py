@@ -109,10 +109,12 @@ def test_cache_key_covers_codegen_fields():
     assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
                           resident=True) not in resident
-    # edge chunks change the resident kernel only
-    edged = dataclasses.replace(walk, chunk_tiles=2, edge_tiles=1)
-    assert jit.decode_key(edged, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
-        dataclasses.replace(edged, edge_tiles=0), torch.bfloat16, 128, 64, 4, True, resident=True)
+    # edge chunks and Q in registers change the resident kernel only
+    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"q_regs": 1}):
+        on = dataclasses.replace(walk, **field)
+        off = dataclasses.replace(on, **{k: 0 for k in field if k != "chunk_tiles"})
+        assert jit.decode_key(on, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
+            off, torch.bfloat16, 128, 64, 4, True, resident=True)
     assert jit.decode_key(DecodeConfig(chunk_tiles=2, edge_tiles=1), torch.bfloat16, 128, 64, 4, True) == k0
     # link admission control changes both kernels' code, and each credit count is its own kernel
     credited = dataclasses.replace(walk, max_inflight=1, link_credits=8)
@@ -132,6 +134,10 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=6, max_inflight=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
                      link_credits=8, edge_tiles=1),
+        # Q in registers: the freed 32 KB holds a seventh 64-token stage; wide tiles too
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5, max_inflight=1,
+                     link_credits=16, q_regs=1),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_regs=1),
     ],
 )
 def test_resident_variants_compile(cfg):
@@ -148,6 +154,7 @@ def test_resident_variants_compile(cfg):
         (DecodeConfig(), dict(head_dim=96, page_size=64), ConfigError),
         (DecodeConfig(), dict(head_dim=128, page_size=64, max_q_len=17, group=4), ValueError),
         (DecodeConfig(), dict(head_dim=128, page_size=64, group=65), ValueError),
+        (DecodeConfig(q_regs=1), dict(head_dim=128, page_size=64), ValueError),  # decode keeps Q in SMEM
     ],
 )
 def test_illegal_requests_fail_before_compiling(cfg, kwargs, exc, monkeypatch):
@@ -235,3 +242,19 @@ def test_link_admission_ptx(tmp_path):
     for needle in ("atom.global.add", "ld.relaxed.gpu.global", "nanosleep", "red.relaxed.gpu.global.add"):
         assert needle not in plain, needle
         assert needle in credited, needle
+
+
+def test_q_in_registers_ptx(tmp_path):
+    """With q_regs the multi-token kernel has no Q tile in SMEM: no 16-byte SMEM stores, no
+    per-warpgroup named barriers, and its Q K^T WGMMA takes A as four registers (the RS form)
+    where the SMEM variant passes two descriptors."""
+    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
+    base = "import dataclasses\n" + base
+    smem = dumped_ptx(tmp_path / "a", base.format("q_regs=0"))
+    regs = dumped_ptx(tmp_path / "b", base.format("q_regs=1, stages=7"))
+    qk = lambda ptx: [ln for ln in ptx.splitlines() if "wgmma.mma_async.sync.aligned.m64n64k16" in ln]  # noqa: E731
+    assert qk(smem) and qk(regs)
+    assert all("}, {%r" not in ln for ln in qk(smem))
+    assert all("}, {%r" in ln for ln in qk(regs))
+    assert "st.shared.v4.b32" in smem and "st.shared.v4.b32" not in regs
+    assert smem.count("bar.sync") > regs.count("bar.sync")

@@ -154,6 +154,12 @@ def test_resident_chunk_and_occupancy_rules():
     with pytest.raises(ConfigError, match="edge_tiles"):
         DecodeConfig(stages=4, edge_tiles=-1).check(128)
     DecodeConfig(stages=4, chunk_tiles=0, edge_tiles=4).check(128)  # chunk 0 = the whole ring
+    # Q in registers frees the Q tile's SMEM: a seventh 64-token stage fits beside two warpgroups
+    with pytest.raises(ConfigError, match="q_regs"):
+        DecodeConfig(q_regs=2).check(128)
+    seven = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5)
+    assert not seven.is_legal(128) and dataclasses.replace(seven, q_regs=1).is_legal(128)
+    assert seven.smem_bytes(128) - dataclasses.replace(seven, q_regs=1).smem_bytes(128) == 128 * 128 * 2
     # profiles written before the field existed still load (it defaults to no limit)
     assert DecodeConfig.from_dict({"tile_n": 64, "stages": 4}).max_inflight == 0
     assert DecodeConfig(stages=4, chunk_tiles=0).chunk == 4 and DecodeConfig(stages=4, chunk_tiles=3).chunk == 3

@@ -74,6 +74,10 @@ class DecodeAttention:
         self.resident = resident
         self.chunk = cfg.chunk
         self.edge = cfg.edge_tiles if resident else 0
+        # Multi-token kernel only: each warpgroup keeps its pass's Q rows in registers (the QK^T
+        # WGMMA reads A from registers) instead of an SMEM tile, freeing rows x d x 2 B of SMEM.
+        assert resident or not cfg.q_regs, "q_regs is a multi-token kernel option"
+        self.q_regs = bool(cfg.q_regs) and resident
         self.max_inflight = cfg.max_inflight
         self.link_credits = cfg.link_credits
         assert not cfg.link_credits or cfg.max_inflight == 1, "link_credits needs max_inflight == 1"
@@ -144,9 +148,10 @@ class DecodeAttention:
         tma_h, mKVh_tma = cpasync.make_tiled_tma_atom(op, mKVh, sCopy_layout, (self.copy_rows, d))
         tma_d, mKVd_tma = cpasync.make_tiled_tma_atom(op, mKVd, sCopy_layout, (self.copy_rows, d))
 
+        q_source = warpgroup.OperandSource.RMEM if self.q_regs else warpgroup.OperandSource.SMEM
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n),
+            atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.tile_n), a_source=q_source,
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
@@ -161,6 +166,14 @@ class DecodeAttention:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
 
+        @cute.struct
+        class SharedStorageNoQ:  # q_regs: the ring only
+            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
+
+        if const_expr(self.q_regs):
+            SharedStorage = SharedStorageNoQ  # noqa: N806
         self.shared_storage = SharedStorage
         self.stage_bytes = stage_bytes
         self.kernel(
@@ -221,7 +234,9 @@ class DecodeAttention:
             cpasync.prefetch_descriptor(tma_d)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
+        sQ = None
+        if const_expr(not self.q_regs):
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
         kv_pipe = pipeline.PipelineTmaAsync.create(
@@ -251,8 +266,16 @@ class DecodeAttention:
             wg_tidx = ctidx % 128
             thr_qk = tiled_mma_qk.get_slice(wg_tidx)
             thr_pv = tiled_mma_pv.get_slice(wg_tidx)
-            sQ_wg = cute.local_tile(sQ, (64, d), (wg, 0))  # (64, d) rows of this warpgroup
-            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
+            sQ_wg = None
+            rQc = None
+            if const_expr(self.q_regs):
+                # The pass's Q rows in registers, loaded in the (64, d) accumulator layout of the
+                # P V product and viewed as the A operand of Q K^T (the same re-view as P).
+                rQc = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, d)), self.dtype)  # (64, d) as acc
+                tSrQ = acc_as_operand_a(rQc)
+            else:
+                sQ_wg = cute.local_tile(sQ, (64, d), (wg, 0))  # (64, d) rows of this warpgroup
+                tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ_wg))
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
             sVt = transpose_view(sV)  # (d, tile_n, stages)
             tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
@@ -347,7 +370,10 @@ class DecodeAttention:
                             # The block's Q rows and its partial are loaded together (both in
                             # flight at once, one L2 round trip per pass); the Q rows go to SMEM
                             # once the warpgroup's previous pass is done with sQ_wg.
-                            self.gather_q(mQ, rQ, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
+                            if const_expr(self.q_regs):
+                                self.gather_q_regs(mQ, rQc, thr_pv, q_start, q_len, kvh, tok0)
+                            else:
+                                self.gather_q(mQ, rQ, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
                             if j == 0:
                                 acc_O.fill(0.0)
                                 row_max.fill(-Float32.inf)
@@ -355,10 +381,11 @@ class DecodeAttention:
                             else:
                                 self.reload(mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len,
                                             kvh, tok0, scale_log2)
-                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
-                            self.store_q(rQ, sQ_wg, wg_tidx, 128)
-                            cute.arch.fence_view_async_shared()
-                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
+                            if const_expr(not self.q_regs):
+                                cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
+                                self.store_q(rQ, sQ_wg, wg_tidx, 128)
+                                cute.arch.fence_view_async_shared()
+                                cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
                             self.attend_tiles(
                                 c_begin, t_stop, t_begin, tok0, acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt, tScS,
                                 row_max, row_sum, row_scale, seq_len, q_len, scale_log2, tiled_mma_qk, tiled_mma_pv,
@@ -545,6 +572,28 @@ class DecodeAttention:
                 cute.autovec_copy(gQv, rQ[None, k])
             else:
                 rQ[None, k].fill(self.dtype(0.0))
+
+    @cute.jit
+    def gather_q_regs(self, mQ, rQc, thr_pv, q_start, q_len, kvh, tok0):
+        """Load this thread's elements of a pass's Q rows into ``rQc`` ((64, d) in the P V
+        accumulator layout): 4-byte column pairs, as ``reload`` reads the partial; rows past the
+        block's tokens are zero. Nothing waits here: the first Q K^T WGMMA does."""
+        group, d = self.group, self.head_dim
+        tQcQ = acc_as_mn(thr_pv.partition_C(cute.make_identity_tensor((64, d))))
+        q_mn = acc_as_mn(rQc)
+        for r in cutlass.range_constexpr(cute.size(q_mn, mode=[0])):
+            row = tQcQ[r, 0][0]
+            qi = row // group
+            if qi < cutlass.min(q_len - tok0, self.q_per_wg):
+                gQ_row = mQ[q_start + tok0 + qi, kvh * group + row % group, None]  # (d,)
+                for c in cutlass.range_constexpr(cute.size(q_mn, mode=[1]) // 2):
+                    rPair = cute.make_rmem_tensor((2,), self.dtype)  # (2,) columns 2c, 2c + 1
+                    cute.autovec_copy(cute.local_tile(gQ_row, (2,), (tQcQ[r, 2 * c][1] // 2,)), rPair)
+                    q_mn[r, 2 * c] = rPair[0]
+                    q_mn[r, 2 * c + 1] = rPair[1]
+            else:
+                for c in cutlass.range_constexpr(cute.size(q_mn, mode=[1])):
+                    q_mn[r, c] = self.dtype(0.0)
 
     @cute.jit
     def store_q(self, rQ, sQ, ctidx, n_thr):

@@ -129,7 +129,7 @@ def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: 
     return ("decode", arch(), str(dtype), head_dim, page_size, group, cfg.tile_n, cfg.stages,
             cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident), cfg.chunk if resident else 0,
             cfg.resident_occupancy(head_dim, 2) if resident else 1, cfg.max_inflight, cfg.link_credits,
-            cfg.edge_tiles if resident else 0)
+            cfg.edge_tiles if resident else 0, cfg.q_regs if resident else 0)
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
@@ -142,6 +142,8 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if cfg.q_regs and not resident:
+        raise ValueError("q_regs (Q rows in registers) is an option of the multi-token kernel only")
     if resident and group > 64:
         raise ValueError(f"the multi-token kernel holds GQA groups up to 64, got {group}")
     if group < 1 or group > cfg.rows:
