@@ -378,6 +378,9 @@ class PrefillSpace(KernelSpace):
             dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner
             dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
             dict(tile_n=64, stages=5, chunk_tiles=4, consumer_wgs=3),  # 128k q512
+            # Q in registers: the seventh stage it frees, for prefetch (chunk 5) or fewer passes (6)
+            dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
+            dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
         )
         return [DecodeConfig(**{**base, **p}) for p in picks]
 
