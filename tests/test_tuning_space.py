@@ -111,12 +111,12 @@ def test_prefill_space():
     space = get_space("prefill")
     shape = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
     rep = space.legality(shape)
-    assert rep.total == 3 * 7 * 6 * 6 * 3 * 2 * 3 * 3 * 3 * 2 and 0 < rep.legal_count < rep.total
+    assert rep.total == 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 and 0 < rep.legal_count < rep.total
     assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 1), (0, 2)}
     # two CTAs per SM only where they fit: one consumer warpgroup and SMEM for both
     assert all(c.consumer_wgs == 1 and c.resident_occupancy(128) == 2 for c in rep.legal if c.ctas_per_sm == 2)
     assert all(c.chunk_tiles < c.stages for c in rep.legal)
-    assert {c.chunk_tiles for c in rep.legal} == {0, 1, 2, 3, 4, 5}
+    assert {c.chunk_tiles for c in rep.legal} == {0, 1, 2, 3, 4, 5, 6}
     assert {c.consumer_wgs for c in rep.legal} == {1, 2, 3}
     assert all(c.tile_n <= 64 for c in rep.legal if c.consumer_wgs == 3)
     assert {c.max_inflight for c in rep.legal} == {0, 1, 2} and all(c.max_inflight < c.stages for c in rep.legal)

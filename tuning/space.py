@@ -334,7 +334,7 @@ class PrefillSpace(KernelSpace):
     params = (
         Param("tile_n", (32, 64, 128), "KV tokens per tile"),
         Param("stages", (2, 3, 4, 5, 6, 7, 8), "depth of the SMEM ring of KV tiles"),
-        Param("chunk_tiles", (0, 1, 2, 3, 4, 5), "tiles per chunk (0 = the whole ring, one chunk per CTA)"),
+        Param("chunk_tiles", (0, 1, 2, 3, 4, 5, 6), "tiles per chunk (0 = the whole ring, one chunk per CTA)"),
         Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
         Param("consumer_wgs", (1, 2, 3), "consumer warpgroups: 64 query rows each per pass over the chunk"),
         Param("ctas_per_sm", (1, 2), "CTAs per SM (2 needs one consumer warpgroup and SMEM for two)"),
