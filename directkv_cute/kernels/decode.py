@@ -18,6 +18,15 @@ SMEM, and the ring slots a chunk frees are refilled with the next chunk while th
 (no link idle time between chunks). A block's running softmax state is carried across chunks in
 the split's fp32 partial (normalised O and LSE, reloaded by the thread that stored it).
 
+Link admission (``link_credits``): the producer takes a ticket from a device-wide counter pair
+before it issues a tile that reads host pages and reports the tile once it has landed, so at
+most ``link_credits`` host tiles are in flight on the GPU; the consumers' HBM traffic (Q rows,
+partials) does not queue behind a backlog of host requests.
+
+Multi-token options: ``edge_tiles`` shortens each CTA's first and last chunk
+(``config.chunk_bounds``); ``q_regs`` keeps a pass's Q rows in registers (Q K^T with A from
+registers), so the Q tile's SMEM goes to the ring.
+
 Outputs: with ``split_out`` the CTA writes its normalised partial O (fp32) and LSE for the
 combine kernel; otherwise it writes the final O (q dtype) and LSE directly.
 """
