@@ -74,24 +74,6 @@ def _check_config(cfg: DecodeConfig, head_dim: int, page_size: int) -> None:
     cfg.check(head_dim, page_size)
 
 
-_LINK_READY: set[int] = set()  # devices whose link counters were allocated outside graph capture
-
-
-def _check_link_counters(device: torch.device, link_counters) -> None:
-    """Every launch passes the device's link-ticket counters; they are allocated on the first
-    call. Inside a CUDA graph capture that allocation would come from the graph's private pool
-    (and die with it), so the first call on a device must be an eager one."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _LINK_READY:
-        return
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"paged_attention: call it once outside CUDA graph capture on cuda:{index} first (it compiles its "
-            "kernels and allocates the device's link counters then); later calls can be captured")
-    link_counters(device)
-    _LINK_READY.add(index)
-
-
 # Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
 _WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
 
@@ -239,7 +221,7 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
 
     from directkv_cute.kernels.launch import launch_combine, launch_decode, link_counters
 
-    _check_link_counters(q.device, link_counters)
+    link_counters(q.device)  # before any allocation: refused inside a capture that would own them
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)

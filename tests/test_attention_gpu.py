@@ -265,7 +265,7 @@ def test_first_call_inside_graph_capture_is_refused(monkeypatch):
     graph capture is refused with a clear error instead of allocating from the graph's pool, and
     an eager call first makes the capture work (decode with link admission, as in
     test_cuda_graph_replay)."""
-    from directkv_cute import ops
+    from directkv_cute.kernels import launch
 
     dtype = torch.bfloat16
     cache, ids, ks, vs, layer = _build([3000, 700], 8, 128, 64, dtype)
@@ -277,7 +277,7 @@ def test_first_call_inside_graph_capture_is_refused(monkeypatch):
                                           config=cfg, return_lse=True)
     call()  # compiles
     torch.cuda.synchronize()
-    monkeypatch.setattr(ops, "_LINK_READY", set())
+    monkeypatch.setattr(launch, "_LINK_COUNTERS", {})
     with pytest.raises(RuntimeError, match="outside CUDA graph capture"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             call()

@@ -14,6 +14,7 @@ half-written object.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -124,12 +125,14 @@ def _ptr(dtype, align=16):
 
 def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool,
                resident: bool = False):
-    # num_splits and ctas_per_sm only change the launch, not the code: keep them out of the key;
-    # the chunk exists only in the resident kernel.
-    return ("decode", arch(), str(dtype), head_dim, page_size, group, cfg.tile_n, cfg.stages,
-            cfg.consumer_wgs, cfg.carveout, bool(split_out), bool(resident), cfg.chunk if resident else 0,
-            cfg.resident_occupancy(head_dim, 2) if resident else 1, cfg.max_inflight, cfg.link_credits,
-            cfg.edge_tiles if resident else 0, cfg.q_regs if resident else 0)
+    # Every config field is part of the key except what only changes the launch: num_splits, and
+    # ctas_per_sm beyond the occupancy it resolves to; the chunk walk (chunk_tiles, edge_tiles,
+    # q_regs) exists only in the resident kernel.
+    code = dataclasses.replace(cfg, num_splits=0, ctas_per_sm=cfg.resident_occupancy(head_dim, 2) if resident else 1)
+    if not resident:
+        code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0)
+    return ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident),
+            *dataclasses.astuple(code))
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,

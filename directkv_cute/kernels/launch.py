@@ -30,12 +30,18 @@ _LINK_COUNTERS: dict[int, torch.Tensor] = {}
 def link_counters(device: torch.device) -> torch.Tensor:
     """The device's (2,) int32 link-ticket counters (issued, landed), shared by every launch in
     this process so ``link_credits`` bounds the host reads in flight across concurrent kernels.
-    They only ever grow (int32, wrapping); every launch reports each ticket it takes."""
+    They only ever grow (int32, wrapping); every launch reports each ticket it takes. They are
+    allocated on the first call on a device, which must not be inside a CUDA graph capture (the
+    allocation would come from the graph's private pool and die with it)."""
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
     counters = _LINK_COUNTERS.get(index)
     if counters is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged_attention: call it once outside CUDA graph capture on cuda:{index} first (it compiles its "
+                "kernels and allocates the device's link counters then); later calls can be captured")
         counters = _LINK_COUNTERS.setdefault(index, torch.zeros(2, dtype=torch.int32, device=f"cuda:{index}"))
     return counters
 
