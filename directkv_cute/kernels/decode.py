@@ -615,26 +615,26 @@ class DecodeAttention:
 
     @cute.jit
     def prefetch_block(self, mQ, mO, split, q_start, q_len, kvh, tok0, wg_tidx, with_partial):
-        """Prefetch into L2 one block's Q rows (and, ``with_partial``, its fp32 partial O): each
-        token's GQA group is one contiguous run of ``group * d`` elements in both. The 128 threads
-        of a warpgroup issue one prefetch per 128-byte line."""
-        group, d, qb = self.group, self.head_dim, self.q_per_wg
-        n_tok = cutlass.min(q_len - tok0, qb)
-        q_elems = 128 // (self.dtype.width // 8)  # elements per line
-        q_lines = group * d // q_elems  # lines per token
-        for k in cutlass.range_constexpr((qb * q_lines + 127) // 128):
-            i = wg_tidx + k * 128
-            if i // q_lines < n_tok:
-                row = mQ[q_start + tok0 + i // q_lines, kvh * group, None]  # (d,) first head of the group
-                cute.arch.prefetch((row.iterator + (i % q_lines) * q_elems).to_llvm_ptr(), cache_level="L2")
+        """Prefetch into L2 one block's Q rows (and, ``with_partial``, its fp32 partial O)."""
+        n_tok = cutlass.min(q_len - tok0, self.q_per_wg)
+        self.prefetch_rows(mQ, q_start + tok0, kvh, n_tok, wg_tidx)
         if const_expr(self.split_out):
             if with_partial:
-                o_lines = group * d // 32  # 32 fp32 per line
-                for k in cutlass.range_constexpr((qb * o_lines + 127) // 128):
-                    i = wg_tidx + k * 128
-                    if i // o_lines < n_tok:
-                        row = mO[split, q_start + tok0 + i // o_lines, kvh * group, None]  # (d,)
-                        cute.arch.prefetch((row.iterator + (i % o_lines) * 32).to_llvm_ptr(), cache_level="L2")
+                self.prefetch_rows(mO[split, None, None, None], q_start + tok0, kvh, n_tok, wg_tidx)
+
+    @cute.jit
+    def prefetch_rows(self, mRows, tok0, kvh, n_tok, wg_tidx):
+        """Prefetch into L2 the GQA group of KV head ``kvh`` for tokens [tok0, tok0 + n_tok) of a
+        (tokens, Hq, d) tensor: each token's group is one contiguous run of ``group * d``
+        elements. The 128 threads of a warpgroup issue one prefetch per 128-byte line."""
+        group, d = self.group, self.head_dim
+        elems = 128 * 8 // mRows.element_type.width  # elements per line
+        lines = group * d // elems  # lines per token
+        for k in cutlass.range_constexpr((self.q_per_wg * lines + 127) // 128):
+            i = wg_tidx + k * 128
+            if i // lines < n_tok:
+                row = mRows[tok0 + i // lines, kvh * group, None]  # (d,) first head of the group
+                cute.arch.prefetch((row.iterator + (i % lines) * elems).to_llvm_ptr(), cache_level="L2")
 
     @cute.jit
     def store(self, mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, row0, tok0, q_per_block):
