@@ -198,10 +198,13 @@ jit.compile_combine(128, torch.bfloat16)
 
 
 def test_multi_token_kernel_ptx(tmp_path):
-    """The multi-token kernel's generated code: TMA loads, WGMMA, the split partials written and
-    reloaded with 8-byte vector accesses (scalar ones double the L2 transactions per pass), the
-    next block's Q rows and partial prefetched into L2, and a pass's loads issued together."""
-    ptx = dumped_ptx(tmp_path, _PTX_SCRIPT)
+    """The multi-token kernel's generated code with Q in SMEM: TMA loads, WGMMA, the split
+    partials written and reloaded with 8-byte vector accesses (scalar ones double the L2
+    transactions per pass), the next block's Q rows and partial prefetched into L2, and a pass's
+    loads issued together."""
+    script = _PTX_SCRIPT.replace("default_prefill_config(128)",
+                                 "dataclasses.replace(default_prefill_config(128), q_regs=0, stages=6)")
+    ptx = dumped_ptx(tmp_path, "import dataclasses\n" + script)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v2.b32", "ld.global.v2.b32",
                    "prefetch.global.L2"):
         assert needle in ptx, needle
@@ -250,7 +253,7 @@ def test_q_in_registers_ptx(tmp_path):
     where the SMEM variant passes two descriptors."""
     base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
     base = "import dataclasses\n" + base
-    smem = dumped_ptx(tmp_path / "a", base.format("q_regs=0"))
+    smem = dumped_ptx(tmp_path / "a", base.format("q_regs=0, stages=6"))
     regs = dumped_ptx(tmp_path / "b", base.format("q_regs=1, stages=7"))
     qk = lambda ptx: [ln for ln in ptx.splitlines() if "wgmma.mma_async.sync.aligned.m64n64k16" in ln]  # noqa: E731
     assert qk(smem) and qk(regs)

@@ -370,19 +370,23 @@ class PrefillSpace(KernelSpace):
         return default_prefill_config(head_dim, rows)
 
     def portfolio(self, shape: TuneShape) -> list:
-        # The runners-up and the tuner's winners of the H200 A/B runs G-J and the session-4 tune
+        # The runners-up and the tuner's winners of the H200 A/B runs G-K and the session-4 tune
         # (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-s4-tune-prefill.log).
         base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)
         picks = (
-            dict(tile_n=64, stages=6, chunk_tiles=4),  # 32k q2048 tuned winner
-            dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner
+            dict(tile_n=64, stages=6, chunk_tiles=5, link_credits=16),  # session-4 default, Q in SMEM
+            dict(tile_n=64, stages=6, chunk_tiles=4),  # 32k q2048 tuned winner (session 4)
+            dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner (session 4)
             dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
             dict(tile_n=64, stages=5, chunk_tiles=4, consumer_wgs=3),  # 128k q512
-            # Q in registers: the seventh stage it frees, for prefetch (chunk 5) or fewer passes (6)
+            # Q in registers, seven stages: chunks of 4 (the default up to 8192 rows) or 5 (above),
+            # and 6 (fewest passes: won all-HBM at 32k q2048 in run K)
             dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
         )
-        return [DecodeConfig(**{**base, **p}) for p in picks]
+        default = self.default_for(shape)  # measured first anyway
+        return [cfg for cfg in (DecodeConfig(**{**base, **p}) for p in picks) if cfg != default]
 
 
 _SPACES: dict[str, KernelSpace] = {}
