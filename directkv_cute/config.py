@@ -213,8 +213,8 @@ def default_decode_config(head_dim: int, rows: int = 8, page_size: int | None = 
 PREFILL_LINK_CREDITS = 16
 # Query rows per KV head (q_len x group) up to which the multi-token default walks chunks of four
 # tiles: H200 A/B of session 5 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, run K):
-# chunks of 4 won at 2048 query tokens x group 4 (8k: 1.31 vs 1.40 ms, 32k: 4.29 vs 4.38), chunks
-# of 5 at 8192 tokens (14.44 vs 15.12 ms) and tied at 512 tokens and below.
+# chunks of 4 won at 2048 query tokens x group 4 (8k: 1.30 vs 1.39 ms at 5, 32k: 4.29 vs 4.38),
+# chunks of 6 at 8192 tokens (32k: 13.64 vs 14.32 ms at 5, 15.39 at 4); 512 tokens and below tie.
 PREFILL_CHUNK4_ROWS = 8192
 
 
@@ -222,10 +222,10 @@ def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConf
     """Untuned default of the multi-token (KV-chunk resident) kernel: two consumer warpgroups (128
     query rows per pass) that keep each pass's Q rows in registers, all of L1 as SMEM, a ring of
     seven 64-token tiles (the Q tile's SMEM buys the seventh) walked in chunks of four (three
-    tiles of prefetch per chunk) up to ``PREFILL_CHUNK4_ROWS`` query rows per KV head and of five
-    above (fewer passes of each query block), and the producer admitted to the link one tile at a
+    tiles of prefetch per chunk) up to ``PREFILL_CHUNK4_ROWS`` query rows per KV head and of six
+    above (a third fewer passes of each query block over the split), and the producer admitted to the link one tile at a
     time under ``PREFILL_LINK_CREDITS``. Falls back to Q in SMEM where registers cannot hold it."""
-    chunk = 4 if rows is None or rows <= PREFILL_CHUNK4_ROWS else 5
+    chunk = 4 if rows is None or rows <= PREFILL_CHUNK4_ROWS else 6
     for tile_n, stages, chunk_tiles, q_regs in ((64, 7, chunk, 1), (64, 6, 5, 0), (128, 3, 2, 0), (64, 4, 3, 0),
                                                 (64, 2, 1, 0)):
         cfg = DecodeConfig(tile_n=tile_n, stages=stages, ctas_per_sm=1, consumer_wgs=2, carveout=100,

@@ -169,15 +169,15 @@ def test_resident_chunk_and_occupancy_rules():
     assert dataclasses.replace(two, consumer_wgs=2).resident_occupancy(128) == 1
     assert dataclasses.replace(two, stages=4).resident_occupancy(128) == 1
     assert dataclasses.replace(two, carveout=90).resident_occupancy(128) == 1
-    # the default: Q in registers, a ring of seven 64-token tiles in chunks of four (five above
-    # PREFILL_CHUNK4_ROWS query rows), admitted to the link one tile at a time
+    # the default: Q in registers, a ring of seven 64-token tiles in chunks of four up to
+    # PREFILL_CHUNK4_ROWS query rows and of six above, admitted to the link one tile at a time
     from directkv_cute.config import PREFILL_CHUNK4_ROWS, PREFILL_LINK_CREDITS, default_prefill_config
 
     d128 = default_prefill_config(128)
     assert (d128.tile_n, d128.stages, d128.chunk_tiles, d128.consumer_wgs, d128.q_regs) == (64, 7, 4, 2, 1)
     assert d128.max_inflight == 1 and d128.link_credits == PREFILL_LINK_CREDITS > 0
     assert default_prefill_config(128, PREFILL_CHUNK4_ROWS).chunk_tiles == 4
-    assert default_prefill_config(128, PREFILL_CHUNK4_ROWS + 1).chunk_tiles == 5
+    assert default_prefill_config(128, PREFILL_CHUNK4_ROWS + 1).chunk_tiles == 6
     for rows in (256, 2048, 8192, 65536):
         for d in (64, 128):
             assert default_prefill_config(d, rows).is_legal(d)

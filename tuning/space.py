@@ -385,8 +385,7 @@ class PrefillSpace(KernelSpace):
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
         )
-        default = self.default_for(shape)  # measured first anyway
-        return [cfg for cfg in (DecodeConfig(**{**base, **p}) for p in picks) if cfg != default]
+        return [DecodeConfig(**{**base, **p}) for p in picks]
 
 
 _SPACES: dict[str, KernelSpace] = {}

@@ -315,10 +315,13 @@ class Tuner:
                 except Exception:
                     pass
         seeds += space.portfolio(shape)
+        seeded = set()  # a portfolio config may be the default or the old entry: enqueue it once
         for cfg in seeds:
             params = self._params_of(cfg)
-            if params is None or space.problems(cfg, shape) or space.config_key(cfg) in measured:
+            key = space.config_key(cfg)
+            if params is None or space.problems(cfg, shape) or key in measured or key in seeded:
                 continue
+            seeded.add(key)
             study.enqueue_trial(params, user_attrs={"seed_config": True}, skip_if_exists=True)
 
         state = {"new": 0, "idle": 0, "fails_in_row": 0, "fatal": None}
