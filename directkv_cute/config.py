@@ -223,8 +223,9 @@ def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConf
     query rows per pass) that keep each pass's Q rows in registers, all of L1 as SMEM, a ring of
     seven 64-token tiles (the Q tile's SMEM buys the seventh) walked in chunks of four (three
     tiles of prefetch per chunk) up to ``PREFILL_CHUNK4_ROWS`` query rows per KV head and of six
-    above (a third fewer passes of each query block over the split), and the producer admitted to the link one tile at a
-    time under ``PREFILL_LINK_CREDITS``. Falls back to Q in SMEM where registers cannot hold it."""
+    above (a third fewer passes of each query block over the split), and the producer admitted
+    to the link one tile at a time under ``PREFILL_LINK_CREDITS``. Falls back to Q in SMEM where
+    registers cannot hold it."""
     chunk = 4 if rows is None or rows <= PREFILL_CHUNK4_ROWS else 6
     for tile_n, stages, chunk_tiles, q_regs in ((64, 7, chunk, 1), (64, 6, 5, 0), (128, 3, 2, 0), (64, 4, 3, 0),
                                                 (64, 2, 1, 0)):

@@ -185,11 +185,16 @@ def test_multi_token_group_limit_fails_before_compiling(monkeypatch):
 
 
 _PTX_SCRIPT = """
-import torch
+import dataclasses, torch
 from directkv_cute.config import default_prefill_config
 from directkv_cute.kernels import jit
-jit.compile_prefill(default_prefill_config(128), torch.bfloat16, 128, 64, 4)
+jit.compile_prefill(dataclasses.replace(default_prefill_config(128), {}), torch.bfloat16, 128, 64, 4)
 """
+
+
+def _prefill_ptx(path, fields: str = "") -> str:
+    """PTX of the multi-token kernel: the bf16, d 128 default with ``fields`` replaced."""
+    return dumped_ptx(path, _PTX_SCRIPT.format(fields))
 _PTX_COMBINE_SCRIPT = """
 import torch
 from directkv_cute.kernels import jit
@@ -202,9 +207,7 @@ def test_multi_token_kernel_ptx(tmp_path):
     partials written and reloaded with 8-byte vector accesses (scalar ones double the L2
     transactions per pass), the next block's Q rows and partial prefetched into L2, and a pass's
     loads issued together."""
-    script = _PTX_SCRIPT.replace("default_prefill_config(128)",
-                                 "dataclasses.replace(default_prefill_config(128), q_regs=0, stages=6)")
-    ptx = dumped_ptx(tmp_path, "import dataclasses\n" + script)
+    ptx = _prefill_ptx(tmp_path, "q_regs=0, stages=6")
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v2.b32", "ld.global.v2.b32",
                    "prefetch.global.L2"):
         assert needle in ptx, needle
@@ -226,10 +229,8 @@ def test_combine_kernel_ptx(tmp_path):
 def test_throttled_producer_ptx(tmp_path):
     """With max_inflight the producer waits on a tile's full barrier before issuing a later one:
     one more mbarrier wait loop in the producer than without."""
-    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
-    base = "import dataclasses\n" + base
-    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=0, link_credits=0"))
-    limited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1, link_credits=0"))
+    plain = _prefill_ptx(tmp_path / "a", "max_inflight=0, link_credits=0")
+    limited = _prefill_ptx(tmp_path / "b", "max_inflight=1, link_credits=0")
     waits = lambda ptx: ptx.count("mbarrier.try_wait")  # noqa: E731
     assert waits(limited) > waits(plain)
 
@@ -238,10 +239,8 @@ def test_link_admission_ptx(tmp_path):
     """With link_credits the producer takes a ticket with an atomic add on the device-wide
     counter, polls the landed counter with sleeps, and reports each landed tile with a reduction;
     without it none of these are emitted."""
-    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
-    base = "import dataclasses\n" + base
-    plain = dumped_ptx(tmp_path / "a", base.format("max_inflight=1, link_credits=0"))
-    credited = dumped_ptx(tmp_path / "b", base.format("max_inflight=1, link_credits=8"))
+    plain = _prefill_ptx(tmp_path / "a", "max_inflight=1, link_credits=0")
+    credited = _prefill_ptx(tmp_path / "b", "max_inflight=1, link_credits=8")
     for needle in ("atom.global.add", "ld.relaxed.gpu.global", "nanosleep", "red.relaxed.gpu.global.add"):
         assert needle not in plain, needle
         assert needle in credited, needle
@@ -251,10 +250,8 @@ def test_q_in_registers_ptx(tmp_path):
     """With q_regs the multi-token kernel has no Q tile in SMEM: no 16-byte SMEM stores, no
     per-warpgroup named barriers, and its Q K^T WGMMA takes A as four registers (the RS form)
     where the SMEM variant passes two descriptors."""
-    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
-    base = "import dataclasses\n" + base
-    smem = dumped_ptx(tmp_path / "a", base.format("q_regs=0, stages=6"))
-    regs = dumped_ptx(tmp_path / "b", base.format("q_regs=1, stages=7"))
+    smem = _prefill_ptx(tmp_path / "a", "q_regs=0, stages=6")
+    regs = _prefill_ptx(tmp_path / "b", "q_regs=1, stages=7")
     qk = lambda ptx: [ln for ln in ptx.splitlines() if "wgmma.mma_async.sync.aligned.m64n64k16" in ln]  # noqa: E731
     assert qk(smem) and qk(regs)
     assert all("}, {%r" not in ln for ln in qk(smem))

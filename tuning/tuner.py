@@ -315,13 +315,12 @@ class Tuner:
                 except Exception:
                     pass
         seeds += space.portfolio(shape)
-        seeded = set()  # a portfolio config may be the default or the old entry: enqueue it once
         for cfg in seeds:
             params = self._params_of(cfg)
-            key = space.config_key(cfg)
-            if params is None or space.problems(cfg, shape) or key in measured or key in seeded:
+            if params is None or space.problems(cfg, shape) or space.config_key(cfg) in measured:
                 continue
-            seeded.add(key)
+            # skip_if_exists: a portfolio config that is also the default or the old entry (already
+            # waiting in the queue) is enqueued once
             study.enqueue_trial(params, user_attrs={"seed_config": True}, skip_if_exists=True)
 
         state = {"new": 0, "idle": 0, "fails_in_row": 0, "fatal": None}
