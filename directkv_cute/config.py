@@ -56,6 +56,13 @@ class DecodeConfig:
                    in registers and the Q K^T WGMMA reads them from there, so the Q tile leaves
                    SMEM (rows x head_dim x 2 B: 32 KB with two warpgroups at d 128) for one more
                    ring stage.
+    q_cluster:     multi-token kernel only: CTAs of a thread-block cluster (0 = none; 2 or 4) that
+                   share each KV tile and split the query rows of their (sequence, KV head, split)
+                   between them. The CTAs share out each tile's TMA boxes (K and V per page piece;
+                   q_cluster must divide their number), each issued once and multicast to all of
+                   them, so a host tile still crosses the link once, while each CTA walks
+                   only every q_cluster-th block of query rows: fewer passes per chunk (the work
+                   left after the link goes quiet) and fewer splits (less combine traffic).
     link_credits:  host-link admission control across the whole GPU (0 = off): at most this many
                    tiles are in flight from all CTAs of all launches on the device together. Each
                    producer takes a ticket from a device-wide counter and issues its tile once no
@@ -77,12 +84,18 @@ class DecodeConfig:
     link_credits: int = 0
     edge_tiles: int = 0
     q_regs: int = 0
+    q_cluster: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
     def rows(self) -> int:
         """Query rows (GQA group x q_len) one CTA holds."""
         return 64 * self.consumer_wgs
+
+    @property
+    def cluster(self) -> int:
+        """CTAs per cluster of the multi-token kernel (1 without ``q_cluster``)."""
+        return max(1, self.q_cluster)
 
     @property
     def chunk(self) -> int:
@@ -148,6 +161,14 @@ class DecodeConfig:
             out.append(f"edge_tiles {self.edge_tiles} must be 0 (off) or in 1..chunk ({self.chunk})")
         if self.q_regs not in (0, 1):
             out.append(f"q_regs {self.q_regs} must be 0 or 1")
+        if self.q_cluster not in (0, 2, 4):
+            out.append(f"q_cluster {self.q_cluster} must be 0 (off), 2 or 4")
+        elif self.q_cluster and self.resident_occupancy(head_dim, elem_bytes) != 1:
+            out.append("q_cluster needs one CTA per SM (ctas_per_sm 1 or a config that fits only one)")
+        elif self.q_cluster and self.link_credits:
+            # A producer holding a credit waits for its tile to land, which needs the boxes of its
+            # cluster peers, whose producers may be waiting for credits: a cycle.
+            out.append("q_cluster cannot be combined with link_credits (a credit would wait on the peers' boxes)")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:
@@ -157,6 +178,9 @@ class DecodeConfig:
                 out.append(f"page_size {page_size} not in {SUPPORTED_PAGE_SIZES}")
             elif max(page_size, self.tile_n) % min(page_size, self.tile_n):
                 out.append(f"tile_n {self.tile_n} and page_size {page_size} must divide one another")
+            elif self.q_cluster and (2 * self.tile_n // min(page_size, self.tile_n)) % self.q_cluster:
+                out.append(f"q_cluster {self.q_cluster} must divide the {2 * self.tile_n // min(page_size, self.tile_n)} "
+                           "TMA boxes of a tile (K and V per page piece), which the cluster's CTAs share out")
         if not out:
             smem = self.smem_bytes(head_dim, elem_bytes)
             if smem > SM90_SMEM_PER_BLOCK_OPTIN:
@@ -258,7 +282,8 @@ def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_
     A fixed ``num_splits`` is honoured (up to one per tile). With ``chunk_tiles == 0`` every CTA
     holds one chunk of ``stages`` tiles (splits = chunks). Otherwise CTAs walk several chunks
     each, so one wave of CTAs (as many as fit the SMs) covers the context and the fp32 partial
-    workspace scales with the SM count, not with the context."""
+    workspace scales with the SM count, not with the context. With ``q_cluster`` each split is a
+    cluster of that many CTAs."""
     n_tiles = max(1, math.ceil(max_context / cfg.tile_n))
     if cfg.num_splits:
         return max(1, min(cfg.num_splits, n_tiles))
@@ -266,4 +291,4 @@ def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_
     if cfg.chunk_tiles == 0:
         return n_chunks
     wave = cfg.resident_occupancy(head_dim, elem_bytes) * num_sms
-    return max(1, min(n_chunks, wave // max(1, batch * num_kv_heads)))
+    return max(1, min(n_chunks, wave // max(1, batch * num_kv_heads * cfg.cluster)))

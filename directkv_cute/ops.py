@@ -79,16 +79,17 @@ _WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
 
 
 def _fits_streaming(cfg: DecodeConfig, group: int, max_q_len: int) -> bool:
-    # q_regs exists only in the multi-token kernel: such a config runs there at any row count
-    return not cfg.q_regs and group <= cfg.rows and max_q_len <= cfg.rows // group
+    # q_regs and q_cluster exist only in the multi-token kernel: such a config runs there at any
+    # row count
+    return not cfg.q_regs and not cfg.q_cluster and group <= cfg.rows and max_q_len <= cfg.rows // group
 
 
 def select_config(cache, group: int, max_q_len: int, batch: int, max_context: int,
                   config: DecodeConfig | None) -> tuple[DecodeConfig, str]:
     """(config, kernel): an explicit config wins, else the tuned profile for this GPU, else the
     heuristic default. kernel is "decode" (streaming) when every query row of a KV head fits one
-    CTA, else "prefill" (KV-chunk resident); an explicit config with ``q_regs`` always runs the
-    multi-token kernel, the only one with that option."""
+    CTA, else "prefill" (KV-chunk resident); an explicit config with ``q_regs`` or ``q_cluster``
+    always runs the multi-token kernel, the only one with those options."""
     rows = group * max_q_len
     if config is not None:
         return config, "decode" if _fits_streaming(config, group, max_q_len) else "prefill"

@@ -210,6 +210,13 @@ def test_bad_inputs_raise_before_launch():
                      q_regs=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, chunk_tiles=1, num_splits=2, q_regs=1),
         DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, chunk_tiles=3, q_regs=1),
+        # clusters sharing each tile by multicast and splitting the query rows: the default's ring,
+        # an odd split count with Q in SMEM, and four CTAs over wide tiles (8 boxes a tile)
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, chunk_tiles=4, max_inflight=1, q_regs=1,
+                     q_cluster=2),
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, num_splits=3, q_cluster=2),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1, chunk_tiles=1, max_inflight=1,
+                     q_cluster=4),
     ],
 )
 def test_multi_token_configs(config):

@@ -110,7 +110,7 @@ def test_cache_key_covers_codegen_fields():
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
                           resident=True) not in resident
     # edge chunks and Q in registers change the resident kernel only
-    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"q_regs": 1}):
+    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"q_regs": 1}, {"q_cluster": 2}):
         on = dataclasses.replace(walk, **field)
         off = dataclasses.replace(on, **{k: 0 for k in field if k != "chunk_tiles"})
         assert jit.decode_key(on, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
@@ -138,6 +138,10 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5, max_inflight=1,
                      link_credits=16, q_regs=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_regs=1),
+        # clusters of CTAs sharing each tile by TMA multicast
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
+                     q_regs=1, q_cluster=2),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_cluster=4),
     ],
 )
 def test_resident_variants_compile(cfg):
@@ -155,6 +159,7 @@ def test_resident_variants_compile(cfg):
         (DecodeConfig(), dict(head_dim=128, page_size=64, max_q_len=17, group=4), ValueError),
         (DecodeConfig(), dict(head_dim=128, page_size=64, group=65), ValueError),
         (DecodeConfig(q_regs=1), dict(head_dim=128, page_size=64), ValueError),  # decode keeps Q in SMEM
+        (DecodeConfig(q_cluster=2, ctas_per_sm=1), dict(head_dim=128, page_size=64), ValueError),  # no clusters
     ],
 )
 def test_illegal_requests_fail_before_compiling(cfg, kwargs, exc, monkeypatch):
@@ -258,3 +263,19 @@ def test_q_in_registers_ptx(tmp_path):
     assert all("}, {%r" in ln for ln in qk(regs))
     assert "st.shared.v4.b32" in smem and "st.shared.v4.b32" not in regs
     assert smem.count("bar.sync") > regs.count("bar.sync")
+
+
+def test_cluster_multicast_ptx(tmp_path):
+    """With q_cluster the producer's TMA copies are multicast to the cluster (each box issued by
+    one CTA), the consumers release a stage to every CTA of it, and the CTAs meet at a cluster
+    barrier before they exit; without it none of that is emitted."""
+    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
+    base = "import dataclasses\n" + base
+    plain = dumped_ptx(tmp_path / "a", base.format("q_cluster=0, link_credits=0"))
+    cluster = dumped_ptx(tmp_path / "b", base.format("q_cluster=2, link_credits=0"))
+    tma = lambda ptx: [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]  # noqa: E731
+    assert tma(plain) and not any("multicast::cluster" in ln for ln in tma(plain))
+    assert tma(cluster) and all("multicast::cluster" in ln for ln in tma(cluster))
+    assert len(tma(cluster)) == len(tma(plain))  # whole boxes, shared out: not 1/C slices of each
+    assert "barrier.cluster" not in plain and "barrier.cluster.wait" in cluster
+    assert "mapa" not in plain and "mapa" in cluster  # remote arrives on the peers' empty barriers

@@ -73,6 +73,7 @@ def test_fake_tensor_shapes(cache_and_q):
         (5, 12, DecodeConfig(), "decode"),  # group 5: 60 of the 64 rows used
         (5, 13, DecodeConfig(), "prefill"),
         (4, 1, DecodeConfig(consumer_wgs=2, stages=7, carveout=100, q_regs=1), "prefill"),  # q_regs: resident only
+        (4, 1, DecodeConfig(consumer_wgs=2, carveout=100, ctas_per_sm=1, q_cluster=2), "prefill"),  # so is q_cluster
     ],
 )
 def test_explicit_config_dispatch(group, q_len, cfg, kernel):
@@ -203,3 +204,25 @@ def test_chunk_bounds_partition_the_split(chunk, edge):
             assert len(b) == -(-n // chunk)
     assert chunk_bounds(8, 5, 1) == [(0, 1), (1, 6), (6, 7), (7, 8)]
     assert chunk_bounds(16, 2, 1)[:2] == [(0, 1), (1, 3)] and chunk_bounds(16, 2, 1)[-1] == (15, 16)
+
+
+def test_cluster_config_rules_and_splits():
+    """q_cluster: 0, 2 or 4 CTAs; one CTA per SM; the cluster size divides a tile's TMA boxes
+    (K and V per page piece); and the automatic split count leaves room for the whole cluster."""
+    from directkv_cute.config import ConfigError
+
+    base = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, q_regs=1)
+    assert dataclasses.replace(base, q_cluster=2).is_legal(128, 64)
+    assert dataclasses.replace(base, q_cluster=2).cluster == 2 and base.cluster == 1
+    for bad, why in ((3, "q_cluster"), (8, "q_cluster")):
+        with pytest.raises(ConfigError, match=why):
+            dataclasses.replace(base, q_cluster=bad).check(128, 64)
+    # 64-token tiles over 64-token pages: two boxes (K, V), so clusters of two, not four
+    assert "must divide" in " ".join(dataclasses.replace(base, q_cluster=4).problems(128, 64))
+    assert dataclasses.replace(base, tile_n=64, q_cluster=4).is_legal(128, 32)  # 4 boxes over 32-token pages
+    assert "link_credits" in " ".join(dataclasses.replace(base, q_cluster=2, max_inflight=1, link_credits=8).problems(128))
+    two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2, chunk_tiles=2, q_cluster=2)
+    assert two.resident_occupancy(128) == 2 and "one CTA per SM" in " ".join(two.problems(128, 64))
+    # 8k tokens, 8 KV heads, 132 SMs: 16 splits per head alone, 8 clusters of two
+    assert resident_splits(base, 8192, 1, 8, 132, 128) == 16
+    assert resident_splits(dataclasses.replace(base, q_cluster=2), 8192, 1, 8, 132, 128) == 8

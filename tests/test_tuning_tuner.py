@@ -101,7 +101,7 @@ def test_prefill_search_starts_with_default_then_portfolio():
     assert default in legal  # the portfolio lists the q_regs chunk-4 default too
     portfolio = [c for c in legal if c != default]
     assert len(portfolio) >= 3 and all(space.in_space(c) for c in portfolio)
-    t = Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=8))
+    t = Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=len(portfolio) + 3))
     r = t.tune_bucket(shape)
     study = optuna.load_study(study_name=r.study_name, storage=t.storage)
     first = [tr.user_attrs["config"] for tr in study.get_trials(deepcopy=False)[:1 + len(portfolio)]]

@@ -27,7 +27,7 @@ from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, defaul
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 5  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs
+SPACE_RULES_VERSION = 6  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -342,6 +342,7 @@ class PrefillSpace(KernelSpace):
         Param("link_credits", (0, 8, 16), "host tiles in flight on the whole GPU (0 = no admission control; needs max_inflight 1)"),
         Param("edge_tiles", (0, 1, 2), "tiles in each CTA's first and last chunk (0 = chunk_tiles)"),
         Param("q_regs", (0, 1), "Q rows of a pass in registers, not SMEM (frees the Q tile for the ring)"),
+        Param("q_cluster", (0, 2), "CTAs of a cluster sharing each KV tile by TMA multicast, splitting the query rows"),
     )
     fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
 
@@ -384,6 +385,9 @@ class PrefillSpace(KernelSpace):
             dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
+            # clusters of two sharing each tile: half the passes per chunk and half the splits
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
+            dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
         )
         return [DecodeConfig(**{**base, **p}) for p in picks]
 

@@ -87,6 +87,10 @@ class DecodeAttention:
         # WGMMA reads A from registers) instead of an SMEM tile, freeing rows x d x 2 B of SMEM.
         assert resident or not cfg.q_regs, "q_regs is a multi-token kernel option"
         self.q_regs = bool(cfg.q_regs) and resident
+        # Multi-token kernel only: a cluster of `cluster` CTAs shares each KV tile (every CTA
+        # issues its slice of each TMA box, multicast to all) and splits the query rows.
+        assert resident or not cfg.q_cluster, "q_cluster is a multi-token kernel option"
+        self.cluster = cfg.cluster if resident else 1
         self.max_inflight = cfg.max_inflight
         self.link_credits = cfg.link_credits
         assert not cfg.link_credits or cfg.max_inflight == 1, "link_credits needs max_inflight == 1"
@@ -153,7 +157,10 @@ class DecodeAttention:
         sQ_layout = kv_smem_layout(dt, self.rows, d)
         sKV_layout = kv_smem_layout(dt, self.tile_n, d, self.stages)
         sCopy_layout = kv_smem_layout(dt, self.copy_rows, d)
-        op = cpasync.CopyBulkTensorTileG2SOp()
+        C = self.cluster
+        op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(C > 1) else cpasync.CopyBulkTensorTileG2SOp()
+        # Whole boxes (not 1/C slices of each, which would split the 128-byte rows): a CTA of a
+        # cluster issues the boxes it owns, multicast (load).
         tma_h, mKVh_tma = cpasync.make_tiled_tma_atom(op, mKVh, sCopy_layout, (self.copy_rows, d))
         tma_d, mKVd_tma = cpasync.make_tiled_tma_atom(op, mKVd, sCopy_layout, (self.copy_rows, d))
 
@@ -190,8 +197,9 @@ class DecodeAttention:
             num_kv_heads, num_layers, layer, num_splits, scale_log2,
             sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv,
         ).launch(
-            grid=[num_splits, num_kv_heads, batch],
+            grid=[num_splits * C, num_kv_heads, batch],
             block=[self.num_threads, 1, 1],
+            cluster=[C, 1, 1] if const_expr(C > 1) else None,
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=self.occupancy,
@@ -227,6 +235,10 @@ class DecodeAttention:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         split, kvh, b = cute.arch.block_idx()
+        rank = 0  # this CTA's place in its cluster (q_cluster): the CTAs of a split are adjacent in x
+        if const_expr(self.cluster > 1):
+            rank = split % self.cluster
+            split = split // self.cluster
 
         seq_len = mSeqLen[b]
         q_start = mCuQ[b]
@@ -248,16 +260,23 @@ class DecodeAttention:
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
+        # A stage is free once every consumer warp of every CTA of the cluster has released it
+        # (each producer multicasts into all of them): one arrive per warp and cluster CTA.
+        cta_layout_vmnk = None
+        if const_expr(self.cluster > 1):
+            cta_layout_vmnk = cute.make_layout((1, self.cluster, 1, 1))
         kv_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs * self.cluster),
             tx_count=self.stage_bytes,
+            cta_layout_vmnk=cta_layout_vmnk,
+            mcast_mode_mn=(0, 1),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
 
         if warp_idx < 4:
             # ---------------- producer warpgroup: warp 0 streams K/V pages with TMA ----------
@@ -265,7 +284,7 @@ class DecodeAttention:
             if warp_idx == 0:
                 self.load(
                     kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
-                    layer, t_begin, t_end, n_pages,
+                    layer, t_begin, t_end, n_pages, rank,
                 )
         else:
             # ---------------- consumer warpgroups -------------------------------------------
@@ -331,6 +350,9 @@ class DecodeAttention:
                 # syncs only with itself, so one warpgroup's per-block work (Q gather, partial
                 # reload and store) overlaps the other's MMAs.
                 chunk, qb = self.chunk, self.q_per_wg
+                # Blocks of query rows are dealt to the warpgroups of all CTAs of the cluster.
+                lanes = self.wgs * self.cluster
+                lane = rank * self.wgs + wg
                 rQ = cute.make_rmem_tensor((8, 64 * d // 8 // 128), self.dtype)  # (8, d/16) Q pieces of a pass
                 n_blocks = (q_len + qb - 1) // qb
                 # At least one pass: a split with no tiles still writes its (empty) partials.
@@ -341,7 +363,7 @@ class DecodeAttention:
                     n_chunks = 1
                     if n_tiles > self.edge:
                         n_chunks = 2 + (cutlass.max(n_tiles - 2 * self.edge, 0) + chunk - 1) // chunk
-                last_rb = wg + (n_blocks - 1 - wg) // self.wgs * self.wgs  # this warpgroup's last block
+                last_rb = lane + (n_blocks - 1 - lane) // lanes * lanes  # this warpgroup's last block
                 wg_bar = 2 + wg  # named barrier of this warpgroup's 128 threads
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 free_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -359,9 +381,9 @@ class DecodeAttention:
                     # Serpentine order: odd chunks walk this warpgroup's blocks backwards, so the
                     # partials stored last are reloaded first, while still in L2.
                     back = j % 2  # 1: backwards
-                    step = self.wgs - 2 * self.wgs * back
-                    for k in cutlass.range(wg, n_blocks, self.wgs, unroll=1):
-                        rb = k + back * (last_rb + wg - 2 * k)
+                    step = lanes - 2 * lanes * back
+                    for k in cutlass.range(lane, n_blocks, lanes, unroll=1):
+                        rb = k + back * (last_rb + lane - 2 * k)
                         tok0 = rb * qb
                         # Keys visible to the block's last token bound the tiles it needs.
                         last_tok = cutlass.min(q_len, tok0 + qb) - 1
@@ -404,6 +426,11 @@ class DecodeAttention:
                     for _t in cutlass.range(c_begin, c_end, unroll=1):
                         kv_pipe.consumer_release(free_state)
                         free_state.advance()
+        if const_expr(self.cluster > 1):
+            # No CTA leaves while a peer may still multicast into its SMEM or arrive on its
+            # barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def chunk_start(self, j, n_tiles):
@@ -468,8 +495,11 @@ class DecodeAttention:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
-             layer, t_begin, t_end, n_pages):
-        """Producer: one elected lane issues every TMA copy of the CTA's tiles."""
+             layer, t_begin, t_end, n_pages, rank):
+        """Producer: one elected lane issues every TMA copy of the CTA's tiles. With q_cluster the
+        CTAs of the cluster take turns over a tile's boxes (K and V of each page piece): each box
+        is issued by one of them, multicast to all, so whole boxes (full 128-byte rows) cross
+        the link once."""
         rows, d = self.copy_rows, self.head_dim
         gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
         gKVd = cute.local_tile(mKVd, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xd)
@@ -523,15 +553,15 @@ class DecodeAttention:
                     piece = ((entry * num_layers + layer) * num_kv_heads + kvh) * 2
                     if slot >= n_pages:
                         # Past the last page: an out-of-bounds box, zero-filled, no memory read.
-                        cute.copy(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], tma_bar_ptr=bar)
-                        cute.copy(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], tma_bar_ptr=bar)
+                        self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], bar, rank, 2 * c)
+                        self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], bar, rank, 2 * c + 1)
                     elif entry >= 0:
-                        cute.copy(tma_h, tGh[None, blk, piece], tSh[None, c, stage], tma_bar_ptr=bar)
-                        cute.copy(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], tma_bar_ptr=bar)
+                        self.tma_box(tma_h, tGh[None, blk, piece], tSh[None, c, stage], bar, rank, 2 * c)
+                        self.tma_box(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
                     else:
                         hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
-                        cute.copy(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], tma_bar_ptr=bar)
-                        cute.copy(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], tma_bar_ptr=bar)
+                        self.tma_box(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], bar, rank, 2 * c)
+                        self.tma_box(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
                 prod_state.advance()
             if const_expr(self.link_credits > 0):
                 # The last tile's ticket: every ticket taken is reported exactly once, so the
@@ -541,6 +571,16 @@ class DecodeAttention:
                     self.link_landed(mLink)
             if const_expr(not self.resident):
                 kv_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def tma_box(self, atom, src, dst, bar, rank, box: cutlass.Constexpr):
+        """One TMA box of a tile; with q_cluster only its owner (box modulo the cluster size)
+        issues it, multicast to every CTA of the cluster."""
+        if const_expr(self.cluster > 1):
+            if rank == box % self.cluster:
+                cute.copy(atom, src, dst, tma_bar_ptr=bar, mcast_mask=cutlass.Int16((1 << self.cluster) - 1))
+        else:
+            cute.copy(atom, src, dst, tma_bar_ptr=bar)
 
     @cute.jit
     def link_admit(self, mLink):

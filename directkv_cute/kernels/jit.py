@@ -127,10 +127,10 @@ def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: 
                resident: bool = False):
     # Every config field is part of the key except what only changes the launch: num_splits, and
     # ctas_per_sm beyond the occupancy it resolves to; the chunk walk (chunk_tiles, edge_tiles,
-    # q_regs) exists only in the resident kernel.
+    # q_regs, q_cluster) exists only in the resident kernel.
     code = dataclasses.replace(cfg, num_splits=0, ctas_per_sm=cfg.resident_occupancy(head_dim, 2) if resident else 1)
     if not resident:
-        code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0)
+        code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0, q_cluster=0)
     return ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident),
             *dataclasses.astuple(code))
 
@@ -147,6 +147,8 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
     if cfg.q_regs and not resident:
         raise ValueError("q_regs (Q rows in registers) is an option of the multi-token kernel only")
+    if cfg.q_cluster and not resident:
+        raise ValueError("q_cluster (clusters sharing KV tiles) is an option of the multi-token kernel only")
     if resident and group > 64:
         raise ValueError(f"the multi-token kernel holds GQA groups up to 64, got {group}")
     if group < 1 or group > cfg.rows:
