@@ -225,6 +225,16 @@ def test_multi_token_configs(config):
     _run([3333, 900], [700, 129], 32, 8, 128, 32, torch.bfloat16, 0.5, config)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("hbm_fraction", [1.0, 0.0])
+def test_cluster_by_tier(hbm_fraction):
+    """q_cluster with every page in one tier, HBM first: tells a multicast problem with host
+    sources apart from one in the cluster protocol (run this file under `timeout`: a hang is
+    the failure to look for)."""
+    cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=3, q_cluster=2)
+    _run([2048], [64], 32, 8, 128, 64, torch.bfloat16, hbm_fraction, cfg)
+
+
 def test_torch_library_op_on_gpu():
     """torch.ops.directkv_cute.paged_attention runs the same kernels on the pool tensors."""
     dtype = torch.bfloat16
