@@ -269,10 +269,8 @@ def test_cluster_multicast_ptx(tmp_path):
     """With q_cluster the producer's TMA copies are multicast to the cluster (each box issued by
     one CTA), the consumers release a stage to every CTA of it, and the CTAs meet at a cluster
     barrier before they exit; without it none of that is emitted."""
-    base = _PTX_SCRIPT.replace("default_prefill_config(128)", "dataclasses.replace(default_prefill_config(128), {})")
-    base = "import dataclasses\n" + base
-    plain = dumped_ptx(tmp_path / "a", base.format("q_cluster=0, link_credits=0"))
-    cluster = dumped_ptx(tmp_path / "b", base.format("q_cluster=2, link_credits=0"))
+    plain = _prefill_ptx(tmp_path / "a", "q_cluster=0, link_credits=0")
+    cluster = _prefill_ptx(tmp_path / "b", "q_cluster=2, link_credits=0")
     tma = lambda ptx: [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]  # noqa: E731
     assert tma(plain) and not any("multicast::cluster" in ln for ln in tma(plain))
     assert tma(cluster) and all("multicast::cluster" in ln for ln in tma(cluster))
