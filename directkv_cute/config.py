@@ -58,9 +58,9 @@ class DecodeConfig:
                    ring stage.
     q_cluster:     multi-token kernel only: CTAs of a thread-block cluster (0 = none; 2 or 4) that
                    share each KV tile and split the query rows of their (sequence, KV head, split)
-                   between them. The CTAs share out each tile's TMA boxes (K and V per page piece;
-                   q_cluster must divide their number), each issued once and multicast to all of
-                   them, so a host tile still crosses the link once, while each CTA walks
+                   between them. The CTAs share out each tile's TMA boxes (K and V per page piece,
+                   pieces halved until there is a box per CTA), each issued once and multicast to
+                   all of them, so a host tile still crosses the link once, while each CTA walks
                    only every q_cluster-th block of query rows: fewer passes per chunk (the work
                    left after the link goes quiet) and fewer splits (less combine traffic).
     link_credits:  host-link admission control across the whole GPU (0 = off): at most this many
@@ -178,9 +178,6 @@ class DecodeConfig:
                 out.append(f"page_size {page_size} not in {SUPPORTED_PAGE_SIZES}")
             elif max(page_size, self.tile_n) % min(page_size, self.tile_n):
                 out.append(f"tile_n {self.tile_n} and page_size {page_size} must divide one another")
-            elif self.q_cluster and (2 * self.tile_n // min(page_size, self.tile_n)) % self.q_cluster:
-                out.append(f"q_cluster {self.q_cluster} must divide the {2 * self.tile_n // min(page_size, self.tile_n)} "
-                           "TMA boxes of a tile (K and V per page piece), which the cluster's CTAs share out")
         if not out:
             smem = self.smem_bytes(head_dim, elem_bytes)
             if smem > SM90_SMEM_PER_BLOCK_OPTIN:

@@ -226,13 +226,13 @@ def test_multi_token_configs(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hbm_fraction", [1.0, 0.0])
-def test_cluster_by_tier(hbm_fraction):
-    """q_cluster with every page in one tier, HBM first: tells a multicast problem with host
-    sources apart from one in the cluster protocol (run this file under `timeout`: a hang is
-    the failure to look for)."""
-    cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=3, q_cluster=2)
-    _run([2048], [64], 32, 8, 128, 64, torch.bfloat16, hbm_fraction, cfg)
+@pytest.mark.parametrize("q_cluster,hbm_fraction", [(2, 1.0), (2, 0.0), (4, 0.5)])
+def test_cluster_by_tier(q_cluster, hbm_fraction):
+    """q_cluster over 64-token pages with every page in one tier, then mixed; four CTAs halve each
+    page piece into four boxes. (A hang is the failure to look for: run under `timeout`.)"""
+    cfg = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
+                       q_regs=1, q_cluster=q_cluster)
+    _run([2048, 777], [64, 300], 32, 8, 128, 64, torch.bfloat16, hbm_fraction, cfg)
 
 
 def test_torch_library_op_on_gpu():

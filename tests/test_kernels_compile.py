@@ -142,6 +142,8 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=2),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_cluster=4),
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
+                     q_regs=1, q_cluster=4),  # four CTAs: the page pieces are halved into four boxes
     ],
 )
 def test_resident_variants_compile(cfg):
@@ -268,12 +270,29 @@ def test_q_in_registers_ptx(tmp_path):
 def test_cluster_multicast_ptx(tmp_path):
     """With q_cluster the producer's TMA copies are multicast to the cluster (each box issued by
     one CTA), the consumers release a stage to every CTA of it, and the CTAs meet at a cluster
-    barrier before they exit; without it none of that is emitted."""
+    barrier before they exit; without it none of that is emitted. Four CTAs over a tile of one
+    64-token page piece (two boxes, K and V) halve the pieces: four boxes. The cluster's
+    producer is the whole warp (the pipeline and each copy elect their own lane: no elect.sync
+    nested in an elected lane, where the first cluster kernel hung)."""
     plain = _prefill_ptx(tmp_path / "a", "q_cluster=0, link_credits=0")
     cluster = _prefill_ptx(tmp_path / "b", "q_cluster=2, link_credits=0")
+    four = _prefill_ptx(tmp_path / "c", "q_cluster=4, link_credits=0")
     tma = lambda ptx: [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]  # noqa: E731
     assert tma(plain) and not any("multicast::cluster" in ln for ln in tma(plain))
     assert tma(cluster) and all("multicast::cluster" in ln for ln in tma(cluster))
     assert len(tma(cluster)) == len(tma(plain))  # whole boxes, shared out: not 1/C slices of each
+    # the same bytes in twice the boxes of half the rows
+    assert all("multicast::cluster" in ln for ln in tma(four)) and len(tma(four)) == len(tma(plain))
+    import cutlass
+    from directkv_cute.kernels.decode import DecodeAttention
+
+    boxes = lambda c: DecodeAttention(cutlass.BFloat16, 128, 64, 4, c, True, True)  # noqa: E731
+    base = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, q_regs=1)
+    assert [(boxes(dataclasses.replace(base, q_cluster=c)).copy_rows, boxes(dataclasses.replace(base, q_cluster=c)).copies)
+            for c in (0, 2, 4)] == [(64, 1), (64, 1), (32, 2)]
+    # Producer: before its first TMA copy, the cluster kernel has one elect.sync per arrive/copy,
+    # the plain kernel one more (the elected producer lane).
+    head = lambda ptx: ptx[: ptx.index("cp.async.bulk.tensor")]  # noqa: E731
+    assert head(plain).count("elect.sync") == head(cluster).count("elect.sync") + 1
     assert "barrier.cluster" not in plain and "barrier.cluster.wait" in cluster
     assert "mapa" not in plain and "mapa" in cluster  # remote arrives on the peers' empty barriers

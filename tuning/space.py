@@ -27,7 +27,7 @@ from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, defaul
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 6  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster
+SPACE_RULES_VERSION = 7  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -342,7 +342,7 @@ class PrefillSpace(KernelSpace):
         Param("link_credits", (0, 8, 16), "host tiles in flight on the whole GPU (0 = no admission control; needs max_inflight 1)"),
         Param("edge_tiles", (0, 1, 2), "tiles in each CTA's first and last chunk (0 = chunk_tiles)"),
         Param("q_regs", (0, 1), "Q rows of a pass in registers, not SMEM (frees the Q tile for the ring)"),
-        Param("q_cluster", (0, 2), "CTAs of a cluster sharing each KV tile by TMA multicast, splitting the query rows"),
+        Param("q_cluster", (0, 2, 4), "CTAs of a cluster sharing each KV tile by TMA multicast, splitting the query rows"),
     )
     fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
 

@@ -78,6 +78,11 @@ class DecodeAttention:
         self.wgs = cfg.consumer_wgs
         self.rows = 64 * cfg.consumer_wgs
         self.copy_rows = min(page_size, cfg.tile_n)
+        if resident and cfg.q_cluster:
+            # The CTAs of a cluster share out a tile's TMA boxes (K and V of each piece): pieces
+            # are halved (fewer rows, whole 2*d-byte rows still) until every CTA has a box.
+            while 2 * cfg.tile_n // self.copy_rows < cfg.cluster:
+                self.copy_rows //= 2
         self.copies = cfg.tile_n // self.copy_rows
         self.split_out = split_out
         self.resident = resident
@@ -176,7 +181,7 @@ class DecodeAttention:
         stage_bytes = 2 * cute.size_in_bytes(dt, cute.select(sKV_layout, mode=[0, 1]))
 
         @cute.struct
-        class SharedStorage:
+        class SharedStorageQ:
             mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
@@ -188,8 +193,7 @@ class DecodeAttention:
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
 
-        if const_expr(self.q_regs):
-            SharedStorage = SharedStorageNoQ  # noqa: N806
+        SharedStorage = SharedStorageNoQ if const_expr(self.q_regs) else SharedStorageQ  # noqa: N806
         self.shared_storage = SharedStorage
         self.stage_bytes = stage_bytes
         self.kernel(
@@ -353,7 +357,9 @@ class DecodeAttention:
                 # Blocks of query rows are dealt to the warpgroups of all CTAs of the cluster.
                 lanes = self.wgs * self.cluster
                 lane = rank * self.wgs + wg
-                rQ = cute.make_rmem_tensor((8, 64 * d // 8 // 128), self.dtype)  # (8, d/16) Q pieces of a pass
+                rQ = None
+                if const_expr(not self.q_regs):
+                    rQ = cute.make_rmem_tensor((8, 64 * d // 8 // 128), self.dtype)  # (8, d/16) Q pieces of a pass
                 n_blocks = (q_len + qb - 1) // qb
                 # At least one pass: a split with no tiles still writes its (empty) partials.
                 n_tiles = t_end - t_begin
@@ -399,8 +405,9 @@ class DecodeAttention:
                             if nb >= 0 and nb < n_blocks:
                                 self.prefetch_block(mQ, mO, split, q_start, q_len, kvh, nb * qb, wg_tidx, j > 0)
                             # The block's Q rows and its partial are loaded together (both in
-                            # flight at once, one L2 round trip per pass); the Q rows go to SMEM
-                            # once the warpgroup's previous pass is done with sQ_wg.
+                            # flight at once, one L2 round trip per pass). With q_regs they stay in
+                            # registers; else they go to SMEM once the warpgroup's previous pass is
+                            # done with sQ_wg.
                             if const_expr(self.q_regs):
                                 self.gather_q_regs(mQ, rQc, thr_pv, q_start, q_len, kvh, tok0)
                             else:
@@ -514,6 +521,26 @@ class DecodeAttention:
         _, tGd = cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVd, 0, 2)
         )
+        if const_expr(self.cluster > 1):
+            # The whole warp walks the tiles: the pipeline's arrive and every TMA copy elect their
+            # own lane, and an elect.sync inside an already elected lane waits for lanes that
+            # never come (the cluster kernel hung there on the H200, with the arrive's elect).
+            self.load_tiles(
+                kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
+                t_begin, t_end, n_pages, rank,
+            )
+        else:
+            with cute.arch.elect_one():
+                self.load_tiles(
+                    kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
+                    t_begin, t_end, n_pages, rank,
+                )
+
+    @cute.jit
+    def load_tiles(self, kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers,
+                   layer, t_begin, t_end, n_pages, rank):
+        """The producer's walk over the CTA's tiles (see ``load``)."""
+        rows = self.copy_rows
         blocks_per_page = self.page_size // rows
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # With max_inflight, tile t is issued only once tile t - max_inflight has landed (its full
@@ -524,53 +551,52 @@ class DecodeAttention:
         # device-wide ticket before it is issued; ``held`` remembers whether the tile in flight
         # holds one, reported once it lands. Tiles wholly in HBM leave the link counters alone.
         held = Int32(0)
-        with cute.arch.elect_one():
-            for t in cutlass.range(t_begin, t_end, unroll=1):
-                if const_expr(self.max_inflight > 0):
-                    if t - t_begin >= self.max_inflight:
-                        kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
-                        landed.advance()
-                        if const_expr(self.link_credits > 0):
-                            if held != 0:
-                                self.link_landed(mLink)
-                kv_pipe.producer_acquire(prod_state)
-                if const_expr(self.link_credits > 0):
-                    held = Int32(0)
-                    for c in cutlass.range_constexpr(self.copies):
-                        slot = (t * self.tile_n + c * rows) // self.page_size
-                        if slot < n_pages:
-                            if mPT[b, slot] >= 0:
-                                held = Int32(1)
-                    if held != 0:
-                        self.link_admit(mLink)
-                bar = kv_pipe.producer_get_barrier(prod_state)
-                stage = prod_state.index
-                for c in cutlass.range_constexpr(self.copies):
-                    token = t * self.tile_n + c * rows
-                    slot = token // self.page_size
-                    blk = (token % self.page_size) // rows
-                    entry = mPT[b, cutlass.min(slot, n_pages - 1)]
-                    piece = ((entry * num_layers + layer) * num_kv_heads + kvh) * 2
-                    if slot >= n_pages:
-                        # Past the last page: an out-of-bounds box, zero-filled, no memory read.
-                        self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], bar, rank, 2 * c)
-                        self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], bar, rank, 2 * c + 1)
-                    elif entry >= 0:
-                        self.tma_box(tma_h, tGh[None, blk, piece], tSh[None, c, stage], bar, rank, 2 * c)
-                        self.tma_box(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
-                    else:
-                        hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
-                        self.tma_box(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], bar, rank, 2 * c)
-                        self.tma_box(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
-                prod_state.advance()
-            if const_expr(self.link_credits > 0):
-                # The last tile's ticket: every ticket taken is reported exactly once, so the
-                # device-wide counters balance again when the launch ends.
-                if held != 0:
+        for t in cutlass.range(t_begin, t_end, unroll=1):
+            if const_expr(self.max_inflight > 0):
+                if t - t_begin >= self.max_inflight:
                     kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
-                    self.link_landed(mLink)
-            if const_expr(not self.resident):
-                kv_pipe.producer_tail(prod_state)
+                    landed.advance()
+                    if const_expr(self.link_credits > 0):
+                        if held != 0:
+                            self.link_landed(mLink)
+            kv_pipe.producer_acquire(prod_state)
+            if const_expr(self.link_credits > 0):
+                held = Int32(0)
+                for c in cutlass.range_constexpr(self.copies):
+                    slot = (t * self.tile_n + c * rows) // self.page_size
+                    if slot < n_pages:
+                        if mPT[b, slot] >= 0:
+                            held = Int32(1)
+                if held != 0:
+                    self.link_admit(mLink)
+            bar = kv_pipe.producer_get_barrier(prod_state)
+            stage = prod_state.index
+            for c in cutlass.range_constexpr(self.copies):
+                token = t * self.tile_n + c * rows
+                slot = token // self.page_size
+                blk = (token % self.page_size) // rows
+                entry = mPT[b, cutlass.min(slot, n_pages - 1)]
+                piece = ((entry * num_layers + layer) * num_kv_heads + kvh) * 2
+                if slot >= n_pages:
+                    # Past the last page: an out-of-bounds box, zero-filled, no memory read.
+                    self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], bar, rank, 2 * c)
+                    self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                elif entry >= 0:
+                    self.tma_box(tma_h, tGh[None, blk, piece], tSh[None, c, stage], bar, rank, 2 * c)
+                    self.tma_box(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                else:
+                    hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
+                    self.tma_box(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], bar, rank, 2 * c)
+                    self.tma_box(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+            prod_state.advance()
+        if const_expr(self.link_credits > 0):
+            # The last tile's ticket: every ticket taken is reported exactly once, so the
+            # device-wide counters balance again when the launch ends.
+            if held != 0:
+                kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
+                self.link_landed(mLink)
+        if const_expr(not self.resident):
+            kv_pipe.producer_tail(prod_state)
 
     @cute.jit
     def tma_box(self, atom, src, dst, bar, rank, box: cutlass.Constexpr):
