@@ -237,6 +237,13 @@ PREFILL_LINK_CREDITS = 16
 # chunks of 4 won at 2048 query tokens x group 4 (8k: 1.30 vs 1.39 ms at 5, 32k: 4.29 vs 4.38),
 # chunks of 6 at 8192 tokens (32k: 13.64 vs 14.32 ms at 5, 15.39 at 4); 512 tokens and below tie.
 PREFILL_CHUNK4_ROWS = 8192
+# Query rows per KV head from which the multi-token default runs clusters of two CTAs (up to
+# PREFILL_CHUNK4_ROWS): H200 A/B of session 6 (bench/results/NVIDIA_H200-2026-11-30-s6-ab*.txt),
+# s7 k4 in clusters of two against the session-5 default, ms: 8k q512 0.783 vs 0.858, 32k q512
+# 2.928 vs 3.002, 128k q512 11.07 vs 11.17, 8k q2048 1.232 vs 1.309, 32k q2048 4.180 vs 4.341;
+# but 32k q64 (256 rows) 2.776 vs 2.721 and 32k q8192 15.39 vs 13.91. Clusters of four lost
+# everywhere (fewer 4-CTA clusters fit the GPCs at one CTA per SM: 128k q512 14.5 ms).
+PREFILL_CLUSTER_ROWS = 2048
 
 
 def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConfig:
@@ -246,12 +253,16 @@ def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConf
     tiles of prefetch per chunk) up to ``PREFILL_CHUNK4_ROWS`` query rows per KV head and of six
     above (a third fewer passes of each query block over the split), and the producer admitted
     to the link one tile at a time under ``PREFILL_LINK_CREDITS``. Falls back to Q in SMEM where
-    registers cannot hold it."""
+    registers cannot hold it. From ``PREFILL_CLUSTER_ROWS`` up to ``PREFILL_CHUNK4_ROWS`` rows
+    the seven-stage config runs in clusters of two CTAs sharing each tile (``q_cluster``, which
+    goes without link credits): half the passes per chunk and half the splits."""
     chunk = 4 if rows is None or rows <= PREFILL_CHUNK4_ROWS else 6
-    for tile_n, stages, chunk_tiles, q_regs in ((64, 7, chunk, 1), (64, 6, 5, 0), (128, 3, 2, 0), (64, 4, 3, 0),
-                                                (64, 2, 1, 0)):
+    cluster = 2 if rows is not None and PREFILL_CLUSTER_ROWS <= rows <= PREFILL_CHUNK4_ROWS else 0
+    for tile_n, stages, chunk_tiles, q_regs, q_cluster in ((64, 7, chunk, 1, cluster), (64, 6, 5, 0, 0),
+                                                           (128, 3, 2, 0, 0), (64, 4, 3, 0, 0), (64, 2, 1, 0, 0)):
         cfg = DecodeConfig(tile_n=tile_n, stages=stages, ctas_per_sm=1, consumer_wgs=2, carveout=100,
-                           chunk_tiles=chunk_tiles, max_inflight=1, link_credits=PREFILL_LINK_CREDITS, q_regs=q_regs)
+                           chunk_tiles=chunk_tiles, max_inflight=1, q_regs=q_regs, q_cluster=q_cluster,
+                           link_credits=0 if q_cluster else PREFILL_LINK_CREDITS)
         if cfg.is_legal(head_dim):
             return cfg
     raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")

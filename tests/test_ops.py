@@ -179,6 +179,13 @@ def test_resident_chunk_and_occupancy_rules():
     assert d128.max_inflight == 1 and d128.link_credits == PREFILL_LINK_CREDITS > 0
     assert default_prefill_config(128, PREFILL_CHUNK4_ROWS).chunk_tiles == 4
     assert default_prefill_config(128, PREFILL_CHUNK4_ROWS + 1).chunk_tiles == 6
+    # clusters of two from PREFILL_CLUSTER_ROWS to PREFILL_CHUNK4_ROWS rows, without link credits
+    from directkv_cute.config import PREFILL_CLUSTER_ROWS
+
+    for rows, cluster in ((PREFILL_CLUSTER_ROWS - 1, 0), (PREFILL_CLUSTER_ROWS, 2), (PREFILL_CHUNK4_ROWS, 2),
+                          (PREFILL_CHUNK4_ROWS + 1, 0), (None, 0)):
+        cfg = default_prefill_config(128, rows)
+        assert cfg.q_cluster == cluster and (cfg.link_credits == 0) == (cluster > 0), rows
     for rows in (256, 2048, 8192, 65536):
         for d in (64, 128):
             assert default_prefill_config(d, rows).is_legal(d)
