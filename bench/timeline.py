@@ -40,7 +40,7 @@ _PATCHES = (
     ("the resident loop's pipeline states",
      """                wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 free_state""",
-     """                cta = split + num_splits * (kvh + num_kv_heads * b)
+     """                cta = split * self.cluster + rank + num_splits * self.cluster * (kvh + num_kv_heads * b)
                 tr = cute.make_tensor(
                     cute.make_ptr(cutlass.Int64, self.trace_addr, cute.AddressSpace.gmem, assumed_align=8),
                     cute.make_layout(1 << 26),
@@ -70,7 +70,7 @@ _PATCHES = (
     ("the start of a pass",
      """                            nb = rb + step
 """,
-     """                            pidx = (k - wg) // self.wgs
+     """                            pidx = (k - lane) // lanes
                             if ctidx == 0 and j == self.trace_chunk and pidx < 16:
                                 tr[cta * 128 + 64 + 4 * pidx] = cute.arch.globaltimer()
                             nb = rb + step

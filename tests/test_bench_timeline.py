@@ -20,15 +20,19 @@ from directkv_cute.config import default_prefill_config
 from directkv_cute.kernels import jit
 import directkv_cute
 assert directkv_cute.__file__.startswith({root!r}), directkv_cute.__file__
-jit.compile_prefill(default_prefill_config(128), torch.bfloat16, 128, 64, 4)
+cfg = default_prefill_config(128, {rows})
+assert cfg.q_cluster == {cluster}
+jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
 """
 
 
-def test_instrumented_kernel_compiles_with_timer_reads(tmp_path):
+@pytest.mark.parametrize("rows,cluster", [(None, 0), (4096, 2)])  # the default without and with clusters
+def test_instrumented_kernel_compiles_with_timer_reads(tmp_path, rows, cluster):
     root = instrument(tmp_path / "copy")
     decode = (root / "directkv_cute" / "kernels" / "decode.py").read_text()
     assert decode.count("cute.arch.globaltimer()") == 7
-    ptx = dumped_ptx(tmp_path, _COMPILE.format(root=str(root)), cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
+    script = _COMPILE.format(root=str(root), rows=rows, cluster=cluster)
+    ptx = dumped_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
     assert "%globaltimer" in ptx
 
 
