@@ -1,4 +1,4 @@
-"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline}`` (also ``directkv-bench``).
+"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline,plot}`` (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
                         tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
@@ -12,6 +12,8 @@ refresh                 make a run (``--results FILE`` or a fresh one) the basel
                         only if it passed every correctness check.
 timeline                per-CTA chunk and pass timeline of the multi-token kernel, from an
                         instrumented copy of the kernels (GPU; ``bench/timeline.py``).
+plot                    PNG plots of a results JSON (``--results FILE``), for runs made where
+                        matplotlib is missing; exit 2 if it cannot plot.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
 
     add_timeline_arguments(sub.add_parser("timeline", help="per-CTA chunk and pass timeline of the multi-token kernel"))
+
+    pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
+    pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all")
+    pl.add_argument("--prefix", default=None, help="PNG path prefix (default: the JSON's path without .json)")
 
     for name, text in (("regress", "compare a run with the committed baseline of its GPU"),
                        ("refresh", "make a passing run the baseline of its GPU")):
@@ -138,8 +144,34 @@ def cmd_refresh(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bench.common import load_json, validate_results
+    from bench.plots import PlotError, plot_results
+
+    try:
+        doc = load_json(ns.results)
+    except (OSError, ValueError) as e:
+        print(f"cannot read {ns.results}: {e}", file=sys.stderr)
+        return 2
+    problems = validate_results(doc)
+    if problems:
+        print(f"{ns.results} is not a results document: {problems[0]}", file=sys.stderr)
+        return 2
+    try:
+        files = plot_results(doc, ns.prefix or str(Path(ns.results).with_suffix("")))
+    except PlotError as e:
+        print(f"no plots: {e}", file=sys.stderr)
+        return 2
+    for f in files:
+        print(f)
+    return 0
+
+
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
-            "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline}
+            "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline,
+            "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -128,3 +128,22 @@ def plot_prefill(doc: Mapping, prefix: str | Path) -> list[Path]:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
+
+
+class PlotError(RuntimeError):
+    """A results document cannot be plotted (matplotlib missing, or no measured records)."""
+
+
+def plot_results(doc: Mapping, prefix: str | Path) -> list[Path]:
+    """The PNG plots of every bench in a results document (a merged ``all`` run has both):
+    <prefix>-decode-gbps.png, <prefix>-decode-hybrid.png and <prefix>-prefill.png. For runs made
+    where matplotlib is missing (the lent GPU machine), from their JSON afterwards."""
+    if _pyplot() is None:
+        raise PlotError("matplotlib is not installed (pip install 'directkv-cute[bench]')")
+    files: list[Path] = []
+    for bench, plot in (("decode", plot_decode), ("prefill", plot_prefill)):
+        if _measured(doc["records"], bench):
+            files += plot(doc, f"{prefix}-{bench}")
+    if not files:
+        raise PlotError("the document has no measured decode or prefill records")
+    return files
