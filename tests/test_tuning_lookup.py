@@ -233,3 +233,32 @@ def test_import_is_light():
             "print(sorted(m for m in ('optuna', 'torch', 'cutlass') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_a_bucket_that_kept_the_default_lends_the_default_for_the_launchs_rows(tmp_path):
+    """Where the tuner kept the heuristic default, a nearby launch gets the default for *its*
+    query rows (the default's row thresholds were measured), not the bucket's config: a q_len
+    8192 launch next to a q_len 2048 bucket (clusters of two) runs the q 8192 default (chunks of
+    6, no clusters). A bucket that found something better is still borrowed as it is."""
+    from directkv_cute.config import PREFILL_CHUNK4_ROWS, default_prefill_config
+
+    group = 4
+
+    def pre(q_len, context=32768):
+        return L.select_config("prefill", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128,
+                               group=group, page_size=64, batch=1, context=context, q_len=q_len, rows=group * q_len)
+
+    kept = default_prefill_config(128, group * 2048)
+    tuned = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5,
+                         max_inflight=1, link_credits=16)
+    assert kept.q_cluster == 2 and tuned != default_prefill_config(128, group * 2048)
+    write_profile(tmp_path, entries={(1, 32768, 2048): kept, (1, 131072, 2048): tuned},
+                  cls=("prefill", "bf16", 128, group, 64))
+    assert pre(2048) == (kept, "exact")
+    far = default_prefill_config(128, group * 8192)
+    assert group * 8192 > PREFILL_CHUNK4_ROWS and far.q_cluster == 0 and far.chunk_tiles == 6
+    assert pre(8192) == (far, "nearest")
+    dec = L.explain_config("prefill", gpu_name=GPU, kernel_hash=KH, dtype="bf16", head_dim=128, group=group,
+                           page_size=64, batch=1, context=32768, q_len=8192, rows=group * 8192)
+    assert dec.bucket == (1, 32768, 2048) and "kept the default" in dec.reason
+    assert pre(8192, context=131072) == (tuned, "nearest")  # the tuned bucket's config, borrowed as is

@@ -9,7 +9,10 @@ Fallback chain (the rule recorded here is the one the code runs):
    match exactly; configs are never borrowed across them) whose config is legal for the actual
    launch (SMEM / divisibility / consumer warpgroups for the actual query rows): the nearest
    q_len, then the nearest batch, then the nearest context, each measured in log2 space, ties
-   going to the smaller tuned value.
+   going to the smaller tuned value. A bucket where the heuristic default won (its config is
+   the default for the bucket's own query rows) lends the default for the *launch's* rows
+   instead: the default's row thresholds (e.g. clusters from 2048 rows, chunks of 6 above 8192)
+   were measured, and a bucket that kept it says nothing against them.
 3. **default** -- ``default_config(head_dim, rows, page_size)`` of the kernel's space
    (``directkv_cute.config.default_decode_config`` for decode). A warning (once per key) names
    the profile path expected and the ``directkv-tune`` command that would produce it.
@@ -77,12 +80,14 @@ class Decision:
 class _Table:
     """Everything a decision needs for one key except the context: built once, then bisected."""
 
-    __slots__ = ("contexts", "bounds", "configs", "pair", "reason", "profile_path", "expected_path", "default")
+    __slots__ = ("contexts", "bounds", "configs", "kept_default", "pair", "reason", "profile_path", "expected_path",
+                 "default")
 
     def __init__(self):
         self.contexts = []
         self.bounds = []
         self.configs = []
+        self.kept_default = []  # per bucket: its config is the default for its own rows
         self.pair = None  # (q_len, batch) of the tuned buckets used
         self.reason = ""
         self.profile_path = None
@@ -185,6 +190,7 @@ def _build_table(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_siz
     picked = sorted((bk[1], cfg) for bk, cfg in legal.items() if bk[2] == q_best and bk[0] == b_best)
     t.contexts = [c for c, _ in picked]
     t.configs = [cfg for _, cfg in picked]
+    t.kept_default = [cfg == space.default_config(head_dim, group * q_best, page_size) for cfg in t.configs]
     # geometric midpoints: context x goes to contexts[i] for bounds[i-1] < x <= bounds[i]
     t.bounds = [math.sqrt(a * b) for a, b in zip(t.contexts, t.contexts[1:])]
     return t
@@ -251,6 +257,9 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
             )
         log.debug("directkv-cute: %s uses the nearest tuned bucket %s for batch=%s context=%s q_len=%s",
                   kernel, bucket, batch, context, q_len)
+        if t.kept_default[i]:
+            return Decision(t.default, "nearest", bucket, t.profile_path, t.expected_path,
+                            "nearest bucket kept the default: the default for this launch's rows")
         return Decision(t.configs[i], "nearest", bucket, t.profile_path, t.expected_path, "nearest bucket")
     hint = (
         f"{TUNE_COMMAND} run --shape HQ,HKV,{head_dim},{batch},{context},{q_len} --page-size {page_size} "
