@@ -93,6 +93,12 @@ class DecodeConfig:
         return 64 * self.consumer_wgs
 
     @property
+    def multi_token_only(self) -> tuple[str, ...]:
+        """The options set in this config that only the multi-token kernel has (``q_regs``,
+        ``q_cluster``): such a config runs there at any row count."""
+        return tuple(f for f in ("q_regs", "q_cluster") if getattr(self, f))
+
+    @property
     def cluster(self) -> int:
         """CTAs per cluster of the multi-token kernel (1 without ``q_cluster``)."""
         return max(1, self.q_cluster)

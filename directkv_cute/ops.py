@@ -79,9 +79,7 @@ _WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
 
 
 def _fits_streaming(cfg: DecodeConfig, group: int, max_q_len: int) -> bool:
-    # q_regs and q_cluster exist only in the multi-token kernel: such a config runs there at any
-    # row count
-    return not cfg.q_regs and not cfg.q_cluster and group <= cfg.rows and max_q_len <= cfg.rows // group
+    return not cfg.multi_token_only and group <= cfg.rows and max_q_len <= cfg.rows // group
 
 
 def select_config(cache, group: int, max_q_len: int, batch: int, max_context: int,

@@ -221,6 +221,8 @@ def test_cluster_config_rules_and_splits():
     base = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, q_regs=1)
     assert dataclasses.replace(base, q_cluster=2).is_legal(128, 64)
     assert dataclasses.replace(base, q_cluster=2).cluster == 2 and base.cluster == 1
+    assert DecodeConfig().multi_token_only == () and base.multi_token_only == ("q_regs",)
+    assert dataclasses.replace(base, q_cluster=2).multi_token_only == ("q_regs", "q_cluster")
     for bad, why in ((3, "q_cluster"), (8, "q_cluster")):
         with pytest.raises(ConfigError, match=why):
             dataclasses.replace(base, q_cluster=bad).check(128, 64)

@@ -380,12 +380,13 @@ class PrefillSpace(KernelSpace):
             dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner (session 4)
             dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
             dict(tile_n=64, stages=5, chunk_tiles=4, consumer_wgs=3),  # 128k q512
-            # Q in registers, seven stages: chunks of 5, 4 (the default up to 8192 query rows per KV
-            # head) and 6 (the default above; fewest passes, won all-HBM at 32k q2048 in run K)
+            # Q in registers, seven stages: chunks of 5, 4 (the default below 2048 query rows per KV
+            # head) and 6 (the default above 8192; fewest passes, won all-HBM at 32k q2048 in run K)
             dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
-            # clusters of two sharing each tile: half the passes per chunk and half the splits
+            # clusters of two sharing each tile (chunks of 4: the default from 2048 to 8192 rows):
+            # half the passes per chunk and half the splits
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
         )
