@@ -503,10 +503,10 @@ class DecodeAttention:
     @cute.jit
     def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
              layer, t_begin, t_end, n_pages, rank):
-        """Producer: one elected lane issues every TMA copy of the CTA's tiles. With q_cluster the
-        CTAs of the cluster take turns over a tile's boxes (K and V of each page piece): each box
-        is issued by one of them, multicast to all, so whole boxes (full 128-byte rows) cross
-        the link once."""
+        """Producer: warp 0 walks the CTA's tiles (the pipeline and each TMA copy elect one lane).
+        With q_cluster the CTAs of the cluster take turns over a tile's boxes (K and V of each
+        page piece): each box is issued by one of them and multicast to all, so every row of
+        the tile crosses the link once."""
         rows, d = self.copy_rows, self.head_dim
         gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
         gKVd = cute.local_tile(mKVd, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xd)
@@ -521,20 +521,13 @@ class DecodeAttention:
         _, tGd = cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVd, 0, 2)
         )
-        if const_expr(self.cluster > 1):
-            # The whole warp walks the tiles: the pipeline's arrive and every TMA copy elect their
-            # own lane, and an elect.sync inside an already elected lane waits for lanes that
-            # never come (the cluster kernel hung there on the H200, with the arrive's elect).
-            self.load_tiles(
-                kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
-                t_begin, t_end, n_pages, rank,
-            )
-        else:
-            with cute.arch.elect_one():
-                self.load_tiles(
-                    kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
-                    t_begin, t_end, n_pages, rank,
-                )
+        # The whole warp walks the tiles: the pipeline's arrive and every TMA copy elect their own
+        # lane. (An elect.sync from inside an already elected lane waits for lanes that never
+        # come: the first cluster kernel hung there on the H200.)
+        self.load_tiles(
+            kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
+            t_begin, t_end, n_pages, rank,
+        )
 
     @cute.jit
     def load_tiles(self, kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers,
@@ -612,16 +605,22 @@ class DecodeAttention:
     def link_admit(self, mLink):
         """Take a device-wide link ticket and wait until at most ``link_credits - 1`` earlier
         tickets are unlanded (int32 differences: the counters may wrap)."""
-        ticket = cute.arch.atomic_add(mLink.iterator, Int32(1), sem="relaxed", scope="gpu")
-        landed = cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu")
+        # The producer warp calls this with all lanes: lane 0 takes the ticket and reads the
+        # landed count, the others get both from it, so the warp polls in step.
+        ticket = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            ticket = cute.arch.atomic_add(mLink.iterator, Int32(1), sem="relaxed", scope="gpu")
+        ticket = cute.arch.shuffle_sync(ticket, 0)
+        landed = cute.arch.shuffle_sync(cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu"), 0)
         while ticket - landed >= self.link_credits:
             # About one tile's link time per ticket ahead, capped: few polls of one L2 line.
             nanosleep(cutlass.min(ticket - landed - self.link_credits + 1, 8) * 256)
-            landed = cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu")
+            landed = cute.arch.shuffle_sync(cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu"), 0)
 
     @cute.jit
     def link_landed(self, mLink):
-        cute.arch.red(mLink.iterator + 1, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
+        if cute.arch.lane_idx() == 0:  # once per warp
+            cute.arch.red(mLink.iterator + 1, Int32(1), op="add", dtype="s32", sem="relaxed", scope="gpu")
 
     @cute.jit
     def load_q(self, mQ, sQ, q_start, q_len, kvh, ctidx, tok0, n_thr, q_per_block):
