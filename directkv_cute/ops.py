@@ -222,18 +222,18 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
 
     from directkv_cute.kernels.launch import launch_combine, launch_decode, link_counters
 
-    link_counters(q.device)  # before any allocation: refused inside a capture that would own them
+    counters = link_counters(q.device)  # before any allocation: refused inside a capture that would own them
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
     if splits == 1 and not resident:
         fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, False, False)
-        launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale)
+        launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale, counters)
     else:
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
         fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident)
-        launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale)
+        launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
         launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
 

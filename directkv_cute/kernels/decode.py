@@ -88,14 +88,13 @@ class DecodeAttention:
         self.resident = resident
         self.chunk = cfg.chunk
         self.edge = cfg.edge_tiles if resident else 0
-        # Multi-token kernel only: each warpgroup keeps its pass's Q rows in registers (the QK^T
-        # WGMMA reads A from registers) instead of an SMEM tile, freeing rows x d x 2 B of SMEM.
-        assert resident or not cfg.q_regs, "q_regs is a multi-token kernel option"
-        self.q_regs = bool(cfg.q_regs) and resident
-        # Multi-token kernel only: a cluster of `cluster` CTAs shares each KV tile (every CTA
-        # issues its slice of each TMA box, multicast to all) and splits the query rows.
-        assert resident or not cfg.q_cluster, "q_cluster is a multi-token kernel option"
-        self.cluster = cfg.cluster if resident else 1
+        assert resident or not cfg.multi_token_only, f"{cfg.multi_token_only}: multi-token kernel options"
+        # Each warpgroup keeps its pass's Q rows in registers (the QK^T WGMMA reads A from
+        # registers) instead of an SMEM tile, freeing rows x d x 2 B of SMEM.
+        self.q_regs = bool(cfg.q_regs)
+        # A cluster of `cluster` CTAs shares each KV tile (each TMA box issued by one of them,
+        # multicast to all) and splits the query rows.
+        self.cluster = cfg.cluster
         self.max_inflight = cfg.max_inflight
         self.link_credits = cfg.link_credits
         assert not cfg.link_credits or cfg.max_inflight == 1, "link_credits needs max_inflight == 1"
@@ -164,8 +163,8 @@ class DecodeAttention:
         sCopy_layout = kv_smem_layout(dt, self.copy_rows, d)
         C = self.cluster
         op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(C > 1) else cpasync.CopyBulkTensorTileG2SOp()
-        # Whole boxes (not 1/C slices of each, which would split the 128-byte rows): a CTA of a
-        # cluster issues the boxes it owns, multicast (load).
+        # Whole boxes (not 1/C slices of each, which would split their rows): a CTA of a cluster
+        # issues the boxes it owns, multicast (load).
         tma_h, mKVh_tma = cpasync.make_tiled_tma_atom(op, mKVh, sCopy_layout, (self.copy_rows, d))
         tma_d, mKVd_tma = cpasync.make_tiled_tma_atom(op, mKVd, sCopy_layout, (self.copy_rows, d))
 

@@ -145,10 +145,8 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
-    if cfg.q_regs and not resident:
-        raise ValueError("q_regs (Q rows in registers) is an option of the multi-token kernel only")
-    if cfg.q_cluster and not resident:
-        raise ValueError("q_cluster (clusters sharing KV tiles) is an option of the multi-token kernel only")
+    if cfg.multi_token_only and not resident:
+        raise ValueError(f"{', '.join(cfg.multi_token_only)}: options of the multi-token kernel only")
     if resident and group > 64:
         raise ValueError(f"the multi-token kernel holds GQA groups up to 64, got {group}")
     if group < 1 or group > cfg.rows:

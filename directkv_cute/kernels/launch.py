@@ -46,9 +46,10 @@ def link_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale):
+def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale, counters):
     """Run the compiled decode kernel. o/lse are the final (q dtype / fp32) outputs when
-    num_splits == 1, else the fp32 split partials (splits, ...)."""
+    num_splits == 1, else the fp32 split partials (splits, ...); ``counters`` is
+    ``link_counters(q.device)``."""
     from cutlass import Float32, Int32
 
     # The device-side alias of the pinned pool (its UVA/device address), not the host tensor.
@@ -59,7 +60,7 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     batch, max_pages = page_table.shape
     fn(
         _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm),
-        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(link_counters(q.device), 4),
+        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(counters, 4),
         Int32(batch), Int32(q.shape[0]), Int32(cache.num_kv_heads), Int32(cache.num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(num_splits),
         Float32(scale * LOG2_E), _stream(),
