@@ -41,10 +41,24 @@ def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor,
         raise ValueError("every q_len must be >= 1")
     if sum(q_lens) != total_q:
         raise ValueError(f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
-    cu = [0]
-    for x in q_lens:
-        cu.append(cu[-1] + x)
-    return torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True), max(q_lens)
+    key = (tuple(q_lens), str(device))
+    cu_q = _CU_Q.get(key)
+    if cu_q is None:
+        cu = [0]
+        for x in q_lens:
+            cu.append(cu[-1] + x)
+        cu_q = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+        if len(_CU_Q) < _CU_Q_CAP:
+            _CU_Q[key] = cu_q
+    return cu_q, max(q_lens)
+
+
+# Device copies of the query offsets per distinct q_lens: a repeated shape (a fixed chunk size, a
+# speculative window) skips the per-call host-to-device copy, and a captured CUDA graph keeps
+# reading a live tensor. Entries are never evicted (a graph may hold one); past the cap, new
+# q_lens are copied per call.
+_CU_Q: dict = {}
+_CU_Q_CAP = 4096
 
 
 _ARANGE: dict = {}

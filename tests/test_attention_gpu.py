@@ -309,3 +309,38 @@ def test_first_call_inside_graph_capture_is_refused(monkeypatch):
     torch.cuda.synchronize()
     _check(out, lse, q, ks, vs, None, dtype)
     cache.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,d,dtype", [(1, 128, torch.bfloat16), (5, 64, torch.float16), (8, 128, torch.bfloat16),
+                                            (9, 128, torch.float16), (20, 256, torch.bfloat16), (41, 128, torch.bfloat16)])
+def test_combine_kernel_matches_logsumexp_merge(splits, d, dtype):
+    """The split combine alone, on fresh random partials, against torch's logsumexp merge: split
+    counts below, at and past a load group (8), partials with empty splits (LSE -inf, garbage O)
+    anywhere among a row's splits, rows with every split empty (O 0, LSE -inf)
+    and large LSE offsets between splits."""
+    from directkv_cute.kernels.jit import compile_combine
+    from directkv_cute.kernels.launch import launch_combine
+
+    g = torch.Generator(device="cuda").manual_seed(splits * 1000 + d)
+    total_q, hq = 37, 6
+    o_part = torch.randn(splits, total_q, hq, d, generator=g, device="cuda")
+    lse_part = torch.randn(splits, total_q, hq, generator=g, device="cuda") * 20
+    empty = torch.rand(splits, total_q, hq, generator=g, device="cuda") < 0.3
+    empty[:, 0, 0] = True  # a row no split saw
+    lse_part[empty] = -float("inf")
+    o_part[empty] = 1e6  # an empty split's (finite) O gets weight exactly 0
+    out = torch.full((total_q, hq, d), float("nan"), device="cuda", dtype=dtype)
+    lse = torch.full((total_q, hq), float("nan"), device="cuda")
+    launch_combine(compile_combine(d, dtype), o_part, lse_part, out, lse, splits)
+    torch.cuda.synchronize()
+    ref_lse = torch.logsumexp(lse_part.double(), dim=0)
+    w = torch.exp(lse_part.double() - ref_lse).nan_to_num(0.0)  # all-empty rows: weights 0
+    ref_o = (w[..., None] * o_part.double()).sum(0)
+    assert not torch.isnan(out).any()
+    assert torch.equal(lse[0, 0], torch.tensor(-float("inf"), device="cuda"))
+    assert torch.equal(out[0, 0].float(), torch.zeros(d, device="cuda"))
+    err = ((out.double() - ref_o).norm() / ref_o.norm()).item()
+    assert err < TOL[dtype], f"relative error {err:.3e}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.allclose(lse.double()[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)

@@ -228,9 +228,18 @@ def test_multi_token_kernel_ptx(tmp_path):
 
 
 def test_combine_kernel_ptx(tmp_path):
-    """The combine kernel reads each split's partial row with 16-byte vector loads (a warp per row)."""
+    """The combine kernel reads each split's partial row with 16-byte vector loads (a warp per row),
+    a group of 8 splits at a time with every load of the group issued before the first weight is
+    computed: one memory round trip per group."""
+    from directkv_cute.kernels.combine import SPLIT_GROUP
+
     ptx = dumped_ptx(tmp_path, _PTX_COMBINE_SCRIPT)
-    assert "ld.global.v4.b32" in ptx
+    lines = ptx.splitlines()
+    at = lambda needle: [i for i, line in enumerate(lines) if needle in line]  # noqa: E731
+    loads, exps = at("ld.global.v4.b32"), at("ex2.approx")
+    assert len(loads) == SPLIT_GROUP == 8
+    assert len(at("ld.global.b32")) == SPLIT_GROUP  # the group's LSEs
+    assert max(loads + at("ld.global.b32")) < min(exps)
 
 
 def test_throttled_producer_ptx(tmp_path):

@@ -114,6 +114,23 @@ def test_q_lens_validation(q_lens, total, msg):
         ops._cu_seqlens(q_lens, 3 if len(q_lens) == 3 else 2, total, "cpu")
 
 
+def test_query_offsets_are_cached_per_q_lens(monkeypatch):
+    """Query offsets: cumulative sums, the longest q_len, one device tensor per distinct q_lens
+    (reused, so a repeated shape skips the copy); past the cap new q_lens are still right but
+    not kept."""
+    monkeypatch.setattr(ops, "_CU_Q", {})
+    cu, mx = ops._cu_seqlens([3, 1, 4], 3, 8, "cpu")
+    assert cu.tolist() == [0, 3, 4, 8] and cu.dtype == torch.int32 and mx == 4
+    again, _ = ops._cu_seqlens(torch.tensor([3, 1, 4]), 3, 8, "cpu")
+    assert again is cu
+    other, mx = ops._cu_seqlens([4, 1, 3], 3, 8, "cpu")
+    assert other.tolist() == [0, 4, 5, 8] and other is not cu and mx == 4
+    monkeypatch.setattr(ops, "_CU_Q_CAP", 2)
+    past, _ = ops._cu_seqlens([2, 2], 2, 4, "cpu")
+    assert past.tolist() == [0, 2, 4] and len(ops._CU_Q) == 2
+    assert ops._cu_seqlens([2, 2], 2, 4, "cpu")[0] is not past
+
+
 def test_tables_entry_needs_cuda(cache_and_q):
     cache, ids, q, _ = cache_and_q
     with pytest.raises(ValueError, match="CUDA"):

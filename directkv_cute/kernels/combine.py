@@ -1,9 +1,11 @@
-"""Split-KV combine: merge the per-split partial outputs of the decode kernel.
+"""Split-KV combine: merge the per-split partial outputs of the attention kernels.
 
 O = sum_s w_s O_s and LSE = log(sum_s exp(lse_s)) with w_s = exp(lse_s - LSE). A split that saw
 no key has lse_s = -inf and weight 0. A CTA of 128 threads merges 4 rows (query token, head): a
-warp per row, each lane owning d/32 adjacent columns (one vector load per split), and the split
-loop unrolled so several loads are in flight. These partials live in HBM, so this pass costs HBM
+warp per row, each lane owning d/32 adjacent columns (one 16-byte load per split). The splits
+are taken in groups of ``SPLIT_GROUP``: a group's LSEs and partial rows are all loaded before any
+is used (one memory round trip per group, not one per split), then folded into a running
+(max, sum, O) as in the online softmax. These partials live in HBM, so this pass costs HBM
 bandwidth only, never link bandwidth.
 """
 
@@ -18,6 +20,7 @@ from cutlass import Float32, Int32
 
 LOG2_E = math.log2(math.e)
 ROWS_PER_CTA = 4  # one warp per row
+SPLIT_GROUP = 8  # splits whose loads are in flight together (8 x d/32 fp32 registers of partials)
 
 
 class SplitCombine:
@@ -55,26 +58,43 @@ class SplitCombine:
         lane = tidx % 32
         row = bidx * ROWS_PER_CTA + tidx // 32
         if row < rows:
-            lse_max = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=4):
-                lse_max = cutlass.max(lse_max, mLp[s, row])
-            lse_ref = lse_max
-            if lse_max == -Float32.inf:
-                lse_ref = Float32(0.0)
-            total = Float32(0.0)
-            acc = cute.make_rmem_tensor((vec,), Float32)  # (d/32,) this lane's columns
+            run_max = -Float32.inf  # the largest LSE so far (natural log)
+            ref = Float32(0.0)  # run_max, or 0 while every split so far is empty
+            total = Float32(0.0)  # sum of exp(lse_s - ref)
+            acc = cute.make_rmem_tensor((vec,), Float32)  # (d/32,) this lane's columns, sum of w_s O_s
             acc.fill(0.0)
-            part = cute.make_rmem_tensor((vec,), Float32)
-            for s in cutlass.range(num_splits, unroll=4):
-                w = cute.math.exp2((mLp[s, row] - lse_ref) * LOG2_E, fastmath=True)
-                total = total + w
-                cute.autovec_copy(cute.local_tile(mOp[s, row, None], (vec,), (lane,)), part)
-                acc.store(acc.load() + part.load() * w)
+            lse_g = cute.make_rmem_tensor((SPLIT_GROUP,), Float32)  # (G,) the group's LSEs
+            part_g = cute.make_rmem_tensor((vec, SPLIT_GROUP), Float32)  # (d/32, G) the group's partial columns
+            for s0 in cutlass.range(0, num_splits, SPLIT_GROUP, unroll=1):
+                for g in cutlass.range_constexpr(SPLIT_GROUP):
+                    if s0 + g < num_splits:
+                        lse_g[g] = mLp[s0 + g, row]
+                        cute.autovec_copy(cute.local_tile(mOp[s0 + g, row, None], (vec,), (lane,)), part_g[None, g])
+                    else:
+                        lse_g[g] = -Float32.inf
+                        part_g[None, g].fill(0.0)
+                new_max = run_max
+                for g in cutlass.range_constexpr(SPLIT_GROUP):
+                    new_max = cutlass.max(new_max, lse_g[g])
+                new_ref = Float32(0.0)
+                if new_max != -Float32.inf:
+                    new_ref = new_max
+                # exp(-inf) = 0: a running sum of empty splits only (0) or a still empty group
+                # rescales to 0 / by 1, never to NaN (ref is finite).
+                carry = cute.math.exp2((run_max - new_ref) * LOG2_E, fastmath=True)
+                total = total * carry
+                acc.store(acc.load() * carry)
+                for g in cutlass.range_constexpr(SPLIT_GROUP):
+                    w = cute.math.exp2((lse_g[g] - new_ref) * LOG2_E, fastmath=True)
+                    total = total + w
+                    acc.store(acc.load() + part_g[None, g].load() * w)
+                run_max = new_max
+                ref = new_ref
             lse = -Float32.inf
             inv = Float32(0.0)
             if total > Float32(0.0):
                 inv = Float32(1.0) / total
-                lse = lse_ref + cute.math.log(total, fastmath=True)
+                lse = ref + cute.math.log(total, fastmath=True)
             out = cute.make_rmem_tensor((vec,), self.dtype)
             out.store((acc.load() * inv).to(self.dtype))
             cute.autovec_copy(out, cute.local_tile(mO[row, None], (vec,), (lane,)))
