@@ -52,11 +52,6 @@ class DecodeConfig:
                    tiles instead of ``chunk`` (0 = off). A small first chunk lets compute start
                    once one tile per CTA has landed; a small last chunk shortens the compute left
                    after the link goes quiet. Each costs one more pass of every query block.
-    tail_tiles:    multi-token kernel only: the last chunk of each CTA holds this many tiles (0 = as
-                   ``edge_tiles`` says). All of the last chunk's work waits for its last tile, the
-                   last to cross the link, so a short last chunk shortens the compute left after
-                   the link goes quiet, for one more pass of every query block; the chunks before
-                   it keep their size and the prefetch depth of the ring.
     q_regs:        multi-token kernel only (1 = on): each consumer warpgroup keeps its pass's Q rows
                    in registers and the Q K^T WGMMA reads them from there, so the Q tile leaves
                    SMEM (rows x head_dim x 2 B: 32 KB with two warpgroups at d 128) for one more
@@ -90,7 +85,6 @@ class DecodeConfig:
     edge_tiles: int = 0
     q_regs: int = 0
     q_cluster: int = 0
-    tail_tiles: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -171,8 +165,6 @@ class DecodeConfig:
             out.append(f"link_credits {self.link_credits} needs max_inflight 1 (got {self.max_inflight})")
         if not 0 <= self.edge_tiles <= self.chunk:
             out.append(f"edge_tiles {self.edge_tiles} must be 0 (off) or in 1..chunk ({self.chunk})")
-        if not 0 <= self.tail_tiles <= self.chunk:
-            out.append(f"tail_tiles {self.tail_tiles} must be 0 (off) or in 1..chunk ({self.chunk})")
         if self.q_regs not in (0, 1):
             out.append(f"q_regs {self.q_regs} must be 0 or 1")
         if self.q_cluster not in (0, 2, 4):
@@ -282,18 +274,18 @@ def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConf
     raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
 
 
-def chunk_bounds(n_tiles: int, chunk: int, edge: int = 0, tail: int = 0) -> list[tuple[int, int]]:
+def chunk_bounds(n_tiles: int, chunk: int, edge: int = 0) -> list[tuple[int, int]]:
     """The chunks [begin, end) (tile offsets from the split's first tile) the multi-token kernel
-    walks over a split of ``n_tiles`` tiles: a first chunk of ``edge`` tiles (``chunk`` when 0),
-    middle chunks of ``chunk`` (the one before the last may be shorter) and, when ``tail`` (else
-    ``edge``) is set, a last chunk of that many tiles. A split no longer than the first chunk is
-    one chunk; a split with no tiles still makes one (empty) pass. The kernel computes the same
-    bounds (``chunk_start``)."""
-    first, last = edge or chunk, tail or edge
-    if n_tiles <= first:
+    walks over a split of ``n_tiles`` tiles: ``chunk`` tiles each, or with ``edge`` > 0 a first and
+    a last chunk of ``edge`` tiles around middle chunks of up to ``chunk``. A split with no tiles
+    still makes one (empty) pass. The kernel computes the same bounds (``chunk_start``)."""
+    if edge <= 0:
+        n_chunks = max(1, math.ceil(n_tiles / chunk))
+        return [(j * chunk, min(n_tiles, (j + 1) * chunk)) for j in range(n_chunks)]
+    if n_tiles <= edge:
         return [(0, n_tiles)]
-    n_chunks = 1 + math.ceil(max(0, n_tiles - first - last) / chunk) + (1 if last else 0)
-    starts = [0] + [max(first, min(first + (j - 1) * chunk, n_tiles - last)) for j in range(1, n_chunks)]
+    n_chunks = 2 + math.ceil(max(0, n_tiles - 2 * edge) / chunk)
+    starts = [0] + [max(edge, min(edge + (j - 1) * chunk, n_tiles - edge)) for j in range(1, n_chunks)]
     return [(b, e) for b, e in zip(starts, starts[1:] + [n_tiles])]
 
 

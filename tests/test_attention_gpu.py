@@ -217,13 +217,6 @@ def test_bad_inputs_raise_before_launch():
         DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, num_splits=3, q_cluster=2),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1, chunk_tiles=1, max_inflight=1,
                      q_cluster=4),
-        # a short last chunk: the clusters' default with one tile, Q in SMEM with two after a short
-        # first chunk, and a tail as long as the chunk
-        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, chunk_tiles=4, max_inflight=1, q_regs=1,
-                     q_cluster=2, tail_tiles=1),
-        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=5, edge_tiles=1, tail_tiles=2,
-                     num_splits=2),
-        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, tail_tiles=3, num_splits=3),
     ],
 )
 def test_multi_token_configs(config):

@@ -109,15 +109,13 @@ def test_cache_key_covers_codegen_fields():
     assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
                           resident=True) not in resident
-    # edge and tail chunks, Q in registers and clusters change the resident kernel only
-    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"tail_tiles": 1, "chunk_tiles": 2}, {"q_regs": 1},
-                  {"q_cluster": 2}):
+    # edge chunks and Q in registers change the resident kernel only
+    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"q_regs": 1}, {"q_cluster": 2}):
         on = dataclasses.replace(walk, **field)
         off = dataclasses.replace(on, **{k: 0 for k in field if k != "chunk_tiles"})
         assert jit.decode_key(on, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
             off, torch.bfloat16, 128, 64, 4, True, resident=True)
     assert jit.decode_key(DecodeConfig(chunk_tiles=2, edge_tiles=1), torch.bfloat16, 128, 64, 4, True) == k0
-    assert jit.decode_key(DecodeConfig(chunk_tiles=2, tail_tiles=2), torch.bfloat16, 128, 64, 4, True) == k0
     # link admission control changes both kernels' code, and each credit count is its own kernel
     credited = dataclasses.replace(walk, max_inflight=1, link_credits=8)
     assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
@@ -146,16 +144,11 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_cluster=4),
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=4),  # four CTAs: the page pieces are halved into four boxes
-        # a short last chunk, alone (the clusters' ring) and after a short first one
-        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
-                     q_regs=1, q_cluster=2, tail_tiles=1),
-        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5, edge_tiles=1,
-                     tail_tiles=2),
     ],
 )
 def test_resident_variants_compile(cfg):
     """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
-    throttled producer, device-wide link admission with edge chunks, clusters, tail chunks."""
+    throttled producer, device-wide link admission with edge chunks."""
     assert callable(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4))
 
 

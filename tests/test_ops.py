@@ -173,10 +173,6 @@ def test_resident_chunk_and_occupancy_rules():
     with pytest.raises(ConfigError, match="edge_tiles"):
         DecodeConfig(stages=4, edge_tiles=-1).check(128)
     DecodeConfig(stages=4, chunk_tiles=0, edge_tiles=4).check(128)  # chunk 0 = the whole ring
-    for bad in (-1, 3):
-        with pytest.raises(ConfigError, match="tail_tiles"):
-            DecodeConfig(stages=4, chunk_tiles=2, tail_tiles=bad).check(128)
-    DecodeConfig(stages=4, chunk_tiles=2, tail_tiles=2).check(128)
     # Q in registers frees the Q tile's SMEM: a seventh 64-token stage fits beside two warpgroups
     with pytest.raises(ConfigError, match="q_regs"):
         DecodeConfig(q_regs=2).check(128)
@@ -212,39 +208,26 @@ def test_resident_chunk_and_occupancy_rules():
             assert default_prefill_config(d, rows).is_legal(d)
 
 
-@pytest.mark.parametrize("chunk,edge,tail", [(1, 0, 0), (2, 0, 0), (5, 0, 0), (2, 1, 0), (2, 2, 0), (5, 1, 0),
-                                             (5, 2, 0), (3, 3, 0), (4, 0, 1), (4, 0, 2), (4, 0, 4), (5, 2, 1),
-                                             (2, 1, 2), (1, 0, 1)])
-def test_chunk_bounds_partition_the_split(chunk, edge, tail):
+@pytest.mark.parametrize("chunk,edge", [(1, 0), (2, 0), (5, 0), (2, 1), (2, 2), (5, 1), (5, 2), (3, 3)])
+def test_chunk_bounds_partition_the_split(chunk, edge):
     """The multi-token kernel's chunks over a split: contiguous, covering every tile once, none
-    longer than a chunk (the ring must hold it); the first chunk is ``edge`` tiles (a whole
-    chunk when 0), the last no longer than ``tail`` (else ``edge``), the middle ones whole chunks
-    but for the one before the last; a split without tiles still makes one empty pass."""
+    longer than a chunk (the ring must hold it), and with edge chunks the first and the last
+    no longer than ``edge``; a split without tiles still makes one empty pass."""
     from directkv_cute.config import chunk_bounds
 
-    first, last = edge or chunk, tail or edge
-    assert chunk_bounds(0, chunk, edge, tail) == [(0, 0)]
+    assert chunk_bounds(0, chunk, edge) == [(0, 0)]
     for n in range(1, 40):
-        b = chunk_bounds(n, chunk, edge, tail)
+        b = chunk_bounds(n, chunk, edge)
         assert b[0][0] == 0 and b[-1][1] == n
         assert all(prev[1] == nxt[0] for prev, nxt in zip(b, b[1:]))
         assert all(0 < end - begin <= chunk for begin, end in b), b
-        assert b[0][1] - b[0][0] == min(first, n), b
-        if n <= first:
-            assert len(b) == 1
-            continue
-        if last:
-            assert b[-1][1] - b[-1][0] <= last, b
-            assert len(b) == 2 + -(-max(0, n - first - last) // chunk), b
-            assert all(e - s == chunk for s, e in b[1:-2]), b
+        if edge:
+            assert b[0][1] - b[0][0] == min(edge, n) and b[-1][1] - b[-1][0] <= edge, b
+            assert len(b) == (1 if n <= edge else 2 + -(-max(0, n - 2 * edge) // chunk)), b
         else:
-            assert len(b) == -(-n // chunk) and all(e - s == chunk for s, e in b[:-1]), b
+            assert len(b) == -(-n // chunk)
     assert chunk_bounds(8, 5, 1) == [(0, 1), (1, 6), (6, 7), (7, 8)]
     assert chunk_bounds(16, 2, 1)[:2] == [(0, 1), (1, 3)] and chunk_bounds(16, 2, 1)[-1] == (15, 16)
-    # the default's split at 8k q512 (16 tiles, chunks of 4) with a last chunk of one or two tiles
-    assert chunk_bounds(16, 4, 0, 1) == [(0, 4), (4, 8), (8, 12), (12, 15), (15, 16)]
-    assert chunk_bounds(16, 4, 0, 2) == [(0, 4), (4, 8), (8, 12), (12, 14), (14, 16)]
-    assert chunk_bounds(16, 4, 1, 2) == [(0, 1), (1, 5), (5, 9), (9, 13), (13, 14), (14, 16)]
 
 
 def test_cluster_config_rules_and_splits():

@@ -120,12 +120,10 @@ def test_prefill_space():
     assert {c.consumer_wgs for c in rep.legal} == {1, 2, 3}
     assert all(c.tile_n <= 64 for c in rep.legal if c.consumer_wgs == 3)
     assert {c.max_inflight for c in rep.legal} == {0, 1, 2} and all(c.max_inflight < c.stages for c in rep.legal)
-    # link admission only with one tile in flight per CTA; tail chunks no longer than a chunk
+    # link admission only with one tile in flight per CTA; edge chunks no longer than a chunk
     assert {c.link_credits for c in rep.legal} == {0, 8, 16}
     assert all(c.max_inflight == 1 for c in rep.legal if c.link_credits)
-    # a short last chunk is searched, edge chunks (short first and last) are not
-    assert {c.tail_tiles for c in rep.legal} == {0, 1, 2} and all(c.tail_tiles <= c.chunk for c in rep.legal)
-    assert {c.edge_tiles for c in rep.legal} == {0}
+    assert {c.edge_tiles for c in rep.legal} == {0, 1, 2} and all(c.edge_tiles <= c.chunk for c in rep.legal)
     # Q in registers opens rings that do not fit beside a Q tile
     assert any(c.q_regs and c.stages == 7 and c.tile_n == 64 and c.consumer_wgs == 2 for c in rep.legal)
     assert not any(not c.q_regs and c.stages == 7 and c.tile_n == 64 and c.consumer_wgs == 2 for c in rep.legal)

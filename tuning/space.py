@@ -27,7 +27,7 @@ from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, defaul
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 8  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4; 8: tail_tiles searched, edge_tiles not
+SPACE_RULES_VERSION = 7  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -340,13 +340,9 @@ class PrefillSpace(KernelSpace):
         Param("ctas_per_sm", (1, 2), "CTAs per SM (2 needs one consumer warpgroup and SMEM for two)"),
         Param("max_inflight", (0, 1, 2), "tiles the producer keeps in flight (0 = the whole free ring)"),
         Param("link_credits", (0, 8, 16), "host tiles in flight on the whole GPU (0 = no admission control; needs max_inflight 1)"),
+        Param("edge_tiles", (0, 1, 2), "tiles in each CTA's first and last chunk (0 = chunk_tiles)"),
         Param("q_regs", (0, 1), "Q rows of a pass in registers, not SMEM (frees the Q tile for the ring)"),
         Param("q_cluster", (0, 2, 4), "CTAs of a cluster sharing each KV tile by TMA multicast, splitting the query rows"),
-        # A short last chunk (less compute after the link goes quiet) without edge_tiles' short
-        # first chunk, which never won on the H200 (bench/results/*-prefill-sweep.txt, runs K-L,
-        # and the session-7 timeline: it slowed the link phase by a tenth); edge_tiles stays a
-        # config option outside the search.
-        Param("tail_tiles", (0, 1, 2), "tiles in each CTA's last chunk (0 = a whole chunk)"),
     )
     fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
 
@@ -393,9 +389,6 @@ class PrefillSpace(KernelSpace):
             # half the passes per chunk and half the splits
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
-            # ... with a last chunk of one or two tiles: less compute after the link goes quiet
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2, tail_tiles=1),
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2, tail_tiles=2),
         )
         return [DecodeConfig(**{**base, **p}) for p in picks]
 

@@ -23,8 +23,8 @@ before it issues a tile that reads host pages and reports the tile once it has l
 most ``link_credits`` host tiles are in flight on the GPU; the consumers' HBM traffic (Q rows,
 partials) does not queue behind a backlog of host requests.
 
-Multi-token options: ``edge_tiles`` shortens each CTA's first and last chunk, ``tail_tiles`` its
-last chunk (``config.chunk_bounds``); ``q_regs`` keeps a pass's Q rows in registers (Q K^T with A from
+Multi-token options: ``edge_tiles`` shortens each CTA's first and last chunk
+(``config.chunk_bounds``); ``q_regs`` keeps a pass's Q rows in registers (Q K^T with A from
 registers), so the Q tile's SMEM goes to the ring.
 
 Outputs: with ``split_out`` the CTA writes its normalised partial O (fp32) and LSE for the
@@ -87,11 +87,7 @@ class DecodeAttention:
         self.split_out = split_out
         self.resident = resident
         self.chunk = cfg.chunk
-        # Uneven chunks (config.chunk_bounds): a first chunk of `first` tiles, a last one of
-        # `last` (0: what is left).
-        self.first = (cfg.edge_tiles or cfg.chunk) if resident else cfg.chunk
-        self.last = (cfg.tail_tiles or cfg.edge_tiles) if resident else 0
-        self.uneven = self.first != cfg.chunk or self.last > 0
+        self.edge = cfg.edge_tiles if resident else 0
         assert resident or not cfg.multi_token_only, f"{cfg.multi_token_only}: multi-token kernel options"
         # Each warpgroup keeps its pass's Q rows in registers (the QK^T WGMMA reads A from
         # registers) instead of an SMEM tile, freeing rows x d x 2 B of SMEM.
@@ -367,13 +363,11 @@ class DecodeAttention:
                 # At least one pass: a split with no tiles still writes its (empty) partials.
                 n_tiles = t_end - t_begin
                 n_chunks = cutlass.max((n_tiles + chunk - 1) // chunk, 1)
-                if const_expr(self.uneven):
-                    # A first chunk of `first` tiles, one of `last` closing the split (config.chunk_bounds).
+                if const_expr(self.edge > 0):
+                    # Edge chunks of `edge` tiles open and close the split (config.chunk_bounds).
                     n_chunks = 1
-                    if n_tiles > self.first:
-                        n_chunks = 1 + (cutlass.max(n_tiles - self.first - self.last, 0) + chunk - 1) // chunk
-                        if const_expr(self.last > 0):
-                            n_chunks += 1
+                    if n_tiles > self.edge:
+                        n_chunks = 2 + (cutlass.max(n_tiles - 2 * self.edge, 0) + chunk - 1) // chunk
                 last_rb = lane + (n_blocks - 1 - lane) // lanes * lanes  # this warpgroup's last block
                 wg_bar = 2 + wg  # named barrier of this warpgroup's 128 threads
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
@@ -381,7 +375,7 @@ class DecodeAttention:
                 for j in cutlass.range(n_chunks, unroll=1):
                     c_begin = t_begin + j * chunk
                     c_end = cutlass.min(t_end, c_begin + chunk)
-                    if const_expr(self.uneven):
+                    if const_expr(self.edge > 0):
                         c_begin = t_begin + self.chunk_start(j, n_tiles)
                         c_end = t_end
                         if j + 1 < n_chunks:
@@ -446,11 +440,11 @@ class DecodeAttention:
 
     @cute.jit
     def chunk_start(self, j, n_tiles):
-        """First tile (from the split's start) of chunk j >= 0 with uneven chunks: the first chunk
-        holds `first` tiles, the middle ones `chunk`, the last one `last` (0: what is left)."""
+        """First tile (from the split's start) of chunk j >= 0 with edge chunks: the first chunk
+        holds `edge` tiles, the middle ones `chunk`, the last one what is left of `edge`."""
         start = 0
         if j > 0:
-            start = cutlass.max(self.first, cutlass.min(self.first + (j - 1) * self.chunk, n_tiles - self.last))
+            start = cutlass.max(self.edge, cutlass.min(self.edge + (j - 1) * self.chunk, n_tiles - self.edge))
         return start
 
     @cute.jit
