@@ -5,9 +5,10 @@ heuristic default) and a kernel -- the streaming split-KV kernel when all query 
 fit one CTA (decode, short speculative windows), else the KV-chunk resident kernel (multi-token
 queries) -- and launches it and, when the context is split across CTAs, the combine kernel, on
 the current CUDA stream. Nothing is staged: the kernel
-reads host pages through their UVA addresses. Once a shape's kernels are compiled the op only
-allocates its small fp32 split workspace from torch's caching allocator, so it can be captured
-in a CUDA graph (the captured graph pins the pools' base addresses, which never move).
+reads host pages through their UVA addresses. Once a shape's kernels are compiled and its
+``q_lens`` seen (their device copy is kept), the op only allocates its fp32 split workspace from
+torch's caching allocator, so it can be captured in a CUDA graph (the captured graph pins the
+pools' base addresses, which never move).
 
 On a CPU-only machine the same call runs the float32 reference.
 """
@@ -44,6 +45,12 @@ def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor,
     key = (tuple(q_lens), str(device))
     cu_q = _CU_Q.get(key)
     if cu_q is None:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # A copy from pageable host memory cannot be captured (nor could a graph replay a
+            # temporary it frees).
+            raise RuntimeError(
+                f"paged_attention: q_lens {q_lens[:8]}{'...' if len(q_lens) > 8 else ''} first seen inside CUDA graph "
+                "capture; call once outside capture with the same q_lens first (their device copy is kept)")
         cu = [0]
         for x in q_lens:
             cu.append(cu[-1] + x)
@@ -56,7 +63,7 @@ def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor,
 # Device copies of the query offsets per distinct q_lens: a repeated shape (a fixed chunk size, a
 # speculative window) skips the per-call host-to-device copy, and a captured CUDA graph keeps
 # reading a live tensor. Entries are never evicted (a graph may hold one); past the cap, new
-# q_lens are copied per call.
+# q_lens are copied per call (and cannot be captured).
 _CU_Q: dict = {}
 _CU_Q_CAP = 4096
 

@@ -129,6 +129,12 @@ def test_query_offsets_are_cached_per_q_lens(monkeypatch):
     past, _ = ops._cu_seqlens([2, 2], 2, 4, "cpu")
     assert past.tolist() == [0, 2, 4] and len(ops._CU_Q) == 2
     assert ops._cu_seqlens([2, 2], 2, 4, "cpu")[0] is not past
+    # inside a CUDA graph capture only q_lens already seen can be used (no host copy is captured)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ops._cu_seqlens([3, 1, 4], 3, 8, "cpu")[0] is cu
+    with pytest.raises(RuntimeError, match="first seen inside CUDA graph capture"):
+        ops._cu_seqlens([1, 1, 6], 3, 8, "cpu")
 
 
 def test_tables_entry_needs_cuda(cache_and_q):
