@@ -104,6 +104,27 @@ def _baseline_dir(ns: argparse.Namespace):
     return ns.baseline_dir or BASELINE_DIR
 
 
+def _replay(ns: argparse.Namespace, args: dict) -> dict:
+    """A fresh run of the baseline's benches with its shapes and options: each bench with its own
+    arguments when the baseline merged separate runs (``per_bench``), else all with the same."""
+    import copy
+
+    from bench.common import merge_results
+
+    benches = list(args.get("benches", ["decode", "prefill"]))
+    per_bench = args.get("per_bench") or {}
+    groups = [[b] for b in benches] if per_bench else [benches]
+    docs = []
+    for group in groups:
+        run_ns = copy.copy(ns)
+        source = per_bench.get(group[0], args)
+        for key in REPLAYED_ARGS:  # replay the baseline's shapes and options
+            if key in source:
+                setattr(run_ns, key, source[key])
+        docs.append(_fresh_run(run_ns, group))
+    return docs[0] if len(docs) == 1 else merge_results("all", docs)
+
+
 def cmd_regress(ns: argparse.Namespace) -> int:
     from bench.common import env_info, load_json
     from bench.regress import compare, format_report, load_baseline
@@ -117,10 +138,7 @@ def cmd_regress(ns: argparse.Namespace) -> int:
         print(e, file=sys.stderr)
         return 2
     if fresh is None:
-        for key in REPLAYED_ARGS:  # replay the baseline's shapes and options
-            if key in baseline.get("args", {}):
-                setattr(ns, key, baseline["args"][key])
-        fresh = _fresh_run(ns, list(baseline.get("args", {}).get("benches", ["decode", "prefill"])))
+        fresh = _replay(ns, baseline.get("args", {}))
     report = compare(baseline, fresh, rtol=ns.rtol, atol=ns.atol, allow_missing=ns.allow_missing, min_ms=ns.min_ms)
     print(format_report(report, show_all=ns.show_all))
     return 0 if report.ok else 1

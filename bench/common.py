@@ -271,10 +271,25 @@ def add_check(doc: dict, shape: Shape, method: str, ok: bool, *, hbm_fraction: f
 
 
 def merge_results(bench: str, docs: Sequence[dict]) -> dict:
-    """One document holding the records of several runs that share a header and ceilings."""
+    """One document holding the records of several runs that share a header and ceilings. Its
+    ``args`` are the first run's, with ``benches`` listing every run's benches and ``per_bench``
+    each bench's own arguments (runs made separately may differ, e.g. in ``hbm_fractions``), so
+    that ``bench regress`` can replay each bench as it was run."""
     first = docs[0]
+    args = dict(first.get("args") or {})
+    benches: list[str] = []
+    per_bench: dict = {}
+    for doc in docs:
+        doc_args = doc.get("args") or {}
+        own = {k: v for k, v in doc_args.items() if k != "per_bench"}
+        for name in doc_args.get("benches") or [doc.get("bench")]:
+            if name not in benches:
+                benches.append(name)
+            per_bench.setdefault(name, (doc_args.get("per_bench") or {}).get(name, own))
+    if args:
+        args["benches"], args["per_bench"] = benches, per_bench
     out = new_results(bench, first["header"], Ceilings.from_dict(first["ceilings"]),
-                      ceiling_details=first.get("ceiling_details"), args=first.get("args"))
+                      ceiling_details=first.get("ceiling_details"), args=args)
     for doc in docs:
         out["passed"] = out["passed"] and bool(doc["passed"])
         for key in ("checks", "skipped", "missing", "records"):

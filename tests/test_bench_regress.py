@@ -219,3 +219,52 @@ def test_memcpy_ratio_gates_ours_when_the_other_ratios_are_noisy(tmp_path):
     report = compare(base, make_run(scale={1: 1 / 0.95}))
     flagged = {r.ratio for r in report.regressions}
     assert "frac_of_memcpy" in flagged and "speedup_vs_zero_copy" not in flagged
+
+
+def test_regress_replays_separately_made_runs_each_with_its_own_arguments(tmp_path, monkeypatch, capsys):
+    """A baseline merged from a decode run and a prefill run made with different options (here
+    ``hbm_fractions``) keeps each run's arguments, and ``bench regress`` replays each bench with
+    its own (it used to replay only the first run's bench, and every prefill record was missing)."""
+    import argparse
+
+    import bench.__main__ as cli
+    from bench.common import merge_results
+
+    full = make_run()
+
+    def part(bench, fractions):
+        doc = new_results(bench, HEADER, CEIL, args={"preset": "quick", "hbm_fractions": fractions,
+                                                     "benches": [bench]})
+        doc["records"] = [r for r in full["records"] if r["bench"] == bench]
+        doc["checks"] = [c for c in full["checks"] if c["bench"] == bench]
+        return doc
+
+    decode, prefill = part("decode", None), part("prefill", [0.0, 1.0])
+    merged = merge_results("all", [decode, prefill])
+    assert merged["args"]["benches"] == ["decode", "prefill"]
+    assert merged["args"]["per_bench"]["prefill"]["hbm_fractions"] == [0.0, 1.0]
+    assert merged["args"]["per_bench"]["decode"]["hbm_fractions"] is None
+    # merging a merged run again keeps the per-bench arguments
+    again = merge_results("all", [merged])
+    assert again["args"]["per_bench"] == merged["args"]["per_bench"]
+    bdir = tmp_path / "baselines"
+    assert main(["refresh", "--results", str(write_json(tmp_path / "m.json", merged)), "--baseline-dir", str(bdir)]) == 0
+
+    calls = []
+
+    def fake_fresh_run(ns: argparse.Namespace, benches):
+        calls.append((list(benches), ns.hbm_fractions))
+        return {"decode": decode, "prefill": prefill}[benches[0]]
+
+    monkeypatch.setattr(cli, "_fresh_run", fake_fresh_run)
+    monkeypatch.setattr("bench.common.env_info", lambda device: {"gpu_key": "NVIDIA_H200"})
+    assert main(["regress", "--baseline-dir", str(bdir), "--device", "cpu"]) == 0
+    assert calls == [(["decode"], None), (["prefill"], [0.0, 1.0])]
+    assert " 0 MISSING" in capsys.readouterr().out
+    # the old replay (the first run's arguments for every bench) would have missed the prefill records
+    calls.clear()
+    baseline = load_json(bdir / "NVIDIA_H200.json")
+    del baseline["args"]["per_bench"]
+    write_json(bdir / "NVIDIA_H200.json", baseline)
+    main(["regress", "--baseline-dir", str(bdir), "--device", "cpu"])
+    assert calls == [(["decode", "prefill"], None)]
