@@ -1,4 +1,4 @@
-"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline,plot}`` (also ``directkv-bench``).
+"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline,breakdown,plot}`` (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
                         tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
@@ -12,6 +12,8 @@ refresh                 make a run (``--results FILE`` or a fresh one) the basel
                         only if it passed every correctness check.
 timeline                per-CTA chunk and pass timeline of the multi-token kernel, from an
                         instrumented copy of the kernels (GPU; ``bench/timeline.py``).
+breakdown               the kernels and copies of one op call, their GPU times and the gaps
+                        between them, from torch.profiler (GPU; ``bench/breakdown.py``).
 plot                    PNG plots of a results JSON (``--results FILE``), for runs made where
                         matplotlib is missing; exit 2 if it cannot plot.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench.breakdown import add_arguments as add_breakdown_arguments
+from bench.breakdown import cmd_breakdown
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
@@ -49,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
 
     add_timeline_arguments(sub.add_parser("timeline", help="per-CTA chunk and pass timeline of the multi-token kernel"))
+    add_breakdown_arguments(sub.add_parser("breakdown", help="GPU time of each kernel and copy of one op call"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
     pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all")
@@ -188,7 +193,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
-            "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline,
+            "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
             "plot": cmd_plot}
 
 

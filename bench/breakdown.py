@@ -1,0 +1,162 @@
+"""Where one op call's GPU time goes, a GPU diagnostic: ``python -m bench breakdown``.
+
+End-to-end timings say how long a call takes; this says what the GPU did in it. The op runs on
+one shape (the same cache build as ``bench timeline``), first timed back to back with CUDA events,
+then a few calls under ``torch.profiler``: every kernel and copy it launched, with its median
+duration and the median idle gap before it, and the GPU span per call. Session 7 found the
+split combine's 19 µs and the per-call host-to-device copy of the query offsets this way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def build_shape(spec: dict):
+    """(cache, tables, q) for ``spec`` (context, q_len, hq, hkv, head_dim, page_size, dtype,
+    hbm_fraction): one sequence of random K/V appended from the GPU, the given fraction of its
+    pages moved to HBM."""
+    import torch
+
+    import directkv_cute as dk
+
+    hq, hkv, d, page, ctx, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "page_size", "context", "q_len"))
+    dtype = getattr(torch, spec["dtype"])
+    pages = math.ceil(ctx / page)
+    cache = dk.PagedKVCache(1, hkv, d, page, num_host_pages=pages + 1, num_hbm_pages=pages + 1, dtype=dtype)
+    sid = cache.add_sequence()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for s in range(0, ctx, 8192):
+        n = min(8192, ctx - s)
+        cache.append(sid, torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype),
+                     torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype))
+    if spec["hbm_fraction"]:
+        cache.set_hbm_fraction(sid, spec["hbm_fraction"])
+    q = torch.randn(ql, hq, d, generator=gen, device="cuda").to(dtype)
+    return cache, cache.kernel_tables([sid]), q
+
+
+def summarize_events(events: Sequence[tuple[float, float, str]], calls: int) -> dict:
+    """Per-activity statistics of ``calls`` back-to-back op calls from the GPU activities
+    ``(start_us, end_us, name)`` the profiler saw: for each name (in first-seen order) how many
+    ran, their median duration and the median idle time before each (since the previous
+    activity ended; the first activity has none), and the GPU span per call (first start to last
+    end, divided by ``calls``)."""
+    if calls < 1:
+        raise ValueError("calls must be >= 1")
+    evs = sorted(events)
+    if not evs:
+        return {"calls": calls, "span_us_per_call": 0.0, "activities": []}
+    stats: dict[str, dict] = {}
+    prev_end = None
+    for start, end, name in evs:
+        s = stats.setdefault(name, {"name": name, "dur": [], "gap": []})
+        s["dur"].append(end - start)
+        if prev_end is not None:
+            s["gap"].append(max(0.0, start - prev_end))
+        prev_end = end if prev_end is None else max(prev_end, end)
+    acts = [{"name": s["name"], "count": len(s["dur"]), "per_call": len(s["dur"]) / calls,
+             "median_us": statistics.median(s["dur"]),
+             "gap_before_median_us": statistics.median(s["gap"]) if s["gap"] else None} for s in stats.values()]
+    span = (max(e for _, e, _ in evs) - evs[0][0]) / calls
+    return {"calls": calls, "span_us_per_call": span, "activities": acts}
+
+
+def format_breakdown(res: dict) -> str:
+    lines = [f"config {res['config']}",
+             f"op {res['op_us']:.1f} us per call (median of 3 x {res['timed_calls']} back-to-back calls, CUDA events); "
+             f"GPU span {res['span_us_per_call']:.1f} us per call over {res['calls']} profiled calls",
+             f"{'activity':64s} {'per call':>8s} {'median us':>10s} {'gap before us':>14s}"]
+    for a in res["activities"]:
+        gap = "-" if a["gap_before_median_us"] is None else f"{a['gap_before_median_us']:.1f}"
+        lines.append(f"{a['name'][:64]:64s} {a['per_call']:8.2f} {a['median_us']:10.1f} {gap:>14s}")
+    return "\n".join(lines)
+
+
+def run_breakdown(spec: dict, calls: int = 10, timed_calls: int = 20) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import directkv_cute as dk
+    from directkv_cute.config import DecodeConfig
+
+    cache, tables, q = build_shape(spec)
+    cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else None
+    q_lens = [spec["q_len"]] if spec["q_len"] > 1 else None
+
+    def run():
+        return dk.paged_attention_tables(q, cache, 0, tables, q_lens, config=cfg)
+
+    # Warm up for at least 0.2 s (compiles, the profile table, and the GPU's clocks, which ramp up
+    # after an idle spell such as a compile), then the median of three timed samples.
+    start = time.perf_counter()
+    while True:
+        run()
+        torch.cuda.synchronize()
+        if time.perf_counter() - start > 0.2:
+            break
+    samples = []
+    for _ in range(3):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(timed_calls):
+            run()
+        e1.record()
+        torch.cuda.synchronize()
+        samples.append(e0.elapsed_time(e1) / timed_calls * 1e3)
+    op_us = statistics.median(samples)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    events = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    cache.close()
+    res = summarize_events(events, calls)
+    return {"config": spec["config"] or "profile or default", "op_us": op_us, "timed_calls": timed_calls, **res}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--q-len", type=int, default=512)
+    p.add_argument("--heads", default="32/8", help="Hq/Hkv")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
+    p.add_argument("--config", default=None, help="DecodeConfig as JSON (default: the profile or the default)")
+    p.add_argument("--calls", type=int, default=10, help="calls under the profiler")
+    p.add_argument("--json", default=None, help="also write the summary here")
+
+
+def cmd_breakdown(ns) -> int:
+    import torch
+
+    from directkv_cute.config import DecodeConfig
+
+    if not torch.cuda.is_available():
+        print("bench breakdown needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if ns.calls < 1:
+        print("--calls must be >= 1", file=sys.stderr)
+        return 2
+    hq, hkv = (int(x) for x in ns.heads.split("/"))
+    config = json.loads(ns.config) if ns.config else None
+    if config is not None:
+        DecodeConfig.from_dict(config)  # a bad config fails here, before anything is built
+    spec = dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
+                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config)
+    res = run_breakdown(spec, calls=ns.calls)
+    print(format_breakdown(res))
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(dict(spec=spec, **res), indent=1))
+    return 0
+
+
+__all__ = ["add_arguments", "build_shape", "cmd_breakdown", "format_breakdown", "run_breakdown", "summarize_events"]
