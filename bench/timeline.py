@@ -96,13 +96,24 @@ _PATCHES = (
 )
 
 
+# ``--skip-passes``: the consumers wait for each chunk and release it but run no pass over it (no
+# Q gather, no WGMMA, no partial traffic), so the timeline shows the link phase with idle
+# consumers, to set against a normal run (outputs are not computed).
+_SKIP_PASSES = ("the pass over a block",
+                """                        if j == 0 or t_stop > c_begin:
+""",
+                """                        if const_expr(False):  # bench timeline --skip-passes
+""")
+
+
 class InstrumentError(RuntimeError):
     """The kernel source no longer has a line the instrumentation is anchored on."""
 
 
-def instrument(dst: Path, src_pkg: Path | None = None) -> Path:
+def instrument(dst: Path, src_pkg: Path | None = None, skip_passes: bool = False) -> Path:
     """Copy the ``directkv_cute`` package (with ``tuning`` and ``profiles`` as its subpackages, as
-    installed) into ``dst`` and instrument the copy's multi-token kernel; returns ``dst``."""
+    installed) into ``dst`` and instrument the copy's multi-token kernel (``skip_passes``: and
+    take its passes out); returns ``dst``."""
     import directkv_cute
 
     src_pkg = Path(src_pkg or Path(directkv_cute.__file__).parent)
@@ -117,7 +128,7 @@ def instrument(dst: Path, src_pkg: Path | None = None) -> Path:
                 pass  # profiles are only needed for a lookup; the timeline always passes a config
     kernel = pkg / "kernels" / "decode.py"
     text = kernel.read_text()
-    for what, old, new in _PATCHES:
+    for what, old, new in _PATCHES + ((_SKIP_PASSES,) if skip_passes else ()):
         if text.count(old) != 1:
             raise InstrumentError(f"bench.timeline: the anchor at {what} is not (once) in {kernel.name}; "
                                   "update bench/timeline.py to the kernel's new code")
@@ -224,7 +235,7 @@ def child_env(environ=None) -> dict:
 def run_timeline(spec: dict, keep: Path | None = None) -> dict:
     """Instrument a copy, run the child on the GPU, return its summary dict."""
     with tempfile.TemporaryDirectory(prefix="dk-timeline-") as tmp:
-        root = instrument(Path(keep or tmp))
+        root = instrument(Path(keep or tmp), skip_passes=bool(spec.get("skip_passes")))
         script = root / "timeline_child.py"
         script.write_text(_CHILD)
         proc = subprocess.run([sys.executable, str(script), json.dumps(spec)], cwd=root, env=child_env(),
@@ -235,7 +246,9 @@ def run_timeline(spec: dict, keep: Path | None = None) -> dict:
 
 
 def format_timeline(res: dict) -> str:
-    lines = [f"config {res['config']}", f"op {res['op_ms']:.3f} ms (10 back-to-back calls); {res['ctas']} CTAs; "
+    lines = [f"config {res['config']}" + (" (passes skipped: link phase only, outputs not computed)"
+                                          if res.get("skip_passes") else ""),
+             f"op {res['op_ms']:.3f} ms (10 back-to-back calls); {res['ctas']} CTAs; "
              f"kernel span {res['span_us']:.0f} us (first CTA start to last chunk done)",
              "chunk  ctas   landed min/med/max (us)        done min/med/max (us)       busy med (us)"]
     for c in res["chunks"]:
@@ -257,6 +270,8 @@ def add_arguments(p) -> None:
     p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
     p.add_argument("--config", default=None, help="DecodeConfig as JSON (default: the multi-token default)")
     p.add_argument("--chunk", type=int, default=2, help="the chunk whose passes are stamped")
+    p.add_argument("--skip-passes", action="store_true",
+                   help="consumers run no pass (the link phase alone, to set against a normal run)")
     p.add_argument("--json", default=None, help="also write the summary here")
 
 
@@ -273,8 +288,9 @@ def cmd_timeline(ns) -> int:
     if config is not None:
         DecodeConfig.from_dict(config)  # a bad config fails here, before anything is built
     spec = dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
-                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, chunk=ns.chunk)
-    res = run_timeline(spec)
+                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, chunk=ns.chunk,
+                skip_passes=bool(ns.skip_passes))
+    res = run_timeline(spec) | {"skip_passes": bool(ns.skip_passes)}
     print(format_timeline(res))
     if ns.json:
         Path(ns.json).write_text(json.dumps(dict(spec=spec, **res), indent=1))

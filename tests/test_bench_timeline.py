@@ -36,6 +36,20 @@ def test_instrumented_kernel_compiles_with_timer_reads(tmp_path, rows, cluster):
     assert "%globaltimer" in ptx
 
 
+def test_skipped_passes_leave_the_link_phase_only(tmp_path):
+    """``--skip-passes``: the instrumented copy's consumers still wait for and release every
+    chunk (its stamps remain) but run no pass, so the kernel has no WGMMA; the cluster default
+    compiles that way."""
+    root = instrument(tmp_path / "copy", skip_passes=True)
+    decode = (root / "directkv_cute" / "kernels" / "decode.py").read_text()
+    assert "if const_expr(False):  # bench timeline --skip-passes" in decode
+    assert "if j == 0 or t_stop > c_begin:" not in decode
+    script = _COMPILE.format(root=str(root), rows=4096, cluster=2)
+    ptx = dumped_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
+    assert "%globaltimer" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "wgmma.mma_async" not in ptx
+
+
 def test_a_moved_anchor_is_named(tmp_path):
     import directkv_cute
 
@@ -57,6 +71,7 @@ def test_summary_table_and_cpu_refusal(capsys):
            "passes": {"wgmma": {"n": 2048, "median_us": 2.82, "p90_us": 11.52}}}
     text = format_timeline(res)
     assert "kernel span 2969 us" in text and "  328.2" in text and "p90  11.52 us" in text
+    assert "passes skipped" not in text and "passes skipped" in format_timeline(res | {"skip_passes": True})
     if not __import__("torch").cuda.is_available():
         assert main(["timeline", "--context", "4096"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
