@@ -21,7 +21,7 @@ from pathlib import Path
 def build_shape(spec: dict):
     """(cache, tables, q) for ``spec`` (context, q_len, hq, hkv, head_dim, page_size, dtype,
     hbm_fraction): one sequence of random K/V appended from the GPU, the given fraction of its
-    pages moved to HBM."""
+    pages moved to HBM. ``bench timeline``'s child builds its shape with it too."""
     import torch
 
     import directkv_cute as dk
@@ -122,36 +122,49 @@ def run_breakdown(spec: dict, calls: int = 10, timed_calls: int = 20) -> dict:
     return {"config": spec["config"] or "profile or default", "op_us": op_us, "timed_calls": timed_calls, **res}
 
 
-def add_arguments(p) -> None:
-    p.add_argument("--context", type=int, default=8192)
+def add_shape_arguments(p, context: int, config_help: str) -> None:
+    """The shape and config options of the one-shape GPU diagnostics (breakdown, timeline)."""
+    p.add_argument("--context", type=int, default=context)
     p.add_argument("--q-len", type=int, default=512)
     p.add_argument("--heads", default="32/8", help="Hq/Hkv")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
-    p.add_argument("--config", default=None, help="DecodeConfig as JSON (default: the profile or the default)")
-    p.add_argument("--calls", type=int, default=10, help="calls under the profiler")
+    p.add_argument("--config", default=None, help=f"DecodeConfig as JSON (default: {config_help})")
     p.add_argument("--json", default=None, help="also write the summary here")
 
 
-def cmd_breakdown(ns) -> int:
+def shape_spec(ns, command: str) -> dict | None:
+    """The spec of ``ns``'s shape, or None (with the reason on stderr) without a GPU; a bad
+    config raises here, before anything is built."""
     import torch
 
     from directkv_cute.config import DecodeConfig
 
     if not torch.cuda.is_available():
-        print("bench breakdown needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if ns.calls < 1:
-        print("--calls must be >= 1", file=sys.stderr)
-        return 2
+        print(f"bench {command} needs a CUDA GPU", file=sys.stderr)
+        return None
     hq, hkv = (int(x) for x in ns.heads.split("/"))
     config = json.loads(ns.config) if ns.config else None
     if config is not None:
-        DecodeConfig.from_dict(config)  # a bad config fails here, before anything is built
-    spec = dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
+        DecodeConfig.from_dict(config)
+    return dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
                 dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config)
+
+
+def add_arguments(p) -> None:
+    add_shape_arguments(p, 8192, "the profile or the default")
+    p.add_argument("--calls", type=int, default=10, help="calls under the profiler")
+
+
+def cmd_breakdown(ns) -> int:
+    if ns.calls < 1:
+        print("--calls must be >= 1", file=sys.stderr)
+        return 2
+    spec = shape_spec(ns, "breakdown")
+    if spec is None:
+        return 2
     res = run_breakdown(spec, calls=ns.calls)
     print(format_breakdown(res))
     if ns.json:
@@ -159,4 +172,5 @@ def cmd_breakdown(ns) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "build_shape", "cmd_breakdown", "format_breakdown", "run_breakdown", "summarize_events"]
+__all__ = ["add_arguments", "add_shape_arguments", "build_shape", "cmd_breakdown", "format_breakdown", "run_breakdown",
+           "shape_spec", "summarize_events"]

@@ -138,7 +138,7 @@ def instrument(dst: Path, src_pkg: Path | None = None, skip_passes: bool = False
 
 
 _CHILD = r'''
-import json, math, sys
+import json, sys
 import torch
 from bench.timeline import SLOTS
 
@@ -151,21 +151,11 @@ os.environ["DIRECTKV_DISK_CACHE"] = "0"  # the address is part of the code
 import directkv_cute as dk
 from directkv_cute.config import DecodeConfig, default_prefill_config
 
-hq, hkv, d, page, ctx, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "page_size", "context", "q_len"))
-dtype = getattr(torch, spec["dtype"])
+from bench.breakdown import build_shape
+
+hq, hkv, d, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "q_len"))
 cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else default_prefill_config(d, ql * hq // hkv)
-pages = math.ceil(ctx / page)
-cache = dk.PagedKVCache(1, hkv, d, page, num_host_pages=pages + 1, num_hbm_pages=pages + 1, dtype=dtype)
-sid = cache.add_sequence()
-gen = torch.Generator(device="cuda").manual_seed(0)
-for s in range(0, ctx, 8192):
-    n = min(8192, ctx - s)
-    cache.append(sid, torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype),
-                 torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype))
-if spec["hbm_fraction"]:
-    cache.set_hbm_fraction(sid, spec["hbm_fraction"])
-q = torch.randn(ql, hq, d, generator=gen, device="cuda").to(dtype)
-tables = cache.kernel_tables([sid])
+cache, tables, q = build_shape(spec)
 run = lambda: dk.paged_attention_tables(q, cache, 0, tables, [ql], config=cfg)
 for _ in range(3):
     run()
@@ -261,35 +251,21 @@ def format_timeline(res: dict) -> str:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--context", type=int, default=32768)
-    p.add_argument("--q-len", type=int, default=512)
-    p.add_argument("--heads", default="32/8", help="Hq/Hkv")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
-    p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
-    p.add_argument("--config", default=None, help="DecodeConfig as JSON (default: the multi-token default)")
+    from bench.breakdown import add_shape_arguments
+
+    add_shape_arguments(p, 32768, "the multi-token default")
     p.add_argument("--chunk", type=int, default=2, help="the chunk whose passes are stamped")
     p.add_argument("--skip-passes", action="store_true",
                    help="consumers run no pass (the link phase alone, to set against a normal run)")
-    p.add_argument("--json", default=None, help="also write the summary here")
 
 
 def cmd_timeline(ns) -> int:
-    import torch
+    from bench.breakdown import shape_spec
 
-    from directkv_cute.config import DecodeConfig
-
-    if not torch.cuda.is_available():
-        print("bench timeline needs a CUDA GPU", file=sys.stderr)
+    spec = shape_spec(ns, "timeline")
+    if spec is None:
         return 2
-    hq, hkv = (int(x) for x in ns.heads.split("/"))
-    config = json.loads(ns.config) if ns.config else None
-    if config is not None:
-        DecodeConfig.from_dict(config)  # a bad config fails here, before anything is built
-    spec = dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
-                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, chunk=ns.chunk,
-                skip_passes=bool(ns.skip_passes))
+    spec.update(chunk=ns.chunk, skip_passes=bool(ns.skip_passes))
     res = run_timeline(spec) | {"skip_passes": bool(ns.skip_passes)}
     print(format_timeline(res))
     if ns.json:

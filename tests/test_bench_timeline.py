@@ -50,6 +50,15 @@ def test_skipped_passes_leave_the_link_phase_only(tmp_path):
     assert "wgmma.mma_async" not in ptx
 
 
+def test_child_script_builds_its_shape_with_the_breakdowns_helper():
+    """The GPU child (run by ``bench timeline``) is valid Python and builds its cache with
+    ``bench.breakdown.build_shape``, the same shape as ``bench breakdown``."""
+    from bench import timeline
+
+    compile(timeline._CHILD, "timeline_child.py", "exec")
+    assert "cache, tables, q = build_shape(spec)" in timeline._CHILD
+
+
 def test_a_moved_anchor_is_named(tmp_path):
     import directkv_cute
 
