@@ -16,6 +16,7 @@ On a CPU-only machine the same call runs the float32 reference.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Sequence
@@ -28,55 +29,43 @@ _ALIGN = 16
 
 
 def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor, int]:
-    """(cu_q int32 (B + 1,) on device, max_q_len) from per-sequence query lengths."""
+    """(cu_q int32 (B + 1,) on device, max_q_len) from per-sequence query lengths (default 1)."""
     if q_lens is None:
         if total_q != batch:
             raise ValueError(f"q has {total_q} rows but there are {batch} sequences and no q_lens")
-        return _arange_cache(batch + 1, device), 1
-    if isinstance(q_lens, torch.Tensor):
-        q_lens = q_lens.tolist()
-    q_lens = [int(x) for x in q_lens]
-    if len(q_lens) != batch:
-        raise ValueError(f"q_lens has {len(q_lens)} entries for {batch} sequences")
-    if not all(x >= 1 for x in q_lens):
-        raise ValueError("every q_len must be >= 1")
-    if sum(q_lens) != total_q:
-        raise ValueError(f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
-    key = (tuple(q_lens), str(device))
+        q_lens = (1,) * batch
+    else:
+        if isinstance(q_lens, torch.Tensor):
+            q_lens = q_lens.tolist()
+        q_lens = tuple(int(x) for x in q_lens)
+        if len(q_lens) != batch:
+            raise ValueError(f"q_lens has {len(q_lens)} entries for {batch} sequences")
+        if not all(x >= 1 for x in q_lens):
+            raise ValueError("every q_len must be >= 1")
+        if sum(q_lens) != total_q:
+            raise ValueError(f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
+    key = (q_lens, str(device))
     cu_q = _CU_Q.get(key)
     if cu_q is None:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            # A copy from pageable host memory cannot be captured (nor could a graph replay a
-            # temporary it frees).
+            # A copy from pageable host memory cannot be captured, and a tensor allocated inside
+            # the capture would belong to the graph's private pool.
             raise RuntimeError(
-                f"paged_attention: q_lens {q_lens[:8]}{'...' if len(q_lens) > 8 else ''} first seen inside CUDA graph "
-                "capture; call once outside capture with the same q_lens first (their device copy is kept)")
-        cu = [0]
-        for x in q_lens:
-            cu.append(cu[-1] + x)
-        cu_q = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+                f"paged_attention: q_lens {list(q_lens[:8])}{'...' if len(q_lens) > 8 else ''} first seen inside "
+                "CUDA graph capture; call once outside capture with the same q_lens first (their device copy is kept)")
+        cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32).to(device, non_blocking=True)
         if len(_CU_Q) < _CU_Q_CAP:
             _CU_Q[key] = cu_q
     return cu_q, max(q_lens)
 
 
-# Device copies of the query offsets per distinct q_lens: a repeated shape (a fixed chunk size, a
-# speculative window) skips the per-call host-to-device copy, and a captured CUDA graph keeps
-# reading a live tensor. Entries are never evicted (a graph may hold one); past the cap, new
-# q_lens are copied per call (and cannot be captured).
+# Device copies of the query offsets per distinct q_lens (decode: one per batch size): a repeated
+# shape (a fixed chunk size, a speculative window, a decode batch) skips the per-call
+# host-to-device copy, and a captured CUDA graph keeps reading a live tensor. Entries are never
+# evicted (a graph may hold one); past the cap, new q_lens are copied per call (and cannot be
+# captured).
 _CU_Q: dict = {}
 _CU_Q_CAP = 4096
-
-
-_ARANGE: dict = {}
-
-
-def _arange_cache(n: int, device) -> torch.Tensor:
-    key = (n, str(device))
-    t = _ARANGE.get(key)
-    if t is None:
-        t = _ARANGE[key] = torch.arange(n, dtype=torch.int32, device=device)
-    return t
 
 
 @functools.lru_cache(maxsize=None)

@@ -133,35 +133,15 @@ def test_random_shapes(seed):
     _run(lens, q_lens, hkv * group, hkv, d, page, dtype, hbm, cfg, seed=seed, placement="strided")
 
 
-def test_cuda_graph_replay():
-    """Captured once, replayed with new queries and appended tokens' tables: same answers."""
+@pytest.mark.parametrize("q_lens", [None, [300, 77]])
+def test_cuda_graph_replay(q_lens):
+    """Captured once after an eager call with the same shapes, replayed with new queries: same
+    answers, for decode (one query per sequence) and for the multi-token kernel (ragged q_lens,
+    split partials and the combine). New q_lens inside a capture are refused with a clear error."""
     dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
     cache, ids, ks, vs, layer = _build([3000, 1200], hkv, d, 64, dtype)
     tables = cache.kernel_tables(ids)
-    q = torch.randn(2, hq, d, device="cuda").to(dtype)
-    out = torch.empty_like(q)
-    paged_attention_tables(q, cache, layer, tables, out=out, max_seq_len=3000)  # compile outside capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _, lse = paged_attention_tables(q, cache, layer, tables, out=out, max_seq_len=3000, return_lse=True)
-    for _ in range(2):
-        q.copy_(torch.randn_like(q))
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        _check(out, lse, q, ks, vs, None, dtype)
-
-
-def test_cuda_graph_replay_multi_token():
-    """The multi-token kernel (ragged q_lens, split partials and the combine) captured after one
-    eager call with the same q_lens, replayed with new queries: same answers. New q_lens inside
-    the capture are refused with a clear error."""
-    dtype, hq, hkv, d = torch.bfloat16, 32, 8, 128
-    cache, ids, ks, vs, layer = _build([3000, 1200], hkv, d, 64, dtype)
-    tables = cache.kernel_tables(ids)
-    q_lens = [300, 77]
-    q = torch.randn(sum(q_lens), hq, d, device="cuda").to(dtype)
+    q = torch.randn(sum(q_lens) if q_lens else 2, hq, d, device="cuda").to(dtype)
     out = torch.empty_like(q)
     paged_attention_tables(q, cache, layer, tables, q_lens, out=out, max_seq_len=3000)  # compile outside capture
     torch.cuda.synchronize()
@@ -174,10 +154,11 @@ def test_cuda_graph_replay_multi_token():
         graph.replay()
         torch.cuda.synchronize()
         _check(out, lse, q, ks, vs, q_lens, dtype)
-    with pytest.raises(RuntimeError, match="first seen inside CUDA graph capture"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            paged_attention_tables(q, cache, layer, tables, [299, 78], out=out, max_seq_len=3000)
-    torch.cuda.synchronize()
+    if q_lens:
+        with pytest.raises(RuntimeError, match="first seen inside CUDA graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                paged_attention_tables(q, cache, layer, tables, [299, 78], out=out, max_seq_len=3000)
+        torch.cuda.synchronize()
     cache.close()
 
 

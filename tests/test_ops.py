@@ -116,8 +116,8 @@ def test_q_lens_validation(q_lens, total, msg):
 
 def test_query_offsets_are_cached_per_q_lens(monkeypatch):
     """Query offsets: cumulative sums, the longest q_len, one device tensor per distinct q_lens
-    (reused, so a repeated shape skips the copy); past the cap new q_lens are still right but
-    not kept."""
+    (decode's ones included; reused, so a repeated shape skips the copy); past the cap new q_lens
+    are still right but not kept."""
     monkeypatch.setattr(ops, "_CU_Q", {})
     cu, mx = ops._cu_seqlens([3, 1, 4], 3, 8, "cpu")
     assert cu.tolist() == [0, 3, 4, 8] and cu.dtype == torch.int32 and mx == 4
@@ -125,9 +125,12 @@ def test_query_offsets_are_cached_per_q_lens(monkeypatch):
     assert again is cu
     other, mx = ops._cu_seqlens([4, 1, 3], 3, 8, "cpu")
     assert other.tolist() == [0, 4, 5, 8] and other is not cu and mx == 4
-    monkeypatch.setattr(ops, "_CU_Q_CAP", 2)
+    # decode (no q_lens): one query per sequence, the same cache as q_lens of ones
+    ones, mx = ops._cu_seqlens(None, 3, 3, "cpu")
+    assert ones.tolist() == [0, 1, 2, 3] and mx == 1 and ops._cu_seqlens([1, 1, 1], 3, 3, "cpu")[0] is ones
+    monkeypatch.setattr(ops, "_CU_Q_CAP", len(ops._CU_Q))  # full
     past, _ = ops._cu_seqlens([2, 2], 2, 4, "cpu")
-    assert past.tolist() == [0, 2, 4] and len(ops._CU_Q) == 2
+    assert past.tolist() == [0, 2, 4] and len(ops._CU_Q) == ops._CU_Q_CAP
     assert ops._cu_seqlens([2, 2], 2, 4, "cpu")[0] is not past
     # inside a CUDA graph capture only q_lens already seen can be used (no host copy is captured)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
