@@ -70,7 +70,9 @@ class DecodeConfig:
                    requests never queue far beyond what the link needs (bandwidth x round trip)
                    and the consumers' HBM traffic is not stuck behind them. Needs
                    ``max_inflight == 1`` (a producer reports each tile's landing before taking
-                   its next ticket, so no spinning producer holds a credit).
+                   its next ticket, so no spinning producer holds a credit). In a cluster the
+                   rank-0 CTA takes each tile's ticket for all of them and signals the peers,
+                   which take none (a ticket never waits on another ticket holder's boxes).
     """
 
     tile_n: int = 64
@@ -171,10 +173,6 @@ class DecodeConfig:
             out.append(f"q_cluster {self.q_cluster} must be 0 (off), 2 or 4")
         elif self.q_cluster and self.resident_occupancy(head_dim, elem_bytes) != 1:
             out.append("q_cluster needs one CTA per SM (ctas_per_sm 1 or a config that fits only one)")
-        elif self.q_cluster and self.link_credits:
-            # A producer holding a credit waits for its tile to land, which needs the boxes of its
-            # cluster peers, whose producers may be waiting for credits: a cycle.
-            out.append("q_cluster cannot be combined with link_credits (a credit would wait on the peers' boxes)")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
         elif self.consumer_wgs == 3 and self.tile_n > 64:

@@ -224,6 +224,12 @@ def test_bad_inputs_raise_before_launch():
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, chunk_tiles=4, max_inflight=1, q_regs=1,
                      q_cluster=2),
         DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, num_splits=3, q_cluster=2),
+        # clusters under link admission: rank 0 admits each tile and signals its peers (one credit
+        # on the whole GPU: every tile waits for the previous one to land)
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, chunk_tiles=4, max_inflight=1, q_regs=1,
+                     q_cluster=2, link_credits=16),
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, max_inflight=1, num_splits=3,
+                     q_cluster=4, link_credits=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1, chunk_tiles=1, max_inflight=1,
                      q_cluster=4),
     ],
@@ -283,6 +289,12 @@ def test_link_tickets_balance():
     assert 0 < tickets([3333, 900], [700, 129], 0.5, walk) < tiles([3333, 900])
     decode = DecodeConfig(tile_n=64, stages=4, max_inflight=1, link_credits=2, num_splits=3)
     assert tickets([2049, 300], [1, 1], 0.0, decode) == tiles([2049, 300])
+    # clusters: rank 0 takes one ticket per host tile for the whole cluster (its peers none)
+    for c in (2, 4):
+        cluster = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4,
+                               max_inflight=1, q_regs=1, q_cluster=c, link_credits=4)
+        assert tickets([3333, 900], [700, 129], 0.0, cluster) == tiles([3333, 900])
+        assert 0 < tickets([3333, 900], [700, 129], 0.5, cluster) < tiles([3333, 900])
 
 
 @pytest.mark.gpu

@@ -144,6 +144,11 @@ def test_cache_key_covers_codegen_fields():
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_cluster=4),
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=4),  # four CTAs: the page pieces are halved into four boxes
+        # clusters under link admission (rank 0 admits each tile and signals its peers)
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
+                     q_regs=1, q_cluster=2, link_credits=16),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
+                     q_cluster=4, link_credits=8),
     ],
 )
 def test_resident_variants_compile(cfg):
@@ -309,3 +314,21 @@ def test_cluster_multicast_ptx(tmp_path):
     assert head(plain).count("elect.sync") == head(cluster).count("elect.sync")
     assert "barrier.cluster" not in plain and "barrier.cluster.wait" in cluster
     assert "mapa" not in plain and "mapa" in cluster  # remote arrives on the peers' empty barriers
+
+
+def test_cluster_link_admission_ptx(tmp_path):
+    """Clusters under link admission: one ticket (atomic add) per tile, taken by rank 0, which then
+    arrives on its peers' admit barrier in their SMEM (one remote arrive per peer, from one lane);
+    the peers wait on their own admit barrier. Without link credits a cluster kernel has none of
+    that."""
+    plain = _prefill_ptx(tmp_path / "a", "q_cluster=2, link_credits=0")
+    two = _prefill_ptx(tmp_path / "b", "q_cluster=2, link_credits=16")
+    four = _prefill_ptx(tmp_path / "c", "q_cluster=4, link_credits=16")
+    remote = lambda ptx: ptx.count("mbarrier.arrive.shared::cluster")  # noqa: E731
+    tickets = lambda ptx: ptx.count("atom.global.add")  # noqa: E731
+    assert tickets(plain) == 0 and tickets(two) == 1 and tickets(four) == 1
+    # the consumers' stage release to the peers is there in all three; the admit signal adds one
+    # arrive per peer
+    assert remote(two) == remote(plain) + 1 and remote(four) == remote(plain) + 3
+    waits = lambda ptx: ptx.count("mbarrier.try_wait.parity")  # noqa: E731
+    assert waits(two) > waits(plain)  # the peers' admit wait (and the last ticketed tile's landing)

@@ -240,8 +240,9 @@ def test_chunk_bounds_partition_the_split(chunk, edge):
 
 
 def test_cluster_config_rules_and_splits():
-    """q_cluster: 0, 2 or 4 CTAs; one CTA per SM; not with link_credits; and the automatic split
-    count leaves room for the whole cluster."""
+    """q_cluster: 0, 2 or 4 CTAs; one CTA per SM; with link_credits (rank 0 admits each tile for
+    the cluster) under the same one-tile-in-flight rule; and the automatic split count leaves room
+    for the whole cluster."""
     from directkv_cute.config import ConfigError
 
     base = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, q_regs=1)
@@ -255,7 +256,9 @@ def test_cluster_config_rules_and_splits():
     # four CTAs over 64-token tiles of 64-token pages: the kernel halves the boxes (4 of 32 rows)
     for page in (16, 32, 64, 128):
         assert dataclasses.replace(base, q_cluster=4).is_legal(128, page)
-    assert "link_credits" in " ".join(dataclasses.replace(base, q_cluster=2, max_inflight=1, link_credits=8).problems(128))
+    for c in (2, 4):
+        assert dataclasses.replace(base, q_cluster=c, max_inflight=1, link_credits=16).is_legal(128, 64)
+        assert "needs max_inflight 1" in " ".join(dataclasses.replace(base, q_cluster=c, link_credits=16).problems(128))
     two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2, chunk_tiles=2, q_cluster=2)
     assert two.resident_occupancy(128) == 2 and "one CTA per SM" in " ".join(two.problems(128, 64))
     # 8k tokens, 8 KV heads, 132 SMs: 16 splits per head alone, 8 clusters of two

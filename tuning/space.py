@@ -27,7 +27,7 @@ from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, defaul
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 7  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4
+SPACE_RULES_VERSION = 8  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4; 8: q_cluster with link_credits
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -389,6 +389,8 @@ class PrefillSpace(KernelSpace):
             # half the passes per chunk and half the splits
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
+            # ... under link admission (rank 0 of each cluster admits its tiles)
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1, q_cluster=2),
         )
         return [DecodeConfig(**{**base, **p}) for p in picks]
 

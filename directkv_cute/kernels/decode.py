@@ -21,7 +21,10 @@ the split's fp32 partial (normalised O and LSE, reloaded by the thread that stor
 Link admission (``link_credits``): the producer takes a ticket from a device-wide counter pair
 before it issues a tile that reads host pages and reports the tile once it has landed, so at
 most ``link_credits`` host tiles are in flight on the GPU; the consumers' HBM traffic (Q rows,
-partials) does not queue behind a backlog of host requests.
+partials) does not queue behind a backlog of host requests. In a cluster the rank-0 CTA takes
+the tile's ticket and, once admitted, arrives on an ``admit`` mbarrier in each peer's SMEM; the
+peers wait on it before they issue their boxes and take no tickets, so no CTA holding a ticket
+ever waits for another's.
 
 Multi-token options: ``edge_tiles`` shortens each CTA's first and last chunk
 (``config.chunk_bounds``); ``q_regs`` keeps a pass's Q rows in registers (Q K^T with A from
@@ -98,6 +101,9 @@ class DecodeAttention:
         self.max_inflight = cfg.max_inflight
         self.link_credits = cfg.link_credits
         assert not cfg.link_credits or cfg.max_inflight == 1, "link_credits needs max_inflight == 1"
+        # Clusters under link admission: rank 0 admits each host tile for the whole cluster and
+        # signals the peers through one more mbarrier (after the ring's 2 x stages).
+        self.cluster_admit = self.cluster > 1 and cfg.link_credits > 0
         self.occupancy = cfg.resident_occupancy(head_dim) if resident else 1  # 16-bit dtypes only
         self.num_threads = cfg.num_threads
         self.carveout = cfg.carveout
@@ -179,16 +185,18 @@ class DecodeAttention:
         )
         stage_bytes = 2 * cute.size_in_bytes(dt, cute.select(sKV_layout, mode=[0, 1]))
 
+        n_mbar = 2 * self.stages + (1 if self.cluster_admit else 0)
+
         @cute.struct
         class SharedStorageQ:
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar: cute.struct.MemRange[cutlass.Int64, n_mbar]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
 
         @cute.struct
         class SharedStorageNoQ:  # q_regs: the ring only
-            mbar: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            mbar: cute.struct.MemRange[cutlass.Int64, n_mbar]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
 
@@ -278,6 +286,12 @@ class DecodeAttention:
             mcast_mode_mn=(0, 1),
             defer_sync=True,
         )
+        admit = None  # cluster_admit: rank 0's per-tile signal to this CTA's producer
+        if const_expr(self.cluster_admit):
+            admit = storage.mbar.data_ptr() + 2 * self.stages
+            if tidx == 0:
+                cute.arch.mbarrier_init(admit, 1)
+            cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
 
@@ -287,7 +301,7 @@ class DecodeAttention:
             if warp_idx == 0:
                 self.load(
                     kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
-                    layer, t_begin, t_end, n_pages, rank,
+                    layer, t_begin, t_end, n_pages, rank, admit,
                 )
         else:
             # ---------------- consumer warpgroups -------------------------------------------
@@ -501,7 +515,7 @@ class DecodeAttention:
     # ------------------------------------------------------------------------------------
     @cute.jit
     def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, b, kvh, num_kv_heads, num_layers,
-             layer, t_begin, t_end, n_pages, rank):
+             layer, t_begin, t_end, n_pages, rank, admit):
         """Producer: warp 0 walks the CTA's tiles (the pipeline and each TMA copy elect one lane).
         With q_cluster the CTAs of the cluster take turns over a tile's boxes (K and V of each
         page piece): each box is issued by one of them and multicast to all, so every row of
@@ -525,12 +539,12 @@ class DecodeAttention:
         # come: the first cluster kernel hung there on the H200.)
         self.load_tiles(
             kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
-            t_begin, t_end, n_pages, rank,
+            t_begin, t_end, n_pages, rank, admit,
         )
 
     @cute.jit
     def load_tiles(self, kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers,
-                   layer, t_begin, t_end, n_pages, rank):
+                   layer, t_begin, t_end, n_pages, rank, admit):
         """The producer's walk over the CTA's tiles (see ``load``)."""
         rows = self.copy_rows
         blocks_per_page = self.page_size // rows
@@ -542,7 +556,12 @@ class DecodeAttention:
         # link_credits (which implies max_inflight == 1): a tile that reads host pages takes a
         # device-wide ticket before it is issued; ``held`` remembers whether the tile in flight
         # holds one, reported once it lands. Tiles wholly in HBM leave the link counters alone.
+        # In a cluster only rank 0 takes and reports tickets; each peer waits for rank 0's signal
+        # on its ``admit`` barrier (phase ``admit_phase``) before issuing a host tile's boxes.
+        # Rank 0 signals tile t + 1 only after tile t has landed, which needed every peer's boxes
+        # of tile t, so a peer never has two signals pending.
         held = Int32(0)
+        admit_phase = Int32(0)
         for t in cutlass.range(t_begin, t_end, unroll=1):
             if const_expr(self.max_inflight > 0):
                 if t - t_begin >= self.max_inflight:
@@ -550,7 +569,7 @@ class DecodeAttention:
                     landed.advance()
                     if const_expr(self.link_credits > 0):
                         if held != 0:
-                            self.link_landed(mLink)
+                            self.link_report(mLink, rank)
             kv_pipe.producer_acquire(prod_state)
             if const_expr(self.link_credits > 0):
                 held = Int32(0)
@@ -560,7 +579,17 @@ class DecodeAttention:
                         if mPT[b, slot] >= 0:
                             held = Int32(1)
                 if held != 0:
-                    self.link_admit(mLink)
+                    if const_expr(self.cluster_admit):
+                        if rank == 0:
+                            self.link_admit(mLink)
+                            if cute.arch.lane_idx() == 0:
+                                for peer in cutlass.range_constexpr(1, self.cluster):
+                                    cute.arch.mbarrier_arrive(admit, peer_cta_rank_in_cluster=peer)
+                        else:
+                            cute.arch.mbarrier_wait(admit, admit_phase)
+                            admit_phase = admit_phase ^ 1
+                    else:
+                        self.link_admit(mLink)
             bar = kv_pipe.producer_get_barrier(prod_state)
             stage = prod_state.index
             for c in cutlass.range_constexpr(self.copies):
@@ -586,7 +615,7 @@ class DecodeAttention:
             # device-wide counters balance again when the launch ends.
             if held != 0:
                 kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
-                self.link_landed(mLink)
+                self.link_report(mLink, rank)
         if const_expr(not self.resident):
             kv_pipe.producer_tail(prod_state)
 
@@ -615,6 +644,15 @@ class DecodeAttention:
             # About one tile's link time per ticket ahead, capped: few polls of one L2 line.
             nanosleep(cutlass.min(ticket - landed - self.link_credits + 1, 8) * 256)
             landed = cute.arch.shuffle_sync(cute.arch.load(mLink.iterator + 1, Int32, sem="relaxed", scope="gpu"), 0)
+
+    @cute.jit
+    def link_report(self, mLink, rank):
+        """Report a ticketed tile as landed: in a cluster only rank 0 took the ticket."""
+        if const_expr(self.cluster_admit):
+            if rank == 0:
+                self.link_landed(mLink)
+        else:
+            self.link_landed(mLink)
 
     @cute.jit
     def link_landed(self, mLink):
