@@ -537,16 +537,6 @@ class DecodeAttention:
         # The whole warp walks the tiles: the pipeline's arrive and every TMA copy elect their own
         # lane. (An elect.sync from inside an already elected lane waits for lanes that never
         # come: the first cluster kernel hung there on the H200.)
-        self.load_tiles(
-            kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers, layer,
-            t_begin, t_end, n_pages, rank, admit,
-        )
-
-    @cute.jit
-    def load_tiles(self, kv_pipe, tma_h, tma_d, tGh, tSh, tSVh, tGd, mPT, mLink, b, kvh, num_kv_heads, num_layers,
-                   layer, t_begin, t_end, n_pages, rank, admit):
-        """The producer's walk over the CTA's tiles (see ``load``)."""
-        rows = self.copy_rows
         blocks_per_page = self.page_size // rows
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # With max_inflight, tile t is issued only once tile t - max_inflight has landed (its full
