@@ -101,15 +101,11 @@ def run_breakdown(spec: dict, calls: int = 10, timed_calls: int = 20) -> dict:
         torch.cuda.synchronize()
         if time.perf_counter() - start > 0.2:
             break
-    samples = []
-    for _ in range(3):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(timed_calls):
-            run()
-        e1.record()
-        torch.cuda.synchronize()
-        samples.append(e0.elapsed_time(e1) / timed_calls * 1e3)
+    from bench.common import Timer
+
+    timer = Timer("cuda")  # each sample behind a GPU sleep: device time, not the host's launch latency
+    samples = [timer.measure(lambda: [run() for _ in range(timed_calls)], lead_ms=timed_calls * 1.0) / timed_calls * 1e3
+               for _ in range(3)]
     op_us = statistics.median(samples)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):

@@ -372,19 +372,49 @@ class Timing:
 
 
 class Timer:
-    """Times a stretch of work: CUDA events on the current stream, or wall clock on a CPU."""
+    """Times a stretch of work: CUDA events on the current stream, or wall clock on a CPU.
+
+    On a GPU each measured stretch starts behind a GPU-side sleep (``lead_ms``) queued before the
+    start event, so that the host has enqueued the work before the GPU reaches it: the events then
+    time the device, not the host's launch latency of the first call. Without the lead the first
+    call's host path (about 150 µs for the op, measured on the H200 in session 8) was charged to
+    every sample's few calls: 0.759 ms per call at 8k q512 against 0.740 ms behind a lead or in a
+    CUDA graph. A method whose host path is slower than its GPU work still shows it once the
+    lead is used up."""
 
     def __init__(self, device: str):
         self.device = device
+        self._cycles_per_ms: float | None = None
 
     def sync(self) -> None:
         if self.device == "cuda":
             torch.cuda.synchronize()
 
-    def measure(self, work: Callable[[], object]) -> float:
-        """Milliseconds the device spends on ``work()`` (launched and finished inside)."""
+    def _sleep_cycles_per_ms(self) -> float:
+        """GPU clock cycles ``torch.cuda._sleep`` spins per millisecond (measured once)."""
+        if self._cycles_per_ms is None:
+            cycles = 2_000_000
+            torch.cuda._sleep(cycles)  # warm
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            self._cycles_per_ms = cycles / max(start.elapsed_time(end), 1e-3)
+        return self._cycles_per_ms
+
+    def lead(self, ms: float) -> None:
+        """Queue ``ms`` of GPU idle spinning on the current stream (no-op on a CPU or without
+        ``torch.cuda._sleep``)."""
+        if self.device == "cuda" and ms > 0 and hasattr(torch.cuda, "_sleep"):
+            torch.cuda._sleep(int(ms * self._sleep_cycles_per_ms()))
+
+    def measure(self, work: Callable[[], object], lead_ms: float = 0.0) -> float:
+        """Milliseconds the device spends on ``work()`` (launched and finished inside), started
+        behind ``lead_ms`` of queued GPU sleep."""
         if self.device == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.lead(lead_ms)
             start.record()
             work()
             end.record()
@@ -395,32 +425,45 @@ class Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
+def lead_ms(host_ms_per_call: float, calls: int, cap_ms: float = 200.0) -> float:
+    """GPU sleep to queue ahead of a sample of ``calls`` calls whose host path takes
+    ``host_ms_per_call`` each: long enough for the host to enqueue the whole sample (with 50%
+    and 0.5 ms to spare), at most ``cap_ms``."""
+    if host_ms_per_call < 0 or calls < 1:
+        raise ValueError("lead_ms needs host_ms_per_call >= 0 and calls >= 1")
+    return min(cap_ms, 1.5 * host_ms_per_call * calls + 0.5)
+
+
 def time_calls(calls: Sequence[Callable[[], object]], timer: Timer, *, warmup: int = 2, reps: int = 7,
                min_sample_ms: float = 2.0, max_total_s: float = 3.0, max_inner: int = 256) -> Timing:
     """Median per-call time of a method, rotating among ``calls`` (one per input set).
 
     Each call runs a different input set, so consecutive calls do not find their inputs in L2.
     Calls run back to back in samples of ``inner`` calls (a multiple of ``len(calls)``, at least
-    ``min_sample_ms`` of work) between two events; the result is the median over the samples of
-    the mean per call. Slow methods get fewer samples so that the timed part stays under about
-    ``max_total_s`` seconds (at least one sample).
+    ``min_sample_ms`` of work) between two events, each sample behind a GPU sleep that covers
+    the host's time to enqueue it (``lead_ms``; see ``Timer``); the result is the median over
+    the samples of the mean per call. Slow methods get fewer samples so that the timed part
+    stays under about ``max_total_s`` seconds (at least one sample).
     """
     if not calls:
         raise ValueError("time_calls needs at least one call")
     n = len(calls)
     for i in range(max(1, warmup)):
+        t0 = time.perf_counter()
         calls[i % n]()
+        host = (time.perf_counter() - t0) * 1e3  # the last warm-up call's host path (GPU work may go on)
     timer.sync()
-    est = max(timer.measure(calls[0]), 1e-4)
+    est = max(timer.measure(calls[0], lead_ms(host, 1)), 1e-4)
     inner = min(max_inner, max(n, math.ceil(min_sample_ms / est)))
     inner = n * math.ceil(inner / n)
     n_samples = max(1, min(reps, int(max_total_s * 1e3 / (est * inner))))
+    lead = lead_ms(host, inner)
 
     def sample():
         for i in range(inner):
             calls[i % n]()
 
-    samples = [timer.measure(sample) / inner for _ in range(n_samples)]
+    samples = [timer.measure(sample, lead) / inner for _ in range(n_samples)]
     return Timing(ms=statistics.median(samples), samples=samples, inner=inner)
 
 

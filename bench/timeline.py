@@ -159,14 +159,9 @@ cache, tables, q = build_shape(spec)
 run = lambda: dk.paged_attention_tables(q, cache, 0, tables, [ql], config=cfg)
 for _ in range(3):
     run()
-e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 torch.cuda.synchronize()
-e0.record()
-for _ in range(10):
-    run()
-e1.record()
-torch.cuda.synchronize()
-op_ms = e0.elapsed_time(e1) / 10
+from bench.common import Timer
+op_ms = Timer("cuda").measure(lambda: [run() for _ in range(10)], lead_ms=10.0) / 10  # device time
 buf.zero_()
 run()
 torch.cuda.synchronize()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench import decode, prefill
-from bench.common import (GB, RECORD_FIELDS, Ceilings, Shape, Timer, add_check, format_table, load_json,
+from bench.common import (GB, RECORD_FIELDS, Ceilings, Shape, Timer, add_check, format_table, lead_ms, load_json,
                           make_record, merge_results, new_results, record_key, results_path, time_calls,
                           validate_record, validate_results, write_json)
 from bench.harness import BenchOptions, OursApi, footprint, num_sets, run_shapes, skip_reason
@@ -143,6 +143,55 @@ def test_time_calls_limits_slow_methods():
 
     t = time_calls([lambda: _t.sleep(0.02)], Timer("cpu"), warmup=1, reps=50, max_total_s=0.05)
     assert len(t.samples) <= 3 and t.ms >= 20.0
+
+
+def test_lead_covers_the_hosts_enqueue_of_a_sample():
+    assert lead_ms(0.15, 3) == pytest.approx(1.5 * 0.45 + 0.5)
+    assert lead_ms(0.0, 10) == 0.5
+    assert lead_ms(5.0, 256) == 200.0  # capped
+    with pytest.raises(ValueError):
+        lead_ms(-1.0, 1)
+    with pytest.raises(ValueError):
+        lead_ms(0.1, 0)
+
+
+def test_time_calls_starts_each_sample_behind_a_lead_for_its_host_path():
+    """The timer gets a lead that covers the host path of every call in the sample: a call
+    whose host path takes 2 ms asks for at least 2 ms per call of the sample."""
+    import time as _t
+
+    class Recording(Timer):
+        def __init__(self):
+            super().__init__("cpu")
+            self.leads = []
+
+        def measure(self, work, lead_ms=0.0):
+            self.leads.append(lead_ms)
+            return super().measure(work, lead_ms)
+
+    timer = Recording()
+    t = time_calls([lambda: _t.sleep(0.002)], timer, warmup=1, reps=2, min_sample_ms=5.0, max_total_s=1.0)
+    assert t.inner >= 2 and len(timer.leads) == 1 + len(t.samples)
+    assert timer.leads[0] >= 1.5 * 2.0 and all(lead >= 1.5 * 2.0 * t.inner for lead in timer.leads[1:])
+
+
+@pytest.mark.gpu
+def test_time_calls_charges_device_time_not_the_hosts_launch_latency():
+    """A call with 1 ms of host path and a few µs of GPU work times at its GPU work: the lead
+    lets the host enqueue the sample before the start event. Without it a sample would be
+    host-bound at >= 1 ms per call."""
+    import time as _t
+
+    import torch
+
+    x = torch.empty(1 << 20, device="cuda")
+
+    def call():
+        _t.sleep(0.001)
+        x.fill_(1.0)
+
+    t = time_calls([call], Timer("cuda"), warmup=1, reps=3, min_sample_ms=0.05, max_total_s=1.0)
+    assert t.inner >= 2 and t.ms < 0.2, t
 
 
 def test_presets():
