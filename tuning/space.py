@@ -371,26 +371,28 @@ class PrefillSpace(KernelSpace):
         return default_prefill_config(head_dim, rows)
 
     def portfolio(self, shape: TuneShape) -> list:
-        # The runners-up and the tuner's winners of the H200 A/B runs G-K and the session-4 tune
-        # (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-s4-tune-prefill.log).
+        # The runners-up and the tuner's winners of the H200 A/B runs G-N and the tunes of sessions
+        # 4-8 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-tune-prefill*.log), newest
+        # families first: seeds count against --trials, so a short tune (6 trials: the default,
+        # the old entry and four of these) measures the configs that won lately.
         base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)
         picks = (
-            dict(tile_n=64, stages=6, chunk_tiles=5, link_credits=16),  # session-4 default, Q in SMEM
+            # clusters of two sharing each tile (chunks of 4: the default from 2048 to 8192 query rows
+            # per KV head; won 8k q8192 in session 8): half the passes per chunk and half the splits
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
+            # ... under link admission (rank 0 of each cluster admits its tiles; session 8)
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1, q_cluster=2),
+            # Q in registers, seven stages: chunks of 6 (the default above 8192 rows; fewest passes,
+            # won all-HBM at 32k q2048 in run K), 4 (the default below 2048 rows) and 5
+            dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
+            dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
+            dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
+            dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
+            dict(tile_n=64, stages=6, chunk_tiles=5, link_credits=16),  # session-4 default, Q in SMEM (128k q2048)
             dict(tile_n=64, stages=6, chunk_tiles=4),  # 32k q2048 tuned winner (session 4)
             dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner (session 4)
-            dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
             dict(tile_n=64, stages=5, chunk_tiles=4, consumer_wgs=3),  # 128k q512
-            # Q in registers, seven stages: chunks of 5, 4 (the default below 2048 query rows per KV
-            # head) and 6 (the default above 8192; fewest passes, won all-HBM at 32k q2048 in run K)
-            dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
-            dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
-            # clusters of two sharing each tile (chunks of 4: the default from 2048 to 8192 rows):
-            # half the passes per chunk and half the splits
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
-            dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
-            # ... under link admission (rank 0 of each cluster admits its tiles)
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1, q_cluster=2),
         )
         return [DecodeConfig(**{**base, **p}) for p in picks]
 
