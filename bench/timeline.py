@@ -190,10 +190,15 @@ def summarize_stamps(stamps, config: dict, op_ms: float) -> dict:
         if not bool(m.any()):
             break
         r, e = ready[m] / 1e3, done[m] / 1e3
+        # The consumers' wait for this chunk: from their previous chunk's end (the CTA's start for
+        # chunk 0) to this chunk's landing; 0 when it had landed already.
+        prev = rel[:, 2 * j] if j else rel[:, 0]
+        w = ((ready - prev)[m & (prev >= 0)] / 1e3).clamp(min=0)
         res["chunks"].append({"chunk": j, "ctas": int(m.sum()),
                               "ready_us": [float(r.min()), float(r.median()), float(r.max())],
                               "done_us": [float(e.min()), float(e.median()), float(e.max())],
-                              "busy_us_median": float((e - r).median())})
+                              "busy_us_median": float((e - r).median()),
+                              "wait_us": [float(w.median()), float(w.max())] if w.numel() else [0.0, 0.0]})
     res["span_us"] = float(rel[:, 1:63].max() / 1e3)
     p = rel[:, 64:128].reshape(-1, 4)
     p = p[(p >= 0).all(dim=1)]
@@ -233,13 +238,15 @@ def run_timeline(spec: dict, keep: Path | None = None) -> dict:
 def format_timeline(res: dict) -> str:
     lines = [f"config {res['config']}" + (" (passes skipped: link phase only, outputs not computed)"
                                           if res.get("skip_passes") else ""),
-             f"op {res['op_ms']:.3f} ms (10 back-to-back calls); {res['ctas']} CTAs; "
+             f"op {res['op_ms']:.3f} ms (10 back-to-back calls, device time); {res['ctas']} CTAs; "
              f"kernel span {res['span_us']:.0f} us (first CTA start to last chunk done)",
-             "chunk  ctas   landed min/med/max (us)        done min/med/max (us)       busy med (us)"]
+             "chunk  ctas   landed min/med/max (us)        done min/med/max (us)       busy med (us)"
+             "   wait med/max (us)"]
     for c in res["chunks"]:
         r, d = c["ready_us"], c["done_us"]
+        w = c.get("wait_us", [0.0, 0.0])
         lines.append(f"{c['chunk']:5d}  {c['ctas']:4d}  {r[0]:8.1f} {r[1]:8.1f} {r[2]:8.1f}   "
-                     f"{d[0]:8.1f} {d[1]:8.1f} {d[2]:8.1f}   {c['busy_us_median']:8.1f}")
+                     f"{d[0]:8.1f} {d[1]:8.1f} {d[2]:8.1f}   {c['busy_us_median']:8.1f}   {w[0]:8.1f} {w[1]:8.1f}")
     for k, v in res.get("passes", {}).items():
         lines.append(f"pass {k:15s} median {v['median_us']:6.2f} us  p90 {v['p90_us']:6.2f} us  ({v['n']} passes)")
     return "\n".join(lines)

@@ -103,8 +103,12 @@ def test_stamp_summary_keeps_nanoseconds():
         for p in range(5 if cta < 3 else 2):  # CTA 3 ran fewer passes in the traced chunk
             for k, dt in enumerate((0, 7, 20, 21)):
                 t[cta, 64 + 4 * p + k] = base + 3000 + 100 * p + dt
+    t[2:4, 5] = base + 2400  # CTAs 2 and 3: chunk 2 landed before they were done with chunk 1
     res = summarize_stamps(t, {"tile_n": 64}, 1.5)
     assert res["ctas"] == 4 and len(res["chunks"]) == 3
+    # waits: chunk 0 from each CTA's own start (1000 - 9 * cta ns), chunk 1 from chunk 0's end
+    # (500 ns), chunk 2 500 ns for CTAs 0-1 and none (not negative) for CTAs 2-3
+    assert [c["wait_us"] for c in res["chunks"]] == [[0.982, 1.0], [0.5, 0.5], [0.0, 0.5]]
     assert res["chunks"][1]["ready_us"] == [2.0, 2.001, 2.003] and res["chunks"][1]["busy_us_median"] == 0.5
     assert res["span_us"] == 3.503
     assert res["passes"]["gather_reload"] == {"n": 17, "median_us": 0.007, "p90_us": 0.007}
