@@ -17,9 +17,10 @@ With the defaults (rtol 3%, atol 0.005) a 5% drop of any ratio >= 0.1 is caught.
 records that the fresh run lacks (or could not measure) are reported as MISSING and fail the
 check unless allowed; a fresh run whose correctness checks failed always fails.
 
-Records whose baseline time is under ``min_ms`` (default 1 ms) do not gate: at such times the
-op's host-side launch cost and launch latency are a large, machine-dependent share of the time,
-and a drop there is reported as ``noisy`` instead of ``REGRESSED`` (the same idea as a minimum
+Records whose baseline time is under ``min_ms`` (default 1 ms) do not gate: at such times a few
+microseconds of jitter (clocks, L2 state, launch gaps between back-to-back calls) are a large,
+machine-dependent share of the time, and a drop there is reported as ``noisy`` instead of
+``REGRESSED`` (the same idea as a minimum
 absolute delta in pytest benchmark plugins). ``--min-ms 0`` gates everything.
 
 ``refresh`` writes the baseline from a run only if that run passed every correctness check.
