@@ -108,6 +108,28 @@ def test_prefill_search_starts_with_default_then_portfolio():
     assert first == [space.default_for(shape).to_dict()] + [c.to_dict() for c in portfolio]
 
 
+def test_a_tune_shorter_than_its_seeds_says_which_go_unmeasured(caplog):
+    """Seeds count against --trials: a 3-trial prefill tune measures the default and the first
+    two portfolio picks, and warns that the rest of the seeds go unmeasured."""
+    import logging
+
+    from directkv_cute.tuning.space import get_space
+
+    space = get_space("prefill")
+    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
+    legal = {space.config_key(c) for c in [space.default_for(shape), *space.portfolio(shape)] if space.is_legal(c, shape)}
+    with caplog.at_level(logging.WARNING):
+        r = Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=3)).tune_bucket(shape)
+    assert r.trials == 3
+    msg = [rec.getMessage() for rec in caplog.records if "will not be measured" in rec.getMessage()]
+    assert msg and f"{len(legal)} seed configs" in msg[0] and f"the last {len(legal) - 3} seeds" in msg[0]
+    # enough trials for every seed: no warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=len(legal) + 2)).tune_bucket(shape)
+    assert not [rec for rec in caplog.records if "will not be measured" in rec.getMessage()]
+
+
 def test_resume_continues_without_rerunning(tmp_path):
     journal = tmp_path / "tune.journal"
     obj = Counting(ModelledObjective(seed=0))

@@ -315,6 +315,7 @@ class Tuner:
                 except Exception:
                     pass
         seeds += space.portfolio(shape)
+        queued = set()
         for cfg in seeds:
             params = self._params_of(cfg)
             if params is None or space.problems(cfg, shape) or space.config_key(cfg) in measured:
@@ -322,6 +323,12 @@ class Tuner:
             # skip_if_exists: a portfolio config that is also the default or the old entry (already
             # waiting in the queue) is enqueued once
             study.enqueue_trial(params, user_attrs={"seed_config": True}, skip_if_exists=True)
+            queued.add(space.config_key(cfg))
+        if len(queued) > target - evaluated0 > 0:
+            # Seeds count against the trials: the later ones (the portfolio's tail) go unmeasured.
+            log.warning("%s: %d seed configs (default, old entry, portfolio) but %d trials left; the last %d "
+                        "seeds will not be measured (raise --trials to reach them)", shape.describe(), len(queued),
+                        target - evaluated0, len(queued) - (target - evaluated0))
 
         state = {"new": 0, "idle": 0, "fails_in_row": 0, "fatal": None}
 
