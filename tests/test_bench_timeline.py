@@ -80,6 +80,10 @@ def test_summary_table_and_cpu_refusal(capsys):
            "passes": {"wgmma": {"n": 2048, "median_us": 2.82, "p90_us": 11.52}}}
     text = format_timeline(res)
     assert "kernel span 2969 us" in text and "  328.2" in text and "p90  11.52 us" in text
+    assert "wait med/max" in text  # a summary from before the wait column shows zeros there
+    res["chunks"][0]["wait_us"] = [88.8, 190.6]
+    assert text.splitlines()[3].split()[-2:] == ["0.0", "0.0"]
+    assert format_timeline(res).splitlines()[3].split()[-2:] == ["88.8", "190.6"]
     assert "passes skipped" not in text and "passes skipped" in format_timeline(res | {"skip_passes": True})
     if not __import__("torch").cuda.is_available():
         assert main(["timeline", "--context", "4096"]) == 2
