@@ -70,7 +70,7 @@ def summarize_events(events: Sequence[tuple[float, float, str]], calls: int) -> 
 
 def format_breakdown(res: dict) -> str:
     lines = [f"config {res['config']}",
-             f"op {res['op_us']:.1f} us per call (median of 3 x {res['timed_calls']} back-to-back calls, CUDA events); "
+             f"op {res['op_us']:.1f} us per call (median of samples of {res['timed_calls']} back-to-back calls, device time); "
              f"GPU span {res['span_us_per_call']:.1f} us per call over {res['calls']} profiled calls",
              f"{'activity':64s} {'per call':>8s} {'median us':>10s} {'gap before us':>14s}"]
     for a in res["activities"]:
@@ -79,7 +79,7 @@ def format_breakdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run_breakdown(spec: dict, calls: int = 10, timed_calls: int = 20) -> dict:
+def run_breakdown(spec: dict, calls: int = 10) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,19 +94,16 @@ def run_breakdown(spec: dict, calls: int = 10, timed_calls: int = 20) -> dict:
         return dk.paged_attention_tables(q, cache, 0, tables, q_lens, config=cfg)
 
     # Warm up for at least 0.2 s (compiles, the profile table, and the GPU's clocks, which ramp up
-    # after an idle spell such as a compile), then the median of three timed samples.
+    # after an idle spell such as a compile), then time it as the benches do (device time).
     start = time.perf_counter()
     while True:
         run()
         torch.cuda.synchronize()
         if time.perf_counter() - start > 0.2:
             break
-    from bench.common import Timer
+    from bench.common import Timer, time_calls
 
-    timer = Timer("cuda")  # each sample behind a GPU sleep: device time, not the host's launch latency
-    samples = [timer.measure(lambda: [run() for _ in range(timed_calls)], lead_ms=timed_calls * 1.0) / timed_calls * 1e3
-               for _ in range(3)]
-    op_us = statistics.median(samples)
+    timing = time_calls([run], Timer("cuda"), reps=3)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
@@ -115,7 +112,8 @@ def run_breakdown(spec: dict, calls: int = 10, timed_calls: int = 20) -> dict:
               if e.device_type == torch.autograd.DeviceType.CUDA]
     cache.close()
     res = summarize_events(events, calls)
-    return {"config": spec["config"] or "profile or default", "op_us": op_us, "timed_calls": timed_calls, **res}
+    return {"config": spec["config"] or "profile or default", "op_us": timing.ms * 1e3, "timed_calls": timing.inner,
+            **res}
 
 
 def add_shape_arguments(p, context: int, config_help: str) -> None:

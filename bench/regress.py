@@ -20,8 +20,8 @@ check unless allowed; a fresh run whose correctness checks failed always fails.
 Records whose baseline time is under ``min_ms`` (default 1 ms) do not gate: at such times a few
 microseconds of jitter (clocks, L2 state, launch gaps between back-to-back calls) are a large,
 machine-dependent share of the time, and a drop there is reported as ``noisy`` instead of
-``REGRESSED`` (the same idea as a minimum
-absolute delta in pytest benchmark plugins). ``--min-ms 0`` gates everything.
+``REGRESSED`` (the same idea as a minimum absolute delta in pytest benchmark plugins).
+``--min-ms 0`` gates everything.
 
 ``refresh`` writes the baseline from a run only if that run passed every correctness check.
 Given several runs (``--results A --results B ...``, e.g. from different leases of the same GPU

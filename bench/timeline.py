@@ -157,11 +157,8 @@ hq, hkv, d, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "q_len"))
 cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else default_prefill_config(d, ql * hq // hkv)
 cache, tables, q = build_shape(spec)
 run = lambda: dk.paged_attention_tables(q, cache, 0, tables, [ql], config=cfg)
-for _ in range(3):
-    run()
-torch.cuda.synchronize()
-from bench.common import Timer
-op_ms = Timer("cuda").measure(lambda: [run() for _ in range(10)], lead_ms=10.0) / 10  # device time
+from bench.common import Timer, time_calls
+op_ms = time_calls([run], Timer("cuda"), warmup=3, reps=3).ms  # device time, as the benches time it
 buf.zero_()
 run()
 torch.cuda.synchronize()
@@ -238,7 +235,7 @@ def run_timeline(spec: dict, keep: Path | None = None) -> dict:
 def format_timeline(res: dict) -> str:
     lines = [f"config {res['config']}" + (" (passes skipped: link phase only, outputs not computed)"
                                           if res.get("skip_passes") else ""),
-             f"op {res['op_ms']:.3f} ms (10 back-to-back calls, device time); {res['ctas']} CTAs; "
+             f"op {res['op_ms']:.3f} ms (back-to-back calls, device time); {res['ctas']} CTAs; "
              f"kernel span {res['span_us']:.0f} us (first CTA start to last chunk done)",
              "chunk  ctas   landed min/med/max (us)        done min/med/max (us)       busy med (us)"
              "   wait med/max (us)"]

@@ -317,13 +317,13 @@ class Tuner:
         seeds += space.portfolio(shape)
         queued = set()
         for cfg in seeds:
-            params = self._params_of(cfg)
-            if params is None or space.problems(cfg, shape) or space.config_key(cfg) in measured:
+            params, key = self._params_of(cfg), space.config_key(cfg)
+            if params is None or space.problems(cfg, shape) or key in measured:
                 continue
             # skip_if_exists: a portfolio config that is also the default or the old entry (already
             # waiting in the queue) is enqueued once
             study.enqueue_trial(params, user_attrs={"seed_config": True}, skip_if_exists=True)
-            queued.add(space.config_key(cfg))
+            queued.add(key)
         if len(queued) > target - evaluated0 > 0:
             # Seeds count against the trials: the later ones (the portfolio's tail) go unmeasured.
             log.warning("%s: %d seed configs (default, old entry, portfolio) but %d trials left; the last %d "
