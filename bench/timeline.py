@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+# A "chunk" below is a round of the walk: one pass of every query block (over one chunk of tiles,
+# or with stagger over each block's own bounds; "landed" is then the first block's tiles).
 SLOTS = 128  # int64 stamps per CTA: [0] start, [1 + 2j] chunk j landed, [2 + 2j] chunk j done (j < 31),
 # [64 + 4p + k] pass p < 16 of the traced chunk: k = 0 start, 1 before the WGMMA loop, 2 after it, 3 stored
 
@@ -49,28 +51,26 @@ _PATCHES = (
                     tr[cta * 128] = cute.arch.globaltimer()
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 free_state"""),
-    ("the wait for a chunk's tiles",
-     """                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
-                        wait_state.advance()
+    ("the wait for a pass's tiles",
+     """                        waited = cutlass.max(waited, e_rel)
 """,
-     """                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
-                        wait_state.advance()
-                    if ctidx == 0 and j < 31:
-                        tr[cta * 128 + 1 + 2 * j] = cute.arch.globaltimer()
+     """                        waited = cutlass.max(waited, e_rel)
+                        if ctidx == 0 and j < 31 and m == 0:
+                            tr[cta * 128 + 1 + 2 * j] = cute.arch.globaltimer()
 """),
-    ("the release of a chunk's slots",
-     """                    for _t in cutlass.range(c_begin, c_end, unroll=1):
-                        kv_pipe.consumer_release(free_state)
+    ("the end of a round",
+     """                    nxt = self.round_begin(j + 1, n_rounds, n_mine, n_tiles)
+                    for _t in cutlass.range(waited, nxt, unroll=1):
 """,
      """                    if ctidx == 0 and j < 31:
                         tr[cta * 128 + 2 + 2 * j] = cute.arch.globaltimer()
-                    for _t in cutlass.range(c_begin, c_end, unroll=1):
-                        kv_pipe.consumer_release(free_state)
+                    nxt = self.round_begin(j + 1, n_rounds, n_mine, n_tiles)
+                    for _t in cutlass.range(waited, nxt, unroll=1):
 """),
     ("the start of a pass",
      """                            nb = rb + step
 """,
-     """                            pidx = (k - lane) // lanes
+     """                            pidx = m
                             if ctidx == 0 and j == self.trace_chunk and pidx < 16:
                                 tr[cta * 128 + 64 + 4 * pidx] = cute.arch.globaltimer()
                             nb = rb + step

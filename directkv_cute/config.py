@@ -56,6 +56,15 @@ class DecodeConfig:
                    in registers and the Q K^T WGMMA reads them from there, so the Q tile leaves
                    SMEM (rows x head_dim x 2 B: 32 KB with two warpgroups at d 128) for one more
                    ring stage.
+    stagger:       multi-token kernel only: groups (0 = off, else 2..chunk) into which each consumer
+                   warpgroup's query blocks fall, in walk order, whose chunk boundaries are staggered
+                   (``config.block_passes``). The first pass of a block in group g covers tiles
+                   [0, c_g) with c_g = ceil(chunk * (g + 1) / stagger), so the first blocks start
+                   once one tile has landed, not a whole chunk; its later passes cover ``chunk`` tiles
+                   each from there (a short remainder joins the last pass while the ring holds it).
+                   The warpgroup frees each tile as soon as no later pass of its own needs it, so
+                   the ring refills a tile at a time through the walk instead of stalling at chunk
+                   boundaries. Costs one more pass of the blocks whose remainder is not absorbed.
     q_cluster:     multi-token kernel only: CTAs of a thread-block cluster (0 = none; 2 or 4) that
                    share each KV tile and split the query rows of their (sequence, KV head, split)
                    between them. The CTAs share out each tile's TMA boxes (K and V per page piece,
@@ -87,6 +96,7 @@ class DecodeConfig:
     edge_tiles: int = 0
     q_regs: int = 0
     q_cluster: int = 0
+    stagger: int = 0
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -97,8 +107,8 @@ class DecodeConfig:
     @property
     def multi_token_only(self) -> tuple[str, ...]:
         """The options set in this config that only the multi-token kernel has (``q_regs``,
-        ``q_cluster``): such a config runs there at any row count."""
-        return tuple(f for f in ("q_regs", "q_cluster") if getattr(self, f))
+        ``q_cluster``, ``stagger``): such a config runs there at any row count."""
+        return tuple(f for f in ("q_regs", "q_cluster", "stagger") if getattr(self, f))
 
     @property
     def cluster(self) -> int:
@@ -167,6 +177,10 @@ class DecodeConfig:
             out.append(f"link_credits {self.link_credits} needs max_inflight 1 (got {self.max_inflight})")
         if not 0 <= self.edge_tiles <= self.chunk:
             out.append(f"edge_tiles {self.edge_tiles} must be 0 (off) or in 1..chunk ({self.chunk})")
+        if self.stagger and not 2 <= self.stagger <= self.chunk:
+            out.append(f"stagger {self.stagger} must be 0 (off) or in 2..chunk ({self.chunk})")
+        elif self.stagger and self.edge_tiles:
+            out.append(f"stagger {self.stagger} replaces edge chunks (got edge_tiles {self.edge_tiles})")
         if self.q_regs not in (0, 1):
             out.append(f"q_regs {self.q_regs} must be 0 or 1")
         if self.q_cluster not in (0, 2, 4):
@@ -285,6 +299,54 @@ def chunk_bounds(n_tiles: int, chunk: int, edge: int = 0) -> list[tuple[int, int
     n_chunks = 2 + math.ceil(max(0, n_tiles - 2 * edge) / chunk)
     starts = [0] + [max(edge, min(edge + (j - 1) * chunk, n_tiles - edge)) for j in range(1, n_chunks)]
     return [(b, e) for b, e in zip(starts, starts[1:] + [n_tiles])]
+
+
+def stagger_first(chunk: int, stagger: int, m: int, n_mine: int) -> int:
+    """Tiles in the first pass of a warpgroup's m-th block (of ``n_mine``) under ``stagger``:
+    ceil(chunk * (g + 1) / stagger) for its group g = m * stagger // n_mine (``chunk`` when off)."""
+    if not stagger:
+        return chunk
+    g = m * stagger // max(1, n_mine)
+    return (chunk * (g + 1) + stagger - 1) // stagger
+
+
+def pass_bounds(j: int, n_tiles: int, chunk: int, stages: int, first: int) -> tuple[int, int]:
+    """[begin, end) (tiles from the split's first) of round j's pass of a staggered block whose
+    first pass holds ``first`` tiles: [0, first), then ``chunk`` tiles a pass; a remainder of at
+    most min(first, stages - chunk) tiles joins the pass before it (that round's pass is then
+    empty, as are those past the split). The kernel computes the same (``pass_bounds``)."""
+    take = min(first, stages - chunk)  # the longest remainder a pass absorbs
+    if j == 0:
+        return 0, min(first, n_tiles)
+    begin = first + chunk * (j - 1)
+    if j >= 2 and 0 < n_tiles - begin <= take:
+        return n_tiles, n_tiles  # absorbed by round j - 1
+    end = begin + chunk
+    if 0 < n_tiles - end <= take:
+        end = n_tiles
+    return min(begin, n_tiles), min(end, n_tiles)
+
+
+def stagger_rounds(n_tiles: int, chunk: int, stagger: int) -> int:
+    """Rounds (passes of each block, some empty) of a staggered walk over ``n_tiles``: those of
+    the blocks with the shortest first pass."""
+    first = stagger_first(chunk, stagger, 0, 1)
+    return 1 + (max(0, n_tiles - first) + chunk - 1) // chunk
+
+
+def block_passes(cfg: DecodeConfig, n_tiles: int, m: int, n_mine: int) -> list[tuple[int, int]]:
+    """The non-empty passes [begin, end) of a warpgroup's m-th block (of ``n_mine``), in order:
+    the chunks of ``chunk_bounds``, or with ``stagger`` the block's own bounds; round 0 always
+    makes one (it writes the block's partial)."""
+    if not cfg.stagger:
+        return chunk_bounds(n_tiles, cfg.chunk, cfg.edge_tiles)
+    first = stagger_first(cfg.chunk, cfg.stagger, m, n_mine)
+    out = []
+    for j in range(stagger_rounds(n_tiles, cfg.chunk, cfg.stagger)):
+        b, e = pass_bounds(j, n_tiles, cfg.chunk, cfg.stages, first)
+        if j == 0 or e > b:
+            out.append((b, e))
+    return out
 
 
 def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_heads: int = 1,

@@ -232,6 +232,17 @@ def test_bad_inputs_raise_before_launch():
                      q_cluster=4, link_credits=1),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1, chunk_tiles=1, max_inflight=1,
                      q_cluster=4),
+        # staggered chunk boundaries (each block's own passes, tiles freed one at a time): the
+        # cluster default with four groups; one split walking many rounds with Q in SMEM (short
+        # remainders absorbed); a tight ring (one slot beyond the chunk) under one link credit with
+        # three warpgroups; four CTAs over wide tiles
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, chunk_tiles=4, max_inflight=1, q_regs=1,
+                     q_cluster=2, stagger=4),
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3, num_splits=1, stagger=2),
+        DecodeConfig(tile_n=32, stages=4, consumer_wgs=3, carveout=100, chunk_tiles=3, max_inflight=1, link_credits=1,
+                     stagger=3),
+        DecodeConfig(tile_n=128, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_cluster=4,
+                     stagger=2),
     ],
 )
 def test_multi_token_configs(config):

@@ -109,13 +109,17 @@ def test_cache_key_covers_codegen_fields():
     assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
                           resident=True) not in resident
-    # edge chunks and Q in registers change the resident kernel only
-    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"q_regs": 1}, {"q_cluster": 2}):
+    # edge chunks, staggered chunks and Q in registers change the resident kernel only
+    for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"stagger": 2, "chunk_tiles": 2}, {"q_regs": 1},
+                  {"q_cluster": 2}):
         on = dataclasses.replace(walk, **field)
         off = dataclasses.replace(on, **{k: 0 for k in field if k != "chunk_tiles"})
         assert jit.decode_key(on, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
             off, torch.bfloat16, 128, 64, 4, True, resident=True)
     assert jit.decode_key(DecodeConfig(chunk_tiles=2, edge_tiles=1), torch.bfloat16, 128, 64, 4, True) == k0
+    assert jit.decode_key(DecodeConfig(chunk_tiles=2, stagger=2), torch.bfloat16, 128, 64, 4, True) == k0
+    assert len({jit.decode_key(dataclasses.replace(walk, stages=7, chunk_tiles=4, stagger=g), torch.bfloat16, 128,
+                               64, 4, True, resident=True) for g in (0, 2, 3, 4)}) == 4
     # link admission control changes both kernels' code, and each credit count is its own kernel
     credited = dataclasses.replace(walk, max_inflight=1, link_credits=8)
     assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
@@ -149,11 +153,17 @@ def test_cache_key_covers_codegen_fields():
                      q_regs=1, q_cluster=2, link_credits=16),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
                      q_cluster=4, link_credits=8),
+        # staggered chunk boundaries: in a cluster, with Q in SMEM, with link admission
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
+                     q_regs=1, q_cluster=2, stagger=4),
+        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=3, stagger=2),
+        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
+                     link_credits=16, q_regs=1, stagger=3),
     ],
 )
 def test_resident_variants_compile(cfg):
     """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
-    throttled producer, device-wide link admission with edge chunks."""
+    throttled producer, device-wide link admission with edge chunks, staggered chunks."""
     assert callable(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4))
 
 

@@ -239,6 +239,114 @@ def test_chunk_bounds_partition_the_split(chunk, edge):
     assert chunk_bounds(16, 2, 1)[:2] == [(0, 1), (1, 3)] and chunk_bounds(16, 2, 1)[-1] == (15, 16)
 
 
+def test_stagger_config_rules():
+    """stagger: 0 (off) or 2..chunk groups, not together with edge chunks; it exists only in the
+    multi-token kernel."""
+    from directkv_cute.config import ConfigError
+
+    base = dict(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, q_regs=1)
+    for g in (0, 2, 3, 4):
+        DecodeConfig(**base, stagger=g).check(128)
+    for g, what in ((1, "stagger 1"), (5, "stagger 5"), (-2, "stagger -2")):
+        with pytest.raises(ConfigError, match=what):
+            DecodeConfig(**base, stagger=g).check(128)
+    with pytest.raises(ConfigError, match="replaces edge chunks"):
+        DecodeConfig(**base, stagger=2, edge_tiles=1).check(128)
+    DecodeConfig(tile_n=64, stages=4, chunk_tiles=0, stagger=4).check(128)  # chunk 0 = the whole ring
+    assert DecodeConfig(**base, stagger=2).multi_token_only == ("q_regs", "stagger")
+
+
+def _walk(cfg, n_tiles, n_mine):
+    """The kernel's walk of one warpgroup, in order: (round, block, begin, end, release target
+    after the pass), with the release rule of ``DecodeAttention``: after block m of round j free
+    what neither block m + 1 of round j nor block 0 of round j + 1 needs; at a round's end free
+    what round j + 1 does not need."""
+    from directkv_cute.config import chunk_bounds, pass_bounds, stagger_first, stagger_rounds
+
+    if cfg.stagger:
+        rounds = stagger_rounds(n_tiles, cfg.chunk, cfg.stagger)
+        bounds = lambda j, m: pass_bounds(j, n_tiles, cfg.chunk, cfg.stages,  # noqa: E731
+                                          stagger_first(cfg.chunk, cfg.stagger, m, n_mine))
+    else:
+        chunks = chunk_bounds(n_tiles, cfg.chunk, cfg.edge_tiles)
+        rounds, bounds = len(chunks), (lambda j, m: chunks[j])  # noqa: E731
+    round_begin = lambda j: bounds(j, 0)[0] if j < rounds else n_tiles  # noqa: E731
+    out = []
+    for j in range(rounds):
+        for m in range(n_mine):
+            b, e = bounds(j, m)
+            nxt = round_begin(j + 1)
+            if cfg.stagger and m + 1 < n_mine:
+                nxt = min(nxt, bounds(j, m + 1)[0])
+            elif not cfg.stagger:
+                nxt = bounds(j, 0)[0] if m + 1 < n_mine else nxt
+            out.append((j, m, b, e, nxt))
+        out.append((j, None, None, None, round_begin(j + 1)))
+    return out
+
+
+@pytest.mark.parametrize("chunk,stages,stagger", [(4, 7, 4), (4, 7, 2), (4, 7, 3), (3, 4, 3), (2, 2, 2), (5, 7, 2),
+                                                  (6, 7, 6), (4, 7, 0), (3, 6, 0)])
+def test_staggered_walk_covers_frees_in_order_and_cannot_deadlock(chunk, stages, stagger):
+    """Every block's passes cover its split once, in order, none longer than the ring; the first
+    pass of a block in group g holds ceil(chunk (g + 1) / stagger) tiles. A warpgroup never
+    frees a tile a later pass of its own still reads, frees in ring order, and warpgroups with
+    different block counts sharing one ring (a slot refills once all of them freed it) always
+    finish: a simulation of the producer and the warpgroups over every split length."""
+    from directkv_cute.config import block_passes
+
+    cfg = DecodeConfig(tile_n=32, stages=stages, carveout=100, chunk_tiles=chunk if chunk < stages else 0,
+                       stagger=stagger)
+    assert cfg.chunk == chunk and cfg.is_legal(128)
+    for n in range(0, 41):
+        for n_mine in (1, 3, 8, 32):
+            for m in range(n_mine):
+                p = block_passes(cfg, n, m, n_mine)
+                assert p[0][0] == 0 and p[-1][1] == n and all(a[1] == b[0] for a, b in zip(p, p[1:])), (n, m, p)
+                assert all(0 < e - b <= stages for b, e in p[1:]) and p[0][1] - p[0][0] <= chunk, p
+                if stagger:
+                    assert p[0][1] == min(n, -(-chunk * (m * stagger // n_mine + 1) // stagger)), p
+            walk = _walk(cfg, n, n_mine)
+            freed = 0
+            for j, m, b, e, nxt in walk:
+                if m is not None:
+                    assert b >= freed or e <= b, (n, walk)  # a pass reads no freed tile
+                assert nxt >= freed or nxt == freed
+                freed = max(freed, nxt)
+            assert freed == n
+        # Warpgroups with 0, 1, 5 and 8 blocks on one ring of `stages` slots.
+        lanes = [_walk(cfg, n, k) for k in (0, 1, 5, 8)]
+        pos, waited, freed, loaded = [0] * 4, [0] * 4, [0] * 4, 0
+        while any(p < len(w) for p, w in zip(pos, lanes)):
+            loaded = min(n, min(freed) + stages)  # the producer refills every slot all have freed
+            moved = False
+            for i, w in enumerate(lanes):
+                while pos[i] < len(w):
+                    j, m, b, e, nxt = w[pos[i]]
+                    need = max(nxt, e if m is not None else 0)
+                    if need > loaded:
+                        break
+                    waited[i] = max(waited[i], need)
+                    freed[i] = max(freed[i], nxt)
+                    pos[i] += 1
+                    moved = True
+            assert moved, f"deadlock: n={n} positions {pos} freed {freed} loaded {loaded}"
+        assert freed == [n] * 4
+
+
+def test_staggered_walk_costs_passes_only_where_the_remainder_is_not_absorbed():
+    """At 16 tiles per split in chunks of four over a ring of seven, the four groups' blocks make
+    5, 4, 4 and 4 passes (the remainders of the second and third group join their last pass),
+    against 4 each unstaggered."""
+    from directkv_cute.config import block_passes
+
+    cfg = DecodeConfig(tile_n=64, stages=7, chunk_tiles=4, stagger=4)
+    got = [block_passes(cfg, 16, m, 32) for m in (0, 8, 16, 24)]
+    assert got == [[(0, 1), (1, 5), (5, 9), (9, 13), (13, 16)], [(0, 2), (2, 6), (6, 10), (10, 16)],
+                   [(0, 3), (3, 7), (7, 11), (11, 16)], [(0, 4), (4, 8), (8, 12), (12, 16)]]
+    assert block_passes(dataclasses.replace(cfg, stagger=0), 16, 0, 32) == [(0, 4), (4, 8), (8, 12), (12, 16)]
+
+
 def test_cluster_config_rules_and_splits():
     """q_cluster: 0, 2 or 4 CTAs; one CTA per SM; with link_credits (rank 0 admits each tile for
     the cluster) under the same one-tile-in-flight rule; and the automatic split count leaves room

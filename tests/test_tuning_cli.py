@@ -51,7 +51,7 @@ def test_dry_run_shapes_and_dedupe(capsys):
 def test_dry_run_prefill_kernel(capsys):
     rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b", "--q-lens", "64,256",
                      "--batches", "1", "--contexts", "32768")
-    assert rc == 0 and "kernel prefill" in out and "857304 points" in out and "2 bucket(s)" in out
+    assert rc == 0 and "kernel prefill" in out and "2571912 points" in out and "2 bucket(s)" in out
 
 
 def test_bad_arguments(capsys):

@@ -111,7 +111,7 @@ def test_prefill_space():
     space = get_space("prefill")
     shape = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
     rep = space.legality(shape)
-    assert rep.total == 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 * 3 and 0 < rep.legal_count < rep.total
+    assert rep.total == 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 * 3 * 3 and 0 < rep.legal_count < rep.total
     assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 1), (0, 2)}
     # two CTAs per SM only where they fit: one consumer warpgroup and SMEM for both
     assert all(c.consumer_wgs == 1 and c.resident_occupancy(128) == 2 for c in rep.legal if c.ctas_per_sm == 2)
@@ -131,6 +131,9 @@ def test_prefill_space():
     assert {c.q_cluster for c in rep.legal} == {0, 2, 4}
     assert all(c.resident_occupancy(128) == 1 for c in rep.legal if c.q_cluster)
     assert {c.link_credits for c in rep.legal if c.q_cluster} == {0, 8, 16}  # rank 0 admits for the cluster
+    # staggered chunk boundaries: up to one group per chunk tile, never with edge chunks
+    assert {c.stagger for c in rep.legal} == {0, 2, 4}
+    assert all(c.stagger <= c.chunk and not c.edge_tiles for c in rep.legal if c.stagger)
     d = space.default_for(shape)
     assert space.is_legal(d, shape) and space.in_space(d) and d.consumer_wgs == 2
     assert get_space("decode").legality(shape).legal_count == 0  # too many rows for one CTA

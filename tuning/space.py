@@ -27,7 +27,7 @@ from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, defaul
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
-SPACE_RULES_VERSION = 8  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4; 8: q_cluster with link_credits
+SPACE_RULES_VERSION = 9  # 2: exact SMEM estimate (1 KB barrier padding), prefill chunk_tiles/ctas_per_sm; 3: prefill max_inflight; 4: link_credits, edge_tiles; 5: q_regs; 6: q_cluster; 7: q_cluster 4; 8: q_cluster with link_credits; 9: stagger
 
 DTYPE_ALIASES = {
     "bf16": "bf16",
@@ -343,6 +343,7 @@ class PrefillSpace(KernelSpace):
         Param("edge_tiles", (0, 1, 2), "tiles in each CTA's first and last chunk (0 = chunk_tiles)"),
         Param("q_regs", (0, 1), "Q rows of a pass in registers, not SMEM (frees the Q tile for the ring)"),
         Param("q_cluster", (0, 2, 4), "CTAs of a cluster sharing each KV tile by TMA multicast, splitting the query rows"),
+        Param("stagger", (0, 2, 4), "groups of query blocks with staggered chunk boundaries (0 = off; needs edge_tiles 0)"),
     )
     fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
 
@@ -372,11 +373,15 @@ class PrefillSpace(KernelSpace):
 
     def portfolio(self, shape: TuneShape) -> list:
         # The runners-up and the tuner's winners of the H200 A/B runs G-N and the tunes of sessions
-        # 4-8 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-tune-prefill*.log), newest
+        # 4-9 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-tune-prefill*.log), newest
         # families first: seeds count against --trials, so a short tune (6 trials: the default,
         # the old entry and four of these) measures the configs that won lately.
         base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)
         picks = (
+            # clusters of two with staggered chunk boundaries (session 9): compute starts after
+            # one tile, and tiles are freed one at a time instead of a chunk at a time
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2, stagger=4),
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2, stagger=2),
             # clusters of two sharing each tile (chunks of 4: the default from 2048 to 8192 query rows
             # per KV head; won 8k q8192 in session 8): half the passes per chunk and half the splits
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),

@@ -581,7 +581,7 @@ def _short_config(c) -> str:
     names = {"tile_n": "t", "stages": "s", "num_splits": "n", "ctas_per_sm": "c", "carveout": "a", "consumer_wgs": "w",
              "chunk_tiles": "k", "max_inflight": "f",
              "link_credits": "L", "edge_tiles": "e", "q_regs": "q",
-             "q_cluster": "m"}
+             "q_cluster": "m", "stagger": "g"}
     return " ".join(f"{names.get(k, k)}{v}" for k, v in d.items())
 
 

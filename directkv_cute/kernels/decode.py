@@ -27,7 +27,9 @@ peers wait on it before they issue their boxes and take no tickets, so no CTA ho
 ever waits for another's.
 
 Multi-token options: ``edge_tiles`` shortens each CTA's first and last chunk
-(``config.chunk_bounds``); ``q_regs`` keeps a pass's Q rows in registers (Q K^T with A from
+(``config.chunk_bounds``); ``stagger`` gives each block of query rows its own chunk boundaries,
+staggered through the walk (``config.block_passes``), so the first blocks start after one tile
+and tiles are freed one at a time; ``q_regs`` keeps a pass's Q rows in registers (Q K^T with A from
 registers), so the Q tile's SMEM goes to the ring.
 
 Outputs: with ``split_out`` the CTA writes its normalised partial O (fp32) and LSE for the
@@ -91,6 +93,7 @@ class DecodeAttention:
         self.resident = resident
         self.chunk = cfg.chunk
         self.edge = cfg.edge_tiles if resident else 0
+        self.stagger = cfg.stagger if resident else 0
         assert resident or not cfg.multi_token_only, f"{cfg.multi_token_only}: multi-token kernel options"
         # Each warpgroup keeps its pass's Q rows in registers (the QK^T WGMMA reads A from
         # registers) instead of an SMEM tile, freeing rows x d x 2 B of SMEM.
@@ -374,46 +377,46 @@ class DecodeAttention:
                 if const_expr(not self.q_regs):
                     rQ = cute.make_rmem_tensor((8, 64 * d // 8 // 128), self.dtype)  # (8, d/16) Q pieces of a pass
                 n_blocks = (q_len + qb - 1) // qb
-                # At least one pass: a split with no tiles still writes its (empty) partials.
+                n_mine = (n_blocks - lane + lanes - 1) // lanes  # this warpgroup's blocks
+                # At least one round: a split with no tiles still writes its (empty) partials.
                 n_tiles = t_end - t_begin
-                n_chunks = cutlass.max((n_tiles + chunk - 1) // chunk, 1)
-                if const_expr(self.edge > 0):
-                    # Edge chunks of `edge` tiles open and close the split (config.chunk_bounds).
-                    n_chunks = 1
-                    if n_tiles > self.edge:
-                        n_chunks = 2 + (cutlass.max(n_tiles - 2 * self.edge, 0) + chunk - 1) // chunk
+                n_rounds = self.num_rounds(n_tiles)
                 last_rb = lane + (n_blocks - 1 - lane) // lanes * lanes  # this warpgroup's last block
                 wg_bar = 2 + wg  # named barrier of this warpgroup's 128 threads
                 wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
                 free_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                for j in cutlass.range(n_chunks, unroll=1):
-                    c_begin = t_begin + j * chunk
-                    c_end = cutlass.min(t_end, c_begin + chunk)
-                    if const_expr(self.edge > 0):
-                        c_begin = t_begin + self.chunk_start(j, n_tiles)
-                        c_end = t_end
-                        if j + 1 < n_chunks:
-                            c_end = t_begin + self.chunk_start(j + 1, n_tiles)
-                    for _t in cutlass.range(c_begin, c_end, unroll=1):
-                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
-                        wait_state.advance()
-                    # Serpentine order: odd chunks walk this warpgroup's blocks backwards, so the
-                    # partials stored last are reloaded first, while still in L2.
-                    back = j % 2  # 1: backwards
+                waited = Int32(0)  # tiles (from the split's first) this warpgroup has waited for
+                freed = Int32(0)  # and released
+                for j in cutlass.range(n_rounds, unroll=1):
+                    # Round j: one pass of each block over its tiles of the round, a chunk
+                    # (chunk_bounds) or, with stagger, the block's own bounds (pass_bounds).
+                    # Serpentine order (unstaggered): odd rounds walk this warpgroup's blocks
+                    # backwards, so the partials stored last are reloaded first, while still in L2.
+                    back = 0  # 1: backwards
+                    if const_expr(self.stagger == 0):
+                        back = j % 2
                     step = lanes - 2 * lanes * back
                     for k in cutlass.range(lane, n_blocks, lanes, unroll=1):
+                        m = (k - lane) // lanes  # the block's place in this warpgroup's walk
                         rb = k + back * (last_rb + lane - 2 * k)
                         tok0 = rb * qb
+                        b_rel, e_rel = self.pass_bounds(j, m, n_mine, n_tiles)
+                        for _t in cutlass.range(waited, e_rel, unroll=1):
+                            kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+                            wait_state.advance()
+                        waited = cutlass.max(waited, e_rel)
+                        c_begin = t_begin + b_rel
+                        c_end = t_begin + e_rel
                         # Keys visible to the block's last token bound the tiles it needs.
                         last_tok = cutlass.min(q_len, tok0 + qb) - 1
                         key_end = seq_len - q_len + last_tok + 1
                         t_stop = cutlass.min(c_end, (key_end + tile_n - 1) // tile_n)
-                        # The first chunk writes every block's partial (an empty one for blocks
-                        # that see none of the split); later chunks touch only blocks they feed.
+                        # The first round writes every block's partial (an empty one for blocks
+                        # that see none of the split); later rounds touch only blocks they feed.
                         if j == 0 or t_stop > c_begin:
                             # Warm L2 with the next block's Q rows and partial, so its gather and
-                            # reload do not wait on HBM latency. (The next chunk starts with this
-                            # same block.)
+                            # reload do not wait on HBM latency. (The next round starts with this
+                            # same block, or unstaggered with this warpgroup's first.)
                             nb = rb + step
                             if nb >= 0 and nb < n_blocks:
                                 self.prefetch_block(mQ, mO, split, q_start, q_len, kvh, nb * qb, wg_tidx, j > 0)
@@ -443,9 +446,29 @@ class DecodeAttention:
                             )
                             softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
                             self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
-                    for _t in cutlass.range(c_begin, c_end, unroll=1):
+                        if const_expr(self.stagger > 0):
+                            # Free the tiles no later pass of this warpgroup needs: below the next
+                            # block's begin in this round and the first block's in the next (the
+                            # begins rise through the walk, so tiles are freed in ring order).
+                            nxt = self.round_begin(j + 1, n_rounds, n_mine, n_tiles)
+                            if m + 1 < n_mine:
+                                nxt = cutlass.min(nxt, self.pass_bounds(j, m + 1, n_mine, n_tiles)[0])
+                            for _t in cutlass.range(freed, nxt, unroll=1):
+                                kv_pipe.consumer_release(free_state)
+                                free_state.advance()
+                            freed = cutlass.max(freed, nxt)
+                    # The round's end frees the tiles the next round does not need (the chunk,
+                    # unstaggered). A warpgroup without blocks waits for them first: a slot is
+                    # released only after its tile has landed.
+                    nxt = self.round_begin(j + 1, n_rounds, n_mine, n_tiles)
+                    for _t in cutlass.range(waited, nxt, unroll=1):
+                        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+                        wait_state.advance()
+                    waited = cutlass.max(waited, nxt)
+                    for _t in cutlass.range(freed, nxt, unroll=1):
                         kv_pipe.consumer_release(free_state)
                         free_state.advance()
+                    freed = cutlass.max(freed, nxt)
         if const_expr(self.cluster > 1):
             # No CTA leaves while a peer may still multicast into its SMEM or arrive on its
             # barriers.
@@ -453,9 +476,65 @@ class DecodeAttention:
             cute.arch.cluster_wait()
 
     @cute.jit
+    def num_rounds(self, n_tiles):
+        """Rounds of the resident walk over a split of ``n_tiles`` (at least one): its chunks
+        (config.chunk_bounds), or with stagger config.stagger_rounds."""
+        chunk = self.chunk
+        if const_expr(self.stagger > 0):
+            first = (chunk + self.stagger - 1) // self.stagger
+            n = 1 + (cutlass.max(n_tiles - first, 0) + chunk - 1) // chunk
+        elif const_expr(self.edge > 0):
+            # Edge chunks of `edge` tiles open and close the split.
+            n = 1
+            if n_tiles > self.edge:
+                n = 2 + (cutlass.max(n_tiles - 2 * self.edge, 0) + chunk - 1) // chunk
+        else:
+            n = cutlass.max((n_tiles + chunk - 1) // chunk, 1)
+        return n
+
+    @cute.jit
+    def round_begin(self, j, n_rounds, n_mine, n_tiles):
+        """The first tile any pass of round j needs (its first block's begin; ``n_tiles`` past the
+        last round)."""
+        begin = n_tiles
+        if j < n_rounds:
+            begin = self.pass_bounds(j, 0, n_mine, n_tiles)[0]
+        return begin
+
+    @cute.jit
+    def pass_bounds(self, j, m, n_mine, n_tiles):
+        """[begin, end) (tiles from the split's first) of round j's pass of this warpgroup's m-th
+        block (of ``n_mine``): config.chunk_bounds, or with stagger config.pass_bounds."""
+        chunk = self.chunk
+        begin = cutlass.min(j * chunk, n_tiles)
+        end = cutlass.min(begin + chunk, n_tiles)
+        if const_expr(self.stagger > 0):
+            g = m * self.stagger // cutlass.max(n_mine, 1)
+            first = (chunk * (g + 1) + self.stagger - 1) // self.stagger
+            take = cutlass.min(first, self.stages - chunk)  # the longest remainder a pass absorbs
+            begin = Int32(0)
+            end = cutlass.min(first, n_tiles)
+            if j > 0:
+                begin = first + chunk * (j - 1)
+                end = begin + chunk
+                if n_tiles - end > 0 and n_tiles - end <= take:
+                    end = n_tiles
+                if j >= 2 and n_tiles - begin > 0 and n_tiles - begin <= take:
+                    begin = n_tiles  # absorbed by round j - 1
+                begin = cutlass.min(begin, n_tiles)
+                end = cutlass.min(end, n_tiles)
+        elif const_expr(self.edge > 0):
+            # Edge chunks: the first holds `edge` tiles, the middle ones `chunk`, the last what is
+            # left of `edge` (config.chunk_bounds).
+            begin = self.chunk_start(j, n_tiles)
+            end = n_tiles
+            if j + 1 < self.num_rounds(n_tiles):
+                end = self.chunk_start(j + 1, n_tiles)
+        return begin, end
+
+    @cute.jit
     def chunk_start(self, j, n_tiles):
-        """First tile (from the split's start) of chunk j >= 0 with edge chunks: the first chunk
-        holds `edge` tiles, the middle ones `chunk`, the last one what is left of `edge`."""
+        """First tile (from the split's start) of chunk j >= 0 with edge chunks."""
         start = 0
         if j > 0:
             start = cutlass.max(self.edge, cutlass.min(self.edge + (j - 1) * self.chunk, n_tiles - self.edge))

@@ -127,10 +127,10 @@ def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: 
                resident: bool = False):
     # Every config field is part of the key except what only changes the launch: num_splits, and
     # ctas_per_sm beyond the occupancy it resolves to; the chunk walk (chunk_tiles, edge_tiles,
-    # q_regs, q_cluster) exists only in the resident kernel.
+    # q_regs, q_cluster, stagger) exists only in the resident kernel.
     code = dataclasses.replace(cfg, num_splits=0, ctas_per_sm=cfg.resident_occupancy(head_dim, 2) if resident else 1)
     if not resident:
-        code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0, q_cluster=0)
+        code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0, q_cluster=0, stagger=0)
     return ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident),
             *dataclasses.astuple(code))
 
