@@ -262,6 +262,15 @@ PREFILL_CHUNK4_ROWS = 8192
 # but 32k q64 (256 rows) 2.776 vs 2.721 and 32k q8192 15.39 vs 13.91. Clusters of four lost
 # everywhere (fewer 4-CTA clusters fit the GPCs at one CTA per SM: 128k q512 14.5 ms).
 PREFILL_CLUSTER_ROWS = 2048
+# Query rows per KV head from which the clusters (up to PREFILL_CHUNK4_ROWS) stagger their blocks'
+# chunk boundaries in four groups under 8 link credits (rank 0 admits for the cluster): H200 A/B
+# of session 9 (bench/results/NVIDIA_H200-2026-11-30-s9-ab*.txt), ms, against the cluster default:
+# 8k q2048 1.082 vs 1.217, 16k q2048 2.048 vs 2.161. Without credits the link served some clusters
+# late (round 0 done at max 380 vs med 228 us: 1.242 ms). At 8k q512 (2048 rows) four groups
+# without credits were 0.747 vs 0.740 ms, so the smaller shapes keep the plain walk.
+PREFILL_STAGGER_ROWS = 4096
+PREFILL_STAGGER = 4
+PREFILL_STAGGER_CREDITS = 8
 
 
 def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConfig:
@@ -273,14 +282,21 @@ def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConf
     to the link one tile at a time under ``PREFILL_LINK_CREDITS``. Falls back to Q in SMEM where
     registers cannot hold it. From ``PREFILL_CLUSTER_ROWS`` up to ``PREFILL_CHUNK4_ROWS`` rows
     the seven-stage config runs in clusters of two CTAs sharing each tile (``q_cluster``, which
-    goes without link credits): half the passes per chunk and half the splits."""
+    goes without link credits): half the passes per chunk and half the splits. From
+    ``PREFILL_STAGGER_ROWS`` those clusters stagger their blocks' chunk boundaries
+    (``PREFILL_STAGGER`` groups) under ``PREFILL_STAGGER_CREDITS`` link credits, so compute starts
+    after one tile and the link serves the clusters in turn."""
     chunk = 4 if rows is None or rows <= PREFILL_CHUNK4_ROWS else 6
     cluster = 2 if rows is not None and PREFILL_CLUSTER_ROWS <= rows <= PREFILL_CHUNK4_ROWS else 0
+    stagger = PREFILL_STAGGER if cluster and rows >= PREFILL_STAGGER_ROWS else 0
     for tile_n, stages, chunk_tiles, q_regs, q_cluster in ((64, 7, chunk, 1, cluster), (64, 6, 5, 0, 0),
                                                            (128, 3, 2, 0, 0), (64, 4, 3, 0, 0), (64, 2, 1, 0, 0)):
+        credits = PREFILL_LINK_CREDITS
+        if q_cluster:
+            credits = PREFILL_STAGGER_CREDITS if stagger else 0
         cfg = DecodeConfig(tile_n=tile_n, stages=stages, ctas_per_sm=1, consumer_wgs=2, carveout=100,
                            chunk_tiles=chunk_tiles, max_inflight=1, q_regs=q_regs, q_cluster=q_cluster,
-                           link_credits=0 if q_cluster else PREFILL_LINK_CREDITS)
+                           link_credits=credits, stagger=stagger if q_cluster else 0)
         if cfg.is_legal(head_dim):
             return cfg
     raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")

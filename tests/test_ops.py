@@ -206,12 +206,19 @@ def test_resident_chunk_and_occupancy_rules():
     assert default_prefill_config(128, PREFILL_CHUNK4_ROWS).chunk_tiles == 4
     assert default_prefill_config(128, PREFILL_CHUNK4_ROWS + 1).chunk_tiles == 6
     # clusters of two from PREFILL_CLUSTER_ROWS to PREFILL_CHUNK4_ROWS rows, without link credits
-    from directkv_cute.config import PREFILL_CLUSTER_ROWS
+    # below PREFILL_STAGGER_ROWS and staggered under PREFILL_STAGGER_CREDITS from there
+    from directkv_cute.config import (PREFILL_CLUSTER_ROWS, PREFILL_STAGGER, PREFILL_STAGGER_CREDITS,
+                                      PREFILL_STAGGER_ROWS)
 
-    for rows, cluster in ((PREFILL_CLUSTER_ROWS - 1, 0), (PREFILL_CLUSTER_ROWS, 2), (PREFILL_CHUNK4_ROWS, 2),
-                          (PREFILL_CHUNK4_ROWS + 1, 0), (None, 0)):
+    assert PREFILL_CLUSTER_ROWS < PREFILL_STAGGER_ROWS <= PREFILL_CHUNK4_ROWS
+    for rows, cluster, stagger in ((PREFILL_CLUSTER_ROWS - 1, 0, 0), (PREFILL_CLUSTER_ROWS, 2, 0),
+                                   (PREFILL_STAGGER_ROWS - 1, 2, 0), (PREFILL_STAGGER_ROWS, 2, PREFILL_STAGGER),
+                                   (PREFILL_CHUNK4_ROWS, 2, PREFILL_STAGGER), (PREFILL_CHUNK4_ROWS + 1, 0, 0),
+                                   (None, 0, 0)):
         cfg = default_prefill_config(128, rows)
-        assert cfg.q_cluster == cluster and (cfg.link_credits == 0) == (cluster > 0), rows
+        assert cfg.q_cluster == cluster and cfg.stagger == stagger, rows
+        credits = (PREFILL_STAGGER_CREDITS if stagger else 0) if cluster else PREFILL_LINK_CREDITS
+        assert cfg.link_credits == credits and cfg.max_inflight == 1, rows
     for rows in (256, 2048, 8192, 65536):
         for d in (64, 128):
             assert default_prefill_config(d, rows).is_legal(d)

@@ -378,10 +378,11 @@ class PrefillSpace(KernelSpace):
         # the old entry and four of these) measures the configs that won lately.
         base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)
         picks = (
-            # clusters of two with staggered chunk boundaries (session 9): compute starts after
-            # one tile, and tiles are freed one at a time instead of a chunk at a time
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2, stagger=4),
-            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2, stagger=2),
+            # clusters of two with staggered chunk boundaries under link admission (session 9; the
+            # default from 4096 to 8192 rows): compute starts after one tile, tiles are freed one at
+            # a time, and the link serves the clusters in turn
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=8, q_regs=1, q_cluster=2, stagger=4),
+            dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1, q_cluster=2, stagger=2),
             # clusters of two sharing each tile (chunks of 4: the default from 2048 to 8192 query rows
             # per KV head; won 8k q8192 in session 8): half the passes per chunk and half the splits
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
