@@ -318,7 +318,7 @@ def test_staggered_walk_covers_frees_in_order_and_cannot_deadlock(chunk, stages,
             for j, m, b, e, nxt in walk:
                 if m is not None:
                     assert b >= freed or e <= b, (n, walk)  # a pass reads no freed tile
-                assert nxt >= freed or nxt == freed
+                assert nxt >= freed, (n, walk)  # frees in ring order
                 freed = max(freed, nxt)
             assert freed == n
         # Warpgroups with 0, 1, 5 and 8 blocks on one ring of `stages` slots.
@@ -330,10 +330,13 @@ def test_staggered_walk_covers_frees_in_order_and_cannot_deadlock(chunk, stages,
             for i, w in enumerate(lanes):
                 while pos[i] < len(w):
                     j, m, b, e, nxt = w[pos[i]]
-                    need = max(nxt, e if m is not None else 0)
+                    # A pass waits for its own tiles and then frees without waiting (only tiles
+                    # it has waited for); a round's end waits for what it frees.
+                    need = e if m is not None else nxt
                     if need > loaded:
                         break
                     waited[i] = max(waited[i], need)
+                    assert nxt <= waited[i], (n, pos, w[pos[i]])
                     freed[i] = max(freed[i], nxt)
                     pos[i] += 1
                     moved = True
