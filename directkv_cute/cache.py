@@ -63,6 +63,7 @@ Tier = Literal["host", "hbm"]
 TIERS: tuple[Tier, ...] = ("host", "hbm")
 PLACEMENTS = ("recent", "strided")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+CPU_ONLY_DTYPES = (torch.float32,)  # the reference path only (no kernel reads float32 pages)
 _MAX_PAGES = 2**31 - 1  # page ids must fit int32 entries
 
 
@@ -106,6 +107,41 @@ class KernelTables(NamedTuple):
     def num_pages(self, page_size: int) -> torch.Tensor:
         """int32 (B,): pages each sequence owns, ``ceil(seq_len / page_size)``."""
         return torch.div(self.seq_lens + (page_size - 1), page_size, rounding_mode="floor")
+
+
+@dataclass(frozen=True)
+class TokenSlots:
+    """Destinations of a batch of token rows, by tier (see ``PagedKVCache.token_slots``).
+
+    parts: (tier, tok, pidx, off) per tier present: ``tok`` int64 (m,) the rows in this tier, or
+    None when all rows are; ``pidx`` int64 (m,) their pages; ``off`` int64 (m,) their rows within
+    the page. All on the cache device.
+    """
+
+    total: int
+    parts: tuple
+
+    @staticmethod
+    def build(entry: np.ndarray, off: np.ndarray, device) -> "TokenSlots":
+        total = len(entry)
+        in_hbm = entry < 0
+        groups = [(t, idx) for t, idx in (("host", np.flatnonzero(~in_hbm)), ("hbm", np.flatnonzero(in_hbm)))
+                  if len(idx)]
+        pieces = []
+        for tier, tok in groups:
+            pidx = entry[tok] if tier == "host" else -entry[tok] - 1
+            pieces += [tok, pidx, off[tok]]
+        if not pieces:
+            return TokenSlots(0, ())
+        dev = torch.from_numpy(np.concatenate(pieces)).to(device)
+        parts, at = [], 0
+        for tier, tok in groups:
+            m = len(tok)
+            whole = m == total
+            parts.append((tier, None if whole else dev[at : at + m], dev[at + m : at + 2 * m],
+                          dev[at + 2 * m : at + 3 * m]))
+            at += 3 * m
+        return TokenSlots(total, tuple(parts))
 
 
 @dataclass(frozen=True)
@@ -188,10 +224,11 @@ class PagedKVCache:
         for tier, n in capacity.items():
             if n > _MAX_PAGES:
                 raise ValueError(f"{tier} tier: {n} pages do not fit int32 page-table entries")
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-        self.dtype = dtype
         device = torch.device(device)
+        if dtype not in SUPPORTED_DTYPES and not (dtype in CPU_ONLY_DTYPES and device.type == "cpu"):
+            extra = f" ({', '.join(map(str, CPU_ONLY_DTYPES))} on device='cpu' too)"
+            raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}{extra}, got {dtype}")
+        self.dtype = dtype
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' but CUDA is not available (use device='cpu')")
@@ -362,6 +399,54 @@ class PagedKVCache:
             self._store(seq, None, start, k, v)
         return start
 
+    def token_slots(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> "TokenSlots":
+        """Where tokens ``[starts[i], starts[i] + counts[i])`` of ``seq_ids[i]`` live, for
+        ``write_slots``: one host-to-device copy for the whole batch, reused by every layer.
+
+        The tokens must be allocated (``extend``). Pages in the range that are still shared with
+        a fork get private copies first (copy-on-write), for every sequence, before anything is
+        returned; the capacity for those copies is checked before any is made.
+        """
+        self._check_open()
+        if not (len(seq_ids) == len(starts) == len(counts)):
+            raise ValueError("seq_ids, starts and counts must have one entry per sequence")
+        seqs = [self._seq(s) for s in seq_ids]
+        spans = []
+        for sid, seq, start, n in zip(seq_ids, seqs, starts, counts):
+            start, n = _check_int(start, "start"), _check_int(n, "count")
+            if start + n > seq.length:
+                raise ValueError(f"tokens [{start}, {start + n}) past the end of sequence {sid} (length {seq.length})")
+            spans.append((seq, start, n))
+        shared = [(seq, self._shared_pages(seq, start, start + n)) for seq, start, n in spans]
+        needs: dict[str, int] = {}
+        for seq, lps in shared:
+            for tier, m in self._tier_counts(seq, lps).items():
+                needs[tier] = needs.get(tier, 0) + m
+        self._require(needs, "copy-on-write of shared pages before a batched write")
+        for seq, lps in shared:
+            self._unshare(seq, lps)
+        entries, offsets = [], []
+        for seq, start, n in spans:
+            pos = np.arange(start, start + n)  # (n,)
+            entries.append(seq.table()[pos // self.page_size].astype(np.int64))
+            offsets.append(pos % self.page_size)
+        entry = np.concatenate(entries) if entries else np.zeros(0, np.int64)  # (total,)
+        off = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)  # (total,)
+        return TokenSlots.build(entry, off, self.device)
+
+    def write_slots(self, slots: "TokenSlots", layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V rows ``k[i]``, ``v[i]`` ((total, num_kv_heads, head_dim), cache dtype, on the
+        cache device) of one layer at the positions ``slots`` (from ``token_slots``) names."""
+        layer = self._check_layer(layer)
+        n = self._check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
+        if n != slots.total:
+            raise ValueError(f"{n} K/V rows for {slots.total} slots")
+        k, v = k.detach(), v.detach()  # the pools never join an autograd graph
+        for tier, tok, pidx, off in slots.parts:
+            pool = self.device_pool(tier)
+            pool[pidx, layer, :, 0, off] = k if tok is None else k[tok]
+            pool[pidx, layer, :, 1, off] = v if tok is None else v[tok]
+
     def read(
         self, seq_id: int, layer: int | None, start: int = 0, stop: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,6 +505,29 @@ class PagedKVCache:
         for entry in seq.pages:
             self._decref(entry)
         del self._seqs[seq_id]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Shorten the sequence to its first ``length`` tokens; pages past them are released.
+
+        A page that stays but was shared becomes the new partial last page: it is copied first
+        (capacity checked before anything changes), so the last page stays private.
+        """
+        seq = self._seq(seq_id)
+        length = _check_int(length, "length")
+        if length > seq.length:
+            raise ValueError(f"truncate of sequence {seq_id} to {length} tokens: it has only {seq.length}")
+        keep = self._pages_for(length)
+        last = keep - 1
+        partial_shared = length % self.page_size and self._refcount(seq.pages[last]) > 1
+        if partial_shared:
+            self._require(self._tier_counts(seq, [last]), f"truncate sequence {seq_id}")
+        for entry in seq.pages[keep:]:
+            self._decref(entry)
+        seq.pages = seq.pages[:keep]
+        seq._table = None
+        seq.length = length
+        if partial_shared:
+            self._unshare(seq, [last])
 
     def move_pages(self, seq_id: int, logical_pages: Iterable[int], tier: Tier) -> None:
         """Move the given logical pages of a sequence to ``tier``.

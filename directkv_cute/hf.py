@@ -1,0 +1,643 @@
+"""Hugging Face transformers integration: a ``transformers.Cache`` over one ``PagedKVCache`` and
+an attention function registered as ``attn_implementation="directkv"``.
+
+    import directkv_cute.hf as dkhf                       # registers "directkv"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
+                                                 attn_implementation="directkv")
+    cache = dkhf.DirectKVCache(model, max_tokens=batch * (prompt + new_tokens))
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+
+How a forward step runs. transformers calls, per decoder layer, ``cache.update(k, v, layer)``
+(after RoPE) and then the attention function with the layer's queries and what ``update``
+returned. ``update`` only hands the new K/V to the attention function (it cannot see the padding
+mask); the attention function of the first layer plans the step once -- which of the new tokens
+are real (left padding from the 2-D attention mask never enters the cache), how many pages each
+sequence grows by and in which tier, the page tables and the store slots -- and every layer then
+stores its new K/V straight into their pages (GPU stores into pinned host memory, no staging
+buffer) and runs ``paged_attention_tables`` over the sequences' whole history. Query rows of pad
+tokens get zeros.
+
+Placement: host only by default. With ``hbm_budget`` (bytes) an HBM tier holds each sequence's
+first ``sink_pages`` pages and its most recent pages, an equal share of the budget per sequence;
+when a sequence outgrows its share its oldest non-sink HBM page moves to host memory, so every
+byte crosses the link once, as in the host-only cache.
+
+``get_seq_length()`` counts the token columns processed (pads included), as transformers'
+``DynamicCache`` does: generate slices its inputs and the attention mask by it. Each sequence's
+real length is ``cache.seq_lengths()``.
+
+Not supported (refused with an error naming the feature): sliding-window or chunked attention
+layers, linear-attention layers, attention logit soft-capping, attention sinks, cross-attention /
+encoder-decoder models, MLA, head dims other than 64 / 128 on a GPU, training. ``crop`` (assisted
+decoding) raises; beam search and ``num_return_sequences`` fork sequences (shared full pages).
+``torch.compile`` / CUDA graphs of a whole step are not possible: each step plans its pages and
+tables on the host (a device-to-host read of the padding counts, growing page tables).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
+
+from directkv_cute.cache import CacheCapacityError, PagedKVCache
+
+ATTN_IMPLEMENTATION = "directkv"
+KERNEL_HEAD_DIMS = (64, 128)
+MAX_GQA_GROUP = 64
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CacheCapacityError",
+    "DirectKVCache",
+    "ModelSpec",
+    "UnsupportedModelError",
+    "directkv_attention",
+    "model_spec",
+    "plan_growth",
+    "register",
+]
+
+
+class UnsupportedModelError(ValueError):
+    """The model uses an attention feature the DirectKV kernels do not implement."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The attention shape of a decoder: what the cache and the kernels need to know."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:  # older signature
+        return get()
+
+
+def model_spec(config) -> ModelSpec:
+    """The model's attention shape, or ``UnsupportedModelError`` naming what the kernels cannot do."""
+    config = _text_config(config)
+    name = getattr(config, "model_type", type(config).__name__)
+
+    def refuse(feature: str) -> None:
+        raise UnsupportedModelError(f"{name}: {feature} is not supported by DirectKV attention")
+
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        refuse("cross-attention (an encoder-decoder model)")
+    if not getattr(config, "is_causal", True):
+        refuse("bidirectional (non-causal) attention")
+    if getattr(config, "kv_lora_rank", None) or getattr(config, "q_lora_rank", None):
+        refuse(f"multi-head latent attention (kv_lora_rank={getattr(config, 'kv_lora_rank', None)})")
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            refuse(f"layer types {other} (only full attention layers)")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and not layer_types:
+        refuse(f"sliding-window attention (sliding_window={window})")
+    if getattr(config, "attention_chunk_size", None):
+        refuse(f"chunked attention (attention_chunk_size={config.attention_chunk_size})")
+    if getattr(config, "attn_logit_softcapping", None):
+        refuse(f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})")
+    if getattr(config, "use_sinks", False) or name in ("gpt_oss",):
+        refuse("attention sinks")
+    hq = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if not hq or not layers:
+        refuse("a config without num_attention_heads / num_hidden_layers")
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+    if hq % hkv:
+        refuse(f"{hq} query heads over {hkv} KV heads (not a whole GQA group)")
+    if hq // hkv > MAX_GQA_GROUP:
+        refuse(f"a GQA group of {hq // hkv} query heads per KV head (at most {MAX_GQA_GROUP})")
+    if head_dim % 8:
+        refuse(f"head_dim {head_dim} (a multiple of 8 is needed)")
+    return ModelSpec(int(layers), int(hq), int(hkv), int(head_dim))
+
+
+# ---- placement (plain Python, testable on a CPU) ---------------------------------------------
+def _hbm_targets(num_pages: int, quota: int, sink_pages: int) -> set[int]:
+    """Logical pages a sequence of ``num_pages`` pages keeps in HBM under ``quota`` pages:
+    the first sink pages, then the most recent ones."""
+    sinks = min(sink_pages, quota, num_pages)
+    recent = quota - sinks
+    return set(range(sinks)) | set(range(max(sinks, num_pages - recent), num_pages))
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How one sequence grows in a step: pages to demote first, then ``extend`` runs."""
+
+    demote: tuple[int, ...]  # logical pages moving HBM -> host
+    runs: tuple[tuple[str, int], ...]  # (tier, tokens) extends, in order
+
+
+def plan_growth(length: int, hbm_pages: Sequence[int], n: int, page_size: int, quota: int,
+                sink_pages: int) -> Growth:
+    """Plan for a sequence of ``length`` tokens whose logical pages ``hbm_pages`` are in HBM to
+    grow by ``n`` tokens under an HBM ``quota`` (pages): the old HBM pages that fall out of the
+    sink + recent window are demoted, and the new pages are allocated in runs by tier."""
+    old = -(-length // page_size)
+    new = -(-(length + n) // page_size)
+    target = _hbm_targets(new, quota, sink_pages) if quota > 0 else set()
+    demote = tuple(sorted(lp for lp in hbm_pages if lp not in target))
+    runs: list[tuple[str, int]] = []
+    at = length
+    lp = old
+    while lp < new:
+        tier = "hbm" if lp in target else "host"
+        end = lp
+        while end < new and (("hbm" if end in target else "host") == tier):
+            end += 1
+        stop = min(end * page_size, length + n)
+        runs.append((tier, stop - at))
+        at, lp = stop, end
+    if at < length + n:  # the tokens fit the partial last page
+        runs.append(("host", length + n - at))
+    return Growth(demote, tuple(runs))
+
+
+# ---- the transformers cache ------------------------------------------------------------------
+class _Handoff(threading.local):
+    """``update`` -> attention function hand-off within one thread (one layer at a time)."""
+
+    pending: tuple | None = None
+
+
+_HANDOFF = _Handoff()
+
+
+@dataclass
+class _Step:
+    """One forward step, planned by its first layer and reused by the others."""
+
+    batch: int
+    q_len: int
+    rows: list[int]  # batch rows with at least one real new token
+    q_lens: list[int]  # their real new tokens
+    tok_idx: torch.Tensor | None  # int64 (total,) rows of (B * S) that are real, None when all are
+    slots: object  # TokenSlots of the real tokens, row by row
+    tables: object | None  # KernelTables of `rows`
+    max_seq_len: int
+    undo: list[tuple[int, int]]  # (seq_id, length before the step)
+    processed_before: int
+    layers_done: int = 0
+
+
+class DirectKVLayer(CacheLayerMixin):
+    """One decoder layer's view of the shared ``DirectKVCache`` (transformers keeps a list)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "DirectKVCache", layer_idx: int):
+        super().__init__()
+        self._owner = owner
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+        self.device = owner.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older API: cache_position
+            query_length = query_length.shape[0]
+        return self._owner.processed + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.processed
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._owner.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._owner.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._owner.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._owner.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        self._owner.batch_select_indices(indices)
+
+
+class DirectKVCache(Cache):
+    """A transformers ``Cache`` whose K/V live in one ``PagedKVCache`` (pinned host pages, and
+    an optional HBM tier), attended by the DirectKV kernels in place.
+
+    Args:
+        model: a transformers model (its config, dtype and device are used) or a config.
+        max_tokens: tokens of K/V the cache can hold over all its sequences (prompt + generated,
+            summed over the batch, pads excluded); the host tier is sized for them.
+        max_batch_size: most sequences at once (each may leave one partial page).
+        page_size: tokens per page (16, 32, 64, 128).
+        hbm_budget: bytes of GPU memory for the HBM tier (0: host only).
+        sink_pages: pages at the start of each sequence kept in HBM when there is a budget.
+        dtype, device: default to the model's (device "cpu" runs the float32 reference path).
+    """
+
+    def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
+                 hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None):
+        config = getattr(model, "config", model)
+        self.spec = model_spec(config)
+        if dtype is None:
+            dtype = getattr(model, "dtype", None) or getattr(_text_config(config), "dtype", None) or torch.bfloat16
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if device is None:
+            device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(device)
+        for name, value, low in (("max_tokens", max_tokens, 1), ("max_batch_size", max_batch_size, 1),
+                                 ("hbm_budget", hbm_budget, 0), ("sink_pages", sink_pages, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
+            raise UnsupportedModelError(
+                f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
+        page_bytes = 2 * self.spec.num_layers * self.spec.num_kv_heads * page_size * self.spec.head_dim * \
+            torch.empty((), dtype=dtype).element_size()
+        hbm_pages = hbm_budget // page_bytes
+        host_pages = max(1, math.ceil(max_tokens / page_size) + max_batch_size - hbm_pages)
+        self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
+                               num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device)
+        self.device = self.kv.device
+        self.dtype = dtype
+        self.sink_pages = sink_pages
+        self.processed = 0
+        self._seqs: list[int] = []
+        self._step: _Step | None = None
+        self._checked_modules: set[int] = set()
+        super().__init__(layers=[DirectKVLayer(self, i) for i in range(self.spec.num_layers)])
+
+    # ---- transformers Cache API ----------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < self.spec.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers")
+        if layer_idx == 0:
+            self._step = None
+        _HANDOFF.pending = (self, layer_idx, key_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.processed
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._seqs) if self._seqs else -1
+
+    def reset(self) -> None:
+        for sid in self._seqs:
+            self.kv.free(sid)
+        self._seqs = []
+        self.processed = 0
+        self._step = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("DirectKVCache.crop (assisted / speculative decoding in generate) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
+
+    def batch_select_indices(self, indices) -> None:
+        self._select(_as_index_list(indices))
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._select(_as_index_list(beam_idx))
+
+    # ---- our API -------------------------------------------------------------------------
+    @property
+    def seq_ids(self) -> list[int]:
+        """The PagedKVCache sequence of each batch row."""
+        return list(self._seqs)
+
+    def seq_lengths(self) -> list[int]:
+        """Real tokens (pads excluded) cached for each batch row."""
+        return [self.kv.seq_len(s) for s in self._seqs]
+
+    def host_bytes(self) -> int:
+        """Bytes of K/V held in host pages (pinned)."""
+        return (self.kv.num_pages("host") - self.kv.free_pages("host")) * self.kv.page_bytes
+
+    def hbm_bytes(self) -> int:
+        return (self.kv.num_pages("hbm") - self.kv.free_pages("hbm")) * self.kv.page_bytes
+
+    def check_request(self, lengths: Sequence[int], max_new_tokens: int) -> None:
+        """Raise ``CacheCapacityError`` now if the batch rows, with ``lengths`` more real prompt
+        tokens and ``max_new_tokens`` generated tokens each, would not fit (call before ``generate``)."""
+        ps = self.kv.page_size
+        rows = self._seqs or [None] * len(lengths)
+        if len(rows) != len(lengths):
+            raise ValueError(f"{len(lengths)} prompts for a cache holding {len(rows)} sequences")
+        need = 0
+        for sid, n in zip(rows, lengths):
+            have = 0 if sid is None else self.kv.seq_len(sid)
+            held = 0 if sid is None else len(self.kv.page_table(sid))
+            need += -(-(have + int(n) + int(max_new_tokens)) // ps) - held
+        free = self.kv.free_pages("host") + self.kv.free_pages("hbm")
+        if need > free:
+            raise CacheCapacityError(
+                f"{len(lengths)} sequences of up to {max(lengths)} prompt tokens + {max_new_tokens} new tokens need "
+                f"{need} more pages of {ps} tokens, {free} are free (raise max_tokens)")
+
+    def close(self) -> None:
+        self.kv.close()
+
+    # ---- the step ------------------------------------------------------------------------
+    def _select(self, rows: list[int]) -> None:
+        """Batch rows become ``self._seqs[rows[i]]``; a row used again is forked (full pages
+        shared), rows never used are freed. Capacity for the forks is checked first."""
+        if not self._seqs:
+            return
+        if any(not 0 <= r < len(self._seqs) for r in rows):
+            raise IndexError(f"batch rows {rows} out of range for a batch of {len(self._seqs)}")
+        seen: set[int] = set()
+        extra: dict[str, int] = {}
+        for r in rows:
+            if r in seen:
+                sid = self._seqs[r]
+                if self.kv.seq_len(sid) % self.kv.page_size:
+                    tier = "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
+                    extra[tier] = extra.get(tier, 0) + 1
+            seen.add(r)
+        for tier, n in extra.items():
+            if n > self.kv.free_pages(tier):
+                raise CacheCapacityError(f"forking {n} sequences needs {n} free {tier} pages, "
+                                         f"{self.kv.free_pages(tier)} free; the cache is unchanged")
+        used: set[int] = set()
+        new = []
+        for r in rows:
+            new.append(self._seqs[r] if r not in used else self.kv.fork(self._seqs[r]))
+            used.add(r)
+        for r, sid in enumerate(self._seqs):
+            if r not in used:
+                self.kv.free(sid)
+        self._seqs = new
+        self._step = None
+
+    def _hbm_quota(self) -> int:
+        return self.kv.num_pages("hbm") // max(1, len(self._seqs))
+
+    def _plan(self, query: torch.Tensor, attention_mask) -> _Step:
+        batch, hq, q_len, d = query.shape
+        if self._seqs and batch != len(self._seqs):
+            raise ValueError(f"a batch of {batch} rows for a cache holding {len(self._seqs)} sequences "
+                             "(one DirectKVCache per batch; reset() it for a new one)")
+        valid = _valid_tokens(attention_mask, batch, q_len)  # bool (B, S) or None
+        counts = [q_len] * batch if valid is None else valid.sum(dim=1).tolist()
+        if not self._seqs:
+            self._seqs = [self.kv.add_sequence() for _ in range(batch)]
+        plans = self._growth(counts)
+        undo = [(sid, self.kv.seq_len(sid)) for sid in self._seqs]
+        try:
+            for sid, growth in zip(self._seqs, plans):
+                if growth.demote:
+                    self.kv.move_pages(sid, growth.demote, "host")
+                for tier, n in growth.runs:
+                    self.kv.extend(sid, n, tier)
+            rows = [b for b in range(batch) if counts[b]]
+            starts = [undo[b][1] for b in rows]
+            q_lens = [int(counts[b]) for b in rows]
+            slots = self.kv.token_slots([self._seqs[b] for b in rows], starts, q_lens)
+            tables = self.kv.kernel_tables([self._seqs[b] for b in rows]) if rows else None
+        except BaseException:
+            for sid, length in undo:
+                self.kv.truncate(sid, length)
+            raise
+        tok_idx = None
+        if valid is not None and sum(counts) != batch * q_len:
+            tok_idx = valid.reshape(-1).nonzero().squeeze(1).to(query.device)  # (total,) row-major
+        step = _Step(batch, q_len, rows, q_lens, tok_idx, slots, tables,
+                     max((self.kv.seq_len(self._seqs[b]) for b in rows), default=0), undo, self.processed)
+        self.processed += q_len
+        return step
+
+    def _growth(self, counts: Sequence[int]) -> list[Growth]:
+        """Every sequence's growth for this step, with the step's capacity checked as a whole
+        before anything changes."""
+        quota = self._hbm_quota()
+        lengths = [self.kv.seq_len(sid) for sid in self._seqs]
+        plans = []
+        for sid, length, n in zip(self._seqs, lengths, counts):
+            hbm = [lp for lp, e in enumerate(self.kv.page_table(sid)) if e < 0]
+            plans.append(plan_growth(length, hbm, int(n), self.kv.page_size, quota, self.sink_pages))
+        need = self._needs(plans, lengths)
+        if need["hbm"] > self.kv.free_pages("hbm"):  # shared pages can crowd the tier: spill to host
+            plans = [Growth(g.demote, tuple(("host", m) for _, m in g.runs)) for g in plans]
+            need = self._needs(plans, lengths)
+        if need["host"] > self.kv.free_pages("host"):
+            raise CacheCapacityError(
+                f"this step adds {sum(counts)} tokens over {len(counts)} sequences and needs {need['host']} host "
+                f"pages, {self.kv.free_pages('host')} free (raise max_tokens); the cache is unchanged")
+        return plans
+
+    def _needs(self, plans: list[Growth], lengths: list[int]) -> dict[str, int]:
+        """Net new pages per tier of a step's plans (demotions free HBM pages, take host ones)."""
+        ps = self.kv.page_size
+        need = {"host": 0, "hbm": 0}
+        for g, length in zip(plans, lengths):
+            need["host"] += len(g.demote)
+            need["hbm"] -= len(g.demote)
+            for tier, m in g.runs:
+                need[tier] += -(-(length + m) // ps) - -(-length // ps)
+                length += m
+        return need
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+               scaling: float | None, layer_idx: int) -> torch.Tensor:
+        """One layer of the step: store its new K/V, attend over the history; (B, S, Hq, d)."""
+        if id(module) not in self._checked_modules:
+            _check_module(module, self.spec)
+            self._checked_modules.add(id(module))
+        _check_qkv(query, key, value, self)
+        batch, hq, q_len, d = query.shape
+        if layer_idx == 0 or self._step is None:
+            if layer_idx != 0:
+                raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
+            self._step = self._plan(query, attention_mask)
+        step = self._step
+        if (batch, q_len) != (step.batch, step.q_len):
+            raise RuntimeError(f"layer {layer_idx} has {batch}x{q_len} tokens, the step {step.batch}x{step.q_len}")
+        try:
+            out = self._attend_layer(step, query, key, value, scaling, layer_idx)
+        except BaseException:
+            self._rollback(step)
+            raise
+        step.layers_done += 1
+        return out
+
+    def _rollback(self, step: _Step) -> None:
+        for sid, length in step.undo:
+            if self.kv.seq_len(sid) > length:
+                self.kv.truncate(sid, length)
+        self.processed = step.processed_before
+        self._step = None
+
+    def _attend_layer(self, step: _Step, query, key, value, scaling, layer_idx: int) -> torch.Tensor:
+        batch, hq, q_len, d = query.shape
+        hkv = key.shape[1]
+        q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
+        k = key.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
+        v = value.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
+        if step.tok_idx is not None:
+            q, k, v = q[step.tok_idx], k[step.tok_idx], v[step.tok_idx]
+        if not step.rows:
+            return query.new_zeros(batch, q_len, hq, d)
+        self.kv.write_slots(step.slots, layer_idx, k, v)
+        q = q.contiguous()
+        if q.is_cuda:
+            from directkv_cute.ops import paged_attention_tables
+
+            o = paged_attention_tables(q, self.kv, layer_idx, step.tables, step.q_lens, scaling,
+                                       max_seq_len=step.max_seq_len)  # (total, Hq, d)
+        else:
+            from directkv_cute.reference import tables_attention_ref
+
+            o, _ = tables_attention_ref(q, self.kv.device_pool("host"), self.kv.device_pool("hbm"),
+                                        step.tables.page_table, step.tables.seq_lens, layer_idx, step.q_lens,
+                                        scaling)
+        if step.tok_idx is None:
+            return o.view(batch, q_len, hq, d)
+        out = query.new_zeros(batch * q_len, hq, d)
+        out[step.tok_idx] = o
+        return out.view(batch, q_len, hq, d)
+
+
+def _as_index_list(indices) -> list[int]:
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().squeeze(1)
+        return [int(i) for i in indices.tolist()]
+    return [int(i) for i in indices]
+
+
+def _valid_tokens(attention_mask, batch: int, q_len: int) -> torch.Tensor | None:
+    """bool (B, S): which of the step's new tokens are real, from the 2-D padding mask."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        shape = getattr(attention_mask, "shape", type(attention_mask).__name__)
+        raise ValueError(f"DirectKV attention takes the 2-D padding mask (batch, tokens), got {shape}; "
+                         "load the model with attn_implementation='directkv' so transformers builds that mask")
+    if attention_mask.shape[0] != batch or attention_mask.shape[1] < q_len:
+        raise ValueError(f"padding mask of shape {tuple(attention_mask.shape)} for {batch} rows x {q_len} new tokens")
+    return attention_mask[:, -q_len:].to(torch.bool)
+
+
+def _check_module(module, spec: ModelSpec) -> None:
+    name = type(module).__name__
+    if getattr(module, "training", False):
+        raise UnsupportedModelError(f"{name}: DirectKV attention is inference only (call model.eval())")
+    if getattr(module, "sinks", None) is not None:
+        raise UnsupportedModelError(f"{name}: attention sinks are not supported by DirectKV attention")
+    if getattr(module, "sliding_window", None):
+        raise UnsupportedModelError(f"{name}: sliding-window attention ({module.sliding_window}) is not supported")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedModelError(f"{name}: non-causal attention is not supported by DirectKV attention")
+    if getattr(module, "is_cross_attention", False):
+        raise UnsupportedModelError(f"{name}: cross-attention is not supported by DirectKV attention")
+
+
+def _check_qkv(query, key, value, cache: DirectKVCache) -> None:
+    spec = cache.spec
+    if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}: "
+                         "expected (B, H, S, d) tensors")
+    if query.shape[1] != spec.num_q_heads or key.shape[1] != spec.num_kv_heads or query.shape[3] != spec.head_dim:
+        raise ValueError(f"query {tuple(query.shape)} / key {tuple(key.shape)} do not match the cache's "
+                         f"{spec.num_q_heads} query heads, {spec.num_kv_heads} KV heads, head_dim {spec.head_dim}")
+    if key.shape[0] != query.shape[0] or key.shape[2] != query.shape[2]:
+        raise ValueError(f"key {tuple(key.shape)} holds other tokens than query {tuple(query.shape)} "
+                         "(DirectKVCache.update returns the step's new tokens)")
+    if query.dtype != cache.dtype or key.dtype != cache.dtype:
+        raise TypeError(f"the model runs in {query.dtype}, the cache holds {cache.dtype} "
+                        "(build the cache with the model's dtype)")
+    if query.device != cache.device:
+        raise ValueError(f"the model runs on {query.device}, the cache is on {cache.device}")
+
+
+# ---- transformers registration ---------------------------------------------------------------
+def directkv_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``attn_implementation="directkv"`` attention function: (out (B, S, Hq, d), None)."""
+    pending, _HANDOFF.pending = _HANDOFF.pending, None
+    if pending is None or pending[2] is not key:
+        raise RuntimeError("attn_implementation='directkv' needs a directkv_cute.hf.DirectKVCache as the "
+                           "model's cache (generate(..., past_key_values=cache))")
+    cache, layer_idx, _ = pending
+    if getattr(module, "layer_idx", layer_idx) != layer_idx:
+        raise RuntimeError(f"attention of layer {module.layer_idx} after the cache update of layer {layer_idx}")
+    if dropout:
+        raise UnsupportedModelError("attention dropout is not supported (inference only)")
+    for feature in ("sliding_window", "softcap", "s_aux", "sinks"):
+        if kwargs.get(feature) is not None:
+            raise UnsupportedModelError(f"attention with {feature}={kwargs[feature]!r} is not supported by DirectKV")
+    return cache.attend(module, query, key, value, attention_mask, scaling, layer_idx), None
+
+
+def directkv_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None, **kwargs):
+    """The mask function registered with the attention: the 2-D padding mask (B, kv_length) as
+    bool, or None when the model was called without one. Causality is the kernels' own."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2:
+        return attention_mask
+    if kv_length is not None and attention_mask.shape[1] > kv_length:
+        attention_mask = attention_mask[:, -kv_length:]
+    return attention_mask.to(torch.bool)
+
+
+def register() -> None:
+    """Register ``attn_implementation="directkv"`` with transformers (done at import)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, directkv_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, directkv_mask)
+
+
+register()
