@@ -1,0 +1,276 @@
+"""The Hugging Face integration on the CPU reference path: generate with DirectKVCache against
+transformers' own DynamicCache + SDPA, chunked prefill, padding, placement, capacity and the
+refusal of attention features the kernels do not implement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+import directkv_cute.hf as dkhf  # noqa: E402
+from directkv_cute.cache import CacheCapacityError  # noqa: E402
+
+VOCAB = 512
+
+
+def _cache_kw(model, cache) -> dict:
+    import inspect
+
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+
+
+def _llama(layers=2, hq=8, hkv=2, head_dim=16, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hq * head_dim, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=hq, num_key_value_heads=hkv, head_dim=head_dim,
+                      max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg).eval().float()
+
+
+def _qwen2(seed=1):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=4096,
+                      use_sliding_window=False)
+    return Qwen2ForCausalLM(cfg).eval().float()
+
+
+def _prompts(batch_lens, seed=2):
+    """Left-padded random prompts: ids (B, T) and the 0/1 attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(batch_lens)
+    ids = torch.randint(1, VOCAB, (len(batch_lens), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(batch_lens):
+        mask[b, width - n:] = 1
+        ids[b, : width - n] = 0
+    return ids, mask
+
+
+def _generate(model, cache, ids, mask, **kw):
+    impl = "directkv" if isinstance(cache, dkhf.DirectKVCache) else "sdpa"
+    model.set_attn_implementation(impl)
+    try:
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, pad_token_id=0, **_cache_kw(model, cache), **kw)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+def _ours(model, max_tokens=600, batch=3, **kw):
+    return dkhf.DirectKVCache(model, max_tokens=max_tokens, max_batch_size=batch, device="cpu",
+                              **{"page_size": 16, **kw})
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_greedy_tokens_equal_dynamic_cache(make, chunk):
+    model = make()
+    lens = [40, 33, 9]
+    ids, mask = _prompts(lens)
+    kw = dict(max_new_tokens=52, do_sample=False, prefill_chunk_size=chunk)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    cache = _ours(model)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert out.shape == ref.shape == (3, 40 + 52)
+    assert torch.equal(out, ref)
+    # pads never enter the cache: real prompt tokens + the new ones that were fed back
+    assert cache.seq_lengths() == [n + 51 for n in lens]
+    assert cache.get_seq_length() == 40 + 51
+    for sid, n in zip(cache.seq_ids, cache.seq_lengths()):
+        assert len(cache.kv.page_table(sid)) == -(-n // 16)
+    used = sum(-(-n // 16) for n in cache.seq_lengths())
+    assert cache.kv.num_pages("host") - cache.kv.free_pages("host") == used
+
+
+def test_sampling_and_multiple_return_sequences_equal_dynamic_cache():
+    model = _llama(seed=3)
+    ids, mask = _prompts([20, 12])
+    kw = dict(max_new_tokens=20, do_sample=True, top_k=0, temperature=1.0, num_return_sequences=2)
+    torch.manual_seed(7)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    torch.manual_seed(7)
+    cache = _ours(model, batch=4)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert out.shape == (4, 40) and torch.equal(out, ref)
+    assert len(cache.seq_ids) == 4
+
+
+def test_beam_search_reorders_by_forking():
+    model = _llama(seed=4)
+    ids, mask = _prompts([24, 17])
+    kw = dict(max_new_tokens=12, do_sample=False, num_beams=3, early_stopping=False)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    cache = _ours(model, batch=6, max_tokens=1200)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+
+
+def test_bf16_logits_agree_with_dynamic_cache():
+    model = _llama(layers=3, head_dim=32, seed=5).to(torch.bfloat16)
+    ids, mask = _prompts([70, 50, 3])
+    kw = dict(max_new_tokens=30, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    out = _generate(model, _ours(model, dtype=torch.bfloat16), ids, mask, **kw)
+    # compare the steps before the first token that differs (bf16 ties may diverge later)
+    same = (out.sequences == ref.sequences).all(dim=0)[70:]
+    steps = int(same.long().cumprod(0).sum())
+    assert steps >= 10
+    for a, b in zip(out.logits[:steps], ref.logits[:steps]):
+        rel = (a.float() - b.float()).norm() / b.float().norm()
+        assert rel < 2e-2 and torch.isfinite(a).all()
+
+
+def test_hbm_budget_keeps_sinks_and_recent_pages_in_hbm():
+    model = _llama(seed=6)
+    ids, mask = _prompts([60, 41, 30])
+    kw = dict(max_new_tokens=40, do_sample=False, prefill_chunk_size=24)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    spec = dkhf.model_spec(model.config)
+    page_bytes = 2 * spec.num_layers * spec.num_kv_heads * 16 * spec.head_dim * 4
+    cache = _ours(model, hbm_budget=12 * page_bytes, sink_pages=1)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    quota = 12 // 3
+    for sid in cache.seq_ids:
+        table = cache.kv.page_table(sid)
+        in_hbm = [lp for lp, e in enumerate(table) if e < 0]
+        assert in_hbm == [0, *range(len(table) - (quota - 1), len(table))]
+    assert cache.hbm_bytes() == 12 * page_bytes and cache.host_bytes() > 0
+
+
+def test_overflow_raises_before_anything_is_written():
+    model = _llama(seed=8)
+    ids, mask = _prompts([40, 30, 20])
+    cache = _ours(model, max_tokens=40)  # 3 + 3 pages of 16 tokens; the prompts need 7
+    with pytest.raises(CacheCapacityError):
+        cache.check_request([40, 30, 20], 10)
+    before = cache.kv.state()
+    with pytest.raises(CacheCapacityError, match="unchanged"):
+        _generate(model, cache, ids, mask, max_new_tokens=5, do_sample=False)
+    state = cache.kv.state()
+    assert state.free_lists == before.free_lists and all(n == 0 for n in state.seq_lens.values())
+    assert cache.get_seq_length() == 0
+
+
+def test_failed_layer_rolls_the_step_back(monkeypatch):
+    model = _llama(layers=3, seed=9)
+    ids, mask = _prompts([20, 11])
+    cache = _ours(model, batch=2)
+    _generate(model, cache, ids, mask, max_new_tokens=3, do_sample=False)
+    lengths, processed, state = cache.seq_lengths(), cache.get_seq_length(), cache.kv.state()
+    real = dkhf.DirectKVCache._attend_layer
+
+    def boom(self, step, query, key, value, scaling, layer_idx):
+        if layer_idx == 2:
+            raise RuntimeError("injected")
+        return real(self, step, query, key, value, scaling, layer_idx)
+
+    monkeypatch.setattr(dkhf.DirectKVCache, "_attend_layer", boom)
+    model.set_attn_implementation("directkv")
+    nxt = torch.randint(1, VOCAB, (2, 5))
+    full_mask = torch.ones(2, processed + 5, dtype=torch.long)
+    full_mask[1, : 20 - 11] = 0
+    with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
+        model(nxt, attention_mask=full_mask, **_cache_kw(model, cache))
+    assert cache.seq_lengths() == lengths and cache.get_seq_length() == processed
+    assert cache.kv.state() == state
+
+
+def test_attention_without_directkv_cache_is_refused():
+    model = _llama(seed=10)
+    model.set_attn_implementation("directkv")
+    ids, mask = _prompts([8])
+    with pytest.raises(RuntimeError, match="DirectKVCache"), torch.no_grad():
+        model(ids, attention_mask=mask, **_cache_kw(model, DynamicCache(config=model.config)))
+
+
+def test_cache_dtype_must_match_the_model():
+    model = _llama(seed=11)
+    cache = dkhf.DirectKVCache(model, max_tokens=64, device="cpu", dtype=torch.bfloat16, page_size=16)
+    ids, mask = _prompts([8])
+    with pytest.raises(TypeError, match="float32"):
+        _generate(model, cache, ids, mask, max_new_tokens=2)
+
+
+def _config(kind: str):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    if kind == "mistral-sliding":
+        return AutoConfig.for_model("mistral", sliding_window=4096, **base)
+    if kind == "qwen2-sliding":
+        return AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=128, max_window_layers=1, **base)
+    if kind == "gemma2":
+        return AutoConfig.for_model("gemma2", head_dim=16, **base)
+    if kind == "t5":
+        return AutoConfig.for_model("t5", vocab_size=64, d_model=64, num_layers=2, num_heads=4)
+    if kind == "deepseek_v3":
+        return AutoConfig.for_model("deepseek_v3", **base)
+    if kind == "gpt_oss":
+        return AutoConfig.for_model("gpt_oss", head_dim=16, **base)
+    if kind == "odd-group":
+        return LlamaConfig(num_attention_heads=6, num_key_value_heads=4, hidden_size=96, num_hidden_layers=2)
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("mistral-sliding", "sliding"), ("qwen2-sliding", "sliding"), ("gemma2", "sliding|soft-capping"),
+    ("t5", "cross-attention"), ("deepseek_v3", "latent"), ("gpt_oss", "sliding|sinks"), ("odd-group", "GQA"),
+])
+def test_unsupported_models_are_refused_at_construction(kind, words):
+    try:
+        config = _config(kind)
+    except (ValueError, KeyError) as exc:  # a model type this transformers does not know
+        pytest.skip(f"{kind}: {exc}")
+    with pytest.raises(dkhf.UnsupportedModelError, match=words):
+        dkhf.DirectKVCache(config, max_tokens=64, device="cpu")
+
+
+def test_head_dim_outside_the_kernels_is_refused_for_cuda():
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=384, head_dim=96,
+                         num_hidden_layers=2)
+    with pytest.raises(dkhf.UnsupportedModelError, match="head_dim 96"):
+        dkhf.DirectKVCache(config, max_tokens=64, device="cuda", dtype=torch.bfloat16)
+    assert dkhf.model_spec(config).head_dim == 96  # the CPU reference path takes it
+
+
+def test_supported_shapes():
+    spec = dkhf.model_spec(_llama(hq=8, hkv=8).config)
+    assert (spec.num_q_heads, spec.num_kv_heads, spec.group) == (8, 8, 1)
+    q = dkhf.model_spec(Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+                                     num_hidden_layers=28, use_sliding_window=False))
+    assert (q.num_layers, q.group, q.head_dim) == (28, 7, 128)
+
+
+# ---- placement planning ----------------------------------------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(length=st.integers(0, 400), n=st.integers(0, 300), ps=st.sampled_from([16, 32, 64]),
+       quota=st.integers(0, 12), sinks=st.integers(0, 3), data=st.data())
+def test_plan_growth_properties(length, n, ps, quota, sinks, data):
+    old = -(-length // ps)
+    hbm = sorted(data.draw(st.sets(st.integers(0, max(old - 1, 0)), max_size=old)) if old else [])
+    g = dkhf.plan_growth(length, hbm, n, ps, quota, sinks)
+    assert sum(m for _, m in g.runs) == n and all(m > 0 for _, m in g.runs)
+    new = -(-(length + n) // ps)
+    target = set(range(min(sinks, quota, new)))
+    target |= set(range(max(min(sinks, quota, new), new - (quota - min(sinks, quota, new))), new))
+    if quota == 0:
+        target = set()
+    assert set(g.demote) == {lp for lp in hbm if lp not in target}
+    # replay the runs: each new page's tier is where the target says
+    at, pages = length, old
+    for tier, m in g.runs:
+        end = -(-(at + m) // ps)
+        for lp in range(pages, end):
+            assert (tier == "hbm") == (lp in target)
+        at, pages = at + m, end
+    assert pages == new
+    assert len(target) <= max(quota, 0)
