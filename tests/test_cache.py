@@ -96,7 +96,8 @@ def test_k_and_v_of_a_page_and_head_are_one_contiguous_piece(randn):
         (dict(num_host_pages=0), ValueError, "num_host_pages"),
         (dict(num_hbm_pages=-1), ValueError, "num_hbm_pages"),
         (dict(num_layers=2.0), TypeError, "num_layers"),
-        (dict(dtype=torch.float32), TypeError, "dtype"),
+        (dict(dtype=torch.float64), TypeError, "dtype"),
+        (dict(dtype=torch.float32, device="cuda"), TypeError, "on device='cpu'"),
         (dict(device="meta"), ValueError, "device"),
     ],
 )
@@ -671,3 +672,56 @@ CacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestCacheMachine = CacheMachine.TestCase
+
+
+def test_token_slots_write_a_batch_across_tiers(randn):
+    cache = PagedKVCache(2, 2, 64, 16, num_host_pages=20, num_hbm_pages=6, device="cpu")
+    ids = [cache.add_sequence() for _ in range(3)]
+    for sid, n in zip(ids, (40, 7, 0)):
+        if n:
+            cache.append(sid, randn(n, 2, 2, 64), randn(n, 2, 2, 64))
+    cache.set_hbm_fraction(ids[0], 0.5, "strided")
+    counts = (30, 20, 17)
+    starts = [cache.extend(sid, n, tier) for sid, n, tier in zip(ids, counts, ("host", "hbm", "host"))]
+    slots = cache.token_slots(ids, starts, counts)
+    k, v = randn(sum(counts), 2, 64), randn(sum(counts), 2, 64)
+    cache.write_slots(slots, 1, k, v)
+    at = 0
+    for sid, start, n in zip(ids, starts, counts):
+        rk, rv = cache.read(sid, 1, start, start + n)
+        assert torch.equal(rk, k[at : at + n]) and torch.equal(rv, v[at : at + n])
+        at += n
+    with pytest.raises(ValueError, match="slots"):
+        cache.write_slots(slots, 0, k[:-1], v[:-1])
+    with pytest.raises(ValueError, match="past the end"):
+        cache.token_slots(ids[:1], [starts[0]], [counts[0] + 1])
+
+
+def test_token_slots_copy_shared_pages_first(randn):
+    cache = PagedKVCache(1, 1, 64, 16, num_host_pages=8, device="cpu")
+    a = cache.add_sequence()
+    k0, v0 = randn(32, 1, 1, 64), randn(32, 1, 1, 64)
+    cache.append(a, k0, v0)
+    b = cache.fork(a)  # pages 0-1 shared
+    slots = cache.token_slots([b], [16], [4])
+    assert cache.page_table(b)[1] != cache.page_table(a)[1]
+    cache.write_slots(slots, 0, randn(4, 1, 64), randn(4, 1, 64))
+    assert torch.equal(cache.read(a, 0)[0], k0[:, 0])  # the sharer never sees the write
+
+
+def test_truncate_releases_pages_and_keeps_the_last_page_private(randn):
+    cache = PagedKVCache(1, 1, 64, 16, num_host_pages=8, device="cpu")
+    a = cache.add_sequence()
+    k, v = randn(50, 1, 1, 64), randn(50, 1, 1, 64)
+    cache.append(a, k, v)
+    b = cache.fork(a)
+    free = cache.free_pages("host")
+    cache.truncate(b, 20)  # pages 2-3 go (page 2 shared: refcount drops; 3 private: freed), page 1 copied
+    assert cache.seq_len(b) == 20 and len(cache.page_table(b)) == 2
+    assert cache.page_table(b)[1] != cache.page_table(a)[1]
+    assert cache.free_pages("host") == free + 1 - 1  # the private last page freed, one copy made
+    assert torch.equal(cache.read(b, 0)[0], k[:20, 0]) and torch.equal(cache.read(a, 0)[0], k[:, 0])
+    with pytest.raises(ValueError, match="only"):
+        cache.truncate(b, 21)
+    cache.truncate(b, 0)
+    assert cache.page_table(b) == [] and cache.seq_len(b) == 0
