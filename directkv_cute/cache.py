@@ -48,7 +48,9 @@ Design choices
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -57,7 +59,7 @@ import numpy as np
 import torch
 
 from directkv_cute._pinned import PinnedHostBuffer
-from directkv_cute.config import SUPPORTED_PAGE_SIZES
+from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 
 Tier = Literal["host", "hbm"]
 TIERS: tuple[Tier, ...] = ("host", "hbm")
@@ -69,6 +71,10 @@ _MAX_PAGES = 2**31 - 1  # page ids must fit int32 entries
 
 class CacheCapacityError(ValueError):
     """A tier has too few free pages for the operation; the cache was left unchanged."""
+
+
+class StaleTablesError(ValueError):
+    """Kernel tables from another cache, or built before pages they name were freed or moved."""
 
 
 class UnknownSequenceError(KeyError):
@@ -98,6 +104,8 @@ class KernelTables(NamedTuple):
 
     page_table: torch.Tensor  # int32 (B, max_pages)
     seq_lens: torch.Tensor  # int32 (B,)
+    cache_id: int = 0  # id() of the cache that built them (0: unknown, not checked)
+    generation: int = -1  # the cache's page generation when they were built (-1: not checked)
 
     @property
     def is_hbm(self) -> torch.Tensor:
@@ -176,6 +184,17 @@ class _Sequence:
         return self._table
 
 
+def _locked(method):
+    """Run a cache method under the cache's lock: every operation is atomic for concurrent callers."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def _check_int(value: object, name: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -230,6 +249,9 @@ class PagedKVCache:
             raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}{extra}, got {dtype}")
         self.dtype = dtype
         if device.type == "cuda":
+            if self.head_dim not in SUPPORTED_HEAD_DIMS:
+                raise ValueError(f"head_dim {self.head_dim}: the GPU kernels support head dims {SUPPORTED_HEAD_DIMS} "
+                                 "(device='cpu' runs the reference with any multiple of 8)")
             if not torch.cuda.is_available():
                 raise RuntimeError("device='cuda' but CUDA is not available (use device='cpu')")
             device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
@@ -240,9 +262,13 @@ class PagedKVCache:
         # One page: (num_layers, num_kv_heads, 2, page_size, head_dim).
         self.page_shape = (self.num_layers, self.num_kv_heads, 2, self.page_size, self.head_dim)
         self.page_bytes = math.prod(self.page_shape) * dtype.itemsize
-        self._host_buffer = PinnedHostBuffer(
-            capacity["host"] * self.page_bytes, device if device.type == "cuda" else None
-        )
+        host_bytes = capacity["host"] * self.page_bytes
+        try:
+            self._host_buffer = PinnedHostBuffer(host_bytes, device if device.type == "cuda" else None)
+        except (OSError, MemoryError, RuntimeError) as exc:
+            raise MemoryError(
+                f"cannot allocate and pin {host_bytes} bytes ({host_bytes / 2**30:.1f} GiB) of host memory for "
+                f"{capacity['host']} pages of {self.page_bytes} bytes: {exc}") from exc
         # (num_host_pages, L, Hkv, 2, page_size, d), CPU; pinned and mapped on CUDA.
         self.host_pool = self._host_buffer.tensor.view(dtype).view(capacity["host"], *self.page_shape)
         # Same shape, a CUDA alias of host_pool's memory (None on CPU).
@@ -255,6 +281,8 @@ class PagedKVCache:
         self.hbm_pool = torch.zeros((capacity["hbm"], *self.page_shape), dtype=dtype, device=device)
 
         self._capacity = capacity
+        self._lock = threading.RLock()
+        self._generation = 0  # bumped whenever existing pages change owner or meaning
         self._refs = {tier: np.zeros(n, dtype=np.int32) for tier, n in capacity.items()}
         # Free lists are stacks popped from the end, so pages are handed out in increasing order.
         self._free = {tier: list(range(n - 1, -1, -1)) for tier, n in capacity.items()}
@@ -298,28 +326,34 @@ class PagedKVCache:
         """Capacity of ``tier`` in pages."""
         return self._capacity[self._check_tier(tier)]
 
+    @_locked
     def free_pages(self, tier: Tier = "host") -> int:
         """Free pages of ``tier``."""
         return len(self._free[self._check_tier(tier)])
 
+    @_locked
     def seq_len(self, seq_id: int) -> int:
         """Tokens of the sequence (allocated by ``extend``/``append``)."""
         return self._seq(seq_id).length
 
+    @_locked
     def page_table(self, seq_id: int) -> list[int]:
         """The sequence's encoded page-table entries in logical order (a copy)."""
         return list(self._seq(seq_id).pages)
 
+    @_locked
     def page_counts(self, seq_id: int) -> dict[str, int]:
         """Pages of the sequence per tier, e.g. ``{"host": 30, "hbm": 2}``."""
         table = self._seq(seq_id).table()
         hbm = int(np.count_nonzero(table < 0))
         return {"host": len(table) - hbm, "hbm": hbm}
 
+    @_locked
     def page_hbm(self, seq_ids: Sequence[int]) -> list[list[bool]]:
         """Per sequence, per logical page: whether it lives in HBM (``plan.decode_traffic`` input)."""
         return [(self._seq(s).table() < 0).tolist() for s in seq_ids]
 
+    @_locked
     def state(self) -> CacheState:
         """A deep snapshot of the bookkeeping, for invariant checks and tests."""
         return CacheState(
@@ -340,6 +374,7 @@ class PagedKVCache:
         return self.host_pool if self.host_pool_cuda is None else self.host_pool_cuda
 
     # ---- sequence operations ---------------------------------------------------------------
+    @_locked
     def add_sequence(self) -> int:
         """Create an empty sequence and return its id (ids are never reused)."""
         self._check_open()
@@ -348,6 +383,7 @@ class PagedKVCache:
         self._seqs[seq_id] = _Sequence()
         return seq_id
 
+    @_locked
     def extend(self, seq_id: int, n: int, tier: Tier = "host") -> int:
         """Reserve ``n`` more tokens (all layers); new pages come from ``tier``. Returns the start position."""
         seq = self._seq(seq_id)
@@ -360,6 +396,7 @@ class PagedKVCache:
         seq.length += n
         return start
 
+    @_locked
     def write(self, seq_id: int, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of tokens ``[start, start + n)`` of one layer; the tokens must be allocated.
 
@@ -383,6 +420,7 @@ class PagedKVCache:
         self._unshare(seq, shared)
         self._store(seq, layer, start, k, v)
 
+    @_locked
     def append(self, seq_id: int, k: torch.Tensor, v: torch.Tensor, tier: Tier = "host") -> int:
         """Extend by n tokens and write them for all layers. Returns the start position.
 
@@ -396,9 +434,14 @@ class PagedKVCache:
         # and in new pages: extend's capacity check covers everything.
         start = self.extend(seq_id, n, tier)
         if n:
-            self._store(seq, None, start, k, v)
+            try:
+                self._store(seq, None, start, k, v)
+            except BaseException:
+                self.truncate(seq_id, start)
+                raise
         return start
 
+    @_locked
     def token_slots(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> "TokenSlots":
         """Where tokens ``[starts[i], starts[i] + counts[i])`` of ``seq_ids[i]`` live, for
         ``write_slots``: one host-to-device copy for the whole batch, reused by every layer.
@@ -434,6 +477,7 @@ class PagedKVCache:
         off = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)  # (total,)
         return TokenSlots.build(entry, off, self.device)
 
+    @_locked
     def write_slots(self, slots: "TokenSlots", layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V rows ``k[i]``, ``v[i]`` ((total, num_kv_heads, head_dim), cache dtype, on the
         cache device) of one layer at the positions ``slots`` (from ``token_slots``) names."""
@@ -447,6 +491,7 @@ class PagedKVCache:
             pool[pidx, layer, :, 0, off] = k if tok is None else k[tok]
             pool[pidx, layer, :, 1, off] = v if tok is None else v[tok]
 
+    @_locked
     def read(
         self, seq_id: int, layer: int | None, start: int = 0, stop: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,6 +524,7 @@ class PagedKVCache:
             v[tok] = pool[pidx, lsel, :, 1, off]
         return k, v
 
+    @_locked
     def fork(self, seq_id: int) -> int:
         """New sequence with the same contents: full pages shared, the partial last page copied now."""
         seq = self._seq(seq_id)
@@ -499,6 +545,7 @@ class PagedKVCache:
         self._seqs[new_id].length = seq.length
         return new_id
 
+    @_locked
     def free(self, seq_id: int) -> None:
         """Drop the sequence; pages whose refcount reaches 0 return to their tier's free list."""
         seq = self._seq(seq_id)
@@ -506,6 +553,7 @@ class PagedKVCache:
             self._decref(entry)
         del self._seqs[seq_id]
 
+    @_locked
     def truncate(self, seq_id: int, length: int) -> None:
         """Shorten the sequence to its first ``length`` tokens; pages past them are released.
 
@@ -521,7 +569,7 @@ class PagedKVCache:
         partial_shared = length % self.page_size and self._refcount(seq.pages[last]) > 1
         if partial_shared:
             self._require(self._tier_counts(seq, [last]), f"truncate sequence {seq_id}")
-        for entry in seq.pages[keep:]:
+        for entry in reversed(seq.pages[keep:]):  # last first: the free stack pops them in order again
             self._decref(entry)
         seq.pages = seq.pages[:keep]
         seq._table = None
@@ -529,6 +577,7 @@ class PagedKVCache:
         if partial_shared:
             self._unshare(seq, [last])
 
+    @_locked
     def move_pages(self, seq_id: int, logical_pages: Iterable[int], tier: Tier) -> None:
         """Move the given logical pages of a sequence to ``tier``.
 
@@ -556,6 +605,7 @@ class PagedKVCache:
                 if entry in remap:
                     s.set_entry(i, remap[entry])
 
+    @_locked
     def set_hbm_fraction(self, seq_id: int, fraction: float, placement: str = "recent") -> None:
         """Place ``floor(fraction * num_pages + 0.5)`` of the sequence's pages in HBM, the rest in host memory.
 
@@ -587,6 +637,7 @@ class PagedKVCache:
         self.move_pages(seq_id, to_host, "host")
         self.move_pages(seq_id, to_hbm, "hbm")
 
+    @_locked
     def kernel_tables(self, seq_ids: Sequence[int]) -> KernelTables:
         """Page tables and lengths of a batch for the kernels (one host-to-device copy)."""
         self._check_open()
@@ -608,7 +659,18 @@ class PagedKVCache:
         # `packed` may go), and the host does not wait for the GPU's queued work, as a blocking
         # copy (stream synchronize) would on every attention call.
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
-        return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :])
+        return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :], id(self),
+                            self._generation)
+
+    def check_tables(self, tables: KernelTables) -> None:
+        """Raise ``StaleTablesError`` unless ``tables`` came from this cache's ``kernel_tables``
+        and no page has been freed, moved or copied-on-write since (two integer compares)."""
+        if getattr(tables, "cache_id", 0) != id(self):
+            raise StaleTablesError("kernel tables from another cache (or built by hand); build them with "
+                                   "this cache's kernel_tables()")
+        if tables.generation != self._generation:
+            raise StaleTablesError("stale kernel tables: pages they name were freed, moved or copied since "
+                                   "they were built; call kernel_tables() again")
 
     # ---- internals -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -640,6 +702,8 @@ class PagedKVCache:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.layout != torch.strided:
+                raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
             if t.device != self.device:
@@ -674,12 +738,14 @@ class PagedKVCache:
         self._refs[tier][index] -= 1
         if self._refs[tier][index] == 0:
             self._free[tier].append(index)
+            self._generation += 1
 
     def _release(self, entry: int) -> None:
         """Return a page to its free list whatever its refcount (its users were repointed)."""
         tier, index = decode_page(entry)
         self._refs[tier][index] = 0
         self._free[tier].append(index)
+        self._generation += 1
 
     def _copy_page(self, src: int, dst: int) -> None:
         """Copy a whole page (all layers) on the cache device, on the current stream.
@@ -717,6 +783,7 @@ class PagedKVCache:
             self._copy_page(old, new)
             self._decref(old)
             seq.set_entry(lp, new)
+            self._generation += 1
 
     def _slots(self, seq: _Sequence, start: int, n: int):
         """Where tokens [start, start + n) live, grouped by tier (one host-to-device copy).
@@ -754,6 +821,7 @@ class PagedKVCache:
     def _store(self, seq: _Sequence, layer: int | None, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their pages."""
         lsel = slice(None) if layer is None else layer
+        k, v = k.detach(), v.detach()  # the pools never join an autograd graph
         for tier, tok, pidx, off in self._slots(seq, start, k.shape[0]):
             pool = self.device_pool(tier)
             pool[pidx, lsel, :, 0, off] = k if tok is None else k[tok]

@@ -457,7 +457,7 @@ def test_kernel_tables_encoding_and_padding(randn):
     cache.move_pages(a, [1, 4], "hbm")
     tables = cache.kernel_tables([b, a, c, b])
     assert isinstance(tables, KernelTables)
-    pt, lens = tables
+    pt, lens = tables.page_table, tables.seq_lens
     assert pt.dtype == torch.int32 and lens.dtype == torch.int32
     assert pt.shape == (4, 5) and pt.is_contiguous() and lens.is_contiguous()
     assert lens.tolist() == [3, 70, 33, 3]
@@ -725,3 +725,103 @@ def test_truncate_releases_pages_and_keeps_the_last_page_private(randn):
         cache.truncate(b, 21)
     cache.truncate(b, 0)
     assert cache.page_table(b) == [] and cache.seq_len(b) == 0
+
+
+def test_gpu_head_dims_are_named_at_construction():
+    with pytest.raises(ValueError, match=r"head dims \(64, 128\)"):
+        PagedKVCache(2, 2, 96, 16, num_host_pages=4, device="cuda")
+    PagedKVCache(2, 2, 96, 16, num_host_pages=4, device="cpu").close()  # the reference takes it
+
+
+def test_host_allocation_failure_names_the_bytes(monkeypatch):
+    import directkv_cute.cache as cache_mod
+
+    def fail(nbytes, device):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(cache_mod, "PinnedHostBuffer", fail)
+    with pytest.raises(MemoryError, match=r"\d+ bytes \(.* GiB\)"):
+        PagedKVCache(2, 2, 64, 16, num_host_pages=1000, device="cpu")
+
+
+def test_appends_never_join_autograd(randn):
+    cache = PagedKVCache(2, 2, 64, 16, num_host_pages=4, device="cpu")
+    sid = cache.add_sequence()
+    k = randn(5, 2, 2, 64).requires_grad_()
+    cache.append(sid, k * 2, k * 3)
+    assert not cache.host_pool.requires_grad and cache.host_pool.grad_fn is None
+    assert torch.equal(cache.read(sid, 0)[0], (k * 2).detach()[:, 0])
+
+
+def test_failed_append_leaves_the_cache_unchanged(randn):
+    cache = PagedKVCache(2, 2, 64, 16, num_host_pages=8, device="cpu")
+    sid = cache.add_sequence()
+    cache.append(sid, randn(20, 2, 2, 64), randn(20, 2, 2, 64))
+    before = cache.state()
+    sparse = randn(30, 2, 2, 64).to_sparse()
+    with pytest.raises(TypeError, match="dense"):
+        cache.append(sid, sparse, sparse)
+    assert cache.state() == before
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("store failed")
+
+    cache._store = boom
+    with pytest.raises(RuntimeError, match="store failed"):
+        cache.append(sid, randn(30, 2, 2, 64), randn(30, 2, 2, 64))
+    assert cache.state() == before
+
+
+def test_stale_and_foreign_tables_are_refused(randn):
+    cache = PagedKVCache(1, 1, 64, 16, num_host_pages=8, device="cpu")
+    other = PagedKVCache(1, 1, 64, 16, num_host_pages=8, device="cpu")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    for s in (a, b):
+        cache.append(s, randn(20, 1, 1, 64), randn(20, 1, 1, 64))
+    t = cache.kernel_tables([a])
+    cache.check_tables(t)
+    cache.extend(a, 5)  # growth keeps existing pages: still valid
+    cache.check_tables(t)
+    from directkv_cute.cache import KernelTables, StaleTablesError
+
+    cache.free(b)
+    with pytest.raises(StaleTablesError, match="stale"):
+        cache.check_tables(t)
+    with pytest.raises(StaleTablesError, match="another cache"):
+        other.check_tables(cache.kernel_tables([a]))
+    with pytest.raises(StaleTablesError, match="another cache"):
+        cache.check_tables(KernelTables(t.page_table, t.seq_lens))
+
+
+def test_concurrent_extend_and_free_never_leak_pages(randn):
+    import threading
+
+    cache = PagedKVCache(1, 1, 64, 16, num_host_pages=16, device="cpu")
+    errors = []
+
+    def worker(seed):
+        import random
+
+        rng = random.Random(seed)
+        for _ in range(300):
+            sid = cache.add_sequence()
+            try:
+                for _ in range(rng.randint(1, 3)):
+                    cache.extend(sid, rng.randint(1, 40))
+            except dk_CacheCapacityError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - any other error is the bug under test
+                errors.append(exc)
+            finally:
+                cache.free(sid)
+
+    from directkv_cute.cache import CacheCapacityError as dk_CacheCapacityError
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert cache.free_pages("host") == 16 and cache.seq_ids == []
+    assert sorted(cache.state().free_lists["host"]) == list(range(16))
