@@ -1,4 +1,4 @@
-"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline,breakdown,plot}`` (also ``directkv-bench``).
+"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline,breakdown,plot,e2e}`` (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
                         tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
@@ -25,6 +25,8 @@ import sys
 
 from bench.breakdown import add_arguments as add_breakdown_arguments
 from bench.breakdown import cmd_breakdown
+from bench.e2e import add_arguments as add_e2e_arguments
+from bench.e2e import cmd_e2e
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_timeline_arguments(sub.add_parser("timeline", help="per-CTA chunk and pass timeline of the multi-token kernel"))
     add_breakdown_arguments(sub.add_parser("breakdown", help="GPU time of each kernel and copy of one op call"))
+    add_e2e_arguments(sub.add_parser("e2e", help="end to end: a whole model's prefill and decode, ours vs transformers' caches"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
     pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all")
@@ -194,7 +197,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
-            "plot": cmd_plot}
+            "plot": cmd_plot, "e2e": cmd_e2e}
 
 
 def main(argv: list[str] | None = None) -> int:
