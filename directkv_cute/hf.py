@@ -297,7 +297,8 @@ class DirectKVCache(Cache):
         page_bytes = 2 * self.spec.num_layers * self.spec.num_kv_heads * page_size * self.spec.head_dim * \
             torch.empty((), dtype=dtype).element_size()
         hbm_pages = hbm_budget // page_bytes
-        host_pages = max(1, math.ceil(max_tokens / page_size) + max_batch_size - hbm_pages)
+        # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
+        host_pages = math.ceil(max_tokens / page_size) + max_batch_size
         self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
                                num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device)
         self.device = self.kv.device

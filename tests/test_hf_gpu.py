@@ -1,6 +1,7 @@
 """The Hugging Face integration on the GPU kernels: a bf16 Llama-shaped model (head dim 128, GQA 4)
-decoded teacher-forced for 200+ steps after a chunked, left-padded prefill, with the logits of
-every step compared against transformers' DynamicCache + SDPA, host-only and hybrid."""
+decoded teacher-forced for 200+ steps after a chunked, left-padded prefill. Every step's logits are
+compared with the float32 model's (DynamicCache + SDPA), against the error of transformers' own
+bf16 DynamicCache + SDPA on the same tokens, host-only and hybrid."""
 
 from __future__ import annotations
 
@@ -69,35 +70,59 @@ def _run(model, cache, impl, ids, mask, tokens=None):
     return torch.stack(logits), torch.cat(fed, dim=1)
 
 
-@pytest.mark.parametrize("hbm_pages", [0, 24], ids=["host", "hybrid"])
-def test_logits_agree_with_dynamic_cache_over_200_steps(model, hbm_pages, capsys):
-    import directkv_cute.hf as dkhf
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy tokens and logits of the float32 model (DynamicCache + SDPA), and the bf16
+    DynamicCache + SDPA logits on the same tokens: the error any bf16 attention starts from."""
+    import copy
+
     from transformers import DynamicCache
 
     lens = [1500, 903, 130]
     ids, mask = _prompts(lens, model.config.vocab_size)
-    ref_logits, tokens = _run(model, DynamicCache(config=model.config), "sdpa", ids, mask)
+    fp32 = copy.deepcopy(model).float()
+    ref_logits, tokens = _run(fp32, DynamicCache(config=fp32.config), "sdpa", ids, mask)
+    del fp32
+    torch.cuda.empty_cache()
+    bf16_logits, _ = _run(model, DynamicCache(config=model.config), "sdpa", ids, mask, tokens)
+    return lens, ids, mask, ref_logits, tokens, bf16_logits
+
+
+def _errors(logits, ref):
+    rel = ((logits - ref).norm(dim=-1) / ref.norm(dim=-1)).max(dim=1).values  # (STEPS + 1,) worst row
+    agree = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    return rel, agree
+
+
+@pytest.mark.parametrize("hbm_pages", [0, 24], ids=["host", "hybrid"])
+def test_logits_agree_with_dynamic_cache_over_200_steps(model, reference, hbm_pages, capsys):
+    import directkv_cute.hf as dkhf
+
+    lens, ids, mask, ref_logits, tokens, bf16_logits = reference
     spec = dkhf.model_spec(model.config)
     page_bytes = 2 * spec.num_layers * spec.num_kv_heads * 64 * spec.head_dim * 2
     cache = dkhf.DirectKVCache(model, max_tokens=sum(lens) + 3 * (STEPS + 1), max_batch_size=3, page_size=64,
                                hbm_budget=hbm_pages * page_bytes)
     ours, _ = _run(model, cache, "directkv", ids, mask, tokens)
     assert torch.isfinite(ours).all()
-    rel = ((ours - ref_logits).norm(dim=-1) / ref_logits.norm(dim=-1)).max(dim=1).values  # (STEPS + 1,)
-    agree = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    rel, agree = _errors(ours, ref_logits)
+    rel_sdpa, agree_sdpa = _errors(bf16_logits, ref_logits)
+    rel_pair, agree_pair = _errors(ours, bf16_logits)
     with capsys.disabled():
-        print(f"\n[hf gpu {hbm_pages} hbm pages] logits rel. error max {rel.max():.2e} median {rel.median():.2e}; "
-              f"greedy agreement {agree:.4f} over {STEPS + 1} steps x {len(lens)} rows")
-    assert rel.max() < 3e-2
-    assert agree >= 0.97
+        print(f"\n[hf gpu, {hbm_pages} HBM pages] vs the fp32 model over {STEPS + 1} steps x {len(lens)} rows: "
+              f"ours rel. error max {rel.max():.2e} median {rel.median():.2e}, greedy agreement {agree:.4f}; "
+              f"bf16 DynamicCache+SDPA max {rel_sdpa.max():.2e} median {rel_sdpa.median():.2e}, agreement "
+              f"{agree_sdpa:.4f}; ours vs bf16 SDPA max {rel_pair.max():.2e}, agreement {agree_pair:.4f}")
+    assert rel.max() <= 2 * rel_sdpa.max() + 1e-3
+    assert rel.median() <= 2 * rel_sdpa.median() + 1e-3
+    assert agree >= agree_sdpa - 0.02
     assert cache.seq_lengths() == [n + STEPS for n in lens]
     if hbm_pages:
         assert cache.hbm_bytes() == hbm_pages * page_bytes
-    # the other baseline: poisoned cache contents would show up above; also check generate() runs
     cache.reset()
     model.set_attn_implementation("directkv")
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
                          prefill_chunk_size=CHUNK, **_cache_kw(model, cache))
     model.set_attn_implementation("sdpa")
     assert out.shape == (3, ids.shape[1] + 8)
-    assert torch.equal(out[:, ids.shape[1]:ids.shape[1] + 1], ref_logits[0].argmax(-1, keepdim=True))
+    assert cache.seq_lengths() == [n + 7 for n in lens]
