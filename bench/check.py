@@ -90,7 +90,6 @@ def load_shipped_profiles(profile_dir: str | Path | None = None) -> tuple[list[s
     if not paths:
         return [f"no profiles in {directory} yet (pass)"], [], []
     msgs, loaded, problems = [], [], []
-    current_hash = _current_kernel_hash(mod)
     for path in paths:
         try:
             with warnings.catch_warnings(record=True):
@@ -100,19 +99,19 @@ def load_shipped_profiles(profile_dir: str | Path | None = None) -> tuple[list[s
             problems.append(f"{path.name}: {type(e).__name__}: {e}")
             continue
         loaded.append((path, prof))
-        entries = len(prof)
-        stale = current_hash is not None and getattr(prof, "kernel_hash", current_hash) != current_hash
-        msgs.append(f"{path.name}: valid, {entries} buckets" + (
-            " (WARNING: tuned for other kernel sources; re-tune on the GPU)" if stale else ""))
+        stale = _stale_count(prof)
+        msgs.append(f"{path.name}: valid, {len(prof)} buckets" + (
+            f" (WARNING: {stale} tuned for other kernel sources, used while legal; re-tune on the GPU)"
+            if stale else ""))
         problems += [f"{path.name}: {p}" for p in profile_legality_problems(prof)]
     return msgs, loaded, problems
 
 
-def _current_kernel_hash(mod) -> str | None:
+def _stale_count(prof) -> int:
     try:
-        return mod.current_kernel_hash()
+        return len(prof.stale())
     except Exception:  # noqa: BLE001 - staleness is a warning only
-        return None
+        return 0
 
 
 def profile_targets(loaded) -> list[CompileTarget]:

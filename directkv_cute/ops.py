@@ -116,7 +116,7 @@ def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int
     from directkv_cute.tuning.profiles import current_kernel_hash
 
     cfg, _source = lookup_profile(
-        kernel, gpu_name=_gpu_name(torch.cuda.current_device()), kernel_hash=current_kernel_hash(),
+        kernel, gpu_name=_gpu_name(torch.cuda.current_device()), kernel_hash=current_kernel_hash(kernel),
         dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
         batch=batch, context=context, q_len=q_len, rows=rows,
     )

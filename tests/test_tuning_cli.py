@@ -79,7 +79,7 @@ def test_model_run_writes_profile_show_and_check(capsys, tmp_path, monkeypatch):
     assert rc == 0 and "Modelled H200 PCIe5" in out and "decode" in out and "default us" in out
     rc, out, _ = run(capsys, "show", "--dir", str(out_dir), "--format", "json")
     doc = json.loads(out)[str(path)]
-    assert doc["schema_version"] == 1 and len(doc["entries"][0]["buckets"]) == 2
+    assert doc["schema_version"] == 2 and len(doc["entries"][0]["buckets"]) == 2
     rc, out, _ = run(capsys, "show", str(path), "--format", "yaml")
     assert yaml.safe_load(out)[str(path)]["metadata"]["gpu_name"] == "Modelled H200 PCIe5"
 
@@ -150,6 +150,40 @@ def test_check_illegal_entry(capsys, tmp_path):
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
     assert rc == 1 and "ILLEGAL" in out and "per-block limit" in out
+
+
+def test_check_lists_stale_entries_and_fails_only_on_invalid_ones(capsys, tmp_path, monkeypatch):
+    out_dir = tmp_path / "profiles"
+    assert model_run(capsys, out_dir)[0] == 0
+    path = out_dir / MODEL_GPU_FILE
+    doc = yaml.safe_load(path.read_text())
+    doc["entries"][0]["buckets"][0]["kernel_hash"] = "0" * 64
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    assert rc == 0 and out.startswith("OK") and "1 stale" in out, out
+    stale = [ln for ln in out.splitlines() if ln.startswith("  stale")]
+    assert len(stale) == 2 and "(1, 4096, 1)" in stale[0] and "000000000000" in stale[0]
+    assert "directkv-tune run --kernel decode" in stale[1]
+    # the same stale entry, illegal under the current rules: a failure
+    import directkv_cute.config as C
+
+    monkeypatch.setattr(C, "SUPPORTED_PAGE_SIZES", (16, 32))
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    assert rc == 1 and "ILLEGAL" in out and "page_size 64 not in" in out and "1 stale" in out
+
+
+def test_check_notes_a_schema_1_file(capsys, tmp_path):
+    out_dir = tmp_path / "profiles"
+    assert model_run(capsys, out_dir)[0] == 0
+    path = out_dir / MODEL_GPU_FILE
+    doc = yaml.safe_load(path.read_text())
+    doc["schema_version"] = 1
+    doc["metadata"]["kernel_hash"] = "1" * 64  # a hash over every file in kernels/, as schema 1 had
+    for b in doc["entries"][0]["buckets"]:
+        b.pop("kernel_hash")
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    assert rc == 0 and "schema 1 file" in out and "2 stale" in out
 
 
 def test_check_compile_missing_module(capsys, tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Tuned-config lookup: exact -> nearest bucket -> default, foreign entries, REQUIRE_PROFILE, cost."""
+"""Tuned-config lookup: exact -> nearest bucket -> default, foreign and stale entries, REQUIRE_PROFILE,
+cost."""
 
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
 
 GPU = "Test GPU H200"  # a name no bundled profile will ever have
-KH = P.current_kernel_hash()
+KH = P.current_kernel_hash("decode")
+STALE = "0" * 64
 CLASS = ("decode", "bf16", 128, 8, 64)
 CFG = {
     (1, 4096, 1): DecodeConfig(tile_n=32, stages=2),
@@ -28,10 +30,12 @@ def env(gpu=GPU):
     return {"gpu_name": gpu, "compute_capability": "9.0", "sm_count": 132, "smem_optin_bytes": 232448}
 
 
-def write_profile(d, *, gpu=GPU, kh=KH, entries=CFG, file_gpu=None, cls=CLASS):
-    prof = P.Profile(metadata=P.make_metadata(env(gpu), kernel_hash=kh, objective="gpu"))
+def write_profile(d, *, gpu=GPU, kh=KH, entries=CFG, file_gpu=None, cls=CLASS, hashes=None):
+    """A profile of ``entries``, each tuned for kernel sources ``kh`` (or ``hashes[bucket]``)."""
+    prof = P.Profile(metadata=P.make_metadata(env(gpu), objective="gpu"))
     for bk, cfg in entries.items():
-        prof.set(cls, bk, {"config": cfg.to_dict(), "p50_us": 10.0, "default_p50_us": 11.0, "trials": 5})
+        prof.set(cls, bk, {"config": cfg.to_dict(), "p50_us": 10.0, "default_p50_us": 11.0, "trials": 5,
+                           "kernel_hash": (hashes or {}).get(bk, kh)})
     path = d / P.profile_filename(file_gpu or gpu)
     P.save_profile(prof, path, merge=False)
     return path
@@ -113,22 +117,82 @@ def test_missing_profile_gives_default(tmp_path):
         assert ask() == (DEFAULT, "default")
 
 
-def test_foreign_gpu_and_stale_hash_are_not_used(tmp_path):
+def test_foreign_gpu_is_not_used(tmp_path):
     # a file named for this GPU but written for another one
     write_profile(tmp_path, gpu="NVIDIA H100", file_gpu=GPU)
     with pytest.warns(P.ProfileWarning, match="gpu_name"):
         assert ask() == (DEFAULT, "default")
     L.clear_cache()
-    write_profile(tmp_path, kh="0" * 64)
-    with pytest.warns(P.ProfileWarning, match="kernel_hash"):
-        assert ask() == (DEFAULT, "default")
-    L.clear_cache()
     write_profile(tmp_path)
     with pytest.warns(P.ProfileWarning, match="Other_GPU.yaml"):
         assert ask(gpu="Other GPU")[1] == "default"
-    with pytest.warns(P.ProfileWarning, match="kernel_hash"):
-        assert ask(kh="1" * 64)[1] == "default"
     assert ask()[1] == "exact"
+
+
+def _profile_warnings(w):
+    return [str(x.message) for x in w if issubclass(x.category, P.ProfileWarning)]
+
+
+def test_stale_entry_is_used_with_one_warning_per_kernel(tmp_path):
+    """Entries tuned for other kernel sources serve exact and nearest lookups while legal; the
+    first use warns once for the kernel, naming the re-tune command."""
+    write_profile(tmp_path, kh=STALE)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert ask() == (CFG[1, 4096, 1], "exact")
+        assert ask(1, 32768) == (CFG[1, 32768, 1], "exact")
+        assert ask(8, 4096) == (CFG[16, 4096, 1], "nearest")
+    msgs = _profile_warnings(w)
+    assert len(msgs) == 1, msgs
+    assert "tuned for other decode kernel sources" in msgs[0] and STALE[:12] in msgs[0] and KH[:12] in msgs[0]
+    assert "directkv-tune run --kernel decode" in msgs[0] and str(tmp_path / "Test_GPU_H200.yaml") in msgs[0]
+    assert w[0].filename == __file__  # attributed to the caller
+
+    prefill = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90, ctas_per_sm=1, chunk_tiles=2)
+    prof = P.load_profile(tmp_path / "Test_GPU_H200.yaml")
+    prof.set(("prefill", "bf16", 128, 8, 64), (1, 4096, 64),
+             {"config": prefill.to_dict(), "p50_us": 10.0, "default_p50_us": 11.0, "trials": 5, "kernel_hash": STALE})
+    P.save_profile(prof)
+    L.clear_cache()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = L.select_config("prefill", gpu_name=GPU, kernel_hash=P.current_kernel_hash("prefill"),
+                              dtype="bf16", head_dim=128, group=8, page_size=64, batch=1, context=4096, q_len=64,
+                              rows=8 * 64)
+        assert ask()[1] == "exact"
+    assert got == (prefill, "exact")
+    msgs = _profile_warnings(w)
+    assert len(msgs) == 2 and "prefill" in msgs[0] and "--kernel prefill" in msgs[0] and "decode" in msgs[1]
+
+
+def test_current_entries_do_not_warn(tmp_path):
+    write_profile(tmp_path, hashes={(1, 32768, 1): STALE})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ask() == (CFG[1, 4096, 1], "exact")
+    with pytest.warns(P.ProfileWarning, match="tuned for other decode kernel sources"):
+        assert ask(1, 32768) == (CFG[1, 32768, 1], "exact")
+
+
+def test_stale_entry_illegal_under_the_current_rules_is_refused(tmp_path, monkeypatch):
+    """A stale entry whose config the current rules reject (here: a smaller per-block SMEM limit)
+    is never used: the nearest legal bucket serves the launch, else the default."""
+    import directkv_cute.config as C
+
+    big = DecodeConfig(tile_n=64, stages=4)
+    assert not big.problems(128, 64)
+    small = DecodeConfig(tile_n=64, stages=2, carveout=90)
+    write_profile(tmp_path, kh=STALE, entries={(1, 4096, 1): big, (1, 32768, 1): small})
+    limit = small.smem_bytes(128) + 1
+    monkeypatch.setattr(C, "SM90_SMEM_PER_BLOCK_OPTIN", limit)
+    assert big.problems(128, 64) and not small.problems(128, 64)
+    with pytest.warns(P.ProfileWarning, match="tuned for other decode kernel sources"):
+        assert ask(1, 4096) == (small, "nearest")  # the illegal exact bucket is skipped
+    L.clear_cache()
+    write_profile(tmp_path, kh=STALE, entries={(1, 4096, 1): big})
+    with pytest.warns(P.ProfileWarning, match="no tuned config of this class is legal"):
+        cfg, source = ask(1, 4096)
+    assert source == "default" and cfg != big
 
 
 def test_other_class_is_never_borrowed(tmp_path):

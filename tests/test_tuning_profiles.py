@@ -1,12 +1,17 @@
-"""YAML profiles: schema round trip, rejection of bad files, atomic merge (CPU only)."""
+"""YAML profiles: schema round trip, rejection of bad files, atomic merge, per-kernel source
+hashes and stale entries, the schema-1 migration (CPU only)."""
 
+import ast
 import os
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import yaml
 
 from directkv_cute.config import DecodeConfig
+from directkv_cute.kernels import sources
 from directkv_cute.tuning import profiles as P
 
 GPU = "NVIDIA H200"
@@ -26,9 +31,9 @@ def rec(tile_n=64, stages=4, p50=100.0, default=120.0, trials=10):
 
 
 def make(buckets, *, gpu=GPU, kh=KH, objective="gpu"):
-    prof = P.Profile(metadata=P.make_metadata(env(gpu), kernel_hash=kh, objective=objective))
+    prof = P.Profile(metadata=P.make_metadata(env(gpu), objective=objective))
     for bk, r in buckets.items():
-        prof.set(CLASS, bk, r)
+        prof.set(CLASS, bk, {"kernel_hash": kh, **r})
     return prof
 
 
@@ -56,7 +61,8 @@ def test_round_trip_keeps_ints_and_fields(tmp_path):
     assert "64.0" not in text
     back = P.load_profile(path)
     assert back.entries == written.entries
-    assert back.metadata["gpu_name"] == GPU and back.kernel_hash == KH
+    assert back.metadata["gpu_name"] == GPU and {r["kernel_hash"] for _, _, r in back.records()} == {KH}
+    assert "kernel_hash" not in back.metadata
     r = back.get(CLASS, (16, 131072, 1))
     assert r["config"] == DecodeConfig(tile_n=128, stages=2).to_dict()
     assert all(type(v) is int for v in r["config"].values())
@@ -64,7 +70,7 @@ def test_round_trip_keeps_ints_and_fields(tmp_path):
     for ck, bk, _ in back.records():
         assert all(type(x) is int for x in ck[2:] + bk)
     md = back.metadata
-    assert back.schema_version == P.SCHEMA_VERSION
+    assert back.schema_version == P.SCHEMA_VERSION == 2 and back.migrated_from is None
     for k in ("tune_version", "sm_count", "smem_optin_bytes"):
         assert type(md[k]) is int
     assert md["compute_capability"] == "9.0" and md["objective"] == "gpu"
@@ -79,7 +85,7 @@ def test_round_trip_keeps_ints_and_fields(tmp_path):
         ("schema_version: 1\nmetadata: {gpu_name: [unclosed\n", "corrupt YAML"),
         ("", "empty file"),
         ("- just\n- a list\n", "not a profile"),
-        ("schema_version: 2\nmetadata: {}\nentries: []\n", "unknown schema_version 2"),
+        ("schema_version: 3\nmetadata: {}\nentries: []\n", "unknown schema_version 3"),
         ("schema_version: '1'\nmetadata: {}\n", "schema_version missing or not an integer"),
     ],
 )
@@ -118,7 +124,9 @@ def _mutate(doc, fn):
         (lambda d: d["entries"][0].__setitem__("buckets", {"a": 1}), r"buckets: missing or not a list"),
         (lambda d: d["metadata"].__setitem__("sm_count", "132"), r"metadata\.sm_count: must be an integer"),
         (lambda d: d["metadata"].pop("gpu_name"), r"metadata: missing 'gpu_name'"),
-        (lambda d: d["metadata"].__setitem__("kernel_hash", "abc"), r"sha256 hex digest"),
+        (lambda d: d["entries"][0]["buckets"][0].__setitem__("kernel_hash", "abc"),
+         r"buckets\[0\]\.kernel_hash: must be a sha256 hex digest"),
+        (lambda d: d["entries"][0]["buckets"][0].pop("kernel_hash"), r"buckets\[0\]: missing 'kernel_hash'"),
         (lambda d: d.__setitem__("entires", []), r"unknown keys \['entires'\]"),
         (lambda d: d["entries"].append(dict(d["entries"][0])), r"duplicate entry"),
         (lambda d: d["entries"][0]["buckets"].append(dict(d["entries"][0]["buckets"][0])), r"duplicate bucket"),
@@ -144,19 +152,34 @@ def test_accepts_hand_edited_scalars(tmp_path):
     assert isinstance(prof.metadata["created"], str) and prof.metadata["created"].startswith("2026-11-30")
 
 
-def test_foreign_gpu_and_stale_kernel_hash(tmp_path):
+def test_foreign_gpu(tmp_path):
     path = tmp_path / "NVIDIA_H200.yaml"
     P.save_profile(make({(1, 4096, 1): rec()}), path)
     with pytest.raises(P.ProfileError, match="gpu_name"):
         P.load_profile(path, gpu_name="NVIDIA H100 80GB HBM3", strict=True)
-    with pytest.raises(P.ProfileError, match="kernel_hash"):
-        P.load_profile(path, gpu_name=GPU, kernel_hash=KH2, strict=True)
-    with pytest.warns(P.ProfileWarning, match="kernel sources"):
-        prof = P.load_profile(path, gpu_name=GPU, kernel_hash=KH2)
-    assert prof.compat_problems(gpu_name=GPU, kernel_hash=KH) == []
+    with pytest.warns(P.ProfileWarning, match="gpu_name"):
+        P.load_profile(path, gpu_name="NVIDIA H100 80GB HBM3")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        P.load_profile(path, gpu_name=GPU, kernel_hash=KH)
+        assert P.load_profile(path, gpu_name=GPU, strict=True).compat_problems(gpu_name=GPU) == []
+
+
+def test_stale_entries_are_listed_per_kernel(tmp_path):
+    """A bucket whose kernel_hash is not its kernel's current hash is stale; staleness is per
+    bucket and per kernel, and loading such a file neither warns nor fails."""
+    path = tmp_path / "NVIDIA_H200.yaml"
+    prof = make({(1, 4096, 1): rec(), (4, 4096, 1): rec()}, kh=P.current_kernel_hash("decode"))
+    prof.set(CLASS, (16, 4096, 1), {"kernel_hash": KH2, **rec()})
+    prof.set(("prefill", "bf16", 128, 8, 64), (1, 4096, 512),
+             {"kernel_hash": P.current_kernel_hash("prefill"), **rec()})
+    prof.set(("future-kernel", "bf16", 128, 8, 64), (1, 4096, 1), {"kernel_hash": KH2, **rec()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        P.save_profile(prof, path)
+        back = P.load_profile(path, gpu_name=GPU, strict=True)
+    stale = back.stale()
+    assert [(ck, bk) for ck, bk, _ in stale] == [(CLASS, (16, 4096, 1))]
+    assert KH2[:12] in stale[0][2] and P.current_kernel_hash("decode")[:12] in stale[0][2]
 
 
 def test_atomic_merge_new_run_wins_per_bucket(tmp_path):
@@ -174,13 +197,28 @@ def test_atomic_merge_new_run_wins_per_bucket(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".NVIDIA_H200.yaml.lock", "NVIDIA_H200.yaml"]
 
 
-def test_merge_drops_stale_buckets(tmp_path):
+def test_merge_keeps_each_buckets_kernel_hash(tmp_path):
     path = tmp_path / "NVIDIA_H200.yaml"
-    P.save_profile(make({(1, 4096, 1): rec()}, kh=KH), path)
-    with pytest.warns(P.ProfileWarning, match="stale"):
-        P.save_profile(make({(4, 4096, 1): rec()}, kh=KH2), path)
+    P.save_profile(make({(1, 4096, 1): rec(), (4, 4096, 1): rec()}, kh=KH), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        P.save_profile(make({(4, 4096, 1): rec(stages=3)}, kh=KH2), path)
     prof = P.load_profile(path)
-    assert prof.kernel_hash == KH2 and list(prof.entries[CLASS]) == [(4, 4096, 1)]
+    assert prof.get(CLASS, (1, 4096, 1))["kernel_hash"] == KH
+    newer = prof.get(CLASS, (4, 4096, 1))
+    assert newer["kernel_hash"] == KH2 and newer["config"]["stages"] == 3
+
+
+def test_merge_drops_buckets_of_another_tune_version(tmp_path):
+    path = tmp_path / "NVIDIA_H200.yaml"
+    old = make({(1, 4096, 1): rec()})
+    old.metadata["tune_version"] = P.TUNE_VERSION + 1
+    P.save_profile(old, path)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        P.save_profile(make({(4, 4096, 1): rec()}), path)
+    assert any("dropping 1 bucket" in str(x.message) and "tune_version" in str(x.message) for x in w)
+    assert list(P.load_profile(path).entries[CLASS]) == [(4, 4096, 1)]
 
 
 def test_merge_refuses_foreign_or_corrupt_file(tmp_path):
@@ -215,23 +253,153 @@ def test_unknown_kernel_entries_are_kept(tmp_path):
     doc = good_doc()
     doc["entries"].append({"kernel": "future-kernel", "dtype": "bf16", "head_dim": 128, "group": 8, "page_size": 64,
                            "buckets": [{"batch": 1, "context": 4096, "q_len": 128, "config": {"tile_m": 128},
-                                        "p50_us": 10.0, "default_p50_us": None, "trials": 3}]})
+                                        "p50_us": 10.0, "default_p50_us": None, "trials": 3, "kernel_hash": KH}]})
     path = write_doc(tmp_path / "NVIDIA_H200.yaml", doc)
     prof = P.load_profile(path)
     assert prof.get(("future-kernel", "bf16", 128, 8, 64), (1, 4096, 128))["config"] == {"tile_m": 128}
 
 
-def test_kernel_source_hash(tmp_path):
-    (tmp_path / "a.py").write_text("x = 1\n")
-    (tmp_path / "b.py").write_text("y = 2\n")
-    (tmp_path / "notes.txt").write_text("ignored")
-    h1 = P.kernel_source_hash.__wrapped__(str(tmp_path))
-    (tmp_path / "notes.txt").write_text("changed")
-    assert P.kernel_source_hash.__wrapped__(str(tmp_path)) == h1
-    (tmp_path / "b.py").write_text("y = 3\n")
-    h2 = P.kernel_source_hash.__wrapped__(str(tmp_path))
-    assert h2 != h1 and len(h2) == 64
-    assert len(P.current_kernel_hash()) == 64
+# ---- schema 1 ----------------------------------------------------------------------------------
+
+
+def v1_doc(kh=KH):
+    doc = good_doc()
+    doc["schema_version"] = 1
+    doc["metadata"]["kernel_hash"] = kh
+    for b in doc["entries"][0]["buckets"]:
+        b.pop("kernel_hash")
+    return doc
+
+
+def test_schema_1_file_is_migrated_with_every_entry_stale(tmp_path):
+    path = write_doc(tmp_path / "NVIDIA_H200.yaml", v1_doc())
+    prof = P.load_profile(path)
+    assert prof.schema_version == 2 and prof.migrated_from == 1 and "kernel_hash" not in prof.metadata
+    assert prof.get(CLASS, (1, 4096, 1))["kernel_hash"] == KH
+    assert [(ck, bk) for ck, bk, _ in prof.stale()] == [(CLASS, (1, 4096, 1))]
+    P.save_profile(make({(4, 4096, 1): rec()}, kh=P.current_kernel_hash("decode")), path)
+    doc = yaml.safe_load(path.read_text())
+    assert doc["schema_version"] == 2 and "kernel_hash" not in doc["metadata"]
+    assert {b["kernel_hash"] for b in doc["entries"][0]["buckets"]} == {KH, P.current_kernel_hash("decode")}
+
+
+def test_schema_1_file_without_its_hash_is_invalid(tmp_path):
+    path = write_doc(tmp_path / "NVIDIA_H200.yaml", v1_doc(kh="abc"))
+    with pytest.raises(P.ProfileError, match=r"metadata\.kernel_hash: must be a sha256 hex digest \(schema 1\)"):
+        P.load_profile(path)
+
+
+def test_shipped_profiles_use_per_kernel_hashes():
+    paths = P.list_profiles(P.bundled_profile_dir())
+    assert paths
+    for path in paths:
+        assert yaml.safe_load(path.read_text())["schema_version"] == P.SCHEMA_VERSION
+        prof = P.load_profile(path)
+        assert prof.migrated_from is None and len(prof)
+        for ck, _bk, r in prof.records():
+            assert len(r["kernel_hash"]) == 64 and ck[0] in sources.tuned_kernels()
+
+
+# ---- per-kernel source hashes --------------------------------------------------------------------
+
+
+def package_copy(tmp_path) -> Path:
+    """The package's .py files under tmp_path/pkg (the layout sources.py hashes)."""
+    root = tmp_path / "pkg"
+    for f in sources.PACKAGE_DIR.rglob("*.py"):
+        rel = f.relative_to(sources.PACKAGE_DIR)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, root / rel)
+    return root
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def hashes(root):
+    return {k: sources.kernel_hash(k, root) for k in sources.tuned_kernels()}
+
+
+def test_kernel_hash_is_the_current_hash_of_the_installation():
+    assert hashes(None) == {k: P.current_kernel_hash(k) for k in sources.tuned_kernels()}
+    assert all(len(h) == 64 for h in hashes(None).values())
+    assert P.current_kernel_hash("decode") != P.current_kernel_hash("prefill")  # each kernel its own key
+    assert hashes(sources.PACKAGE_DIR) == hashes(None)
+
+
+def test_a_code_generating_config_rule_changes_the_kernel_hashes(tmp_path):
+    root = package_copy(tmp_path)
+    before = hashes(root)
+    assert before == hashes(None)
+    edit(root / "config.py", "PREFILL_CHUNK4_ROWS = 8192", "PREFILL_CHUNK4_ROWS = 4096")
+    after = hashes(root)
+    assert after["decode"] != before["decode"] and after["prefill"] != before["prefill"]
+
+
+@pytest.mark.parametrize("rel, changes", [
+    ("kernels/decode.py", {"decode", "prefill"}),
+    ("kernels/helpers.py", {"decode", "prefill"}),
+    ("kernels/jit.py", {"decode", "prefill"}),
+    ("kernels/combine.py", {"decode", "prefill"}),  # both launches run the combine after split partials
+    ("kernels/launch.py", set()),  # host-side launch glue: no code generation
+    ("kernels/disk_cache.py", set()),
+    ("ops.py", set()),
+    ("kernels/new_kernel.py", set()),  # adding a kernel file voids no profile
+])
+def test_kernel_hash_covers_exactly_its_files(tmp_path, rel, changes):
+    root = package_copy(tmp_path)
+    before = hashes(root)
+    (root / rel).write_text(((root / rel).read_text() if (root / rel).exists() else "") + "\n# edited\n")
+    after = hashes(root)
+    assert {k for k in before if after[k] != before[k]} == changes
+
+
+def test_a_kernel_of_its_own_file_keeps_the_other_kernels_hash(tmp_path, monkeypatch):
+    root = package_copy(tmp_path)
+    (root / "kernels" / "prefill.py").write_text("x = 1\n")
+    monkeypatch.setitem(sources.CODE_FILES, "prefill", ("kernels/prefill.py", "kernels/helpers.py", "config.py"))
+    before = hashes(root)
+    edit(root / "kernels" / "prefill.py", "x = 1", "x = 2")
+    after = hashes(root)
+    assert after["prefill"] != before["prefill"] and after["decode"] == before["decode"]
+    edit(root / "kernels" / "decode.py", "from __future__", "# edited\nfrom __future__")
+    assert hashes(root)["prefill"] == after["prefill"] and hashes(root)["decode"] != after["decode"]
+
+
+def _package_imports(path: Path) -> set[str]:
+    """Files of directkv_cute that ``path`` imports (at module level or in a function)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if not name.startswith("directkv_cute."):
+                continue
+            rel = name.removeprefix("directkv_cute.").replace(".", "/")
+            if (sources.PACKAGE_DIR / f"{rel}.py").exists():
+                out.add(f"{rel}.py")
+    return out
+
+
+HOST_ONLY = {"kernels/sources.py", "kernels/disk_cache.py"}  # jit's cache plumbing: generates no code
+
+
+def test_code_files_are_closed_under_their_package_imports():
+    """What a kernel's files import from the package at trace time is in its file list (config.py
+    rules included); jit.py also imports the kernel modules it compiles and its cache plumbing."""
+    every = {f for files in sources.CODE_FILES.values() for f in files}
+    for kernel, files in sources.CODE_FILES.items():
+        for rel in files:
+            imported = _package_imports(sources.PACKAGE_DIR / rel)
+            allowed = set(files) | (every | HOST_ONLY if rel == "kernels/jit.py" else set())
+            assert imported <= allowed, f"{kernel}: {rel} imports {sorted(imported - allowed)}"
+    assert "config.py" in sources.launch_files("decode") and "config.py" in sources.launch_files("prefill")
 
 
 def test_profile_dirs_env_first(tmp_path, monkeypatch):

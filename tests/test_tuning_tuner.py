@@ -281,7 +281,8 @@ def test_profile_written_and_served_by_the_lookup(tmp_path, monkeypatch):
     path = out / "Modelled_Test_GPU.yaml"
     prof = P.load_profile(path)
     assert prof.metadata["objective"] == "model" and prof.metadata["gpu_name"] == "Modelled Test GPU"
-    assert prof.kernel_hash == P.current_kernel_hash() and len(prof) == 2
+    assert {r["kernel_hash"] for _, _, r in prof.records()} == {P.current_kernel_hash("decode")} and len(prof) == 2
+    assert not prof.stale()
     rec = prof.get(("decode", "bf16", 128, 8, 64), (16, 4096, 1))
     assert rec["trials"] == 6 and rec["config"] == results[1].config.to_dict()
     assert rec["default_p50_us"] == pytest.approx(results[1].default_p50_us, abs=1e-3)
@@ -290,7 +291,7 @@ def test_profile_written_and_served_by_the_lookup(tmp_path, monkeypatch):
     monkeypatch.delenv(L.REQUIRE_ENV, raising=False)
     L.clear_cache()
     try:
-        cfg, source = L.select_config("decode", gpu_name="Modelled Test GPU", kernel_hash=P.current_kernel_hash(),
+        cfg, source = L.select_config("decode", gpu_name="Modelled Test GPU", kernel_hash=P.current_kernel_hash("decode"),
                                       dtype="bf16", head_dim=128, group=8, page_size=64, batch=16, context=4096,
                                       q_len=1, rows=8)
         assert (cfg, source) == (results[1].config, "exact")

@@ -21,8 +21,8 @@ from pathlib import Path
 import yaml
 
 from . import presets as _presets
-from .profiles import PROFILE_DIR_ENV, ProfileError, current_kernel_hash, list_profiles, load_profile, profile_dirs, \
-    sanitize_gpu_name
+from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kernel_hash, list_profiles, load_profile, \
+    profile_dirs, sanitize_gpu_name
 from .space import TuneShape, get_space, kernels, normalize_dtype
 
 SUBCOMMANDS = ("run", "show", "check", "lookup", "presets")
@@ -279,8 +279,9 @@ def _cmd_show(a, out) -> int:
         return rc
     for path, prof in docs:
         md = prof.metadata
+        stale = {(ck, bk) for ck, bk, _ in prof.stale()}
         print(f"{path}: {prof.gpu_name} (cc {md.get('compute_capability')}, {md.get('sm_count')} SMs), "
-              f"objective {md.get('objective', '?')}, kernel sources {prof.kernel_hash[:12]}, "
+              f"objective {md.get('objective', '?')}, {len(stale)} stale bucket(s), "
               f"link {md.get('host_link_gbps')} GB/s, HBM {md.get('hbm_gbps')} GB/s, updated {md.get('updated')}",
               file=out)
         rows = []
@@ -289,9 +290,9 @@ def _cmd_show(a, out) -> int:
             cfg = " ".join(f"{k}={v}" for k, v in rec["config"].items())
             rows.append([ck[0], ck[1], str(ck[2]), str(ck[3]), str(ck[4]), str(bk[0]), str(bk[1]), str(bk[2]),
                          f"{t:.1f}", "-" if dt is None else f"{dt:.1f}", "-" if not dt else f"{dt / t:.2f}x",
-                         str(rec.get("trials")), cfg])
+                         str(rec.get("trials")), "stale" if (ck, bk) in stale else "current", cfg])
         print(plain_table(["kernel", "dtype", "d", "group", "page", "batch", "context", "q_len", "p50 us",
-                           "default us", "speedup", "trials", "config"], rows), file=out)
+                           "default us", "speedup", "trials", "sources", "config"], rows), file=out)
         print(file=out)
     return rc
 
@@ -328,10 +329,6 @@ def _cmd_check(a, out) -> int:
         paths += list_profiles(d)
     if not paths:
         print("no profiles found in " + ", ".join(str(d) for d in dirs), file=out)
-    try:
-        here = current_kernel_hash()
-    except Exception:
-        here = None
     compile_fn, note = (None, "")
     if a.compile:
         compile_fn, note = _resolve_compile()
@@ -353,9 +350,9 @@ def _cmd_check(a, out) -> int:
             print(f"INVALID {path}: file name does not match gpu_name {prof.gpu_name!r} "
                   f"(expected {sanitize_gpu_name(prof.gpu_name)}.yaml)", file=out)
             rc = 1
-        notes = prof.compat_problems(kernel_hash=here) if here else []
         bad = 0
         compiled = 0
+        stale = prof.stale()
         for ck, bk, rec in prof.records():
             kernel, dtype, d, group, page = ck
             if kernel not in kernels():
@@ -380,12 +377,27 @@ def _cmd_check(a, out) -> int:
                           f"{type(e).__name__}: {e}", file=out)
         status = "OK" if not bad else "FAILED"
         extra = f", {compiled} compiled" if compile_fn is not None else ""
+        extra += f", {len(stale)} stale (used while legal)" if stale else ""
         print(f"{status:<7} {path}: {prof.gpu_name}, {len(prof)} bucket(s){extra}", file=out)
-        for n in notes:
-            print(f"  stale: {n}", file=out)
+        if prof.migrated_from is not None:
+            print(f"  note: schema {prof.migrated_from} file, read as schema {prof.schema_version} "
+                  "(every entry stale until re-tuned; the next tune writes the new schema)", file=out)
+        for n in prof.compat_problems():
+            print(f"  not used by the lookup: {n}", file=out)
+        for line in _stale_lines(stale, path):
+            print(line, file=out)
         if bad:
             rc = 1
     return rc
+
+
+def _stale_lines(stale, path) -> list[str]:
+    """One line per stale bucket (used while legal: not a failure), then a re-tune hint per kernel."""
+    lines = [f"  stale {path.name} {ck[0]} {ck[1]} d{ck[2]} g{ck[3]} p{ck[4]} {bk}: {why}" for ck, bk, why in stale]
+    for kernel in sorted({ck[0] for ck, _bk, _why in stale}):
+        lines.append(f"  stale {kernel} entries are used while their configs are legal; re-tune them with "
+                     f"{TUNE_COMMAND} run --kernel {kernel} (--preset NAME | --shape ...) --output {path.parent}")
+    return lines
 
 
 def _cmd_lookup(a, out) -> int:
@@ -394,8 +406,9 @@ def _cmd_lookup(a, out) -> int:
     hq, hkv, d, b, ctx, q = a.shape
     group = hq // hkv
     try:
-        dec = explain_config(a.kernel, gpu_name=a.gpu, kernel_hash=current_kernel_hash(), dtype=a.dtype, head_dim=d,
-                             group=group, page_size=a.page_size, batch=b, context=ctx, q_len=q, rows=group * q)
+        dec = explain_config(a.kernel, gpu_name=a.gpu, kernel_hash=current_kernel_hash(a.kernel), dtype=a.dtype,
+                             head_dim=d, group=group, page_size=a.page_size, batch=b, context=ctx, q_len=q,
+                             rows=group * q)
     except ProfileMissError as e:
         print(str(e), file=out)
         return 1

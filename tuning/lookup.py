@@ -17,8 +17,11 @@ Fallback chain (the rule recorded here is the one the code runs):
    (``directkv_cute.config.default_decode_config`` for decode). A warning (once per key) names
    the profile path expected and the ``directkv-tune`` command that would produce it.
 
-Profiles for another GPU, other kernel sources (``kernel_hash``) or another tune_version are
-never used. ``DIRECTKV_REQUIRE_PROFILE=1`` turns a fall-through to the default into a
+Profiles for another GPU or another tune_version are never used. A bucket tuned for other
+kernel sources (its ``kernel_hash`` is not the kernel's current hash, ``current_kernel_hash``) is
+*stale*: it is still used while its config is legal for the launch under the current rules, and
+the first use of a stale bucket of each kernel warns once per process with the re-tune command.
+``DIRECTKV_REQUIRE_PROFILE=1`` turns a fall-through to the default into a
 :class:`ProfileMissError` that shows the asked key against the nearest key on disk;
 ``DIRECTKV_REQUIRE_PROFILE=exact`` also rejects a nearest-bucket match.
 
@@ -80,14 +83,15 @@ class Decision:
 class _Table:
     """Everything a decision needs for one key except the context: built once, then bisected."""
 
-    __slots__ = ("contexts", "bounds", "configs", "kept_default", "pair", "reason", "profile_path", "expected_path",
-                 "default")
+    __slots__ = ("contexts", "bounds", "configs", "kept_default", "stale", "pair", "reason", "profile_path",
+                 "expected_path", "default")
 
     def __init__(self):
         self.contexts = []
         self.bounds = []
         self.configs = []
         self.kept_default = []  # per bucket: its config is the default for its own rows
+        self.stale = []  # per bucket: the kernel hash it was tuned for, if not the current one
         self.pair = None  # (q_len, batch) of the tuned buckets used
         self.reason = ""
         self.profile_path = None
@@ -159,7 +163,7 @@ def _build_table(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_siz
         t.reason = f"unusable profile: {prof}"
         _warn_once(("bad", path, str(prof)), f"directkv-cute: ignoring {prof}")
         return t
-    problems = prof.compat_problems(gpu_name=gpu_name, kernel_hash=kernel_hash)
+    problems = prof.compat_problems(gpu_name=gpu_name)
     if problems:
         t.reason = f"{path} is not usable here: " + "; ".join(problems)
         _warn_once(("foreign", path, tuple(problems)), f"directkv-cute: ignoring {t.reason}")
@@ -170,6 +174,7 @@ def _build_table(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_siz
         return t
     legal = {}
     illegal = []
+    tuned_for = {}
     for bk, rec in entries.items():
         try:
             cfg = space.config_from_dict(rec["config"])
@@ -181,15 +186,17 @@ def _build_table(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_siz
             illegal.append(f"{bk}: {'; '.join(probs)}")
         else:
             legal[bk] = cfg
+            tuned_for[bk] = rec.get("kernel_hash")
     if not legal:
         t.reason = f"{path}: no tuned config of this class is legal for rows={rows}: " + " | ".join(illegal[:3])
         return t
     pairs = {(bk[2], bk[0]) for bk in legal}
     q_best, b_best = min(pairs, key=lambda p: (_log2_dist(p[0], q_len), p[0], _log2_dist(p[1], batch), p[1]))
     t.pair = (q_best, b_best)
-    picked = sorted((bk[1], cfg) for bk, cfg in legal.items() if bk[2] == q_best and bk[0] == b_best)
-    t.contexts = [c for c, _ in picked]
+    picked = sorted((bk, cfg) for bk, cfg in legal.items() if bk[2] == q_best and bk[0] == b_best)
+    t.contexts = [bk[1] for bk, _ in picked]
     t.configs = [cfg for _, cfg in picked]
+    t.stale = [None if tuned_for[bk] == kernel_hash else tuned_for[bk] for bk, _ in picked]
     t.kept_default = [cfg == space.default_config(head_dim, group * q_best, page_size) for cfg in t.configs]
     # geometric midpoints: context x goes to contexts[i] for bounds[i-1] < x <= bounds[i]
     t.bounds = [math.sqrt(a * b) for a, b in zip(t.contexts, t.contexts[1:])]
@@ -211,11 +218,11 @@ def _key_diff(asked: dict, path: Path | None) -> str:
     if isinstance(prof, ProfileError):
         return f"  (profile unreadable: {prof})"
     best, best_score = None, None
-    for ck, bk, _rec in prof.records():
+    for ck, bk, rec in prof.records():
         k = dict(zip(("kernel", "dtype", "head_dim", "group", "page_size"), ck))
         k.update(zip(("batch", "context", "q_len"), bk))
-        k["gpu_name"], k["kernel_hash"] = prof.gpu_name, prof.kernel_hash
-        n_diff = sum(k[f] != asked[f] for f in k if f not in ("batch", "context", "q_len"))
+        k["gpu_name"], k["kernel_hash"] = prof.gpu_name, rec.get("kernel_hash")
+        n_diff = sum(k[f] != asked[f] for f in k if f not in ("batch", "context", "q_len", "kernel_hash"))
         dist = sum(_log2_dist(k[f], asked[f]) for f in ("batch", "context", "q_len"))
         score = (n_diff, dist)
         if best_score is None or score < best_score:
@@ -241,10 +248,13 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
         t = _build_table(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows)
         _TABLES[tkey] = t
     mode = _require_mode()
+    hint = _tune_hint(kernel, dt, head_dim, group, page_size, batch, context, q_len, t.expected_path)
     if t.configs:
         i = bisect.bisect_left(t.bounds, context)
         q_b, b_b = t.pair
         bucket = (b_b, t.contexts[i], q_b)
+        if t.stale[i] is not None:
+            _warn_stale(kernel, t, bucket, t.stale[i], kernel_hash, hint)
         exact = bucket == (batch, context, q_len)
         if exact:
             return Decision(t.configs[i], "exact", bucket, t.profile_path, t.expected_path, "")
@@ -261,10 +271,6 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
             return Decision(t.default, "nearest", bucket, t.profile_path, t.expected_path,
                             "nearest bucket kept the default: the default for this launch's rows")
         return Decision(t.configs[i], "nearest", bucket, t.profile_path, t.expected_path, "nearest bucket")
-    hint = (
-        f"{TUNE_COMMAND} run --shape HQ,HKV,{head_dim},{batch},{context},{q_len} --page-size {page_size} "
-        f"--dtype {dt} --output {t.expected_path.parent}   (HQ/HKV = {group}; or --preset NAME)"
-    )
     if mode:
         asked = _asked_key(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, context, q_len)
         raise ProfileMissError(
@@ -282,11 +288,29 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
     return Decision(t.default, "default", None, t.profile_path, t.expected_path, t.reason)
 
 
+def _tune_hint(kernel, dt, head_dim, group, page_size, batch, context, q_len, expected_path) -> str:
+    return (
+        f"{TUNE_COMMAND} run --kernel {kernel} --shape HQ,HKV,{head_dim},{batch},{context},{q_len} "
+        f"--page-size {page_size} --dtype {dt} --output {expected_path.parent}   (HQ/HKV = {group}; or --preset NAME)"
+    )
+
+
+def _warn_stale(kernel, t: _Table, bucket, tuned_for, kernel_hash, hint) -> None:
+    _warn_once(
+        ("stale", kernel),
+        f"directkv-cute: {t.profile_path}: using {kernel} entries tuned for other {kernel} kernel sources "
+        f"(bucket batch={bucket[0]} context={bucket[1]} q_len={bucket[2]} was tuned for {str(tuned_for)[:12]}, "
+        f"these are {str(kernel_hash)[:12]}); their configs are legal under the current rules, but their "
+        f"timings may be out of date. Re-tune with: {hint}",
+    )
+
+
 def select_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_dim: int, group: int, page_size: int,
                   batch: int, context: int, q_len: int, rows: int):
     """``(config, source)`` for one launch; source is "exact", "nearest" or "default".
 
-    ``rows`` is the query rows per CTA (GQA group x max q_len); ``context`` the longest sequence.
+    ``rows`` is the query rows per CTA (GQA group x max q_len); ``context`` the longest sequence;
+    ``kernel_hash`` the kernel's current source hash (``profiles.current_kernel_hash(kernel)``).
     After the first call for a key this is one dict lookup.
     """
     key = (kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows,

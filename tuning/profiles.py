@@ -1,8 +1,8 @@
 """Tuned profiles: one YAML file per GPU, ``profiles/<GPU_NAME>.yaml``.
 
-Layout (schema_version 1)::
+Layout (schema_version 2)::
 
-    schema_version: 1
+    schema_version: 2
     metadata:
       tune_version: 1                 # version of the tuning semantics (bumped by hand)
       gpu_name: NVIDIA H200
@@ -11,7 +11,6 @@ Layout (schema_version 1)::
       smem_optin_bytes: 232448
       host_link_gbps: 54.3            # measured pinned host -> device copy
       hbm_gbps: 4400.0                # measured device-to-device copy
-      kernel_hash: 3f5c...            # sha256 of directkv_cute/kernels/*.py
       objective: gpu                  # 'gpu' (measured) or 'model' (cost model, demos only)
       versions: {cutlass_dsl: 4.8.1, torch: 2.11.0, cuda: '13.0', optuna: 5.0.0, directkv_cute: 0.1.0}
       created: '2026-11-30T10:00:00Z'
@@ -30,6 +29,16 @@ Layout (schema_version 1)::
         p50_us: 95.1                  # tuned config, median
         default_p50_us: 120.4         # heuristic default, same run and repetitions
         trials: 40                    # configs measured
+        kernel_hash: 3f5c...          # the kernel's sources when it was tuned (current_kernel_hash)
+
+Each bucket records the hash of the sources that generate its kernel's launch
+(``directkv_cute.kernels.sources.kernel_hash``: the kernel's files, the shared parts it imports,
+the config rules, and the split combine), so editing one kernel leaves the others' entries
+current. An entry whose hash differs is *stale*: the lookup still uses it while its config is
+legal under the current rules, with a warning naming the re-tune command, and ``directkv-tune
+check`` lists it. Schema 1 (one ``metadata.kernel_hash`` over every file in ``kernels/``) is
+migrated on load: every bucket gets that hash, which matches no per-kernel hash, so each entry
+is stale until re-tuned.
 
 Files are read with ``yaml.safe_load`` and validated by hand (no schema dependency); a bad
 file raises :class:`ProfileError` naming the file and the field. Writes are atomic (temp file
@@ -42,7 +51,6 @@ import contextlib
 import copy
 import datetime as _dt
 import functools
-import hashlib
 import importlib.util
 import math
 import os
@@ -55,10 +63,11 @@ from pathlib import Path
 import yaml
 
 from directkv_cute.config import ConfigError
+from directkv_cute.kernels import sources
 
 from .space import get_space, kernels, normalize_dtype
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TUNE_VERSION = 1
 PROFILE_DIR_ENV = "DIRECTKV_PROFILE_DIR"
 TUNE_COMMAND = "directkv-tune"
@@ -134,28 +143,22 @@ def find_profile(gpu_name: str, dirs=None) -> tuple[Path | None, Path]:
 # ---- identity of the kernels and the environment ----------------------------------------------
 
 
-def kernels_dir() -> Path:
-    spec = importlib.util.find_spec("directkv_cute.kernels")
-    if spec is None or not spec.submodule_search_locations:
-        raise ProfileError("cannot locate the directkv_cute.kernels package")
-    return Path(list(spec.submodule_search_locations)[0])
+@functools.lru_cache(maxsize=None)
+def current_kernel_hash(kernel: str) -> str:
+    """The profile key of tuned kernel ``kernel`` in this installation (computed once per
+    process): a sha256 of the files that generate its launch."""
+    return sources.kernel_hash(kernel)
 
 
-@functools.lru_cache(maxsize=8)
-def kernel_source_hash(directory: str | None = None) -> str:
-    """sha256 over the kernel sources (``directkv_cute/kernels/*.py``: names and bytes, sorted)."""
-    d = Path(directory) if directory else kernels_dir()
-    h = hashlib.sha256()
-    for f in sorted(d.glob("*.py")):
-        h.update(f.name.encode() + b"\0")
-        h.update(f.read_bytes())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def current_kernel_hash() -> str:
-    """The kernel source hash of this installation (computed once per process)."""
-    return kernel_source_hash(None)
+def entry_hash_problem(kernel: str, record: dict) -> str | None:
+    """Why a bucket of ``kernel`` is stale (tuned for other kernel sources), or None if it is
+    current or its kernel is unknown here."""
+    if kernel not in sources.tuned_kernels():
+        return None
+    here, tuned = current_kernel_hash(kernel), record.get("kernel_hash")
+    if tuned == here:
+        return None
+    return f"tuned for {kernel} kernel sources {str(tuned)[:12]}, these are {here[:12]}"
 
 
 def _dist_version(name: str):
@@ -196,7 +199,7 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def make_metadata(env: dict, *, kernel_hash: str, objective: str, extra: dict | None = None) -> dict:
+def make_metadata(env: dict, *, objective: str, extra: dict | None = None) -> dict:
     """Metadata block for a run, from an objective's ``environment()`` record."""
     now = utc_now()
     md = {
@@ -207,7 +210,6 @@ def make_metadata(env: dict, *, kernel_hash: str, objective: str, extra: dict | 
         "smem_optin_bytes": int(env["smem_optin_bytes"]),
         "host_link_gbps": _round_or_none(env.get("host_link_gbps"), 2),
         "hbm_gbps": _round_or_none(env.get("hbm_gbps"), 1),
-        "kernel_hash": kernel_hash,
         "objective": objective,
         "versions": software_versions(),
         "created": now,
@@ -231,14 +233,11 @@ class Profile:
     entries: dict = field(default_factory=dict)  # ClassKey -> {BucketKey: record}
     path: Path | None = None
     schema_version: int = SCHEMA_VERSION
+    migrated_from: int | None = None  # the schema of the file this was read from, if older
 
     @property
     def gpu_name(self) -> str:
         return self.metadata["gpu_name"]
-
-    @property
-    def kernel_hash(self) -> str:
-        return self.metadata["kernel_hash"]
 
     def set(self, class_key: ClassKey, bucket: BucketKey, record: dict) -> None:
         self.entries.setdefault(tuple(class_key), {})[tuple(bucket)] = dict(record)
@@ -255,16 +254,21 @@ class Profile:
     def __len__(self) -> int:
         return sum(len(b) for b in self.entries.values())
 
-    def compat_problems(self, *, gpu_name: str | None = None, kernel_hash: str | None = None) -> list[str]:
-        """Why this profile may not serve this GPU / these kernel sources (empty: it may)."""
+    def stale(self):
+        """(class_key, bucket_key, why) for every bucket tuned for other kernel sources."""
+        out = []
+        for ck, bk, rec in self.records():
+            why = entry_hash_problem(ck[0], rec)
+            if why:
+                out.append((ck, bk, why))
+        return out
+
+    def compat_problems(self, *, gpu_name: str | None = None) -> list[str]:
+        """Why this profile may not serve this GPU at all (empty: it may). Entries tuned for other
+        kernel sources are not a reason: see :meth:`stale`."""
         out = []
         if gpu_name is not None and self.gpu_name != gpu_name:
             out.append(f"gpu_name: the profile is for {self.gpu_name!r}, this GPU is {gpu_name!r}")
-        if kernel_hash is not None and self.kernel_hash != kernel_hash:
-            out.append(
-                f"kernel_hash: the profile was tuned for kernel sources {self.kernel_hash[:12]}, "
-                f"these are {kernel_hash[:12]} (the kernels changed; re-run {TUNE_COMMAND})"
-            )
         tv = self.metadata.get("tune_version")
         if tv != TUNE_VERSION:
             out.append(f"tune_version: the profile has {tv}, this directkv-cute uses {TUNE_VERSION}")
@@ -301,7 +305,7 @@ def _sort_key(ck):
     return tuple(str(x) if isinstance(x, str) else f"{x:012d}" for x in ck)
 
 
-_RECORD_ORDER = ("config", "p50_us", "default_p50_us", "trials")
+_RECORD_ORDER = ("config", "p50_us", "default_p50_us", "trials", "kernel_hash")
 
 
 def _ordered_record(rec: dict) -> dict:
@@ -378,15 +382,44 @@ _METADATA_INTS = ("tune_version", "sm_count", "smem_optin_bytes")
 _KNOWN_TOP = {"schema_version", "metadata", "entries"}
 
 
-def _validate(doc, source) -> Profile:
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _migrate_v1(doc: dict, source) -> dict:
+    """A schema-1 document as schema 2: its one ``metadata.kernel_hash`` goes to every bucket."""
+    doc = copy.deepcopy(doc)
+    md = doc.get("metadata")
+    old = md.pop("kernel_hash", None) if isinstance(md, dict) else None
+    if not isinstance(old, str) or not _HEX64.fullmatch(old):
+        raise ProfileError(f"{source}: invalid profile:\n  metadata.kernel_hash: must be a sha256 hex digest "
+                           f"(schema 1), got {old!r}")
+    for e in doc.get("entries") or []:
+        for b in (e.get("buckets") if isinstance(e, dict) else None) or []:
+            if isinstance(b, dict):
+                b.setdefault("kernel_hash", old)
+    doc["schema_version"] = SCHEMA_VERSION
+    return doc
+
+
+def _schema(doc, source) -> tuple[dict, int | None]:
+    """(the document in the current schema, the older schema it was migrated from or None)."""
     if not isinstance(doc, dict):
         raise ProfileError(f"{source}: not a profile (the YAML top level is {type(doc).__name__}, not a mapping)")
     sv = doc.get("schema_version")
     if not _is_int(sv):
         raise ProfileError(f"{source}: schema_version missing or not an integer ({sv!r})")
+    if sv == 1:
+        return _migrate_v1(doc, source), 1
     if sv != SCHEMA_VERSION:
         newer = " (written by a newer directkv-cute?)" if sv > SCHEMA_VERSION else ""
-        raise ProfileError(f"{source}: unknown schema_version {sv}{newer}; this version reads {SCHEMA_VERSION}")
+        raise ProfileError(f"{source}: unknown schema_version {sv}{newer}; this version reads "
+                           f"{SCHEMA_VERSION} (and migrates 1)")
+    return doc, None
+
+
+def _validate(doc, source) -> Profile:
+    doc, migrated_from = _schema(doc, source)
+    sv = doc["schema_version"]
     v = _V(source)
     unknown = set(doc) - _KNOWN_TOP
     if unknown:
@@ -404,9 +437,6 @@ def _validate(doc, source) -> Profile:
         cc = v.str_(md, "compute_capability", "metadata", loose=True)
         if cc is not None:
             md["compute_capability"] = cc
-        kh = v.str_(md, "kernel_hash", "metadata")
-        if kh is not None and not re.fullmatch(r"[0-9a-f]{64}", kh):
-            v.bad("metadata.kernel_hash", f"must be a sha256 hex digest, got {kh!r}")
         for k in ("host_link_gbps", "hbm_gbps"):
             v.num(md, k, "metadata", nullable=True)
         for k in ("created", "updated"):
@@ -426,7 +456,7 @@ def _validate(doc, source) -> Profile:
                         vers[k] = s
             md["versions"] = vers
 
-    prof = Profile(metadata=md, schema_version=sv)
+    prof = Profile(metadata=md, schema_version=sv, migrated_from=migrated_from)
     ents = doc.get("entries")
     if ents is None:
         ents = []
@@ -484,6 +514,9 @@ def _validate(doc, source) -> Profile:
             v.num(rec, "p50_us", bw)
             v.num(rec, "default_p50_us", bw, nullable=True)
             v.int_(rec, "trials", bw, minimum=0)
+            kh = v.str_(rec, "kernel_hash", bw)
+            if kh is not None and not _HEX64.fullmatch(kh):
+                v.bad(f"{bw}.kernel_hash", f"must be a sha256 hex digest, got {kh!r}")
             for k in ("p20_us", "p80_us"):
                 v.num(rec, k, bw, required=False, nullable=True)
             if None in bk:
@@ -512,13 +545,13 @@ def parse_profile(text: str, source: str = "<string>") -> Profile:
     return Profile.from_doc(doc, source)
 
 
-def load_profile(path, *, gpu_name: str | None = None, kernel_hash: str | None = None, strict: bool = False) -> Profile:
-    """Read and validate a profile file.
+def load_profile(path, *, gpu_name: str | None = None, strict: bool = False) -> Profile:
+    """Read and validate a profile file (a schema-1 file is migrated in memory).
 
-    Raises ProfileError for an unreadable, corrupt or invalid file. With ``gpu_name`` /
-    ``kernel_hash`` given, a profile for other hardware or other kernel sources raises
-    ProfileError when ``strict``, else warns (ProfileWarning) and is returned as is; the caller
-    decides (the lookup never uses such entries).
+    Raises ProfileError for an unreadable, corrupt or invalid file. With ``gpu_name`` given, a
+    profile for other hardware (or another tune_version) raises ProfileError when ``strict``,
+    else warns (ProfileWarning) and is returned as is; the caller decides (the lookup never uses
+    such entries).
     """
     path = Path(path)
     try:
@@ -529,7 +562,7 @@ def load_profile(path, *, gpu_name: str | None = None, kernel_hash: str | None =
         raise ProfileError(f"{path}: corrupt (not UTF-8 text): {e}") from e
     prof = parse_profile(text, str(path))
     prof.path = path
-    problems = prof.compat_problems(gpu_name=gpu_name, kernel_hash=kernel_hash)
+    problems = prof.compat_problems(gpu_name=gpu_name)
     if problems:
         msg = f"{path}: not usable here: " + "; ".join(problems)
         if strict:
@@ -575,8 +608,8 @@ def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
     """Write ``profile`` atomically, merged with the file already at ``path``.
 
     Merge rule: per (kernel, dtype, head_dim, group, page_size, batch, context, q_len) the new
-    profile's bucket wins; the other buckets of the file on disk are kept when that file is for
-    the same GPU, kernel sources and tune_version (else they are stale and dropped, with a
+    profile's bucket wins; the other buckets of the file on disk are kept, each with its own
+    kernel_hash, when that file has the same tune_version (else they are dropped, with a
     warning). ``created`` keeps the older date; ``updated`` is now. A corrupt or foreign file on
     disk raises ProfileError instead of being overwritten. Returns the profile written.
     """
@@ -591,10 +624,10 @@ def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
                     f"{path}: holds a profile for {old.gpu_name!r}, not {profile.gpu_name!r}; "
                     "refusing to overwrite it (move it away or pick another output folder)"
                 )
-            stale = old.compat_problems(kernel_hash=profile.kernel_hash)
+            stale = old.compat_problems()
             if stale:
                 warnings.warn(
-                    f"{path}: dropping {len(old)} stale bucket(s) of the old profile: " + "; ".join(stale),
+                    f"{path}: dropping {len(old)} bucket(s) of the old profile: " + "; ".join(stale),
                     ProfileWarning,
                     stacklevel=2,
                 )
@@ -625,8 +658,8 @@ __all__ = [
     "atomic_write_text",
     "bundled_profile_dir",
     "current_kernel_hash",
+    "entry_hash_problem",
     "find_profile",
-    "kernel_source_hash",
     "list_profiles",
     "load_profile",
     "make_metadata",

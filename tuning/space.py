@@ -176,6 +176,7 @@ class KernelSpace:
     """Base class of a kernel's search space; subclasses fill in the kernel specifics."""
 
     kernel: str = ""
+    source_kernel: str = ""  # the kernel of directkv_cute.kernels.sources whose hash keys the entries
     config_cls: type = object
     params: tuple[Param, ...] = ()
     fixed_doc: str = ""
@@ -282,6 +283,7 @@ class DecodeSpace(KernelSpace):
     """The split-KV decode kernel (``DecodeConfig``)."""
 
     kernel = "decode"
+    source_kernel = "decode"
     config_cls = DecodeConfig
     params = (
         Param("tile_n", (32, 64, 128), "KV tokens per pipeline stage"),
@@ -330,6 +332,7 @@ class PrefillSpace(KernelSpace):
     """
 
     kernel = "prefill"
+    source_kernel = "prefill"
     config_cls = DecodeConfig
     params = (
         Param("tile_n", (32, 64, 128), "KV tokens per tile"),

@@ -167,7 +167,7 @@ class Tuner:
             "host_link_gbps": None, "hbm_gbps": None, **env,
         }
         self.num_sms = int(self.env["sm_count"])
-        self.kernel_hash = kernel_hash or current_kernel_hash()
+        self.kernel_hash = kernel_hash or current_kernel_hash(self.space.source_kernel or kernel)
         self.objective_name = objective_name or getattr(measure, "name", "custom")
         self.space_hash = self.space.space_hash()
         self._old_profile = self._load_old_profile()
@@ -510,10 +510,11 @@ class Tuner:
         good = [r for r in results if r.config is not None and r.p50_us]
         if path is None or not good:
             return
-        md = make_metadata(self.env, kernel_hash=self.kernel_hash, objective=self.objective_name)
+        md = make_metadata(self.env, objective=self.objective_name)
         prof = Profile(metadata=md, path=path)
         for r in good:
-            prof.set((self.kernel, *r.shape.class_key), r.shape.bucket, r.record(self.space_hash, self.opt.seed))
+            rec = {**r.record(self.space_hash, self.opt.seed), "kernel_hash": self.kernel_hash}
+            prof.set((self.kernel, *r.shape.class_key), r.shape.bucket, rec)
         save_profile(prof, path)
         try:  # a lookup in this process must see the new file
             from .lookup import clear_cache

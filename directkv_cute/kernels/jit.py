@@ -5,45 +5,33 @@ the same compiled function afterwards. They need no GPU when ``CUTE_DSL_ARCH=sm_
 (CI compiles every shipped config that way). Sizes are runtime arguments, never part of a key.
 
 Compiled kernels also persist on disk (``export_to_c`` objects, loaded back with
-``cute.runtime.load_module``), so a new process skips compilation. The directory is
-``$DIRECTKV_CACHE_DIR`` (default ``~/.cache/directkv_cute``) / a fingerprint of the kernel
-sources and the cutlass-dsl version; ``DIRECTKV_DISK_CACHE=0`` turns it off. Files are written
-to a temporary name and renamed, under an exclusive lock, so concurrent processes never read a
-half-written object.
+``cute.runtime.load_module``), so a new process skips compilation. The folder is
+``$DIRECTKV_CACHE_DIR`` (default ``~/.cache/directkv_cute``) / ``sources.cache_fingerprint()``
+(the code files of every kernel, config rules included, and the cutlass-dsl version);
+``DIRECTKV_DISK_CACHE=0`` turns it off. ``disk_cache`` decides what may be loaded: private
+folders, objects authenticated by a per-user key, writes renamed into place under a lock.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import os
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from directkv_cute.config import DecodeConfig
+from directkv_cute.kernels import disk_cache, sources
 
 _LOCK = threading.Lock()  # cute.compile is not thread-safe
 _CACHE: dict[tuple, object] = {}
-_KERNEL_DIR = Path(__file__).resolve().parent
 
 
 def source_fingerprint() -> str:
-    """sha256 over the kernel sources and the cutlass-dsl version (part of every disk key)."""
-    h = hashlib.sha256()
-    for f in sorted(_KERNEL_DIR.glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    try:
-        from importlib.metadata import version
-
-        h.update(version("nvidia-cutlass-dsl").encode())
-    except Exception:  # pragma: no cover - metadata missing in odd installs
-        h.update(b"unknown-cutlass")
-    return h.hexdigest()[:16]
+    """The disk cache's folder name for these sources and this cutlass-dsl."""
+    return sources.cache_fingerprint()
 
 
 def disk_cache_dir() -> Path | None:
@@ -66,27 +54,19 @@ def _cached_compile(key: tuple, build):
     return fn
 
 
+def object_name(key: tuple) -> str:
+    return "dk_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+
+
 def _load_or_build(key: tuple, build):
-    directory = disk_cache_dir()
-    if directory is None:
-        return build()
+    return disk_cache.load_or_build(disk_cache_dir(), object_name(key), build, _load_object)
+
+
+def _load_object(path: str, name: str):
     import cutlass.cute as cute
 
-    name = "dk_" + hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-    obj = directory / f"{name}.o"
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if obj.exists():
-            try:
-                return getattr(cute.runtime.load_module(str(obj)), name)
-            except Exception:  # a stale or foreign object: rebuild it
-                obj.unlink(missing_ok=True)
-        fn = build()
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            fn.export_to_c(tmp, name, function_prefix=name)
-            os.replace(Path(tmp) / f"{name}.o", obj)
-        return fn
+    return getattr(cute.runtime.load_module(path), name)
+
 
 _TORCH_TO_CUTLASS = {}
 
