@@ -174,6 +174,9 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     without it the page table's width stands in."""
     page_table, seq_lens = tables.page_table, tables.seq_lens
     # ---- validation (before anything is written; messages are only built on failure) -------
+    check_tables = getattr(cache, "check_tables", None)
+    if check_tables is not None and getattr(tables, "cache_id", 0):
+        check_tables(tables)  # from this cache, and no page freed or moved since (two int compares)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise TypeError("q must be a (total_q, Hq, head_dim) tensor")
     if not q.is_cuda:

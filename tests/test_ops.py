@@ -382,3 +382,16 @@ def test_cluster_config_rules_and_splits():
     # 8k tokens, 8 KV heads, 132 SMs: 16 splits per head alone, 8 clusters of two
     assert resident_splits(base, 8192, 1, 8, 132, 128) == 16
     assert resident_splits(dataclasses.replace(base, q_cluster=2), 8192, 1, 8, 132, 128) == 8
+
+
+def test_stale_tables_are_refused_before_any_work(randn):
+    from directkv_cute.cache import StaleTablesError
+
+    cache = dk.PagedKVCache(1, 2, 64, 16, num_host_pages=8, device="cpu")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    for s in (a, b):
+        cache.append(s, randn(20, 1, 2, 64), randn(20, 1, 2, 64))
+    tables = cache.kernel_tables([a])
+    cache.free(b)  # its pages may now be handed to another sequence
+    with pytest.raises(StaleTablesError, match="stale"):
+        dk.paged_attention_tables(randn(1, 4, 64), cache, 0, tables)
