@@ -9,6 +9,7 @@ Public API:
 """
 
 from importlib import import_module
+from importlib.util import find_spec as _find_spec
 
 from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_prefill_config
 
@@ -25,6 +26,12 @@ _LAZY = {
     "dense_attention_ref": "directkv_cute.reference",
     "paged_attention_ref": "directkv_cute.reference",
 }
+
+
+if _find_spec("torch") is not None:
+    # The op registers torch.ops.directkv_cute.paged_attention at import: make it exist as soon
+    # as the package does (the kernels themselves still load on first use).
+    import_module("directkv_cute.ops")
 
 
 def __getattr__(name: str):

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from directkv_cute.config import DecodeConfig, resident_splits
+from directkv_cute.validate import check_attention, check_seq_ids
 
-_ALIGN = 16
 
 
 def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor, int]:
@@ -150,18 +150,21 @@ def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], 
     Returns out (total_q, Hq, d) in q's dtype, and the natural-log LSE (total_q, Hq) fp32 when
     ``return_lse``.
     """
-    if q.device.type != "cuda":
+    seq_ids = check_seq_ids(seq_ids)
+    lengths = [cache.seq_len(s) for s in seq_ids]  # unknown ids raise here
+    layer, q_lens = check_attention(q, cache, layer, batch=len(seq_ids), q_lens=q_lens, out=out, config=config,
+                                    softmax_scale=softmax_scale, seq_lens=lengths, cuda=q.is_cuda)
+    if not q.is_cuda:
         from directkv_cute.reference import paged_attention_ref
 
-        o, lse = paged_attention_ref(q, cache, layer, list(seq_ids), q_lens, softmax_scale)
+        o, lse = paged_attention_ref(q, cache, layer, seq_ids, q_lens, softmax_scale)
         if out is not None:
             out.copy_(o)
             o = out
         return (o, lse) if return_lse else o
-    seq_ids = list(seq_ids)
     tables = cache.kernel_tables(seq_ids)
     return paged_attention_tables(q, cache, layer, tables, q_lens, softmax_scale, config=config, out=out,
-                                  return_lse=return_lse, max_seq_len=max(cache.seq_len(s) for s in seq_ids))
+                                  return_lse=return_lse, max_seq_len=max(lengths))
 
 
 def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=None,
@@ -177,22 +180,13 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     check_tables = getattr(cache, "check_tables", None)
     if check_tables is not None and getattr(tables, "cache_id", 0):
         check_tables(tables)  # from this cache, and no page freed or moved since (two int compares)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise TypeError("q must be a (total_q, Hq, head_dim) tensor")
-    if not q.is_cuda:
-        raise ValueError("paged_attention_tables needs q on a CUDA device (use paged_attention on CPU)")
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q dtype {q.dtype} differs from the cache's {cache.dtype}")
+    if not (isinstance(page_table, torch.Tensor) and isinstance(seq_lens, torch.Tensor)):
+        raise TypeError("tables must be KernelTables from cache.kernel_tables()")
+    layer, q_lens = check_attention(q, cache, layer, batch=page_table.shape[0] if page_table.dim() == 2 else -1,
+                                    q_lens=q_lens, out=out, config=config, softmax_scale=softmax_scale,
+                                    seq_lens=getattr(tables, "host_seq_lens", None), cuda=True)
     total_q, hq, d = q.shape
     hkv = cache.num_kv_heads
-    if d != cache.head_dim:
-        raise ValueError(f"q head_dim {d} differs from the cache's {cache.head_dim}")
-    if hq % hkv:
-        raise ValueError(f"Hq={hq} is not a multiple of Hkv={hkv}")
-    if not 0 <= layer < cache.num_layers:
-        raise IndexError(f"layer {layer} out of range [0, {cache.num_layers})")
-    if not q.is_contiguous() or q.data_ptr() % _ALIGN:
-        raise ValueError("q must be contiguous and 16-byte aligned")
     if not (page_table.is_cuda and page_table.dtype == torch.int32 and page_table.dim() == 2):
         raise ValueError("tables.page_table must be a (B, max_pages) int32 CUDA tensor")
     if not (seq_lens.is_cuda and seq_lens.dtype == torch.int32):
@@ -208,9 +202,6 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
         max_seq_len = getattr(tables, "max_seq_len", None)
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
-    if out is not None and not (out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-                                and out.is_contiguous()):
-        raise ValueError("out must be a contiguous tensor like q")
 
     cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
     _check_config(cfg, d, cache.page_size)
@@ -285,7 +276,14 @@ def attention_op(q: torch.Tensor, host_pool: torch.Tensor, hbm_pool: torch.Tenso
         return out, lse
     from directkv_cute.reference import tables_attention_ref
 
-    return tables_attention_ref(q, host_pool, hbm_pool, page_table, seq_lens, layer, q_lens, softmax_scale)
+    view = _PoolView(host_pool, hbm_pool)
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or seq_lens.dtype != torch.int32 \
+            or seq_lens.shape != (page_table.shape[0],):
+        raise ValueError("page_table must be (B, max_pages) int32 and seq_lens (B,) int32 (cache.kernel_tables)")
+    layer, lens = check_attention(q, view, layer, batch=page_table.shape[0], q_lens=q_lens,
+                                  config=DecodeConfig(*config) if config else None, softmax_scale=softmax_scale,
+                                  seq_lens=seq_lens.tolist(), cuda=False)
+    return tables_attention_ref(q, host_pool, hbm_pool, page_table, seq_lens, layer, list(lens), softmax_scale)
 
 
 @attention_op.register_fake

@@ -41,6 +41,16 @@ def _qwen2(seed=1):
     return Qwen2ForCausalLM(cfg).eval().float()
 
 
+def _mistral(seed=12):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=1, head_dim=16, sliding_window=None,
+                        max_position_embeddings=4096)
+    return MistralForCausalLM(cfg).eval().float()
+
+
 def _prompts(batch_lens, seed=2):
     """Left-padded random prompts: ids (B, T) and the 0/1 attention mask."""
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +78,7 @@ def _ours(model, max_tokens=600, batch=3, **kw):
                               **{"page_size": 16, **kw})
 
 
-@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("make", [_llama, _qwen2, _mistral], ids=["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_greedy_tokens_equal_dynamic_cache(make, chunk):
     model = make()

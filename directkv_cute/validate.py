@@ -1,0 +1,104 @@
+"""The one validation of the attention op's arguments, for every entry point and both devices.
+
+``paged_attention`` (CPU reference or GPU kernels), ``paged_attention_tables`` and the
+``torch.ops.directkv_cute.paged_attention`` op all call ``check_attention`` before any work, so a
+mistake gets the same message wherever it is made. Plain Python, no GPU needed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from directkv_cute.config import DecodeConfig
+
+ALIGN = 16
+
+
+def check_int(value, name: str) -> int:
+    """An integer argument (a Python or numpy int, never a bool, float or string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_seq_ids(seq_ids) -> list[int]:
+    if isinstance(seq_ids, (numbers.Number, str, bytes, torch.Tensor)) or not isinstance(seq_ids, Sequence):
+        raise TypeError(f"seq_ids must be a sequence of sequence ids, got {type(seq_ids).__name__} {seq_ids!r}")
+    ids = [check_int(s, "every seq_id") for s in seq_ids]
+    if not ids:
+        raise ValueError("seq_ids is empty")
+    return ids
+
+
+def check_q_lens(q_lens, batch: int, total_q: int, seq_lens: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Query rows per sequence (default one each), checked against q and, when the host knows
+    them, the sequences' lengths (a sequence's new tokens are part of its history)."""
+    if q_lens is None:
+        if total_q != batch:
+            raise ValueError(f"q has {total_q} rows but there are {batch} sequences and no q_lens")
+        lens = (1,) * batch
+    else:
+        if isinstance(q_lens, torch.Tensor):
+            if q_lens.dtype.is_floating_point or q_lens.dtype == torch.bool:
+                raise TypeError(f"q_lens must hold integers, got a {q_lens.dtype} tensor")
+            q_lens = q_lens.tolist()
+        if isinstance(q_lens, (numbers.Number, str, bytes)) or not isinstance(q_lens, Sequence):
+            raise TypeError(f"q_lens must be a sequence of ints, got {type(q_lens).__name__}")
+        lens = tuple(check_int(n, "every q_len") for n in q_lens)
+        if len(lens) != batch:
+            raise ValueError(f"q_lens has {len(lens)} entries for {batch} sequences")
+        if min(lens) < 1:
+            raise ValueError(f"every q_len must be >= 1, got {min(lens)}")
+        if sum(lens) != total_q:
+            raise ValueError(f"sum(q_lens) = {sum(lens)} but q has {total_q} rows")
+    if seq_lens is not None:
+        for i, (n, length) in enumerate(zip(lens, seq_lens)):
+            if n > length:
+                raise ValueError(f"q_lens[{i}] = {n} exceeds its sequence's length {length} "
+                                 "(append the new tokens' K/V to the cache first)")
+    return lens
+
+
+def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, config=None, softmax_scale=None,
+                    seq_lens: Sequence[int] | None = None, cuda: bool | None = None) -> tuple[int, tuple[int, ...]]:
+    """Validate one attention call; returns (layer, q_lens). ``cuda`` True: the kernels' extra
+    needs (q on a GPU, contiguous and aligned, the config legal for this cache)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 3 or q.layout != torch.strided:
+        raise ValueError(f"q must be a dense (total_q, Hq, head_dim) tensor, got shape {tuple(q.shape)}")
+    if q.dtype != cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype}, the cache holds {cache.dtype}")
+    total_q, hq, d = q.shape
+    if d != cache.head_dim:
+        raise ValueError(f"q has head_dim {d}, the cache has {cache.head_dim}")
+    if hq < 1 or hq % cache.num_kv_heads:
+        raise ValueError(f"Hq = {hq} is not a multiple of the cache's Hkv = {cache.num_kv_heads}")
+    layer = check_int(layer, "layer")
+    if not 0 <= layer < cache.num_layers:
+        raise IndexError(f"layer {layer} out of range [0, {cache.num_layers})")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
+                or not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    lens = check_q_lens(q_lens, batch, total_q, seq_lens)
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
+                or out.device != q.device or not out.is_contiguous():
+            desc = (f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+                    else type(out).__name__)
+            raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}, got {desc}")
+    if config is not None:
+        if not isinstance(config, DecodeConfig):
+            raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
+        config.check(d, cache.page_size)
+    if cuda:
+        if not q.is_cuda:
+            raise ValueError("the GPU kernels need q on a CUDA device (paged_attention runs the reference on CPU)")
+        if not q.is_contiguous() or q.data_ptr() % ALIGN:
+            raise ValueError("q must be contiguous and 16-byte aligned")
+    return layer, lens
