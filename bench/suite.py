@@ -9,6 +9,7 @@ measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +36,30 @@ class SuiteResult:
     files: list[Path] = field(default_factory=list)
 
 
+# A CPU run (--device cpu) is a smoke test of the code paths: shapes capped to these.
+CPU_MAX_CONTEXT = 2048
+CPU_MAX_Q_LEN = 64
+CPU_MAX_BATCH = 2
+
+
 def resolve_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
-    return requested
+    """The benches time GPU kernels: without a GPU they run only when --device cpu asks for it."""
+    if requested in ("auto", "cuda") and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: the benches time GPU kernels. Pass --device cpu for a smoke run on "
+                         f"CPU-sized shapes (contexts <= {CPU_MAX_CONTEXT}, q_len <= {CPU_MAX_Q_LEN}, batch <= "
+                         f"{CPU_MAX_BATCH}), or `python -m bench check` for the GPU-free checks")
+    return "cuda" if requested == "auto" else requested
+
+
+def cpu_shapes(shapes: list) -> list:
+    """The shapes a CPU smoke run measures: the grid's within the CPU caps, else its smallest, capped."""
+    small = [s for s in shapes if s.context <= CPU_MAX_CONTEXT and s.q_len <= CPU_MAX_Q_LEN
+             and s.batch <= CPU_MAX_BATCH]
+    if small:
+        return small
+    s = shapes[0]
+    return [dataclasses.replace(s, context=CPU_MAX_CONTEXT, q_len=min(s.q_len, CPU_MAX_Q_LEN),
+                                batch=min(s.batch, CPU_MAX_BATCH))]
 
 
 def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict) -> BenchOptions:
@@ -54,11 +73,13 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"))
 
 
-def bench_shapes(ns: argparse.Namespace, bench: str):
+def bench_shapes(ns: argparse.Namespace, bench: str, device: str = "cuda"):
     common = dict(heads=ns.heads, contexts=ns.contexts, head_dim=ns.head_dim, dtype=ns.dtype)
     if bench == "decode":
-        return decode.shapes(ns.preset, batches=ns.batches, **common)
-    return prefill.shapes(ns.preset, q_lens=ns.q_lens, batches=ns.batches, **common)
+        shapes = decode.shapes(ns.preset, batches=ns.batches, **common)
+    else:
+        shapes = prefill.shapes(ns.preset, q_lens=ns.q_lens, batches=ns.batches, **common)
+    return cpu_shapes(shapes) if device == "cpu" else shapes
 
 
 def _json_args(ns: argparse.Namespace) -> dict:
@@ -85,7 +106,7 @@ def run_suite(ns: argparse.Namespace, benches: list[str], ours_loader=load_ours)
         doc = new_results(bench, header, ceilings, ceiling_details=details, args=args)
         path = results_path(out_dir, header, bench)
         write_json(path, doc)
-        run_shapes(bench_shapes(ns, bench), bench_options(ns, bench, device, details), ceilings, doc, path,
+        run_shapes(bench_shapes(ns, bench, device), bench_options(ns, bench, device, details), ceilings, doc, path,
                    deadline=deadline, progress=not ns.no_progress, ours_loader=ours_loader)
         result.docs[bench] = doc
         result.files.append(write_json(path, doc))

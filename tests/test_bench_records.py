@@ -459,3 +459,30 @@ def test_compare_configs_argument():
     for bad in ('{"tile_n": 32}', '[{"tiles": 32}]', "[1]", "not json"):
         with pytest.raises(SystemExit):
             p.parse_args(["prefill", "--compare-configs", bad])
+
+
+def test_benches_refuse_to_run_without_a_gpu_unless_asked(monkeypatch):
+    import torch
+
+    from bench import suite
+    from bench.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cpu"):
+        main(["all", "--quick"])
+    assert suite.resolve_device("cpu") == "cpu"
+
+
+def test_cpu_runs_are_sized_for_a_cpu():
+    import argparse
+
+    from bench import suite
+
+    ns = argparse.Namespace(heads=None, contexts=None, head_dim=128, dtype="bfloat16", preset="full", batches=None,
+                            q_lens=None)
+    for bench in ("decode", "prefill"):
+        full = suite.bench_shapes(ns, bench, "cuda")
+        small = suite.bench_shapes(ns, bench, "cpu")
+        assert small and len(small) < len(full)
+        assert all(s.context <= suite.CPU_MAX_CONTEXT and s.q_len <= suite.CPU_MAX_Q_LEN
+                   and s.batch <= suite.CPU_MAX_BATCH for s in small)
