@@ -291,6 +291,24 @@ class PagedKVCache:
         self._next_id = 0
         self._closed = False
 
+    @classmethod
+    def for_model(cls, config, *, host_bytes: int, hbm_bytes: int = 0, page_size: int = 64,
+                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda") -> "PagedKVCache":
+        """A cache sized by bytes for a model config (a transformers config or anything with
+        ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` /
+        ``hidden_size``): ``host_bytes`` of pinned host pages, ``hbm_bytes`` of HBM pages."""
+        get = getattr(config, "get_text_config", None)
+        config = get() if get is not None else config
+        layers, hq = config.num_hidden_layers, config.num_attention_heads
+        hkv = getattr(config, "num_key_value_heads", None) or hq
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
+        page_bytes = 2 * layers * hkv * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        host = _check_int(host_bytes, "host_bytes") // page_bytes
+        if host < 1:
+            raise ValueError(f"host_bytes={host_bytes} holds no page of {page_bytes} bytes ({page_size} tokens)")
+        return cls(layers, hkv, head_dim, page_size, num_host_pages=host,
+                   num_hbm_pages=_check_int(hbm_bytes, "hbm_bytes") // page_bytes, dtype=dtype, device=device)
+
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Unpin the host pool now (idempotent). The cache, and CUDA views of it, are unusable after."""

@@ -825,3 +825,15 @@ def test_concurrent_extend_and_free_never_leak_pages(randn):
     assert not errors
     assert cache.free_pages("host") == 16 and cache.seq_ids == []
     assert sorted(cache.state().free_lists["host"]) == list(range(16))
+
+
+def test_for_model_sizes_the_cache_in_bytes():
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    cache = PagedKVCache.for_model(cfg, host_bytes=64 * 2**20 + 5, hbm_bytes=0, page_size=16, device="cpu")
+    assert cache.page_bytes == 2 * 32 * 8 * 16 * 128 * 2 == 2**21
+    assert (cache.num_pages("host"), cache.num_pages("hbm")) == (32, 0)
+    assert (cache.num_layers, cache.num_kv_heads, cache.head_dim) == (32, 8, 128)
+    with pytest.raises(ValueError, match="holds no page"):
+        PagedKVCache.for_model(cfg, host_bytes=1000, device="cpu")
