@@ -9,7 +9,7 @@ Public API:
 """
 
 from importlib import import_module
-from importlib.util import find_spec as _find_spec
+import sys as _sys
 
 from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_prefill_config
 
@@ -28,9 +28,11 @@ _LAZY = {
 }
 
 
-if _find_spec("torch") is not None:
-    # The op registers torch.ops.directkv_cute.paged_attention at import: make it exist as soon
-    # as the package does (the kernels themselves still load on first use).
+if "torch" in _sys.modules:
+    # With torch loaded, torch.ops.directkv_cute.paged_attention exists as soon as the package
+    # does (the kernels still load on first use). Without it the package stays torch-free, so that
+    # `directkv_cute.tuning` and `directkv_cute.config` import light; the op then registers on
+    # first use of any torch-backed name.
     import_module("directkv_cute.ops")
 
 

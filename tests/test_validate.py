@@ -125,7 +125,7 @@ def test_the_op_exists_right_after_import():
     import subprocess
     import sys
 
-    code = "import directkv_cute, torch; print(hasattr(torch.ops.directkv_cute, 'paged_attention'))"
+    code = "import torch, directkv_cute; print(hasattr(torch.ops.directkv_cute, 'paged_attention'))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "True"
 
