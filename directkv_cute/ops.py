@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from directkv_cute.config import DecodeConfig, resident_splits
+from directkv_cute.tuning.space import op_kernel
 from directkv_cute.validate import check_attention, check_seq_ids
 
 
@@ -101,7 +102,7 @@ def select_config(cache, group: int, max_q_len: int, batch: int, max_context: in
     rows = group * max_q_len
     if config is not None:
         return config, "decode" if _fits_streaming(config, group, max_q_len) else "prefill"
-    kernel = "decode" if rows <= 128 else "prefill"
+    kernel = op_kernel(group, max_q_len)
     return _lookup(kernel, cache, group, batch, max_context, max_q_len, rows), kernel
 
 

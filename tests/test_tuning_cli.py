@@ -147,7 +147,7 @@ def test_check_illegal_entry(capsys, tmp_path):
     path = out_dir / MODEL_GPU_FILE
     doc = yaml.safe_load(path.read_text())
     doc["entries"][0]["buckets"][0]["config"].update(tile_n=128, stages=8)
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(P.dump_yaml(doc))
     rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
     assert rc == 1 and "ILLEGAL" in out and "per-block limit" in out
 
@@ -158,7 +158,7 @@ def test_check_lists_stale_entries_and_fails_only_on_invalid_ones(capsys, tmp_pa
     path = out_dir / MODEL_GPU_FILE
     doc = yaml.safe_load(path.read_text())
     doc["entries"][0]["buckets"][0]["kernel_hash"] = "0" * 64
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(P.dump_yaml(doc))
     rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
     assert rc == 0 and out.startswith("OK") and "1 stale" in out, out
     stale = [ln for ln in out.splitlines() if ln.startswith("  stale")]
@@ -181,7 +181,7 @@ def test_check_notes_a_schema_1_file(capsys, tmp_path):
     doc["metadata"]["kernel_hash"] = "1" * 64  # a hash over every file in kernels/, as schema 1 had
     for b in doc["entries"][0]["buckets"]:
         b.pop("kernel_hash")
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    path.write_text(P.dump_yaml(doc))
     rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
     assert rc == 0 and "schema 1 file" in out and "2 stale" in out
 
@@ -189,10 +189,10 @@ def test_check_notes_a_schema_1_file(capsys, tmp_path):
 def test_check_compile_missing_module(capsys, tmp_path, monkeypatch):
     out_dir = tmp_path / "profiles"
     assert model_run(capsys, out_dir)[0] == 0
-    monkeypatch.setitem(sys.modules, "directkv_cute.kernels.decode", None)  # as if the file did not exist
+    monkeypatch.setitem(sys.modules, "directkv_cute.kernels.jit", None)  # as if the file did not exist
     rc, out, _ = run(capsys, "check", "--dir", str(out_dir), "--compile")
     assert rc == 1
-    assert "directkv_cute.kernels.decode does not exist yet" in out
+    assert "directkv_cute.kernels.jit does not exist" in out
 
 
 def test_check_compile_calls_compile_decode_per_entry(capsys, tmp_path, monkeypatch):
@@ -213,10 +213,13 @@ def test_check_compile_calls_compile_decode_per_entry(capsys, tmp_path, monkeypa
 
 
 def test_show_and_check_empty_dir(capsys, tmp_path):
-    rc, out, _ = run(capsys, "show", "--dir", str(tmp_path / "none"))
+    (tmp_path / "empty").mkdir()
+    rc, out, _ = run(capsys, "show", "--dir", str(tmp_path / "empty"))
     assert rc == 0 and "no profiles found" in out
-    rc, out, _ = run(capsys, "check", "--dir", str(tmp_path / "none"))
+    rc, out, _ = run(capsys, "check", "--dir", str(tmp_path / "empty"))
     assert rc == 0 and "no profiles found" in out
+    # a folder that does not exist is an error (tests/test_tuning_hardening.py)
+    assert run(capsys, "show", "--dir", str(tmp_path / "none"))[0] == 1
 
 
 def test_presets_listing(capsys):

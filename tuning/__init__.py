@@ -17,12 +17,15 @@ from .profiles import (
     ProfileError,
     ProfileWarning,
     current_kernel_hash,
+    default_output_dir,
     find_profile,
+    find_profiles,
     load_profile,
     profile_dirs,
     profile_filename,
     sanitize_gpu_name,
     save_profile,
+    user_profile_dir,
 )
 from .space import DecodeSpace, KernelSpace, TuneShape, get_space, register_space, space_hash
 
@@ -51,8 +54,8 @@ def __getattr__(name):
 __all__ = [
     "PRESETS", "BucketResult", "Decision", "DecodeSpace", "GpuObjective", "HardwareModel", "KernelSpace",
     "ModelPreset", "ModelledObjective", "Profile", "ProfileError", "ProfileMissError", "ProfileWarning",
-    "TuneOptions", "TuneShape", "Tuner", "TunerAbort", "clear_cache", "current_kernel_hash", "explain_config",
-    "find_profile", "format_results", "get_preset", "get_space", "load_profile", "profile_dirs",
+    "TuneOptions", "TuneShape", "Tuner", "TunerAbort", "clear_cache", "current_kernel_hash", "default_output_dir",
+    "explain_config", "find_profile", "find_profiles", "format_results", "get_preset", "get_space", "load_profile", "profile_dirs",
     "profile_filename", "register_space", "sanitize_gpu_name", "save_profile", "select_config", "space_hash",
-    "tune",
+    "tune", "user_profile_dir",
 ]

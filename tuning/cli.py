@@ -3,7 +3,7 @@
     directkv-tune [run] (--preset NAME ... | --shape HQ,HKV,D,BATCH,CONTEXT,QLEN ...) [options]
     directkv-tune show   [--dir DIR | FILE ...] [--gpu NAME] [--format table|json|yaml]
     directkv-tune check  [--dir DIR] [--compile]
-    directkv-tune lookup --gpu NAME --shape HQ,HKV,D,BATCH,CONTEXT,QLEN [--page-size N] [--dtype T]
+    directkv-tune lookup --gpu NAME --shape HQ,HKV,D,BATCH,CONTEXT,QLEN [--page-size N] [--dtype T] [--kernel K]
     directkv-tune presets
 
 ``run`` is the default subcommand. Without a source checkout install, run it as
@@ -18,15 +18,17 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
+from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, ConfigError
 
 from . import presets as _presets
-from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kernel_hash, list_profiles, load_profile, \
-    profile_dirs, sanitize_gpu_name
-from .space import TuneShape, get_space, kernels, normalize_dtype
+from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kernel_hash, default_output_dir, \
+    dump_yaml, find_profiles, list_profiles, load_profile, output_problem, profile_dirs, sanitize_gpu_name
+from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel
 
 SUBCOMMANDS = ("run", "show", "check", "lookup", "presets")
 CACHE_DIR_ENV = "DIRECTKV_CACHE_DIR"
+DRY_RUN_ENUMERATE = 50_000  # spaces up to this many points are filtered exactly in --dry-run
+DRY_RUN_SAMPLE = 20_000  # larger ones: the legal share of this many seeded random points
 
 
 def default_cache_dir() -> Path:
@@ -53,7 +55,60 @@ def _shape_arg(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"--shape wants HQ,HKV,D,BATCH,CONTEXT,QLEN (6 integers), got {text!r}")
     if vals[0] % vals[1]:
         raise argparse.ArgumentTypeError(f"HQ {vals[0]} is not a multiple of HKV {vals[1]}")
+    if vals[2] not in SUPPORTED_HEAD_DIMS:
+        raise argparse.ArgumentTypeError(
+            f"head dim D={vals[2]} in {text!r}: the kernels support head dims {_listing(SUPPORTED_HEAD_DIMS)}")
     return tuple(vals)
+
+
+def _listing(values) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def _dtype_arg(text: str) -> str:
+    try:
+        return normalize_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _page_size_arg(text: str) -> int:
+    n = _count_arg(text, minimum=1)
+    if n not in SUPPORTED_PAGE_SIZES:
+        raise argparse.ArgumentTypeError(
+            f"page size {n}: the kernels support page sizes {_listing(SUPPORTED_PAGE_SIZES)} (tokens per page)")
+    return n
+
+
+def _count_arg(text: str, minimum: int) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {n}")
+    return n
+
+
+def _positive_int(text: str) -> int:
+    return _count_arg(text, 1)
+
+
+def _nonnegative_int(text: str) -> int:
+    return _count_arg(text, 0)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+PAGE_SIZE_HELP = f"tokens per KV page ({_listing(SUPPORTED_PAGE_SIZES)}; default {_presets.DEFAULT_PAGE_SIZE})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="tune shape buckets and write the GPU's profile (default subcommand)")
     src = r.add_argument_group("what to tune")
-    src.add_argument("--kernel", default="decode", choices=kernels())
+    src.add_argument("--kernel", default="decode", choices=kernels(),
+                     help=f"kernel to tune (default decode); buckets the op runs with the other kernel are left "
+                          f"out (decode when group x q_len <= {STREAM_MAX_ROWS}, else prefill)")
     src.add_argument("--preset", action="append", default=[], metavar="NAME",
                      help=f"model preset ({', '.join(_presets.PRESETS)} or 'all'); repeatable")
     src.add_argument("--shape", action="append", default=[], type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN",
@@ -73,22 +130,27 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--batches", type=_int_list, help="override the presets' batch buckets, e.g. 1,4,16,64")
     src.add_argument("--contexts", type=_int_list, help="override the presets' context buckets, e.g. 4096,32768")
     src.add_argument("--q-lens", type=_int_list, help="override the presets' q_len buckets")
-    src.add_argument("--dtype", default="bf16", help="bf16 (default) or fp16")
-    src.add_argument("--page-size", type=int, default=_presets.DEFAULT_PAGE_SIZE)
+    src.add_argument("--dtype", default="bf16", type=_dtype_arg, help="bf16 (default) or fp16")
+    src.add_argument("--page-size", type=_page_size_arg, default=_presets.DEFAULT_PAGE_SIZE,
+                     help=PAGE_SIZE_HELP)
     how = r.add_argument_group("search")
     how.add_argument("--objective", choices=("gpu", "model"), default="gpu",
                      help="gpu: measure on this machine's GPU; model: deterministic cost model (CPU demo)")
-    how.add_argument("--trials", type=int, default=40, help="distinct configs measured per bucket (default 40)")
-    how.add_argument("--time-budget", type=float, default=None, metavar="SECONDS", help="wall-clock budget of the run")
+    how.add_argument("--trials", type=_positive_int, default=40,
+                     help="distinct configs measured per bucket (default 40)")
+    how.add_argument("--time-budget", type=_positive_float, default=None, metavar="SECONDS",
+                     help="wall-clock budget of the run")
     how.add_argument("--seed", type=int, default=0)
-    how.add_argument("--top-k", type=int, default=3, help="configs re-benchmarked with more repetitions")
-    how.add_argument("--exhaustive-threshold", type=int, default=128,
+    how.add_argument("--top-k", type=_nonnegative_int, default=3, help="configs re-benchmarked with more repetitions")
+    how.add_argument("--exhaustive-threshold", type=_nonnegative_int, default=128,
                      help="search every legal config when there are at most this many (default 128)")
-    how.add_argument("--max-host-gib", type=float, default=40.0, help="pinned host memory the gpu objective may use")
+    how.add_argument("--max-host-gib", type=_positive_float, default=40.0,
+                     help="pinned host memory the gpu objective may use")
     store = r.add_argument_group("storage")
     store.add_argument("--output", type=Path, default=None,
-                       help=f"profile folder (default: ${PROFILE_DIR_ENV} or the bundled profiles; "
-                            "the model objective writes only with --output)")
+                       help=f"profile folder (default: the first ${PROFILE_DIR_ENV} folder, else a source "
+                            "checkout's profiles/, else ~/.config/directkv_cute/profiles; checked for writing "
+                            "before tuning; the model objective writes only with --output)")
     store.add_argument("--resume", action="store_true", help="continue the journal in the cache folder")
     store.add_argument("--storage", type=Path, default=None, help="Optuna journal file to use (continued if it exists)")
     store.add_argument("--cache-dir", type=Path, default=None,
@@ -107,11 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compile", action="store_true", help="compile each entry's config for sm_90a (no GPU needed)")
 
     lk = sub.add_parser("lookup", help="which config the op would pick for a launch, and why")
-    lk.add_argument("--gpu", required=True)
-    lk.add_argument("--shape", required=True, type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN")
-    lk.add_argument("--page-size", type=int, default=_presets.DEFAULT_PAGE_SIZE)
-    lk.add_argument("--dtype", default="bf16")
-    lk.add_argument("--kernel", default="decode", choices=kernels())
+    lk.add_argument("--gpu", required=True,
+                    help="GPU name as torch reports it ('NVIDIA H200') or as the profile file spells it (NVIDIA_H200)")
+    lk.add_argument("--shape", required=True, type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN",
+                    help="query heads, KV heads, head dim, batch, longest context, longest q_len of the launch")
+    lk.add_argument("--page-size", type=_page_size_arg, default=_presets.DEFAULT_PAGE_SIZE,
+                    help=PAGE_SIZE_HELP)
+    lk.add_argument("--dtype", default="bf16", type=_dtype_arg, help="bf16 (default) or fp16")
+    lk.add_argument("--kernel", default=None, choices=kernels(),
+                    help=f"kernel to look up (default: the one the op runs, decode when group x q_len <= "
+                         f"{STREAM_MAX_ROWS}, else prefill)")
 
     sub.add_parser("presets", help="list the model presets and their buckets")
     return ap
@@ -133,9 +200,46 @@ def _shapes_from_args(a) -> list[TuneShape]:
         s.dtype, s.head_dim, s.num_kv_heads, s.page_size, s.q_len, s.batch, s.context, s.num_q_heads))
 
 
+def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
+    """The buckets the op runs with ``kernel`` (space.op_kernel, the op's rule); says which were left out."""
+    kept = [s for s in shapes if op_kernel(s.group, s.q_len) == kernel]
+    left = [s for s in shapes if op_kernel(s.group, s.q_len) != kernel]
+    if left:
+        qs = sorted({s.q_len for s in left})
+        other = "prefill" if kernel == "decode" else "decode"
+        print(f"directkv-tune: left out {len(left)} bucket(s) with q_len {_listing(qs)}: the op runs them with the "
+              f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else prefill); "
+              f"tune them with --kernel {other}", file=sys.stderr)
+    if not kept:
+        print(f"directkv-tune: no bucket left for the {kernel} kernel; pick --q-lens (or --shape QLEN) with "
+              f"group x q_len {'<=' if kernel == 'decode' else '>'} {STREAM_MAX_ROWS}", file=sys.stderr)
+    return kept
+
+
+def _legality_line(a, space, s, p) -> None:
+    """One shape class of --dry-run: exact counts for a small space, a sampled estimate for a
+    large one (the prefill space has millions of points: enumerating them takes minutes)."""
+    head = (f"  hq={s.num_q_heads} hkv={s.num_kv_heads} d={s.head_dim} group={s.group} q_len={s.q_len} "
+            f"page={s.page_size} {s.dtype}: ")
+    total = space.cardinality()
+    if total <= DRY_RUN_ENUMERATE:
+        rep = space.legality(s)
+        mode = "exhaustive" if rep.legal_count <= a.exhaustive_threshold else "tpe"
+        p(f"{head}{rep.legal_count} legal of {rep.total} -> {mode}")
+    else:
+        rep = space.sample_legality(s, DRY_RUN_SAMPLE, seed=a.seed)
+        est = round(rep.legal_count / rep.total * total)
+        mode = "tpe" if est > 4 * a.exhaustive_threshold else "exhaustive or tpe (the tuner counts exactly)"
+        p(f"{head}~{est} legal of {total} (estimated from {rep.legal_count} legal of {rep.total} sampled "
+          f"points) -> {mode}")
+    for reason, n in sorted(rep.reason_counts().items(), key=lambda x: -x[1]):
+        p(f"      excluded {n:5d}{' of the sample' if total > DRY_RUN_ENUMERATE else ''}: {reason}")
+    p(f"      default: {space.default_for(s)}")
+
+
 def _dry_run(a, shapes, out) -> int:
     space = get_space(a.kernel)
-    p = lambda *x: print(*x, file=out)  # noqa: E731
+    p = lambda *x: print(*x, file=out, flush=True)  # noqa: E731
     p(f"kernel {a.kernel}: space hash {space.space_hash()[:16]}  ({space.cardinality()} points)")
     for prm in space.params:
         p(f"  {prm.name:<12} {list(prm.choices)}  {prm.doc}")
@@ -147,18 +251,14 @@ def _dry_run(a, shapes, out) -> int:
     p("")
     p("legal configs per shape class (static filter: SMEM under alpha, per-block opt-in, page divisibility):")
     for s in classes.values():
-        rep = space.legality(s)
-        mode = "exhaustive" if rep.legal_count <= a.exhaustive_threshold else "tpe"
-        p(f"  hq={s.num_q_heads} hkv={s.num_kv_heads} d={s.head_dim} group={s.group} q_len={s.q_len} "
-          f"page={s.page_size} {s.dtype}: {rep.legal_count} legal of {rep.total} -> {mode}")
-        for reason, n in sorted(rep.reason_counts().items(), key=lambda x: -x[1]):
-            p(f"      excluded {n:5d}: {reason}")
-        p(f"      default: {space.default_for(s)}")
+        _legality_line(a, space, s, p)
     p("")
-    p(f"{len(shapes)} bucket(s), up to {a.trials} configs each:")
+    small = space.cardinality() <= DRY_RUN_ENUMERATE
+    p(f"{len(shapes)} bucket(s), up to {a.trials} configs each"
+      + ("" if small else " (launches: not counted for a space this large)") + ":")
     rows = [[str(s.num_q_heads), str(s.num_kv_heads), str(s.head_dim), str(s.group), str(s.batch), str(s.context),
              str(s.q_len), f"{s.kv_bytes() / 2**20:.0f}",
-             str(space.launch_classes(s))] for s in shapes]
+             str(space.launch_classes(s)) if small else "-"] for s in shapes]
     from .tuner import plain_table
 
     p(plain_table(["hq", "hkv", "d", "group", "batch", "context", "q_len", "KV MiB/layer", "launches"], rows))
@@ -184,8 +284,16 @@ def _cmd_run(a, out) -> int:
     if not shapes:
         print("directkv-tune run: give --preset NAME (or 'all') or --shape HQ,HKV,D,BATCH,CONTEXT,QLEN", file=sys.stderr)
         return 2
+    shapes = _for_kernel(a.kernel, shapes)
+    if not shapes:
+        return 2
     if a.dry_run:
         return _dry_run(a, shapes, out)
+    output = a.output if a.output is not None else (default_output_dir() if a.objective == "gpu" else None)
+    problem = None if output is None else output_problem(output)
+    if problem:
+        print(f"directkv-tune: {problem}", file=sys.stderr)
+        return 2
 
     from .tuner import TuneOptions, Tuner, TunerAbort, format_results
 
@@ -196,12 +304,10 @@ def _cmd_run(a, out) -> int:
         return 2
     env = objective.environment()
     gpu = env["gpu_name"]
-    if a.output is not None:
-        output = a.output
-    elif a.objective == "gpu":
-        output = profile_dirs()[0]
-    else:
-        output = None
+    problem = None if output is None else output_problem(output, gpu)
+    if problem:
+        print(f"directkv-tune: {problem}", file=sys.stderr)
+        return 2
     if a.storage is not None:
         journal = a.storage
     else:
@@ -253,11 +359,21 @@ def _profile_files(dir_, files=()) -> list[Path]:
     return out
 
 
+def _missing_dir(a, cmd) -> bool:
+    """--dir names no folder: say so (an exit status of 0 would pass a CI check of nothing)."""
+    if a.dir is not None and not a.dir.is_dir():
+        print(f"directkv-tune {cmd}: --dir {a.dir}: no such folder", file=sys.stderr)
+        return True
+    return False
+
+
 def _cmd_show(a, out) -> int:
     from .tuner import plain_table
 
+    if _missing_dir(a, "show"):
+        return 1
     paths = _profile_files(a.dir, a.files)
-    docs, rc = [], 0
+    docs, rc, others = [], 0, []
     for path in paths:
         try:
             prof = load_profile(path)
@@ -266,16 +382,24 @@ def _cmd_show(a, out) -> int:
             rc = 1
             continue
         if a.gpu and prof.gpu_name != a.gpu and sanitize_gpu_name(a.gpu) != path.stem:
+            others.append(prof.gpu_name)
             continue
         docs.append((path, prof))
     if a.format == "json":
         print(json.dumps({str(p): prof.to_doc() for p, prof in docs}, indent=2), file=out)
         return rc
     if a.format == "yaml":
-        print(yaml.safe_dump({str(p): prof.to_doc() for p, prof in docs}, sort_keys=False), file=out)
+        print(dump_yaml({str(p): prof.to_doc() for p, prof in docs}), file=out)
         return rc
     if not docs:
-        print("no profiles found in " + ", ".join(str(d) for d in ([a.dir] if a.dir else profile_dirs())), file=out)
+        where = ", ".join(str(d) for d in ([a.dir] if a.dir else profile_dirs()))
+        if a.gpu and others:
+            print(f"no profile for GPU {a.gpu!r} in {where} (profiles there are for: "
+                  f"{', '.join(sorted(set(others)))})", file=out)
+        elif a.gpu:
+            print(f"no profile for GPU {a.gpu!r}: no profiles found in {where}", file=out)
+        else:
+            print("no profiles found in " + where, file=out)
         return rc
     for path, prof in docs:
         md = prof.metadata
@@ -297,32 +421,41 @@ def _cmd_show(a, out) -> int:
     return rc
 
 
+_COMPILE_MODULE = "directkv_cute.kernels.jit"  # where the op gets its kernels (ops._compiled)
+
+
 def _resolve_compile():
-    """compile_decode from directkv_cute.kernels.decode (the contract), or a clear error string."""
+    """The op's compile_decode (directkv_cute.kernels.jit), or (None, a clear error string)."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import importlib
 
     try:
-        mod = importlib.import_module("directkv_cute.kernels.decode")
+        mod = importlib.import_module(_COMPILE_MODULE)
     except ModuleNotFoundError as e:
-        if e.name in ("directkv_cute.kernels.decode",):
-            return None, "directkv_cute.kernels.decode does not exist yet: cannot compile the entries"
-        return None, f"cannot import directkv_cute.kernels.decode: {e}"
+        if e.name == _COMPILE_MODULE:
+            return None, f"{_COMPILE_MODULE} does not exist: cannot compile the entries"
+        return None, f"cannot import {_COMPILE_MODULE}: {e}"
     except Exception as e:
-        return None, f"cannot import directkv_cute.kernels.decode: {type(e).__name__}: {e}"
+        return None, f"cannot import {_COMPILE_MODULE}: {type(e).__name__}: {e}"
     fn = getattr(mod, "compile_decode", None)
-    if fn is not None:
-        return fn, ""
-    try:  # the implementation may keep it next door
-        jit = importlib.import_module("directkv_cute.kernels.jit")
-        if getattr(jit, "compile_decode", None) is not None:
-            return jit.compile_decode, "(note: compile_decode found in directkv_cute.kernels.jit, not in decode)"
-    except Exception:
-        pass
-    return None, "directkv_cute.kernels.decode has no compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len)"
+    if fn is None:
+        return None, f"{_COMPILE_MODULE} has no compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len)"
+    return fn, ""
+
+
+def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> None:
+    """Compile one entry as the op launches it: prefill entries with the KV-chunk resident kernel."""
+    from .space import torch_dtype
+
+    kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)
+    if kernel == "prefill":
+        kw["resident"] = True
+    compile_fn(cfg, **kw)
 
 
 def _cmd_check(a, out) -> int:
+    if _missing_dir(a, "check"):
+        return 1
     dirs = [a.dir] if a.dir is not None else profile_dirs()
     paths = []
     for d in dirs:
@@ -334,10 +467,7 @@ def _cmd_check(a, out) -> int:
         compile_fn, note = _resolve_compile()
         if compile_fn is None:
             print(f"check --compile: {note}", file=out)
-        elif note:
-            print(note, file=out)
     rc = 0 if (compile_fn is not None or not a.compile) else 1
-    from .space import torch_dtype
 
     for path in paths:
         try:
@@ -366,14 +496,13 @@ def _cmd_check(a, out) -> int:
                 bad += 1
                 print(f"  ILLEGAL {path.name} {kernel} {dtype} d{d} g{group} p{page} {bk}: {'; '.join(probs)}", file=out)
                 continue
-            if compile_fn is not None and kernel == "decode":
+            if compile_fn is not None:
                 try:
-                    compile_fn(cfg, dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group,
-                               max_q_len=bk[2])
+                    _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, bk[2])
                     compiled += 1
                 except Exception as e:
                     bad += 1
-                    print(f"  COMPILE FAILED {path.name} {dtype} d{d} g{group} p{page} {bk} {cfg}: "
+                    print(f"  COMPILE FAILED {path.name} {kernel} {dtype} d{d} g{group} p{page} {bk} {cfg}: "
                           f"{type(e).__name__}: {e}", file=out)
         status = "OK" if not bad else "FAILED"
         extra = f", {compiled} compiled" if compile_fn is not None else ""
@@ -400,18 +529,40 @@ def _stale_lines(stale, path) -> list[str]:
     return lines
 
 
+def resolve_gpu_name(name: str) -> str:
+    """The GPU name as its profile spells it: the file's spelling (NVIDIA_H200) finds 'NVIDIA H200'."""
+    for path in find_profiles(name):
+        try:
+            prof = load_profile(path)
+        except ProfileError:
+            continue
+        if sanitize_gpu_name(prof.gpu_name) == sanitize_gpu_name(name):
+            return prof.gpu_name
+    return name
+
+
 def _cmd_lookup(a, out) -> int:
     from .lookup import ProfileMissError, explain_config
 
     hq, hkv, d, b, ctx, q = a.shape
     group = hq // hkv
+    op = op_kernel(group, q)
+    kernel = a.kernel or op
+    gpu = resolve_gpu_name(a.gpu)
     try:
-        dec = explain_config(a.kernel, gpu_name=a.gpu, kernel_hash=current_kernel_hash(a.kernel), dtype=a.dtype,
+        dec = explain_config(kernel, gpu_name=gpu, kernel_hash=current_kernel_hash(kernel), dtype=a.dtype,
                              head_dim=d, group=group, page_size=a.page_size, batch=b, context=ctx, q_len=q,
                              rows=group * q)
     except ProfileMissError as e:
         print(str(e), file=out)
         return 1
+    except (ConfigError, ValueError) as e:
+        print(f"directkv-tune lookup: no {kernel} config for this launch: {e}", file=sys.stderr)
+        return 2
+    note = "" if kernel == op else f" (the op runs {op} for group x q_len = {group * q}; asked with --kernel)"
+    print(f"kernel:  {kernel}{note}", file=out)
+    if gpu != a.gpu:
+        print(f"gpu:     {gpu}", file=out)
     print(f"source:  {dec.source}", file=out)
     print(f"config:  {dec.config}", file=out)
     if dec.bucket:

@@ -25,8 +25,13 @@ the first use of a stale bucket of each kernel warns once per process with the r
 :class:`ProfileMissError` that shows the asked key against the nearest key on disk;
 ``DIRECTKV_REQUIRE_PROFILE=exact`` also rejects a nearest-bucket match.
 
-Profiles are searched in ``$DIRECTKV_PROFILE_DIR`` and then in the bundled
-``directkv_cute.profiles`` folder. Loaded profiles and decisions are cached (a decision per full
+Profiles are searched in ``$DIRECTKV_PROFILE_DIR``, then the user folder
+(``$XDG_CONFIG_HOME/directkv_cute/profiles``, else ``~/.config/directkv_cute/profiles``), then the
+bundled ``directkv_cute.profiles`` folder (``profiles.profile_dirs``). The first *usable* file for
+the GPU wins: one that is corrupt, too large, uses YAML aliases, or is for other hardware is
+skipped with a warning and the next folder's is used. Nothing in the lookup raises into the op
+(except ``DIRECTKV_REQUIRE_PROFILE``'s miss): any failure reading a profile is a warning and the
+next source, in the end the default. Loaded profiles and decisions are cached (a decision per full
 key in a dict); :func:`clear_cache` forgets them (call it after writing a profile in-process).
 """
 
@@ -48,7 +53,9 @@ from .profiles import (
     Profile,
     ProfileError,
     ProfileWarning,
-    find_profile,
+    clip,
+    expected_profile_path,
+    find_profiles,
     load_profile,
     profile_dirs,
 )
@@ -141,8 +148,32 @@ def _load_cached(path: Path):
         prof = load_profile(path)
     except ProfileError as e:
         prof = e
+    except Exception as e:  # MemoryError, RecursionError, a bug: never out of the op
+        prof = ProfileError(f"{path}: cannot load: {type(e).__name__}: {e}")
     _PROFILES[path] = (sig, prof)
     return prof
+
+
+def _usable_profile(gpu_name):
+    """(path, profile, "") of the first usable profile for ``gpu_name`` in the lookup folders, or
+    (None, None, why none is); each unusable file on the way is skipped with a warning."""
+    skipped = []
+    for path in find_profiles(gpu_name):
+        prof = _load_cached(path)
+        if isinstance(prof, ProfileError):
+            why = f"unusable profile: {prof}"
+            _warn_once(("bad", path, str(prof)), f"directkv-cute: ignoring {prof}")
+        else:
+            problems = prof.compat_problems(gpu_name=gpu_name)
+            if not problems:
+                return path, prof, ""
+            why = f"{path} is not usable here: " + "; ".join(problems)
+            _warn_once(("foreign", path, tuple(problems)), f"directkv-cute: ignoring {why}")
+        skipped.append(why)
+    if skipped:
+        return None, None, " | ".join(skipped)
+    expected = expected_profile_path(gpu_name)
+    return None, None, f"no profile file {expected.name} in {', '.join(str(d) for d in profile_dirs())}"
 
 
 def _log2_dist(a: int, b: int) -> float:
@@ -153,20 +184,22 @@ def _build_table(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_siz
     space = get_space(kernel)
     t = _Table()
     t.default = space.default_config(head_dim, rows, page_size)
-    path, expected = find_profile(gpu_name)
-    t.profile_path, t.expected_path = path, expected
-    if path is None:
-        t.reason = f"no profile file {expected.name} in {', '.join(str(d) for d in profile_dirs())}"
-        return t
-    prof = _load_cached(path)
-    if isinstance(prof, ProfileError):
-        t.reason = f"unusable profile: {prof}"
-        _warn_once(("bad", path, str(prof)), f"directkv-cute: ignoring {prof}")
-        return t
-    problems = prof.compat_problems(gpu_name=gpu_name)
-    if problems:
-        t.reason = f"{path} is not usable here: " + "; ".join(problems)
-        _warn_once(("foreign", path, tuple(problems)), f"directkv-cute: ignoring {t.reason}")
+    t.expected_path = expected_profile_path(gpu_name)
+    try:
+        _fill_table(t, space, kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, q_len, rows)
+    except Exception as e:  # a profile must never break inference: warn, use the default
+        why = clip(f"{type(e).__name__}: {e}", 1000)
+        t.contexts, t.bounds, t.configs, t.kept_default, t.stale, t.pair = [], [], [], [], [], None
+        t.reason = f"profile lookup failed: {why}"
+        _warn_once(("error", t.profile_path, why), f"directkv-cute: ignoring the profile: {t.reason}")
+    return t
+
+
+def _fill_table(t, space, kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, q_len, rows):
+    path, prof, why = _usable_profile(gpu_name)
+    t.profile_path = path
+    if prof is None:
+        t.reason = why
         return t
     entries = prof.entries.get((kernel, dtype, head_dim, group, page_size))
     if not entries:
@@ -242,7 +275,7 @@ def _key_diff(asked: dict, path: Path | None) -> str:
 def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows) -> Decision:
     dt = normalize_dtype(dtype)
     tkey = (kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows,
-            os.environ.get(PROFILE_DIR_ENV))
+            os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
     t = _TABLES.get(tkey)
     if t is None:
         t = _build_table(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows)
@@ -314,7 +347,7 @@ def select_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_d
     After the first call for a key this is one dict lookup.
     """
     key = (kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows,
-           os.environ.get(PROFILE_DIR_ENV), os.environ.get(REQUIRE_ENV))
+           os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"), os.environ.get(REQUIRE_ENV))
     hit = _DECISIONS.get(key)
     if hit is not None:
         return hit
@@ -335,12 +368,9 @@ def explain_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_
 
 
 def profile_for(gpu_name: str) -> Profile | None:
-    """The profile the lookup would use for ``gpu_name`` (None if missing or unreadable)."""
-    path, _ = find_profile(gpu_name)
-    if path is None:
-        return None
-    prof = _load_cached(path)
-    return None if isinstance(prof, ProfileError) else prof
+    """The profile the lookup would use for ``gpu_name`` (None if none is usable)."""
+    with _LOCK:
+        return _usable_profile(gpu_name)[1]
 
 
 __all__ = ["Decision", "ProfileMissError", "REQUIRE_ENV", "clear_cache", "explain_config", "profile_for",

@@ -40,15 +40,26 @@ check`` lists it. Schema 1 (one ``metadata.kernel_hash`` over every file in ``ke
 migrated on load: every bucket gets that hash, which matches no per-kernel hash, so each entry
 is stale until re-tuned.
 
-Files are read with ``yaml.safe_load`` and validated by hand (no schema dependency); a bad
-file raises :class:`ProfileError` naming the file and the field. Writes are atomic (temp file
-+ ``os.replace``) and merged with the file on disk (the new run wins per bucket).
+Files are read with a safe YAML loader that refuses anchors and aliases (a profile never needs
+them; an alias bomb would expand without bound), after a size check (``MAX_PROFILE_BYTES``), and
+validated by hand (no schema dependency); a bad file raises :class:`ProfileError` naming the
+file and the field, its text bounded (``MAX_ERROR_CHARS``). Writes are atomic (temp file +
+``os.replace``), keep the mode of the file they replace (0644 for a new one) and are merged with
+the file on disk (the new run wins per bucket).
+
+Folders, in lookup order (:func:`profile_dirs`): ``$DIRECTKV_PROFILE_DIR`` (os.pathsep-separated),
+the user folder (``$XDG_CONFIG_HOME/directkv_cute/profiles``, else
+``~/.config/directkv_cute/profiles``), the bundled ``directkv_cute.profiles``. The tuner writes
+to :func:`default_output_dir`: the first ``$DIRECTKV_PROFILE_DIR`` folder, else the bundled folder
+of a source checkout (to be committed), else the user folder (an installed package's own folder
+is wiped by a reinstall).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import datetime as _dt
 import functools
 import importlib.util
@@ -56,6 +67,7 @@ import math
 import os
 import re
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +83,11 @@ SCHEMA_VERSION = 2
 TUNE_VERSION = 1
 PROFILE_DIR_ENV = "DIRECTKV_PROFILE_DIR"
 TUNE_COMMAND = "directkv-tune"
+USER_DIR_PARTS = ("directkv_cute", "profiles")  # under $XDG_CONFIG_HOME (else ~/.config)
+MAX_PROFILE_BYTES = 4 << 20  # a tuned profile is tens of KB; refuse anything larger before parsing
+MAX_ERROR_CHARS = 4000  # a ProfileError's text (problems quote the file's values)
+NEW_FILE_MODE = 0o644  # a new profile is readable by every user of the machine
+STALE_TMP_SECONDS = 600  # a save's temp file older than this (or of a dead writer) is removed
 
 ClassKey = tuple  # (kernel, dtype, head_dim, group, page_size)
 BucketKey = tuple  # (batch, context, q_len)
@@ -80,7 +97,19 @@ BUCKET_FIELDS = ("batch", "context", "q_len")
 
 
 class ProfileError(ValueError):
-    """A profile file that cannot be used: corrupt, of an unknown schema, or for other hardware."""
+    """A profile file that cannot be used: corrupt, of an unknown schema, or for other hardware.
+
+    Its text is cut to ``MAX_ERROR_CHARS`` (a hostile file cannot make the warning huge)."""
+
+    def __init__(self, msg="", *args):
+        super().__init__(clip(str(msg)), *args)
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how much was left out."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f" ... ({len(text) - limit} more characters)"
 
 
 class ProfileWarning(UserWarning):
@@ -121,23 +150,68 @@ def bundled_profile_dir() -> Path:
     return sibling
 
 
+def user_profile_dir() -> Path:
+    """The user's profile folder: ``$XDG_CONFIG_HOME/directkv_cute/profiles``, else
+    ``~/.config/directkv_cute/profiles`` (survives reinstalls of the package)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base).joinpath(*USER_DIR_PARTS)
+
+
+def _env_dirs() -> list[Path]:
+    return [Path(d) for d in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if d]
+
+
+def is_source_checkout() -> bool:
+    """Whether the bundled folder is a source checkout's ``profiles/`` (an editable install or a
+    bare checkout: the repository's pyproject.toml is next to it), not an installed package's."""
+    return (bundled_profile_dir().parent / "pyproject.toml").is_file()
+
+
+def default_output_dir() -> Path:
+    """Where the GPU tuner writes by default: the first ``$DIRECTKV_PROFILE_DIR`` folder, else the
+    bundled folder of a source checkout (where tuned profiles are committed), else the user
+    folder (an installed package's folder is inside site-packages, wiped by a reinstall)."""
+    env = _env_dirs()
+    if env:
+        return env[0]
+    return bundled_profile_dir() if is_source_checkout() else user_profile_dir()
+
+
 def profile_dirs() -> list[Path]:
     """Where profiles are looked up, in order: $DIRECTKV_PROFILE_DIR (one folder, or several
-    separated by os.pathsep), then the bundled folder. The first file found wins."""
-    out = [Path(d) for d in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if d]
-    out.append(bundled_profile_dir())
+    separated by os.pathsep), the user folder, then the bundled folder. The first usable file
+    wins; an unusable one (corrupt, too large, for other hardware) is skipped with a warning."""
+    out = []
+    for d in _env_dirs() + [user_profile_dir(), bundled_profile_dir()]:
+        if d not in out:
+            out.append(d)
     return out
 
 
-def find_profile(gpu_name: str, dirs=None) -> tuple[Path | None, Path]:
-    """(existing profile path or None, the path where it is expected first)."""
+def find_profiles(gpu_name: str, dirs=None) -> list[Path]:
+    """Every existing profile file for ``gpu_name`` in the lookup folders, in lookup order."""
     dirs = profile_dirs() if dirs is None else [Path(d) for d in dirs]
     name = profile_filename(gpu_name)
+    out = []
     for d in dirs:
         p = d / name
-        if p.is_file():
-            return p, dirs[0] / name
-    return None, dirs[0] / name
+        with contextlib.suppress(OSError):
+            if p.is_file():
+                out.append(p)
+    return out
+
+
+def expected_profile_path(gpu_name: str) -> Path:
+    """Where the tuner would write the profile of ``gpu_name`` by default."""
+    return default_output_dir() / profile_filename(gpu_name)
+
+
+def find_profile(gpu_name: str, dirs=None) -> tuple[Path | None, Path]:
+    """(first existing profile path or None, the path where the tuner writes it by default; with
+    ``dirs`` given, the first of them)."""
+    found = find_profiles(gpu_name, dirs)
+    expected = expected_profile_path(gpu_name) if dirs is None else Path(list(dirs)[0]) / profile_filename(gpu_name)
+    return (found[0] if found else None), expected
 
 
 # ---- identity of the kernels and the environment ----------------------------------------------
@@ -294,11 +368,24 @@ class Profile:
             f"# directkv-cute tuned profile for {self.gpu_name}. Written by {TUNE_COMMAND}; "
             "edit with care (validated on load).\n"
         )
-        return header + yaml.safe_dump(self.to_doc(), sort_keys=False, default_flow_style=None, width=120)
+        return header + dump_yaml(self.to_doc(), default_flow_style=None, width=120)
 
     @classmethod
     def from_doc(cls, doc, source: str = "<profile>") -> "Profile":
         return _validate(doc, source)
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """yaml.SafeDumper that writes a shared object out again instead of an anchor + alias (the
+    loader refuses those)."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
+def dump_yaml(doc, **kw) -> str:
+    """``doc`` as YAML the profile loader reads back: safe types only, no anchors or aliases."""
+    return yaml.dump(doc, Dumper=_NoAliasDumper, sort_keys=False, **kw)
 
 
 def _sort_key(ck):
@@ -333,7 +420,7 @@ class _V:
         self.problems = []
 
     def bad(self, where, msg):
-        self.problems.append(f"{where}: {msg}")
+        self.problems.append(clip(f"{where}: {msg}", 300))
 
     def _present(self, d, k, where, required, nullable=False) -> bool:
         """Whether d[k] is there to check: False when it is missing (a problem if required) or
@@ -535,11 +622,35 @@ def _validate(doc, source) -> Profile:
 # ---- files -----------------------------------------------------------------------------------
 
 
+class _ProfileLoader(yaml.SafeLoader):
+    """yaml.SafeLoader without anchors and aliases: a profile has no use for them, and an alias
+    bomb (a few KB that expand to gigabytes) must fail at once, not exhaust memory."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            kind = "alias" if isinstance(event, yaml.AliasEvent) else "anchor"
+            raise yaml.composer.ComposerError(
+                None, None, f"found YAML {kind} {anchor[:40]!r}: profiles may not use anchors or aliases",
+                event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def _too_large(n: int, source) -> ProfileError:
+    return ProfileError(f"{source}: {n} bytes, more than the {MAX_PROFILE_BYTES} a profile may have "
+                        "(MAX_PROFILE_BYTES); not read")
+
+
 def parse_profile(text: str, source: str = "<string>") -> Profile:
+    if len(text) > MAX_PROFILE_BYTES:
+        raise _too_large(len(text), source)
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_ProfileLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
-        raise ProfileError(f"{source}: corrupt YAML: {e}") from e
+        raise ProfileError(f"{source}: corrupt YAML: {clip(str(e), 1000)}") from e
+    except RecursionError as e:
+        raise ProfileError(f"{source}: corrupt YAML: nested too deeply") from e
     if doc is None:
         raise ProfileError(f"{source}: empty file")
     return Profile.from_doc(doc, source)
@@ -555,7 +666,14 @@ def load_profile(path, *, gpu_name: str | None = None, strict: bool = False) -> 
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        size = path.stat().st_size
+        if size > MAX_PROFILE_BYTES:
+            raise _too_large(size, path)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_PROFILE_BYTES + 1)
+        if len(raw) > MAX_PROFILE_BYTES:
+            raise _too_large(len(raw), path)
+        text = raw.decode("utf-8")
     except OSError as e:
         raise ProfileError(f"{path}: cannot read: {e}") from e
     except UnicodeDecodeError as e:
@@ -571,12 +689,65 @@ def load_profile(path, *, gpu_name: str | None = None, strict: bool = False) -> 
     return prof
 
 
+def _tmp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _writer_pid(tmp: Path, path: Path):
+    """The pid a temp file of ours names (``.NAME.yaml.<pid>.<random>.tmp``), or None."""
+    m = re.fullmatch(re.escape(_tmp_prefix(path)) + r"(\d+)\.[^.]+\.tmp", tmp.name)
+    return int(m.group(1)) if m else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temp_files(path, *, max_age_s: float = STALE_TMP_SECONDS) -> list[Path]:
+    """Remove the temp files an interrupted save of ``path`` left (``kill -9`` between mkstemp and
+    os.replace): those whose writer pid is dead, and any older than ``max_age_s``. Called by
+    :func:`save_profile` under the file lock, where no live writer of this host has one open."""
+    path = Path(path)
+    removed = []
+    now = time.time()
+    for tmp in path.parent.glob(_tmp_prefix(path) + "*.tmp"):
+        pid = _writer_pid(tmp, path)
+        try:
+            old = now - tmp.lstat().st_mtime > max_age_s
+        except OSError:
+            continue
+        dead = pid is not None and pid != os.getpid() and not _pid_alive(pid)
+        if old or dead:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def _target_mode(path: Path) -> int:
+    """The mode the written file gets: the replaced file's, else NEW_FILE_MODE."""
+    try:
+        return path.stat().st_mode & 0o777
+    except OSError:
+        return NEW_FILE_MODE
+
+
 def atomic_write_text(path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temp file in the same folder and os.replace."""
+    """Write ``text`` to ``path`` through a temp file in the same folder and os.replace. The file
+    keeps the mode of the one it replaces (0644 for a new one), not mkstemp's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    mode = _target_mode(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_tmp_prefix(path)}{os.getpid()}.", suffix=".tmp", dir=path.parent)
     try:
+        with contextlib.suppress(AttributeError):  # os.fchmod: POSIX only
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -588,20 +759,45 @@ def atomic_write_text(path, text: str) -> None:
         raise
 
 
+def lock_path(path) -> Path:
+    path = Path(path)
+    return path.with_name(f".{path.name}.lock")
+
+
+def _open_lock(lp: Path) -> int:
+    """An fd on the (empty) lock file; read-only when it belongs to another user (flock needs
+    no write access)."""
+    try:
+        fd = os.open(lp, os.O_RDWR | os.O_CREAT, NEW_FILE_MODE)
+    except PermissionError:
+        return os.open(lp, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # umask may have narrowed it; others must open it too
+        if os.fstat(fd).st_uid == os.getuid():
+            os.fchmod(fd, NEW_FILE_MODE)
+    return fd
+
+
 @contextlib.contextmanager
 def _file_lock(path: Path):
+    """flock on ``.NAME.yaml.lock``. The lock file stays after the save, on purpose: it is empty
+    and holds no lock once its holder exits (the kernel drops a flock with the process, also on
+    kill -9), so a leftover one never blocks; removing it would let a writer that opened the old
+    file and one that creates a new file both 'hold' the lock."""
     try:
         import fcntl
     except ImportError:  # not POSIX: no lock
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "w") as lf:
-        fcntl.flock(lf, fcntl.LOCK_EX)
+    fd = _open_lock(lock_path(path))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(lf, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
@@ -615,6 +811,8 @@ def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
     """
     path = Path(path or profile.path)
     with _file_lock(path):
+        for tmp in remove_stale_temp_files(path):
+            warnings.warn(f"{path}: removed {tmp.name}, left by an interrupted save", ProfileWarning, stacklevel=2)
         merged = copy.deepcopy(profile)
         merged.path = path
         if merge and path.exists():
@@ -648,6 +846,32 @@ def list_profiles(directory) -> list[Path]:
     return sorted(p for p in d.glob("*.yaml") if p.is_file()) if d.is_dir() else []
 
 
+def output_problem(directory, gpu_name: str | None = None) -> str | None:
+    """Why the tuner could not write its profile into ``directory`` (None: it can), checked
+    before any tuning: the folder can be created and written, and a profile already there for
+    ``gpu_name`` can be read and merged."""
+    d = Path(directory)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d, prefix=".directkv-tune-probe."):
+            pass
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            why += " (pick a writable folder with --output DIR)"
+        return f"cannot write profiles to {d}: {why}"
+    if gpu_name is not None:
+        p = d / profile_filename(gpu_name)
+        if p.exists():
+            try:
+                old = load_profile(p)
+            except ProfileError as e:
+                return f"the existing profile cannot be merged into: {e}"
+            if old.gpu_name != gpu_name:
+                return f"{p}: holds a profile for {old.gpu_name!r}, not {gpu_name!r}"
+    return None
+
+
 __all__ = [
     "PROFILE_DIR_ENV",
     "SCHEMA_VERSION",
@@ -659,8 +883,17 @@ __all__ = [
     "bundled_profile_dir",
     "current_kernel_hash",
     "entry_hash_problem",
+    "default_output_dir",
+    "dump_yaml",
+    "expected_profile_path",
     "find_profile",
+    "find_profiles",
+    "is_source_checkout",
     "list_profiles",
+    "lock_path",
+    "output_problem",
+    "remove_stale_temp_files",
+    "user_profile_dir",
     "load_profile",
     "make_metadata",
     "parse_profile",

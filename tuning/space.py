@@ -57,6 +57,17 @@ def torch_dtype(dtype):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[normalize_dtype(dtype)]
 
 
+STREAM_MAX_ROWS = 128  # query rows (GQA group x q_len) one streaming (decode) CTA holds
+
+
+def op_kernel(group: int, q_len: int) -> str:
+    """The kernel ``directkv_cute.ops.select_config`` runs for a launch without an explicit config:
+    "decode" (streaming) while every query row of a KV head fits one CTA (group x q_len <= 128),
+    else "prefill" (KV-chunk resident). The tuner's CLI asks this, never its own copy of the rule
+    (tests/test_tuning_hardening.py checks it against the op)."""
+    return "decode" if group * q_len <= STREAM_MAX_ROWS else "prefill"
+
+
 def consumer_wgs_for(rows: int) -> int:
     """Consumer warpgroups a decode CTA needs for ``rows`` query rows (64 rows each)."""
     return 1 if rows <= 64 else 2
@@ -257,6 +268,24 @@ class KernelSpace:
                 rep.legal.append(cfg)
         return rep
 
+    def sample_legality(self, shape: TuneShape, n: int, seed: int = 0) -> LegalityReport:
+        """The static filter over ``n`` points drawn uniformly (seeded) from the space: a quick
+        estimate of the legal share of a space too large to enumerate (``total`` is ``n``)."""
+        import random
+
+        rng = random.Random(seed)
+        rep = LegalityReport(total=0)
+        for _ in range(n):
+            values = {p.name: rng.choice(p.choices) for p in self.params}
+            rep.total += 1
+            cfg = self.make_config(values, shape)
+            reasons = self.problems(cfg, shape)
+            if reasons:
+                rep.illegal.append((cfg, reasons))
+            else:
+                rep.legal.append(cfg)
+        return rep
+
     def legal_configs(self, shape: TuneShape) -> list:
         return self.legality(shape).legal
 
@@ -307,8 +336,8 @@ class DecodeSpace(KernelSpace):
         want = consumer_wgs_for(rows)
         if cfg.consumer_wgs != want:
             out.append(f"consumer_wgs {cfg.consumer_wgs} does not fit {rows} query rows (needs {want})")
-        if rows > 128:
-            out.append(f"{rows} query rows (group x q_len) exceed the 128 rows of one CTA")
+        if rows > STREAM_MAX_ROWS:
+            out.append(f"{rows} query rows (group x q_len) exceed the {STREAM_MAX_ROWS} rows of one CTA")
         return out
 
     def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
@@ -451,6 +480,7 @@ __all__ = [
     "KernelSpace",
     "PrefillSpace",
     "LegalityReport",
+    "STREAM_MAX_ROWS",
     "Param",
     "TuneShape",
     "config_problems",
@@ -459,6 +489,7 @@ __all__ = [
     "kernels",
     "legal_configs",
     "normalize_dtype",
+    "op_kernel",
     "register_space",
     "space_hash",
     "torch_dtype",

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .objectives import GpuObjective, HardwareModel, ModelledObjective
-from .profiles import Profile, ProfileError, current_kernel_hash, load_profile, make_metadata, profile_filename, \
-    sanitize_gpu_name, save_profile
+from .profiles import Profile, ProfileError, current_kernel_hash, load_profile, make_metadata, output_problem, \
+    profile_filename, sanitize_gpu_name, save_profile
 from .space import TuneShape, get_space
 
 log = logging.getLogger("directkv_cute.tuning")
@@ -524,9 +524,14 @@ class Tuner:
             pass
 
     def tune(self, shapes) -> list[BucketResult]:
-        """Tune every shape in turn (time budget shared out), writing the profile after each."""
+        """Tune every shape in turn (time budget shared out), writing the profile after each. An
+        output folder that cannot take the profile raises ProfileError before anything is measured."""
         from tqdm import tqdm
 
+        if self.output_dir is not None:
+            problem = output_problem(self.output_dir, self.env["gpu_name"])
+            if problem:
+                raise ProfileError(problem)
         shapes = list(shapes)
         opt = self.opt
         t_end = None if opt.time_budget_s is None else time.monotonic() + opt.time_budget_s
