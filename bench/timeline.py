@@ -10,7 +10,7 @@ How: an instrumented copy of the installed ``directkv_cute`` is written to a tem
 In the copy, the first consumer thread of each CTA reads ``%globaltimer`` at those points and
 stores the stamps into a buffer whose address is baked into the kernel at compile time. A child
 interpreter, started in that folder so that it imports the copy, runs the op on one shape and
-prints the summary. The patches are anchored on lines of ``kernels/decode.py``; when the kernel
+prints the summary. The patches are anchored on lines of ``kernels/multi_token.py``; when the kernel
 changes so that an anchor is gone, ``instrument`` says which one (a CPU test checks that they
 still apply and that the instrumented kernel compiles for sm_90a).
 """
@@ -30,8 +30,7 @@ from pathlib import Path
 SLOTS = 128  # int64 stamps per CTA: [0] start, [1 + 2j] chunk j landed, [2 + 2j] chunk j done (j < 31),
 # [64 + 4p + k] pass p < 16 of the traced chunk: k = 0 start, 1 before the WGMMA loop, 2 after it, 3 stored
 
-_INIT = """        self.dtype = dtype
-        self.head_dim = head_dim
+_INIT = """        self.chunk = cfg.chunk
 """
 _PATCHES = (
     ("the kernel's static config", _INIT,
@@ -39,59 +38,55 @@ _PATCHES = (
         self.trace_addr = int(os.environ["DIRECTKV_TIMELINE_ADDR"])
         self.trace_chunk = int(os.environ.get("DIRECTKV_TIMELINE_CHUNK", "2"))
 """ + _INIT),
-    ("the resident loop's pipeline states",
-     """                wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                free_state""",
-     """                cta = split * self.cluster + rank + num_splits * self.cluster * (kvh + num_kv_heads * b)
-                tr = cute.make_tensor(
-                    cute.make_ptr(cutlass.Int64, self.trace_addr, cute.AddressSpace.gmem, assumed_align=8),
-                    cute.make_layout(1 << 26),
-                )
-                if ctidx == 0:
-                    tr[cta * 128] = cute.arch.globaltimer()
-                wait_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-                free_state"""),
+    ("the walk's pipeline states",
+     """            wait_state = RingState.consumer(self.stages)""",
+     """            cta_id = split * self.cluster + cta.rank + num_splits * self.cluster * (kvh + num_kv_heads * cta.b)
+            tr = cute.make_tensor(
+                cute.make_ptr(cutlass.Int64, self.trace_addr, cute.AddressSpace.gmem, assumed_align=8),
+                cute.make_layout(1 << 26),
+            )
+            if w.ctidx == 0:
+                tr[cta_id * 128] = cute.arch.globaltimer()
+            wait_state = RingState.consumer(self.stages)"""),
     ("the wait for a pass's tiles",
-     """                        waited = cutlass.max(waited, e_rel)
+     """                    waited = wait_state.wait_through(kv_pipe, waited, e_rel)
 """,
-     """                        waited = cutlass.max(waited, e_rel)
-                        if ctidx == 0 and j < 31 and m == 0:
-                            tr[cta * 128 + 1 + 2 * j] = cute.arch.globaltimer()
+     """                    waited = wait_state.wait_through(kv_pipe, waited, e_rel)
+                    if w.ctidx == 0 and j < 31 and m == 0:
+                        tr[cta_id * 128 + 1 + 2 * j] = cute.arch.globaltimer()
 """),
     ("the end of a round",
-     """                    nxt = self.round_begin(j + 1, n_rounds, n_mine, n_tiles)
-                    for _t in cutlass.range(waited, nxt, unroll=1):
+     """                nxt = self.walk.round_begin(j + 1, n_rounds, n_mine, n_tiles)
+                waited = wait_state.wait_through(kv_pipe, waited, nxt)
 """,
-     """                    if ctidx == 0 and j < 31:
-                        tr[cta * 128 + 2 + 2 * j] = cute.arch.globaltimer()
-                    nxt = self.round_begin(j + 1, n_rounds, n_mine, n_tiles)
-                    for _t in cutlass.range(waited, nxt, unroll=1):
+     """                if w.ctidx == 0 and j < 31:
+                    tr[cta_id * 128 + 2 + 2 * j] = cute.arch.globaltimer()
+                nxt = self.walk.round_begin(j + 1, n_rounds, n_mine, n_tiles)
+                waited = wait_state.wait_through(kv_pipe, waited, nxt)
 """),
     ("the start of a pass",
-     """                            nb = rb + step
+     """                        nb = rb + step
 """,
-     """                            pidx = m
-                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
-                                tr[cta * 128 + 64 + 4 * pidx] = cute.arch.globaltimer()
-                            nb = rb + step
+     """                        pidx = m
+                        if w.ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                            tr[cta_id * 128 + 64 + 4 * pidx] = cute.arch.globaltimer()
+                        nb = rb + step
 """),
     ("the pass's WGMMA loop",
-     """                            self.attend_tiles(
-                                c_begin, t_stop""",
-     """                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
-                                tr[cta * 128 + 65 + 4 * pidx] = cute.arch.globaltimer()
-                            self.attend_tiles(
-                                c_begin, t_stop"""),
+     """                        self.attend_tiles(w, cta, c_begin, t_stop""",
+     """                        if w.ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                            tr[cta_id * 128 + 65 + 4 * pidx] = cute.arch.globaltimer()
+                        self.attend_tiles(w, cta, c_begin, t_stop"""),
     ("the pass's finalize and store",
-     """                            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
-                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
+     """                        softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
+                        self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
 """,
-     """                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
-                                tr[cta * 128 + 66 + 4 * pidx] = cute.arch.globaltimer()
-                            softmax_finalize(acc_O, row_max, row_sum, lse, scale_log2)
-                            self.store(mO, mLSE, acc_O, lse, thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
-                            if ctidx == 0 and j == self.trace_chunk and pidx < 16:
-                                tr[cta * 128 + 67 + 4 * pidx] = cute.arch.globaltimer()
+     """                        if w.ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                            tr[cta_id * 128 + 66 + 4 * pidx] = cute.arch.globaltimer()
+                        softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
+                        self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
+                        if w.ctidx == 0 and j == self.trace_chunk and pidx < 16:
+                            tr[cta_id * 128 + 67 + 4 * pidx] = cute.arch.globaltimer()
 """),
 )
 
@@ -100,9 +95,9 @@ _PATCHES = (
 # Q gather, no WGMMA, no partial traffic), so the timeline shows the link phase with idle
 # consumers, to set against a normal run (outputs are not computed).
 _SKIP_PASSES = ("the pass over a block",
-                """                        if j == 0 or t_stop > c_begin:
+                """                    if j == 0 or t_stop > c_begin:
 """,
-                """                        if const_expr(False):  # bench timeline --skip-passes
+                """                    if const_expr(False):  # bench timeline --skip-passes
 """)
 
 
@@ -126,7 +121,7 @@ def instrument(dst: Path, src_pkg: Path | None = None, skip_passes: bool = False
                 shutil.copytree(Path(mod.__file__).parent, pkg / sub, ignore=shutil.ignore_patterns("__pycache__"))
             except (ImportError, TypeError):
                 pass  # profiles are only needed for a lookup; the timeline always passes a config
-    kernel = pkg / "kernels" / "decode.py"
+    kernel = pkg / "kernels" / "multi_token.py"
     text = kernel.read_text()
     for what, old, new in _PATCHES + ((_SKIP_PASSES,) if skip_passes else ()):
         if text.count(old) != 1:

@@ -29,7 +29,7 @@ jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
 @pytest.mark.parametrize("rows,cluster", [(None, 0), (4096, 2)])  # the default without and with clusters
 def test_instrumented_kernel_compiles_with_timer_reads(tmp_path, rows, cluster):
     root = instrument(tmp_path / "copy")
-    decode = (root / "directkv_cute" / "kernels" / "decode.py").read_text()
+    decode = (root / "directkv_cute" / "kernels" / "multi_token.py").read_text()
     assert decode.count("cute.arch.globaltimer()") == 7
     script = _COMPILE.format(root=str(root), rows=rows, cluster=cluster)
     ptx = dumped_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
@@ -41,7 +41,7 @@ def test_skipped_passes_leave_the_link_phase_only(tmp_path):
     chunk (its stamps remain) but run no pass, so the kernel has no WGMMA; the cluster default
     compiles that way."""
     root = instrument(tmp_path / "copy", skip_passes=True)
-    decode = (root / "directkv_cute" / "kernels" / "decode.py").read_text()
+    decode = (root / "directkv_cute" / "kernels" / "multi_token.py").read_text()
     assert "if const_expr(False):  # bench timeline --skip-passes" in decode
     assert "if j == 0 or t_stop > c_begin:" not in decode
     script = _COMPILE.format(root=str(root), rows=4096, cluster=2)
@@ -64,7 +64,7 @@ def test_a_moved_anchor_is_named(tmp_path):
 
     src = tmp_path / "src" / "directkv_cute"
     shutil.copytree(os.path.dirname(directkv_cute.__file__), src, ignore=shutil.ignore_patterns("__pycache__"))
-    kernel = src / "kernels" / "decode.py"
+    kernel = src / "kernels" / "multi_token.py"
     kernel.write_text(kernel.read_text().replace("nb = rb + step", "nxt = rb + step"))
     with pytest.raises(InstrumentError, match="the start of a pass"):
         instrument(tmp_path / "copy", src_pkg=src)

@@ -247,7 +247,8 @@ def test_a_mutated_config_rule_gives_a_new_cache_key(root, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("rel, changes", [
-    ("config.py", True), ("kernels/decode.py", True), ("kernels/helpers.py", True),
+    ("config.py", True), ("kernels/decode.py", True), ("kernels/multi_token.py", True), ("kernels/helpers.py", True),
+    ("kernels/paged.py", True), ("kernels/producer.py", True), ("kernels/softmax.py", True),
     ("kernels/combine.py", True), ("kernels/jit.py", True),
     ("ops.py", False), ("kernels/launch.py", False), ("kernels/disk_cache.py", False),
 ])

@@ -312,9 +312,9 @@ def test_cluster_multicast_ptx(tmp_path):
     # the same bytes in twice the boxes of half the rows
     assert all("multicast::cluster" in ln for ln in tma(four)) and len(tma(four)) == len(tma(plain))
     import cutlass
-    from directkv_cute.kernels.decode import DecodeAttention
+    from directkv_cute.kernels.multi_token import MultiTokenAttention
 
-    boxes = lambda c: DecodeAttention(cutlass.BFloat16, 128, 64, 4, c, True, True)  # noqa: E731
+    boxes = lambda c: MultiTokenAttention(cutlass.BFloat16, 128, 64, 4, c, True)  # noqa: E731
     base = DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, q_regs=1)
     assert [(boxes(dataclasses.replace(base, q_cluster=c)).copy_rows, boxes(dataclasses.replace(base, q_cluster=c)).copies)
             for c in (0, 2, 4)] == [(64, 1), (64, 1), (32, 2)]

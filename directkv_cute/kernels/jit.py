@@ -149,10 +149,15 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident)
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from directkv_cute.kernels.decode import DecodeAttention
-
     dt = cutlass_dtype(dtype)
-    kernel = DecodeAttention(dt, head_dim, page_size, group, cfg, split_out, resident)
+    if resident:
+        from directkv_cute.kernels.multi_token import MultiTokenAttention
+
+        kernel = MultiTokenAttention(dt, head_dim, page_size, group, cfg, split_out)
+    else:
+        from directkv_cute.kernels.decode import DecodeAttention
+
+        kernel = DecodeAttention(dt, head_dim, page_size, group, cfg, split_out)
     o_dt = cutlass.Float32 if split_out else dt
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),

@@ -21,11 +21,13 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the directkv_cute package
 
-_STREAMING = ("kernels/decode.py", "kernels/helpers.py", "kernels/jit.py", "config.py")
+# The parts both paged attention kernels are built from (each imports all of them).
+_SHARED = ("kernels/paged.py", "kernels/producer.py", "kernels/qio.py", "kernels/walk.py", "kernels/masks.py",
+           "kernels/softmax.py", "kernels/helpers.py", "kernels/jit.py", "config.py")
 
 CODE_FILES: dict[str, tuple[str, ...]] = {
-    "decode": _STREAMING,
-    "prefill": _STREAMING,  # the multi-token kernel: today a mode of the same module
+    "decode": ("kernels/decode.py", *_SHARED),  # the streaming kernel
+    "prefill": ("kernels/multi_token.py", *_SHARED),  # the multi-token (KV-outer chunk) kernel
     "combine": ("kernels/combine.py", "kernels/jit.py"),
 }
 
