@@ -263,3 +263,15 @@ def test_the_cache_key_covers_the_cutlass_version(monkeypatch):
     before = sources.cache_fingerprint()
     monkeypatch.setattr(sources, "cutlass_version", lambda: "0.0.0-other")
     assert sources.cache_fingerprint() != before
+
+
+def test_one_cache_folder_honours_xdg(monkeypatch, tmp_path):
+    from directkv_cute.paths import cache_root
+    from directkv_cute.tuning.cli import default_cache_dir
+
+    monkeypatch.delenv("DIRECTKV_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "directkv_cute"
+    assert default_cache_dir() == cache_root() / "tune"
+    monkeypatch.setenv("DIRECTKV_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine" and default_cache_dir() == tmp_path / "mine" / "tune"

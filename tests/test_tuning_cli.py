@@ -105,7 +105,7 @@ def test_model_run_without_output_writes_nothing(capsys, tmp_path):
 
 def test_resume_continues_the_journal(capsys, tmp_path):
     out_dir = tmp_path / "profiles"
-    journal = tmp_path / "cache" / "tune-Modelled_H200_PCIe5-decode-model.journal"
+    journal = tmp_path / "cache" / "tune" / "tune-Modelled_H200_PCIe5-decode-model.journal"
     rc, out, _ = model_run(capsys, out_dir)
     assert rc == 0 and journal.exists()
     rc, out, _ = model_run(capsys, out_dir, "--trials", "8", "--resume")

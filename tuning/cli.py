@@ -32,11 +32,10 @@ DRY_RUN_SAMPLE = 20_000  # larger ones: the legal share of this many seeded rand
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "directkv-cute"
+    """Tuner journals: the package's one cache folder (``directkv_cute.paths.cache_root``) / tune."""
+    from directkv_cute.paths import cache_root
+
+    return cache_root() / "tune"
 
 
 def _int_list(text: str) -> list[int]:
@@ -154,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--resume", action="store_true", help="continue the journal in the cache folder")
     store.add_argument("--storage", type=Path, default=None, help="Optuna journal file to use (continued if it exists)")
     store.add_argument("--cache-dir", type=Path, default=None,
-                       help=f"folder of the default journal (${CACHE_DIR_ENV}, else ~/.cache/directkv-cute)")
+                       help=f"folder of the default journal (${CACHE_DIR_ENV}/tune, else $XDG_CACHE_HOME or ~/.cache, /directkv_cute/tune)")
     r.add_argument("--dry-run", action="store_true", help="print the space, the legal counts and the buckets; run nothing")
     r.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 

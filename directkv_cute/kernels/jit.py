@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from directkv_cute.config import DecodeConfig
+from directkv_cute.paths import cache_root
 from directkv_cute.kernels import disk_cache, sources
 
 _LOCK = threading.Lock()  # cute.compile is not thread-safe
@@ -37,7 +38,7 @@ def source_fingerprint() -> str:
 def disk_cache_dir() -> Path | None:
     if os.environ.get("DIRECTKV_DISK_CACHE", "1") == "0":
         return None
-    root = Path(os.environ.get("DIRECTKV_CACHE_DIR", Path.home() / ".cache" / "directkv_cute"))
+    root = cache_root()
     return root / source_fingerprint()
 
 
