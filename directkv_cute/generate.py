@@ -28,7 +28,6 @@ transformers' own caches in the end-to-end bench (``bench/e2e.py``).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import platform
 import re
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["GenerateResult", "StepClock", "cache_kwargs", "dtype_kwargs", "main", "parse_size", "random_prompt",
+__all__ = ["GenerateResult", "StepClock", "dtype_kwargs", "main", "parse_size", "random_prompt",
            "timed_generate"]
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -76,17 +75,6 @@ def format_bytes(n: int | float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
-
-
-def cache_kwargs(model, cache) -> dict:
-    """The keyword under which ``model.forward`` / ``generate`` take a cache: ``cache`` in
-    transformers >= 5.24, ``past_key_values`` before (still accepted there, with a warning)."""
-    forward = getattr(model, "forward", model)
-    try:
-        params = inspect.signature(forward).parameters
-    except (TypeError, ValueError):
-        params = {}
-    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def dtype_kwargs(dtype: torch.dtype) -> dict:
@@ -240,6 +228,8 @@ def timed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     clock = StepClock(device)
     kwargs = dict(generate_kwargs)
     if cache is not None:
+        from directkv_cute.hf import cache_kwargs
+
         kwargs.update(cache_kwargs(model, cache))
     if cache_implementation is not None:
         kwargs["cache_implementation"] = cache_implementation

@@ -36,12 +36,12 @@ tables on the host (a device-to-host read of the padding counts, growing page ta
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 try:
@@ -63,6 +63,7 @@ __all__ = [
     "DirectKVCache",
     "ModelSpec",
     "UnsupportedModelError",
+    "cache_kwargs",
     "directkv_attention",
     "model_spec",
     "plan_growth",
@@ -207,7 +208,6 @@ class _Step:
     max_seq_len: int
     undo: list[tuple[int, int]]  # (seq_id, length before the step)
     processed_before: int
-    layers_done: int = 0
 
 
 class DirectKVLayer(CacheLayerMixin):
@@ -508,12 +508,10 @@ class DirectKVCache(Cache):
         if (batch, q_len) != (step.batch, step.q_len):
             raise RuntimeError(f"layer {layer_idx} has {batch}x{q_len} tokens, the step {step.batch}x{step.q_len}")
         try:
-            out = self._attend_layer(step, query, key, value, scaling, layer_idx)
+            return self._attend_layer(step, query, key, value, scaling, layer_idx)
         except BaseException:
             self._rollback(step)
             raise
-        step.layers_done += 1
-        return out
 
     def _rollback(self, step: _Step) -> None:
         for sid, length in step.undo:
@@ -550,6 +548,17 @@ class DirectKVCache(Cache):
         out = query.new_zeros(batch * q_len, hq, d)
         out[step.tok_idx] = o
         return out.view(batch, q_len, hq, d)
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword under which ``model.forward`` / ``generate`` take a cache: ``cache`` in
+    transformers >= 5.24, ``past_key_values`` before (still accepted there, with a warning)."""
+    forward = getattr(model, "forward", model)
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return {"cache" if "cache" in params else "past_key_values": cache}
 
 
 def _as_index_list(indices) -> list[int]:

@@ -25,26 +25,12 @@ import torch
 
 from directkv_cute.config import DecodeConfig, resident_splits
 from directkv_cute.tuning.space import op_kernel
-from directkv_cute.validate import check_attention, check_seq_ids
+from directkv_cute.validate import check_attention, check_config, check_seq_ids
 
 
 
-def _cu_seqlens(q_lens, batch: int, total_q: int, device) -> tuple[torch.Tensor, int]:
-    """(cu_q int32 (B + 1,) on device, max_q_len) from per-sequence query lengths (default 1)."""
-    if q_lens is None:
-        if total_q != batch:
-            raise ValueError(f"q has {total_q} rows but there are {batch} sequences and no q_lens")
-        q_lens = (1,) * batch
-    else:
-        if isinstance(q_lens, torch.Tensor):
-            q_lens = q_lens.tolist()
-        q_lens = tuple(int(x) for x in q_lens)
-        if len(q_lens) != batch:
-            raise ValueError(f"q_lens has {len(q_lens)} entries for {batch} sequences")
-        if not all(x >= 1 for x in q_lens):
-            raise ValueError("every q_len must be >= 1")
-        if sum(q_lens) != total_q:
-            raise ValueError(f"sum(q_lens) = {sum(q_lens)} but q has {total_q} rows")
+def _cu_seqlens(q_lens: tuple[int, ...], device) -> tuple[torch.Tensor, int]:
+    """(cu_q int32 (B + 1,) on device, max_q_len) from validated per-sequence query lengths."""
     key = (q_lens, str(device))
     cu_q = _CU_Q.get(key)
     if cu_q is None:
@@ -77,12 +63,6 @@ def _num_sms(index: int) -> int:
 @functools.lru_cache(maxsize=None)
 def _total_memory(index: int) -> int:
     return torch.cuda.get_device_properties(index).total_memory
-
-
-@functools.lru_cache(maxsize=4096)
-def _check_config(cfg: DecodeConfig, head_dim: int, page_size: int) -> None:
-    """cfg.check, once per (config, head_dim, page_size): the op runs it on every call."""
-    cfg.check(head_dim, page_size)
 
 
 # Workspace cap for the multi-token kernel's fp32 partials (bytes); 0 = a quarter of the GPU.
@@ -163,9 +143,8 @@ def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], 
             out.copy_(o)
             o = out
         return (o, lse) if return_lse else o
-    tables = cache.kernel_tables(seq_ids)
-    return paged_attention_tables(q, cache, layer, tables, q_lens, softmax_scale, config=config, out=out,
-                                  return_lse=return_lse, max_seq_len=max(lengths))
+    return _launch(q, cache, layer, cache.kernel_tables(seq_ids), q_lens, softmax_scale, config, out, return_lse,
+                   max(lengths))
 
 
 def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=None,
@@ -186,8 +165,6 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     layer, q_lens = check_attention(q, cache, layer, batch=page_table.shape[0] if page_table.dim() == 2 else -1,
                                     q_lens=q_lens, out=out, config=config, softmax_scale=softmax_scale,
                                     seq_lens=getattr(tables, "host_seq_lens", None), cuda=True)
-    total_q, hq, d = q.shape
-    hkv = cache.num_kv_heads
     if not (page_table.is_cuda and page_table.dtype == torch.int32 and page_table.dim() == 2):
         raise ValueError("tables.page_table must be a (B, max_pages) int32 CUDA tensor")
     if not (seq_lens.is_cuda and seq_lens.dtype == torch.int32):
@@ -197,15 +174,23 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     batch, max_pages = page_table.shape
     if batch < 1 or seq_lens.shape != (batch,):
         raise ValueError("seq_lens must have one entry per page-table row")
+    return _launch(q, cache, layer, tables, q_lens, softmax_scale, config, out, return_lse, max_seq_len)
+
+
+def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale, config, out, return_lse: bool,
+            max_seq_len: int | None):
+    """Pick the kernel and config and launch, on validated arguments."""
+    page_table, seq_lens = tables.page_table, tables.seq_lens
+    total_q, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    batch, max_pages = page_table.shape
     group = hq // hkv
-    cu_q, max_q_len = _cu_seqlens(q_lens, batch, total_q, q.device)
-    if max_seq_len is None:
-        max_seq_len = getattr(tables, "max_seq_len", None)
+    cu_q, max_q_len = _cu_seqlens(q_lens, q.device)
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
 
     cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
-    _check_config(cfg, d, cache.page_size)
+    check_config(cfg, d, cache.page_size)
     if group > cfg.rows:
         raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
     resident = kernel == "prefill"

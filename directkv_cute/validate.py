@@ -7,6 +7,7 @@ mistake gets the same message wherever it is made. Plain Python, no GPU needed.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -16,6 +17,12 @@ import torch
 from directkv_cute.config import DecodeConfig
 
 ALIGN = 16
+
+
+@functools.lru_cache(maxsize=4096)
+def check_config(cfg: DecodeConfig, head_dim: int, page_size: int) -> None:
+    """``cfg.check``, once per (config, head_dim, page_size): the op asks on every call."""
+    cfg.check(head_dim, page_size)
 
 
 def check_int(value, name: str) -> int:
@@ -95,7 +102,7 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
     if config is not None:
         if not isinstance(config, DecodeConfig):
             raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
-        config.check(d, cache.page_size)
+        check_config(config, d, cache.page_size)
     if cuda:
         if not q.is_cuda:
             raise ValueError("the GPU kernels need q on a CUDA device (paged_attention runs the reference on CPU)")

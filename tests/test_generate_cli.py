@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("transformers")
 
 from directkv_cute import generate as gen  # noqa: E402
+from directkv_cute import hf as dkhf  # noqa: E402
 from directkv_cute.presets import PRESETS, build_random_model, preset_config, weight_bytes  # noqa: E402
 
 SMALL = dict(num_hidden_layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -23,7 +24,7 @@ def _reference_tokens(model, ids, mask, new_tokens):
     model.set_attn_implementation("sdpa")
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             **gen.cache_kwargs(model, DynamicCache(config=model.config)))
+                             **dkhf.cache_kwargs(model, DynamicCache(config=model.config)))
     return out[:, ids.shape[1]:]
 
 
@@ -146,13 +147,13 @@ def test_cache_kwargs_follows_the_forward_signature():
             pass
 
     c = object()
-    assert gen.cache_kwargs(New(), c) == {"cache": c}
-    assert gen.cache_kwargs(Old(), c) == {"past_key_values": c}
+    assert dkhf.cache_kwargs(New(), c) == {"cache": c}
+    assert dkhf.cache_kwargs(Old(), c) == {"past_key_values": c}
     import inspect
 
     model = build_random_model("tiny", torch.float32, "cpu", seed=0)
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    assert list(gen.cache_kwargs(model, c)) == [key]
+    assert list(dkhf.cache_kwargs(model, c)) == [key]
     assert list(gen.dtype_kwargs(torch.bfloat16)) in (["dtype"], ["torch_dtype"])
 
 

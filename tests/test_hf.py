@@ -19,12 +19,6 @@ from directkv_cute.cache import CacheCapacityError  # noqa: E402
 VOCAB = 512
 
 
-def _cache_kw(model, cache) -> dict:
-    import inspect
-
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
-
-
 def _llama(layers=2, hq=8, hkv=2, head_dim=16, seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hq * head_dim, intermediate_size=256, num_hidden_layers=layers,
@@ -68,7 +62,7 @@ def _generate(model, cache, ids, mask, **kw):
     model.set_attn_implementation(impl)
     try:
         with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, pad_token_id=0, **_cache_kw(model, cache), **kw)
+            return model.generate(ids, attention_mask=mask, pad_token_id=0, **dkhf.cache_kwargs(model, cache), **kw)
     finally:
         model.set_attn_implementation("sdpa")
 
@@ -188,7 +182,7 @@ def test_failed_layer_rolls_the_step_back(monkeypatch):
     full_mask = torch.ones(2, processed + 5, dtype=torch.long)
     full_mask[1, : 20 - 11] = 0
     with pytest.raises(RuntimeError, match="injected"), torch.no_grad():
-        model(nxt, attention_mask=full_mask, **_cache_kw(model, cache))
+        model(nxt, attention_mask=full_mask, **dkhf.cache_kwargs(model, cache))
     assert cache.seq_lengths() == lengths and cache.get_seq_length() == processed
     assert cache.kv.state() == state
 
@@ -198,7 +192,7 @@ def test_attention_without_directkv_cache_is_refused():
     model.set_attn_implementation("directkv")
     ids, mask = _prompts([8])
     with pytest.raises(RuntimeError, match="DirectKVCache"), torch.no_grad():
-        model(ids, attention_mask=mask, **_cache_kw(model, DynamicCache(config=model.config)))
+        model(ids, attention_mask=mask, **dkhf.cache_kwargs(model, DynamicCache(config=model.config)))
 
 
 def test_cache_dtype_must_match_the_model():

@@ -5,21 +5,17 @@ bf16 DynamicCache + SDPA on the same tokens, host-only and hybrid."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+import directkv_cute.hf as dkhf  # noqa: E402
+
 pytestmark = pytest.mark.gpu
 
 STEPS = 200
 CHUNK = 512
-
-
-def _cache_kw(model, cache) -> dict:
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +46,7 @@ def _run(model, cache, impl, ids, mask, tokens=None):
     """Chunked prefill, then STEPS decode steps; feeds ``tokens`` (teacher forcing) or its own
     greedy picks. Returns (logits per step (STEPS + 1, B, V) fp32, tokens fed (B, STEPS))."""
     model.set_attn_implementation(impl)
-    kw = _cache_kw(model, cache)
+    kw = dkhf.cache_kwargs(model, cache)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     width = ids.shape[1]
     for c0 in range(0, width, CHUNK):
@@ -96,8 +92,6 @@ def _errors(logits, ref):
 
 @pytest.mark.parametrize("hbm_pages", [0, 24], ids=["host", "hybrid"])
 def test_logits_agree_with_dynamic_cache_over_200_steps(model, reference, hbm_pages, capsys):
-    import directkv_cute.hf as dkhf
-
     lens, ids, mask, ref_logits, tokens, bf16_logits = reference
     spec = dkhf.model_spec(model.config)
     page_bytes = 2 * spec.num_layers * spec.num_kv_heads * 64 * spec.head_dim * 2
@@ -122,7 +116,7 @@ def test_logits_agree_with_dynamic_cache_over_200_steps(model, reference, hbm_pa
     cache.reset()
     model.set_attn_implementation("directkv")
     out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                         prefill_chunk_size=CHUNK, **_cache_kw(model, cache))
+                         prefill_chunk_size=CHUNK, **dkhf.cache_kwargs(model, cache))
     model.set_attn_implementation("sdpa")
     assert out.shape == (3, ids.shape[1] + 8)
     assert cache.seq_lengths() == [n + 7 for n in lens]

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from directkv_cute.kernels import disk_cache, jit, sources
+from pkg_copy import edit, package_copy
 
 pytestmark = pytest.mark.compile
 
@@ -214,21 +215,6 @@ def test_disabled_cache_writes_nothing(root, loads, monkeypatch):
 
 
 # ---- the key covers what generates code -----------------------------------------------------
-
-
-def package_copy(tmp_path) -> Path:
-    dst = tmp_path / "pkg"
-    for f in sources.PACKAGE_DIR.rglob("*.py"):
-        rel = f.relative_to(sources.PACKAGE_DIR)
-        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, dst / rel)
-    return dst
-
-
-def edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text
-    path.write_text(text.replace(old, new, 1))
 
 
 def test_a_mutated_config_rule_gives_a_new_cache_key(root, tmp_path, monkeypatch, loads, builds):

@@ -11,6 +11,7 @@ import torch
 import directkv_cute as dk
 from directkv_cute import ops
 from directkv_cute.config import DecodeConfig, resident_splits
+from directkv_cute.validate import check_q_lens
 
 
 @pytest.fixture
@@ -111,7 +112,12 @@ def test_resident_splits_walking_chunks_fill_one_wave(batch, hkv):
 )
 def test_q_lens_validation(q_lens, total, msg):
     with pytest.raises(ValueError, match=msg):
-        ops._cu_seqlens(q_lens, 3 if len(q_lens) == 3 else 2, total, "cpu")
+        _offsets(q_lens, 3 if len(q_lens) == 3 else 2, total)
+
+
+def _offsets(q_lens, batch, total_q):
+    """The op's path to the query offsets: validate q_lens, then the cached device copy."""
+    return ops._cu_seqlens(check_q_lens(q_lens, batch, total_q), "cpu")
 
 
 def test_query_offsets_are_cached_per_q_lens(monkeypatch):
@@ -119,25 +125,25 @@ def test_query_offsets_are_cached_per_q_lens(monkeypatch):
     (decode's ones included; reused, so a repeated shape skips the copy); past the cap new q_lens
     are still right but not kept."""
     monkeypatch.setattr(ops, "_CU_Q", {})
-    cu, mx = ops._cu_seqlens([3, 1, 4], 3, 8, "cpu")
+    cu, mx = _offsets([3, 1, 4], 3, 8)
     assert cu.tolist() == [0, 3, 4, 8] and cu.dtype == torch.int32 and mx == 4
-    again, _ = ops._cu_seqlens(torch.tensor([3, 1, 4]), 3, 8, "cpu")
+    again, _ = _offsets(torch.tensor([3, 1, 4]), 3, 8)
     assert again is cu
-    other, mx = ops._cu_seqlens([4, 1, 3], 3, 8, "cpu")
+    other, mx = _offsets([4, 1, 3], 3, 8)
     assert other.tolist() == [0, 4, 5, 8] and other is not cu and mx == 4
     # decode (no q_lens): one query per sequence, the same cache as q_lens of ones
-    ones, mx = ops._cu_seqlens(None, 3, 3, "cpu")
-    assert ones.tolist() == [0, 1, 2, 3] and mx == 1 and ops._cu_seqlens([1, 1, 1], 3, 3, "cpu")[0] is ones
+    ones, mx = _offsets(None, 3, 3)
+    assert ones.tolist() == [0, 1, 2, 3] and mx == 1 and _offsets([1, 1, 1], 3, 3)[0] is ones
     monkeypatch.setattr(ops, "_CU_Q_CAP", len(ops._CU_Q))  # full
-    past, _ = ops._cu_seqlens([2, 2], 2, 4, "cpu")
+    past, _ = _offsets([2, 2], 2, 4)
     assert past.tolist() == [0, 2, 4] and len(ops._CU_Q) == ops._CU_Q_CAP
-    assert ops._cu_seqlens([2, 2], 2, 4, "cpu")[0] is not past
+    assert _offsets([2, 2], 2, 4)[0] is not past
     # inside a CUDA graph capture only q_lens already seen can be used (no host copy is captured)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert ops._cu_seqlens([3, 1, 4], 3, 8, "cpu")[0] is cu
+    assert _offsets([3, 1, 4], 3, 8)[0] is cu
     with pytest.raises(RuntimeError, match="first seen inside CUDA graph capture"):
-        ops._cu_seqlens([1, 1, 6], 3, 8, "cpu")
+        _offsets([1, 1, 6], 3, 8)
 
 
 def test_tables_entry_needs_cuda(cache_and_q):

@@ -3,7 +3,6 @@ hashes and stale entries, the schema-1 migration (CPU only)."""
 
 import ast
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import yaml
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels import sources
 from directkv_cute.tuning import profiles as P
+from pkg_copy import edit, package_copy
 
 GPU = "NVIDIA H200"
 KH = "a" * 64
@@ -301,22 +301,6 @@ def test_shipped_profiles_use_per_kernel_hashes():
 
 
 # ---- per-kernel source hashes --------------------------------------------------------------------
-
-
-def package_copy(tmp_path) -> Path:
-    """The package's .py files under tmp_path/pkg (the layout sources.py hashes)."""
-    root = tmp_path / "pkg"
-    for f in sources.PACKAGE_DIR.rglob("*.py"):
-        rel = f.relative_to(sources.PACKAGE_DIR)
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, root / rel)
-    return root
-
-
-def edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text, f"{old!r} not in {path}"
-    path.write_text(text.replace(old, new, 1))
 
 
 def hashes(root):

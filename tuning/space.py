@@ -257,16 +257,7 @@ class KernelSpace:
 
     def legality(self, shape: TuneShape) -> LegalityReport:
         """Run the static filter over every point of the Cartesian space."""
-        rep = LegalityReport(total=0)
-        for values in self.iter_points():
-            rep.total += 1
-            cfg = self.make_config(values, shape)
-            reasons = self.problems(cfg, shape)
-            if reasons:
-                rep.illegal.append((cfg, reasons))
-            else:
-                rep.legal.append(cfg)
-        return rep
+        return self._filter(self.iter_points(), shape)
 
     def sample_legality(self, shape: TuneShape, n: int, seed: int = 0) -> LegalityReport:
         """The static filter over ``n`` points drawn uniformly (seeded) from the space: a quick
@@ -274,9 +265,11 @@ class KernelSpace:
         import random
 
         rng = random.Random(seed)
+        return self._filter(({p.name: rng.choice(p.choices) for p in self.params} for _ in range(n)), shape)
+
+    def _filter(self, points, shape: TuneShape) -> LegalityReport:
         rep = LegalityReport(total=0)
-        for _ in range(n):
-            values = {p.name: rng.choice(p.choices) for p in self.params}
+        for values in points:
             rep.total += 1
             cfg = self.make_config(values, shape)
             reasons = self.problems(cfg, shape)
