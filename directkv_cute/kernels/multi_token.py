@@ -19,7 +19,6 @@ some of its boxes multicast to all. Always writes split partials (combined after
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -55,37 +54,6 @@ class MultiTokenAttention(PagedAttention):
         self.chunk = cfg.chunk
         self.walk = ChunkWalk(cfg.chunk, cfg.edge_tiles, cfg.stagger, cfg.stages)
         assert self.q_per_wg >= 1, "the multi-token kernel holds GQA groups up to 64"
-
-    # ------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
-        o_ptr: cute.Pointer,  # split_out: (splits, total_q, Hq, d) fp32; else (total_q, Hq, d) q dtype
-        lse_ptr: cute.Pointer,  # split_out: (splits, total_q, Hq) fp32; else (total_q, Hq) fp32
-        host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d)
-        hbm_ptr: cute.Pointer,  # HBM pool, same layout (the host pool again when there is none)
-        page_table_ptr: cute.Pointer,  # (B, max_pages) int32
-        seq_lens_ptr: cute.Pointer,  # (B,) int32
-        cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
-        link_ptr: cute.Pointer,  # (2,) int32 device-wide link tickets: issued, landed (link_credits)
-        batch: Int32,
-        total_q: Int32,
-        num_kv_heads: Int32,
-        num_layers: Int32,
-        layer: Int32,
-        host_pages: Int32,
-        hbm_pages: Int32,
-        max_pages: Int32,
-        num_splits: Int32,
-        scale_log2: Float32,
-        stream: cuda.CUstream,
-    ):
-        self.launch(
-            q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, link_ptr,
-            batch, total_q, num_kv_heads, num_layers, layer, host_pages, hbm_pages, max_pages, num_splits,
-            scale_log2, stream,
-        )
 
     # ------------------------------------------------------------------------------------
     @cute.kernel

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from directkv_cute.config import DecodeConfig
@@ -62,7 +63,7 @@ class ConsumerRegs:
 
 class PagedAttention:
     """Static configuration (everything that changes code generation) shared by the kernels; a
-    kernel class adds its own fields, its ``__call__`` and its ``kernel``."""
+    kernel class adds its own fields and its ``kernel``; the host ``__call__`` is this one."""
 
     def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: DecodeConfig, split_out: bool,
                  copy_rows: int, occupancy: int, tail: bool):
@@ -102,11 +103,31 @@ class PagedAttention:
 
     # ------------------------------------------------------------------------------------
     @cute.jit
-    def launch(self, q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, link_ptr,
-               batch, total_q, num_kv_heads, num_layers, layer, host_pages, hbm_pages, max_pages, num_splits,
-               scale_log2, stream):
-        """The host side of ``__call__`` (traced inside it): global tensors, TMA atoms, MMAs and
-        shared storage, then the launch of ``self.kernel``. Pointer layouts as in ``__call__``."""
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
+        o_ptr: cute.Pointer,  # split_out: (splits, total_q, Hq, d) fp32; else (total_q, Hq, d) q dtype
+        lse_ptr: cute.Pointer,  # split_out: (splits, total_q, Hq) fp32; else (total_q, Hq) fp32
+        host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d)
+        hbm_ptr: cute.Pointer,  # HBM pool, same layout (the host pool again when there is none)
+        page_table_ptr: cute.Pointer,  # (B, max_pages) int32
+        seq_lens_ptr: cute.Pointer,  # (B,) int32
+        cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
+        link_ptr: cute.Pointer,  # (2,) int32 device-wide link tickets: issued, landed (link_credits)
+        batch: Int32,
+        total_q: Int32,
+        num_kv_heads: Int32,
+        num_layers: Int32,
+        layer: Int32,
+        host_pages: Int32,
+        hbm_pages: Int32,
+        max_pages: Int32,
+        num_splits: Int32,
+        scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        """The host side, shared by both kernels: global tensors, TMA atoms, MMAs and shared
+        storage, then the launch of the subclass's ``kernel``."""
         d, P, dt = self.head_dim, self.page_size, self.dtype
         hq = num_kv_heads * self.group
         # Pools as (P, d, X): X indexes one (page, layer, kv_head, K|V) piece.
