@@ -34,6 +34,7 @@ import torch
 from bench.ceilings import flat_bytes, read_gbps
 from bench.common import (GiB, MiB, Ceilings, Record, Shape, Timer, add_check, format_table, make_record,
                           progress_bar, shape_key, time_calls, torch_dtype, write_json)
+from bench import peers
 from bench.hostmem import PinnedBuffer
 from bench.methods import (SdpaVariant, anchor_reference, anchor_rows, anchor_slice, backend_context, q_as_4d,
                            rel_error, sdpa, sdpa_variants)
@@ -62,6 +63,7 @@ class BenchOptions:
     compare_configs: tuple[dict, ...] = ()  # more configs of ours, each its own method ours[...]
     host_read_kernel: str = "sum_f32"
     hbm_read_kernel: str = "sum_f32"
+    peers: bool = True  # FlashAttention-4's methods (bench.peers) where it is installed
 
     def timing(self) -> dict:
         return {"warmup": self.warmup, "reps": self.reps, "max_total_s": self.max_rep_s,
@@ -201,6 +203,7 @@ class ShapeBench:
             self._build_anchor()
             self._ceiling_records()
             self._baselines()
+            self._peers()
             self._release_host()
             self._ours()
         finally:
@@ -298,6 +301,72 @@ class ShapeBench:
         self._sdpa_method("swap", swap_calls, swap_candidates, host_bytes=kv, resident=kv, staging_bytes=kv)
         del staging
         self.timer.sync()
+
+    # -- peers --
+    def _peers(self) -> None:
+        """FlashAttention-4's methods (bench.peers), listed as missing where it cannot run."""
+        if not self.opts.peers:
+            return
+        why = peers.unavailable(self.opts.device)
+        if why is not None:  # not installed here: said once per run, no records
+            self.doc["notes"]["peers"] = why
+            return
+        s, kv = self.shape, self.shape.kv_bytes
+        n = max(1, min(self.sets, peers.ONE_SET_BYTES // max(kv, 1)))
+        want_host = kv <= peers.MAX_HOST_BYTES
+        try:
+            fa = [peers.fa4_layout(self.inputs.kv_dev[i], self.opts.page_size, PinnedBuffer, want_host, s.q_len)
+                  for i in range(n)]
+        except Exception as e:  # noqa: BLE001 - out of memory for the copies: the peer is missing
+            self._peer_missing(peers.METHODS, f"FA4 inputs: {_short_error(e)}")
+            return
+        try:
+            qs = self.inputs.qs
+            self._peer_method("fa4[hbm]", [peers.hbm_call(qs[i], fa[i], s.batch, s.q_len) for i in range(n)],
+                              hbm_bytes=kv, hbm_fraction=1.0, resident=kv)
+            if not want_host:
+                self._peer_missing(peers.METHODS[1:], f"KV over {peers.MAX_HOST_BYTES >> 30} GiB: no host copy")
+                return
+            self._peer_method("fa4[zero_copy_paged]", [peers.zero_copy_paged_call(qs[i], fa[i], s.q_len)
+                                                       for i in range(n)], host_bytes=kv, resident=0)
+            for f in fa[1:]:
+                f.host.close()
+            del fa[1:]
+            staging = torch.empty(fa[0].host.cpu.shape, dtype=self.dtype, device=self.opts.device)
+            self._peer_method("swap+fa4", [peers.swap_call(qs[0], fa[0], staging, s.batch, s.q_len, s.context)],
+                              host_bytes=kv, resident=kv, staging_bytes=kv)
+            del staging
+        finally:
+            self.timer.sync()
+            for f in fa:
+                if f.host is not None:
+                    f.host.close()
+            del fa
+            gc.collect()
+
+    def _peer_missing(self, methods, reason: str) -> None:
+        for m in methods:
+            self._add(m, None)
+            self.doc["missing"].append({"shape": self.shape.label, "bench": self.shape.bench, "method": m,
+                                        "hbm_fractions": [], "reason": reason})
+
+    def _peer_method(self, name: str, calls: list[Callable], *, resident: int, host_bytes: int = 0,
+                     hbm_bytes: int = 0, staging_bytes: int = 0, hbm_fraction: float = 0.0) -> None:
+        """Check a peer's first call against the anchor and the HBM output, then time it."""
+        s = self.shape
+        kw = dict(host_bytes=host_bytes, hbm_bytes=hbm_bytes, staging_bytes=staging_bytes, hbm_fraction=hbm_fraction)
+        try:
+            out, extra = peak_extra_bytes(calls[0], self.opts.device)
+            ok, err = self._check(q_as_4d(out, s.batch, s.q_len))
+        except Exception as e:  # noqa: BLE001 - a peer refusing a shape is recorded, not fatal
+            self._peer_missing([name], _short_error(e))
+            return
+        add_check(self.doc, s, name, ok, hbm_fraction=hbm_fraction, rel_err=err, against=self._against())
+        if not ok:
+            self._add(name, None, gpu_bytes=resident, **kw)
+            return
+        ms = self._time(calls)
+        self._add(name, ms, gpu_bytes=resident + extra, **kw)
 
     def shape_variants(self) -> list[SdpaVariant]:
         return sdpa_variants(self.shape.q_len, self.shape.hq, self.shape.hkv)

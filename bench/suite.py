@@ -70,7 +70,8 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         num_layers=ns.num_layers, warmup=ns.warmup, reps=ns.reps, max_rep_s=ns.max_rep_s, tol=ns.tol,
         seed=ns.seed, max_gb=ns.max_gb, config=ns.config, compare_configs=tuple(ns.compare_configs),
         host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
-        hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"))
+        hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"),
+        peers=not getattr(ns, "no_peers", False))
 
 
 def bench_shapes(ns: argparse.Namespace, bench: str, device: str = "cuda"):
@@ -202,6 +203,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ceiling-gb", type=float, default=2.0, help="host buffer for the ceilings (HBM: twice)")
     g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--no-peers", action="store_true",
+                   help="leave out FlashAttention-4's methods (fa4[hbm], fa4[zero_copy_paged], swap+fa4)")
     g.add_argument("--no-progress", action="store_true")
 
 
