@@ -616,9 +616,13 @@ def config_method(cfg: dict) -> str:
 
 
 def _decode_config(cfg: dict | None):
+    """A config dict of the command line: ``{"kernel": "q_tiled", ...}`` is a QTiledConfig (the
+    staged Q-tiled kernel), any other a DecodeConfig."""
     if cfg is None:
         return None
-    from directkv_cute.config import DecodeConfig
+    from directkv_cute.config import DecodeConfig, QTiledConfig
+    if cfg.get("kernel") == "q_tiled":
+        return QTiledConfig.from_dict({k: v for k, v in cfg.items() if k != "kernel"})
     return DecodeConfig.from_dict(cfg)
 
 

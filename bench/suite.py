@@ -240,10 +240,11 @@ def _config(s: str) -> dict:
 
 
 def _checked_config(d: dict) -> dict:
-    """``d`` if it names a DecodeConfig (raises ConfigError, a ValueError, early otherwise)."""
-    from directkv_cute.config import DecodeConfig
+    """``d`` if it names a DecodeConfig, or with ``"kernel": "q_tiled"`` a QTiledConfig (raises
+    ConfigError, a ValueError, early otherwise)."""
+    from bench.harness import _decode_config
 
-    DecodeConfig.from_dict(d)
+    _decode_config(d)
     return d
 
 

@@ -107,6 +107,7 @@ class KernelTables(NamedTuple):
     cache_id: int = 0  # id() of the cache that built them (0: unknown, not checked)
     generation: int = -1  # the cache's page generation when they were built (-1: not checked)
     host_seq_lens: tuple | None = None  # the lengths on the host, for checks without a device read
+    host_table: object = None  # numpy int32 (B, max_pages): page_table on the host (staging plans)
 
     @property
     def is_hbm(self) -> torch.Tensor:
@@ -679,7 +680,7 @@ class PagedKVCache:
         # copy (stream synchronize) would on every attention call.
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :], id(self),
-                            self._generation, tuple(seq.length for seq in seqs))
+                            self._generation, tuple(seq.length for seq in seqs), table.copy())
 
     def check_tables(self, tables: KernelTables) -> None:
         """Raise ``StaleTablesError`` unless ``tables`` came from this cache's ``kernel_tables``

@@ -382,3 +382,69 @@ def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_
         return n_chunks
     wave = cfg.resident_occupancy(head_dim, elem_bytes) * num_sms
     return max(1, min(n_chunks, wave // max(1, batch * num_kv_heads * cfg.cluster)))
+
+
+@dataclass(frozen=True)
+class QTiledConfig:
+    """Static configuration of the Q-tiled kernel (``kernels/q_tiled.py``): one CTA per
+    (128 query rows, KV head, sequence) walks every KV tile its rows see, O held in registers,
+    the KV read from HBM (the HBM tier, or host pages the op staged into HBM).
+
+    tile_n:      KV tokens per ring stage.
+    stages:      depth of the SMEM ring.
+    carveout:    percent of the unified L1/SMEM reserved as SMEM.
+    piece_pages: staging only: pages per ready piece (0 = the op's choice): a tile is issued once
+                 the copy engine has finished the piece holding its pages, so compute starts after
+                 the first piece instead of the whole copy.
+    """
+
+    tile_n: int = 128
+    stages: int = 2
+    carveout: int = 100
+    piece_pages: int = 0
+
+    CONSUMER_WGS = 2
+
+    @property
+    def rows(self) -> int:
+        return 64 * self.CONSUMER_WGS
+
+    def ring_config(self) -> DecodeConfig:
+        """The fields the shared ring, producer and consumers read, as a DecodeConfig."""
+        return DecodeConfig(tile_n=self.tile_n, stages=self.stages, num_splits=1, ctas_per_sm=1,
+                            carveout=self.carveout, consumer_wgs=self.CONSUMER_WGS)
+
+    def problems(self, head_dim: int, page_size: int | None = None, elem_bytes: int = 2) -> list[str]:
+        out = []
+        if self.tile_n not in (64, 128):
+            out.append(f"tile_n {self.tile_n} must be 64 or 128")
+        if self.piece_pages < 0:
+            out.append("piece_pages must be >= 0 (0 = automatic)")
+        return out or self.ring_config().problems(head_dim, page_size, elem_bytes)
+
+    def check(self, head_dim: int, page_size: int | None = None, elem_bytes: int = 2) -> None:
+        problems = self.problems(head_dim, page_size, elem_bytes)
+        if problems:
+            raise ConfigError(f"{self}: " + "; ".join(problems))
+
+    def is_legal(self, head_dim: int, page_size: int | None = None, elem_bytes: int = 2) -> bool:
+        return not self.problems(head_dim, page_size, elem_bytes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QTiledConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown QTiledConfig fields: {sorted(unknown)}")
+        try:
+            return cls(**{k: int(v) for k, v in d.items()})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"bad QTiledConfig values {d}: {e}") from e
+
+
+def q_tiles(max_q_len: int, group: int, rows: int = 128) -> int:
+    """Q tiles (CTAs along x) of the Q-tiled kernel: ``rows // group`` tokens each."""
+    return math.ceil(max_q_len / (rows // group))

@@ -21,10 +21,13 @@ import math
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from directkv_cute.config import DecodeConfig, resident_splits
-from directkv_cute.tuning.space import op_kernel
+from directkv_cute.config import DecodeConfig, QTiledConfig, resident_splits
+from directkv_cute.plan import causal_flops, choose_staged
+from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
+from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
 
 
@@ -189,6 +192,12 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
 
+    if isinstance(config, QTiledConfig) or (config is None and group * max_q_len > STREAM_MAX_ROWS):
+        route = _q_tiled_route(q, cache, tables, q_lens, group, config)
+        if route is not None:
+            return _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
+                                   *route)
+
     cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
     check_config(cfg, d, cache.page_size)
     if group > cfg.rows:
@@ -225,6 +234,88 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
         fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident)
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
         launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
+    return (out, lse) if return_lse else out
+
+
+def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
+    """(QTiledConfig, StagePlan or None) when the Q-tiled kernel runs this call, else None.
+
+    It runs directly when every page is in HBM, or over host pages staged into HBM when the cost
+    model (``plan.choose_staged``) says the copy plus its compute beats the chunk kernel reading
+    in place. An explicit QTiledConfig always runs it, or raises where it cannot."""
+    explicit = isinstance(config, QTiledConfig)
+    host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
+
+    def refuse(why: str):
+        if explicit:
+            raise ValueError(f"QTiledConfig: {why}")
+        return None
+
+    if host_table is None or lens is None:
+        return refuse("needs tables from cache.kernel_tables() (the staging plan reads the host page table)")
+    if torch.cuda.is_current_stream_capturing():
+        return refuse("the staged Q-tiled path cannot be captured in a CUDA graph (its copies are planned per call)")
+    if group > 128:
+        return refuse(f"GQA group {group} exceeds the kernel's 128 query rows")
+    cfg = config if explicit else QTiledConfig()
+    _, hq, d = q.shape
+    P = cache.page_size
+    n_pages = [math.ceil(n / P) for n in lens]
+    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
+    if bool((used < 0).all()):
+        return cfg, None  # every page already in HBM
+    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
+    plan = plan_staging(host_table, lens, P, pp)
+    page_bytes = 2 * cache.num_kv_heads * P * d * q.element_size()
+    need = plan.pages * page_bytes
+    cap = staging_cap(_total_memory(q.device.index))
+    if need > cap:
+        return refuse(f"staging needs {need / 2**30:.2f} GiB of HBM, over the {cap / 2**30:.2f} GiB cap "
+                      "(DIRECTKV_MAX_STAGING_GB)")
+    if not explicit:
+        host_b = plan.host_pages * page_bytes
+        choice = choose_staged(host_b, need - host_b, causal_flops(lens, q_lens, hq, d), len(plan.pieces))
+        if not choice.staged:
+            return None
+    return cfg, plan
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_q_tiled(cfg: QTiledConfig, dtype, head_dim, page_size, group, wait_ready):
+    from directkv_cute.kernels.jit import compile_q_tiled
+
+    return compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready)
+
+
+def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
+                    cfg: QTiledConfig, plan):
+    """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer."""
+    from directkv_cute.config import q_tiles
+    from directkv_cute.kernels.launch import launch_q_tiled, link_counters
+
+    total_q, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    group = hq // hkv
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    fn = _compiled_q_tiled(cfg, q.dtype, d, cache.page_size, group, plan is not None)
+    host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+    n_qt = q_tiles(max_q_len, group, cfg.rows)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if plan is None:
+        ready = link_counters(q.device)  # never read without wait_ready
+        launch_q_tiled(fn, q, out, lse, host, cache.hbm_pool, cache.num_layers, layer, hkv, tables.page_table,
+                       tables.seq_lens, cu_q, ready, n_qt, 0, 1, scale)
+        return (out, lse) if return_lse else out
+    st = stager(q.device, torch.cuda.current_stream(q.device))
+    table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
+    with st.lock:
+        buf, flags, epoch = st.stage(cache, layer, plan)
+        piece_tiles = plan.piece_pages * cache.page_size // cfg.tile_n
+        launch_q_tiled(fn, q, out, lse, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, epoch,
+                       piece_tiles, scale)
+        st.finish()
     return (out, lse) if return_lse else out
 
 

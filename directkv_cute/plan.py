@@ -74,3 +74,47 @@ def decode_traffic(seq_lens, page_hbm, num_kv_heads, head_dim, page_size, tile_n
                 host += chunk * row
             tok += chunk
     return host, hbm
+
+
+# ---- staged vs in-place multi-token attention ---------------------------------------------------
+# Rates measured on the H200 (PCIe Gen5) on 2026-12-01; only their ratios steer the choice.
+LINK_GBPS = 51.0  # SM reads of pinned host memory (the zero-copy kernels' ceiling)
+MEMCPY_GBPS = 54.8  # the copy engine's H2D rate (the staging copies)
+D2D_GBPS = 1500.0  # HBM-to-HBM copies of pages already in HBM (read + write)
+CHUNKED_TFLOPS = 300.0  # the KV-outer chunk kernel's attention rate where it is compute-bound
+Q_TILED_TFLOPS = 550.0  # the Q-tiled kernel's
+STAGE_OVERHEAD_MS = 0.03  # the staged call's host work and first-piece latency beyond the model
+
+
+def causal_flops(seq_lens, q_lens, num_q_heads: int, head_dim: int) -> float:
+    """Multiply-add FLOPs (x2) of causal attention: query j of a sequence of length L and q_len
+    Q sees L - Q + j + 1 keys; two GEMMs (Q K^T, P V) of 2 x d FLOPs per (row, key)."""
+    pairs = sum(q * (n - q) + q * (q + 1) / 2 for n, q in zip(seq_lens, q_lens))
+    return 4.0 * num_q_heads * head_dim * pairs
+
+
+@dataclass(frozen=True)
+class StagedChoice:
+    """The cost model's verdict for one multi-token call (ms estimates)."""
+
+    in_place_ms: float  # the KV-outer chunk kernel reading host pages in place
+    staged_ms: float  # copy engine into HBM, piece by piece, overlapped with the Q-tiled kernel
+    staged: bool
+
+
+# Stage only chunks whose in-place compute reaches this share of their link time: below it the
+# in-place kernel sits at the link, and staging would only trade HBM for the copy engine's edge.
+COMPUTE_SHARE = 0.5
+
+
+def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, pieces: int) -> StagedChoice:
+    """Stage compute-bound chunks when the model says the copy + Q-tiled kernel beats reading in
+    place by 3%: the in-place kernel is bound by max(link, its compute); the staged one pays the
+    first piece's copy, then max(the rest of the copy, the Q-tiled compute)."""
+    link_ms = host_bytes / (LINK_GBPS * 1e6)
+    compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
+    in_place = max(link_ms, compute_ms)
+    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + hbm_bytes / (D2D_GBPS * 1e6)
+    first = copy_ms / max(1, pieces)
+    staged = first + max(copy_ms - first, flops / (Q_TILED_TFLOPS * 1e9)) + STAGE_OVERHEAD_MS
+    return StagedChoice(in_place, staged, compute_ms >= COMPUTE_SHARE * link_ms and staged < 0.97 * in_place)

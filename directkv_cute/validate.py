@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from directkv_cute.config import DecodeConfig
+from directkv_cute.config import DecodeConfig, QTiledConfig
 
 ALIGN = 16
 
@@ -100,8 +100,8 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
                     else type(out).__name__)
             raise ValueError(f"out must be a contiguous {tuple(q.shape)} {q.dtype} tensor on {q.device}, got {desc}")
     if config is not None:
-        if not isinstance(config, DecodeConfig):
-            raise TypeError(f"config must be a DecodeConfig, got {type(config).__name__}")
+        if not isinstance(config, (DecodeConfig, QTiledConfig)):
+            raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
         check_config(config, d, cache.page_size)
     if cuda:
         if not q.is_cuda:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from directkv_cute.config import DecodeConfig
+from directkv_cute.config import DecodeConfig, QTiledConfig
 from directkv_cute.paths import cache_root
 from directkv_cute.kernels import disk_cache, sources
 
@@ -164,6 +164,44 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident)
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
         *(Int32(1) for _ in range(9)), Float32(1.0), cuda.CUstream(0),
+    )
+    return cute.compile(kernel, *args)
+
+
+def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
+                wait_ready: bool):
+    # piece_pages is a runtime argument (piece_tiles); everything else generates code.
+    code = dataclasses.replace(cfg, piece_pages=0)
+    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), *dataclasses.astuple(code))
+
+
+def compile_q_tiled(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
+                    wait_ready: bool):
+    """Compile (once per key) the Q-tiled kernel over HBM-resident (or staged) KV; ``wait_ready``
+    makes its producer wait for each staged piece's ready flag."""
+    cfg.check(head_dim, page_size)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if not 1 <= group <= cfg.rows:
+        raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
+    key = q_tiled_key(cfg, dtype, head_dim, page_size, group, wait_ready)
+    return _cached_compile(key, lambda: _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready))
+
+
+def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from directkv_cute.kernels.q_tiled import QTiledAttention
+
+    dt = cutlass_dtype(dtype)
+    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready)
+    args = (
+        _ptr(dt), _ptr(dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
+        _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
+        *(Int32(1) for _ in range(11)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 

@@ -33,6 +33,38 @@ from directkv_cute.kernels.walk import CtaWork
 REGS = {(1, 1): (40, 232), (2, 1): (40, 232), (3, 1): (32, 160), (1, 2): (40, 216)}
 
 
+def shared_storage(dt, n_mbar: int, q_elems: int, kv_elems: int):
+    """The CTA's shared storage: the ring's mbarriers, the Q tile (none when ``q_elems`` is 0)
+    and the K and V rings, each tile 1 KB aligned (built with evaluated annotations, so a plain
+    host function can make it)."""
+    fields = {"mbar": cute.struct.MemRange[cutlass.Int64, n_mbar]}
+    if q_elems:
+        fields["sQ"] = cute.struct.Align[cute.struct.MemRange[dt, q_elems], 1024]
+    fields["sK"] = cute.struct.Align[cute.struct.MemRange[dt, kv_elems], 1024]
+    fields["sV"] = cute.struct.Align[cute.struct.MemRange[dt, kv_elems], 1024]
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+@dataclass
+class HostSetup:
+    """The host side's tensors and atoms (``PagedAttention.host_setup``)."""
+
+    mQ: cute.Tensor  # (total_q, Hq, d)
+    mO: cute.Tensor  # (splits | 1, total_q, Hq, d)
+    mLSE: cute.Tensor  # (splits | 1, total_q, Hq)
+    mKVh: cute.Tensor  # TMA coordinate view of the host pool (P, d, Xh)
+    mKVd: cute.Tensor  # TMA coordinate view of the HBM pool (P, d, Xd)
+    mPT: cute.Tensor  # (B, max_pages) int32
+    mSeqLen: cute.Tensor  # (B,)
+    mCuQ: cute.Tensor  # (B + 1,)
+    tma_h: cute.CopyAtom
+    tma_d: cute.CopyAtom
+    sQ_layout: cute.ComposedLayout  # (rows, d)
+    sKV_layout: cute.ComposedLayout  # (tile_n, d, stages)
+    tiled_mma_qk: cute.TiledMma
+    tiled_mma_pv: cute.TiledMma
+
+
 @dataclass
 class ConsumerRegs:
     """One consumer thread's view of its warpgroup's work: MMA slices, operand fragments,
@@ -126,8 +158,31 @@ class PagedAttention:
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
-        """The host side, shared by both kernels: global tensors, TMA atoms, MMAs and shared
-        storage, then the launch of the subclass's ``kernel``."""
+        """The host side of the split kernels: global tensors, TMA atoms, MMAs and shared storage
+        (``host_setup``), then the launch of the subclass's ``kernel``."""
+        h = self.host_setup(q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, batch,
+                            total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, num_splits)
+        mLink = cute.make_tensor(link_ptr, cute.make_layout(2))
+        C = self.cluster
+        self.kernel(
+            h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mLink,
+            num_kv_heads, num_layers, layer, num_splits, scale_log2,
+            h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
+        ).launch(
+            grid=[num_splits * C, num_kv_heads, batch],
+            block=[self.num_threads, 1, 1],
+            cluster=[C, 1, 1] if const_expr(C > 1) else None,
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=self.occupancy,
+            preferred_smem_carveout=self.carveout,
+        )
+
+    def host_setup(self, q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, batch,
+                   total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, num_splits) -> "HostSetup":
+        """What every kernel's host side builds (at trace time): the global tensors, the TMA
+        atoms of both pools, the two MMAs, the SMEM layouts and ``self.shared_storage``. With
+        ``split_out`` O and LSE are (splits, ...) fp32 partials, else (1, ...) final outputs."""
         d, P, dt = self.head_dim, self.page_size, self.dtype
         hq = num_kv_heads * self.group
         # Pools as (P, d, X): X indexes one (page, layer, kv_head, K|V) piece.
@@ -141,7 +196,6 @@ class PagedAttention:
         mPT = cute.make_tensor(page_table_ptr, cute.make_layout((batch, max_pages), stride=(max_pages, 1)))
         mSeqLen = cute.make_tensor(seq_lens_ptr, cute.make_layout(batch))
         mCuQ = cute.make_tensor(cu_q_ptr, cute.make_layout(batch + 1))
-        mLink = cute.make_tensor(link_ptr, cute.make_layout(2))
         if const_expr(self.split_out):
             # Partials of long prefills exceed 2^31 elements: 64-bit split strides.
             split_o = cute.assume(cutlass.Int64(total_q) * hq * d, divby=64)
@@ -175,35 +229,11 @@ class PagedAttention:
 
         n_mbar = 2 * self.stages + (1 if self.cluster_admit else 0)
 
-        @cute.struct
-        class SharedStorageQ:
-            mbar: cute.struct.MemRange[cutlass.Int64, n_mbar]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-
-        @cute.struct
-        class SharedStorageNoQ:  # q_regs: the ring only
-            mbar: cute.struct.MemRange[cutlass.Int64, n_mbar]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024]
-
-        SharedStorage = SharedStorageNoQ if const_expr(self.q_regs) else SharedStorageQ  # noqa: N806
+        SharedStorage = shared_storage(dt, n_mbar, 0 if self.q_regs else cute.cosize(sQ_layout), cute.cosize(sKV_layout))  # noqa: N806
         self.shared_storage = SharedStorage
         self.stage_bytes = stage_bytes
-        self.kernel(
-            mQ, mO, mLSE, tma_h, mKVh_tma, tma_d, mKVd_tma, mPT, mSeqLen, mCuQ, mLink,
-            num_kv_heads, num_layers, layer, num_splits, scale_log2,
-            sQ_layout, sKV_layout, tiled_mma_qk, tiled_mma_pv,
-        ).launch(
-            grid=[num_splits * C, num_kv_heads, batch],
-            block=[self.num_threads, 1, 1],
-            cluster=[C, 1, 1] if const_expr(C > 1) else None,
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=self.occupancy,
-            preferred_smem_carveout=self.carveout,
-        )
+        return HostSetup(mQ, mO, mLSE, mKVh_tma, mKVd_tma, mPT, mSeqLen, mCuQ, tma_h, tma_d, sQ_layout, sKV_layout,
+                         tiled_mma_qk, tiled_mma_pv)
 
     # ------------------------------------------------------------------------------------
     @cute.jit

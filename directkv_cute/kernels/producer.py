@@ -32,7 +32,7 @@ class KVProducer:
     consumers release the ring out of order and the CTA's exit needs no tail)."""
 
     def __init__(self, head_dim: int, page_size: int, tile_n: int, stages: int, copy_rows: int, cluster: int,
-                 max_inflight: int, link_credits: int, cluster_admit: bool, tail: bool):
+                 max_inflight: int, link_credits: int, cluster_admit: bool, tail: bool, wait_ready: bool = False):
         self.head_dim = head_dim
         self.page_size = page_size
         self.tile_n = tile_n
@@ -44,15 +44,21 @@ class KVProducer:
         self.link_credits = link_credits
         self.cluster_admit = cluster_admit
         self.tail = tail
+        # Staged KV (``staging``): before a tile is issued, the piece of the pages it reads must be
+        # marked ready (the copy stream writes ``epoch`` into its flag once the piece's copies
+        # are done).
+        self.wait_ready = wait_ready
 
     @cute.jit
     def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, cta, num_kv_heads, num_layers, layer,
-             admit):
+             admit, mReady=None, epoch=None, piece_tiles=None):
         """Producer: warp 0 walks the CTA's tiles (the pipeline and each TMA copy elect one lane).
         With q_cluster the CTAs of the cluster take turns over a tile's boxes (K and V of each
         page piece): each box is issued by one of them and multicast to all, so every row of
         the tile crosses the link once. ``cta``: the CTA's :class:`walk.CtaWork`; mKVh/mKVd (P, d, X)
-        TMA coordinate views of the pools, sK/sV (tile_n, d, stages), mPT (B, max_pages)."""
+        TMA coordinate views of the pools, sK/sV (tile_n, d, stages), mPT (B, max_pages). With
+        ``wait_ready``: mReady (pieces,) int32 flags, tile t reads piece t // piece_tiles, ready
+        once its flag has reached ``epoch``."""
         b, kvh, rank, n_pages, t_begin, t_end = cta.b, cta.kvh, cta.rank, cta.n_pages, cta.t_begin, cta.t_end
         rows, d = self.copy_rows, self.head_dim
         gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
@@ -86,7 +92,10 @@ class KVProducer:
         # of tile t, so a peer never has two signals pending.
         held = Int32(0)
         admit_phase = Int32(0)
+        ready = Int32(0)  # pieces [0, ready) seen ready (wait_ready)
         for t in cutlass.range(t_begin, t_end, unroll=1):
+            if const_expr(self.wait_ready):
+                ready = self.wait_piece(mReady, epoch, t // piece_tiles, ready)
             if const_expr(self.max_inflight > 0):
                 if t - t_begin >= self.max_inflight:
                     kv_pipe.consumer_wait(landed, kv_pipe.consumer_try_wait(landed))
@@ -142,6 +151,20 @@ class KVProducer:
                 self.link_report(mLink, rank)
         if const_expr(self.tail):
             kv_pipe.producer_tail(prod_state)
+
+    @cute.jit
+    def wait_piece(self, mReady, epoch, piece, ready):
+        """Wait until staged piece ``piece`` is marked ready (its flag - epoch >= 0, int32
+        differences), unless a later piece already was; returns the pieces known ready."""
+        if piece >= ready:
+            flag = cute.arch.load(mReady.iterator + piece, Int32, sem="acquire", scope="sys")
+            while flag - epoch < 0:
+                nanosleep(512)
+                flag = cute.arch.load(mReady.iterator + piece, Int32, sem="acquire", scope="sys")
+            # The copy engine wrote the piece; the TMA reads below go through the async proxy.
+            cute.arch.fence_proxy("async.global")
+            ready = piece + 1
+        return ready
 
     @cute.jit
     def tma_box(self, atom, src, dst, bar, rank, box: cutlass.Constexpr):

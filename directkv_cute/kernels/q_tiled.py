@@ -1,0 +1,194 @@
+"""Paged attention of multi-token queries over KV in HBM: the Q-tiled kernel (compute-bound
+chunks: long prefills, large chunked-prefill steps).
+
+One CTA per (128 query rows, KV head, sequence), heaviest tiles first (the last query rows see
+the most keys). Its producer warp (``producer.KVProducer``) streams every KV tile the rows see,
+causally bounded, from the HBM pool into the SMEM ring; two consumer warpgroups of 64 rows each
+keep O in registers across the whole walk and pipeline it as S(t) = Q K(t)^T issued together
+with O += P(t-1) V(t-1), the softmax of tile t running while that P V WGMMA is in flight. Tiles
+wholly below the first row's causal limit skip the mask. The CTA writes the final O and LSE: no
+partials, no combine.
+
+The KV must sit in HBM: each CTA reads all of it, so host pages would cross the link once per
+query tile. The op stages host pages into an HBM buffer with the copy engine first
+(``directkv_cute.staging``), piece by piece; with ``wait_ready`` the producer issues a tile once
+its piece's flag says the copy landed, so compute overlaps the copy.
+
+Legality: ``QTiledConfig.problems`` (tile_n 64 or 128, the ring within SMEM), GQA group <= 128.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
+
+from directkv_cute.config import QTiledConfig
+from directkv_cute.kernels.helpers import acc_as_operand_a, gemm, gemm_issue
+from directkv_cute.kernels.masks import mask_tile
+from directkv_cute.kernels.paged import REGS, PagedAttention
+from directkv_cute.kernels.softmax import rescale_rows, softmax_finalize, softmax_reset, softmax_step, softmax_update
+from directkv_cute.kernels.walk import CtaWork, NamedBarrier, RingState
+
+
+class QTiledAttention(PagedAttention):
+    """Q-outer over HBM-resident KV: each CTA's 128 query rows walk all their KV tiles."""
+
+    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: QTiledConfig, wait_ready: bool):
+        ring = cfg.ring_config()
+        super().__init__(dtype, head_dim, page_size, group, ring, False, copy_rows=min(page_size, cfg.tile_n),
+                         occupancy=1, tail=True)
+        self.wait_ready = wait_ready
+        self.producer.wait_ready = wait_ready
+
+    # ------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
+        o_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
+        lse_ptr: cute.Pointer,  # (total_q, Hq) fp32
+        host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d): read only through HBM entries' stand-in
+        hbm_ptr: cute.Pointer,  # HBM pool or staging buffer, same layout
+        page_table_ptr: cute.Pointer,  # (B, max_pages) int32, HBM entries
+        seq_lens_ptr: cute.Pointer,  # (B,) int32
+        cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
+        ready_ptr: cute.Pointer,  # (pieces,) int32 ready flags of the staged pieces (wait_ready)
+        batch: Int32,
+        total_q: Int32,
+        num_kv_heads: Int32,
+        num_layers: Int32,
+        layer: Int32,
+        host_pages: Int32,
+        hbm_pages: Int32,
+        max_pages: Int32,
+        n_q_tiles: Int32,
+        epoch: Int32,
+        piece_tiles: Int32,
+        scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        h = self.host_setup(q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, batch,
+                            total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, 1)
+        mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages))  # (pieces <= max_pages,)
+        self.kernel(
+            h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
+            num_kv_heads, num_layers, layer, epoch, piece_tiles, scale_log2,
+            h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
+        ).launch(
+            grid=[n_q_tiles, num_kv_heads, batch],
+            block=[self.num_threads, 1, 1],
+            smem=self.shared_storage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+            preferred_smem_carveout=self.carveout,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,  # (total_q, Hq, d)
+        mO: cute.Tensor,  # (1, total_q, Hq, d)
+        mLSE: cute.Tensor,  # (1, total_q, Hq)
+        tma_h: cute.CopyAtom,
+        mKVh: cute.Tensor,  # TMA coordinate view of the host pool (P, d, Xh)
+        tma_d: cute.CopyAtom,
+        mKVd: cute.Tensor,  # TMA coordinate view of the HBM pool (P, d, Xd)
+        mPT: cute.Tensor,  # (B, max_pages) int32
+        mSeqLen: cute.Tensor,  # (B,)
+        mCuQ: cute.Tensor,  # (B + 1,)
+        mReady: cute.Tensor,  # (pieces,) int32
+        num_kv_heads: Int32,
+        num_layers: Int32,
+        layer: Int32,
+        epoch: Int32,
+        piece_tiles: Int32,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ)
+        sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
+
+        if warp_idx < 4:
+            # ---------------- producer warpgroup: warp 0 streams the KV tiles with TMA --------
+            cute.arch.setmaxregister_decrease(REGS[self.wgs, 1][0])
+            if warp_idx == 0:
+                self.producer.load(
+                    kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
+                    admit, mReady, epoch, piece_tiles,
+                )
+        else:
+            # ---------------- consumer warpgroups: 64 rows each, O in registers --------------
+            cute.arch.setmaxregister_increase(REGS[self.wgs, 1][1])
+            w = self.consumer_regs(tidx, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv)
+            self.qio.load_q(mQ, sQ, cta.q_start, cta.q_len, cta.kvh, w.ctidx, tok0, w.n_cons, self.q_per_cta)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=w.n_cons)
+            softmax_reset(w.acc_O, w.row_max, w.row_sum)
+            self.attend_all(w, cta, kv_pipe, tok0, scale_log2)
+            softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
+            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0, tok0,
+                           self.q_per_cta)
+
+    @cute.jit
+    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor):
+        """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
+        (heaviest) down; a tile past its sequence's queries gets no KV tiles and stores nothing."""
+        tile_n, qpc = self.tile_n, self.q_per_cta
+        mt, kvh, b = cute.arch.block_idx()
+        n_mt, _, _ = cute.arch.grid_dim()
+        seq_len = mSeqLen[b]
+        q_start = mCuQ[b]
+        q_len = mCuQ[b + 1] - q_start
+        tok0 = (n_mt - 1 - mt) * qpc
+        last_tok = cutlass.min(q_len, tok0 + qpc) - 1
+        key_end = seq_len - q_len + last_tok + 1  # keys the tile's last token sees
+        t_end = Int32(0)
+        if tok0 < q_len:
+            t_end = (key_end + tile_n - 1) // tile_n
+        n_pages = (seq_len + self.page_size - 1) // self.page_size
+        return CtaWork(0, kvh, b, 0, seq_len, q_start, q_len, n_pages, Int32(0), t_end), tok0
+
+    @cute.jit
+    def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
+        """Every KV tile [0, t_end) as it lands, for this warpgroup's rows, software pipelined:
+        S(t) and P(t-1) V(t-1) are issued together; tile t-1 is released once both are done."""
+        tile_n, group = self.tile_n, self.group
+        seq_len, q_len, n = cta.seq_len, cta.q_len, cta.t_end
+        acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt = w.acc_S, w.acc_O, w.tOrP, w.tSrQ, w.tSrK, w.tOrVt
+        row_max, row_sum, row_scale, tScS = w.row_max, w.row_sum, w.row_scale, w.tScS
+        wait_state = RingState.consumer(self.stages)
+        free_state = RingState.consumer(self.stages)
+        if n > 0:
+            kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+            st = wait_state.index
+            gemm(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+            mask_tile(acc_S, 0, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
+            softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+            wait_state.advance()
+            for t in cutlass.range(1, n, unroll=1):
+                st_prev = st
+                kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+                st = wait_state.index
+                warpgroup.fence()
+                gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+                gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev], False)
+                warpgroup.wait_group(1)  # S(t) is ready; P V of tile t-1 may still run
+                mask_tile(acc_S, t, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
+                softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2)
+                warpgroup.wait_group(0)
+                kv_pipe.consumer_release(free_state)  # tile t-1: its K and V are read
+                free_state.advance()
+                rescale_rows(acc_O, row_scale)
+                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
+                wait_state.advance()
+            gemm(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st], False)
+            kv_pipe.consumer_release(free_state)

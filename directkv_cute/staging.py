@@ -1,0 +1,197 @@
+"""Staging host KV into HBM for compute-bound chunks, overlapped with the attention kernel.
+
+When a chunk's attention costs more compute than its KV costs link time (long prefills), the
+Q-tiled kernel (``kernels/q_tiled.py``) runs at the GPU's compute speed only over KV in HBM:
+read in place from host it would pull every page across the link once per query tile. So the
+op copies the batch's pages of one layer into an HBM buffer with the copy engine (one
+``cudaMemcpy2DAsync`` per run of consecutive pages, which also runs faster than SM reads of
+host memory) on a side stream, *piece by piece*: after each piece (``piece_pages`` logical pages
+of every sequence) the stream writes the call's epoch into that piece's ready flag
+(``cuStreamWriteValue32``, executed by the stream front end after the copies, behind a memory
+fence). The kernel is launched right away; its producer issues a tile once its piece is ready,
+so compute starts after the first piece and overlaps the rest of the copy. Host bytes moved =
+the unique KV, once.
+
+Planning (``plan_staging``) is plain Python on the host page table; the device part is
+``Stager``, one per (device, stream), holding the side stream, the buffer and the flags.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_PIECES = 64  # ready flags per stager; pieces beyond are merged into fewer, larger ones
+_STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One copy: ``count`` consecutive pages of a tier (``hbm``: the HBM pool, else the host
+    pool) from page ``src`` to staging page ``dst``."""
+
+    hbm: bool
+    src: int
+    dst: int
+    count: int
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """The copies of one staged call, piece by piece, and the page table over the buffer."""
+
+    pieces: tuple[tuple[Run, ...], ...]  # piece p: the runs of logical pages [p * pp, (p + 1) * pp)
+    table: np.ndarray  # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1)
+    pages: int  # staging pages used
+    piece_pages: int  # pp
+
+    @property
+    def host_pages(self) -> int:
+        return sum(r.count for piece in self.pieces for r in piece if not r.hbm)
+
+
+def piece_pages_for(max_pages: int, page_size: int, tile_n: int, want: int = 0, pieces: int = 16) -> int:
+    """Pages per ready piece: ``want`` (0: about ``pieces`` pieces over the longest sequence),
+    rounded up to whole KV tiles, and coarse enough for at most ``MAX_PIECES`` flags."""
+    tile_pages = max(1, tile_n // page_size)
+    pp = want or math.ceil(max_pages / pieces)
+    pp = max(pp, math.ceil(max_pages / MAX_PIECES), 1)
+    return math.ceil(pp / tile_pages) * tile_pages
+
+
+def _runs(entries: np.ndarray, first_dst: int) -> list[Run]:
+    """Maximal runs of same-tier, consecutive pages in encoded entries (>= 0 host page, < 0
+    HBM page -e - 1), copied to staging pages from ``first_dst`` on."""
+    if entries.size == 0:
+        return []
+    hbm = entries < 0
+    src = np.where(hbm, -entries.astype(np.int64) - 1, entries.astype(np.int64))
+    brk = np.flatnonzero((hbm[1:] != hbm[:-1]) | (np.diff(src) != 1)) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [entries.size]))
+    return [Run(bool(hbm[s]), int(src[s]), first_dst + int(s), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: int) -> StagePlan:
+    """The copies and staged page table for a batch: sequence b's logical page j goes to staging
+    page ``base[b] + j`` (sequences back to back); piece p holds logical pages
+    [p * piece_pages, (p + 1) * piece_pages) of every sequence."""
+    table = np.asarray(host_table, dtype=np.int32)
+    if table.ndim != 2 or table.shape[0] != len(seq_lens):
+        raise ValueError(f"host_table {table.shape} does not match {len(seq_lens)} sequences")
+    if piece_pages < 1:
+        raise ValueError(f"piece_pages must be >= 1, got {piece_pages}")
+    n_pages = [math.ceil(int(n) / page_size) for n in seq_lens]
+    if min(n_pages) < 1 or max(n_pages) > table.shape[1]:
+        raise ValueError(f"sequence lengths {list(seq_lens)[:8]} do not fit the table's {table.shape[1]} pages")
+    base = np.concatenate(([0], np.cumsum(n_pages)[:-1])).astype(np.int64)
+    staged = np.empty_like(table)
+    for b, n in enumerate(n_pages):
+        idx = -(base[b] + np.arange(n, dtype=np.int64)) - 1
+        staged[b, :n] = idx
+        staged[b, n:] = idx[-1]
+    n_pieces = math.ceil(max(n_pages) / piece_pages)
+    pieces = []
+    for p in range(n_pieces):
+        lo = p * piece_pages
+        runs: list[Run] = []
+        for b, n in enumerate(n_pages):
+            hi = min(n, lo + piece_pages)
+            if lo < hi:
+                runs += _runs(table[b, lo:hi], int(base[b]) + lo)
+        pieces.append(tuple(runs))
+    return StagePlan(tuple(pieces), staged, int(sum(n_pages)), piece_pages)
+
+
+def staging_cap(total_memory: int) -> int:
+    """Bytes the staging buffer may take: ``DIRECTKV_MAX_STAGING_GB``, else an eighth of the GPU."""
+    gb = float(os.environ.get(_STAGING_ENV, "0") or 0)
+    return int(gb * 2**30) if gb > 0 else total_memory // 8
+
+
+def _check(result, what: str):
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) != 0:
+        raise RuntimeError(f"staging: {what} failed ({err})")
+
+
+class Stager:
+    """The side stream, staging buffer and ready flags of one (device, stream)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.flags = torch.zeros(MAX_PIECES, dtype=torch.int32, device=self.device)
+        self.buffer = None  # (pages, 1, Hkv, 2, P, d)
+        self.epoch = 0
+        self.lock = threading.Lock()
+
+    def _buffer(self, pages: int, like_shape, dtype):
+        import torch
+
+        shape = (pages, 1, *like_shape)
+        buf = self.buffer
+        if buf is None or buf.dtype != dtype or tuple(buf.shape[2:]) != tuple(like_shape) or buf.shape[0] < pages:
+            if buf is not None:
+                torch.cuda.synchronize(self.device)  # the old buffer may still be read or written
+            self.buffer = None
+            grow = pages if buf is None else max(pages, int(buf.shape[0] * 1.25))
+            self.buffer = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
+        return self.buffer[: shape[0]]
+
+    def stage(self, cache, layer: int, plan: StagePlan):
+        """Queue the plan's copies and ready flags on the side stream after the current stream's
+        work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). The caller launches
+        the kernel on the current stream, then calls ``finish``."""
+        import cuda.bindings.driver as drv
+        import cuda.bindings.runtime as rt
+        import torch
+
+        host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+        hbm = cache.hbm_pool
+        piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
+        buf = self._buffer(plan.pages, piece_shape, host.dtype)
+        width = int(np.prod(piece_shape)) * host.element_size()  # one page of one layer
+        layers = host.shape[1]
+        self.epoch = self.epoch % (2**31 - 2) + 1
+        epoch = self.epoch
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # new tokens' K/V stored, and the buffer's last reader done
+        s = self.stream.cuda_stream
+        kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+        for p, runs in enumerate(plan.pieces):
+            for r in runs:
+                pool = hbm if r.hbm else host
+                src = pool.data_ptr() + (r.src * layers + layer) * width
+                dst = buf.data_ptr() + r.dst * width
+                _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, width, r.count, kind, s),
+                       "cudaMemcpy2DAsync")
+            _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * p), epoch, 0),
+                   "cuStreamWriteValue32")
+        return buf, self.flags, epoch
+
+    def finish(self):
+        """After the kernel's launch: later work on the current stream waits for the copies."""
+        import torch
+
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+_STAGERS: dict = {}
+_STAGERS_LOCK = threading.Lock()
+
+
+def stager(device, stream) -> Stager:
+    """The Stager of (device, stream): each stream stages into its own buffer."""
+    key = (str(device), int(stream.cuda_stream))
+    with _STAGERS_LOCK:
+        st = _STAGERS.get(key)
+        if st is None:
+            st = _STAGERS[key] = Stager(device)
+        return st

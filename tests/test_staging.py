@@ -1,0 +1,146 @@
+"""CPU tests of the staged Q-tiled path's host side: the staging plan, the piece size, the cost
+model, the config's legality and compile key."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from directkv_cute.config import ConfigError, QTiledConfig, q_tiles
+from directkv_cute.plan import causal_flops, choose_staged
+from directkv_cute.staging import MAX_PIECES, piece_pages_for, plan_staging
+
+
+def _encode(tier_hbm: bool, page: int) -> int:
+    return -page - 1 if tier_hbm else page
+
+
+@st.composite
+def batches(draw):
+    page = draw(st.sampled_from([16, 64, 128]))
+    lens = draw(st.lists(st.integers(1, 40 * page), min_size=1, max_size=5))
+    n_pages = [math.ceil(n / page) for n in lens]
+    width = max(n_pages) + draw(st.integers(0, 3))
+    # A shuffled pool of host and HBM page ids, some runs consecutive, some not.
+    host_ids = draw(st.permutations(range(sum(n_pages) + 8)))
+    table = np.zeros((len(lens), width), dtype=np.int32)
+    k = 0
+    for b, n in enumerate(n_pages):
+        consecutive = draw(st.booleans())
+        start = draw(st.integers(0, 1000))
+        for j in range(n):
+            hbm = draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else False
+            pid = (start + j) if consecutive else host_ids[k]
+            table[b, j] = _encode(hbm, pid)
+            k += 1
+        table[b, n:] = table[b, n - 1]
+    pp = draw(st.integers(1, 12))
+    return table, lens, page, pp
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches())
+def test_plan_copies_every_page_once_to_its_staged_slot(case):
+    table, lens, page, pp = case
+    plan = plan_staging(table, lens, page, pp)
+    n_pages = [math.ceil(n / page) for n in lens]
+    assert plan.pages == sum(n_pages)
+    assert len(plan.pieces) == math.ceil(max(n_pages) / pp)
+    # Replay the copies: staging slot -> (tier, source page).
+    landed = {}
+    for p, runs in enumerate(plan.pieces):
+        for r in runs:
+            assert r.count >= 1
+            for i in range(r.count):
+                assert r.dst + i not in landed, "a staging page written twice"
+                landed[r.dst + i] = (r.hbm, r.src + i, p)
+    assert sorted(landed) == list(range(plan.pages))
+    for b, n in enumerate(n_pages):
+        for j in range(n):
+            e = int(plan.table[b, j])
+            assert e < 0, "staged entries are HBM entries"
+            slot = -e - 1
+            hbm, src, piece = landed[slot]
+            assert _encode(hbm, src) == table[b, j]
+            assert piece == j // pp, "a page copied in another piece than the kernel waits for"
+        # Past the sequence's pages the last entry repeats (a valid page).
+        assert (plan.table[b, n:] == plan.table[b, n - 1]).all()
+    assert plan.host_pages == sum(1 for b, n in enumerate(n_pages) for j in range(n) if table[b, j] >= 0)
+
+
+def test_plan_merges_consecutive_pages_into_one_copy():
+    table = np.array([[5, 6, 7, 8, -1, -2, 20, 21]], dtype=np.int32)
+    plan = plan_staging(table, [8 * 64], 64, 8)
+    runs = plan.pieces[0]
+    assert [(r.hbm, r.src, r.dst, r.count) for r in runs] == [(False, 5, 0, 4), (True, 0, 4, 2), (False, 20, 6, 2)]
+
+
+def test_plan_rejects_bad_input():
+    table = np.zeros((2, 4), dtype=np.int32)
+    with pytest.raises(ValueError, match="does not match"):
+        plan_staging(table, [64], 64, 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        plan_staging(table, [64, 5 * 64], 64, 2)
+    with pytest.raises(ValueError, match="piece_pages"):
+        plan_staging(table, [64, 64], 64, 0)
+
+
+@pytest.mark.parametrize("max_pages,page,tile,want", [(512, 64, 128, 0), (3, 64, 128, 0), (10000, 16, 128, 0),
+                                                      (512, 128, 64, 0), (512, 64, 128, 5)])
+def test_piece_pages_cover_whole_tiles_and_bound_the_flags(max_pages, page, tile, want):
+    pp = piece_pages_for(max_pages, page, tile, want)
+    assert (pp * page) % tile == 0
+    assert math.ceil(max_pages / pp) <= MAX_PIECES
+    if want:
+        assert pp >= want
+
+
+def test_causal_flops_match_a_direct_count():
+    lens, q_lens, hq, d = [100, 37], [10, 37], 4, 8
+    pairs = sum(n - q + j + 1 for n, q in zip(lens, q_lens) for j in range(q))
+    assert causal_flops(lens, q_lens, hq, d) == 4 * hq * d * pairs
+
+
+def test_cost_model_stages_compute_bound_chunks_only():
+    kv = 2 * 32768 * 8 * 128 * 2  # 32k tokens, one layer
+    decode_like = choose_staged(kv, 0, causal_flops([32768], [64], 32, 128), 16)
+    link_bound = choose_staged(kv, 0, causal_flops([32768], [512], 32, 128), 16)
+    assert not link_bound.staged
+    long_prefill = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), 16)
+    assert not decode_like.staged
+    assert long_prefill.staged and long_prefill.staged_ms < long_prefill.in_place_ms
+    # Never below the copy it needs, nor below its compute.
+    assert long_prefill.staged_ms >= kv / 54.8e6
+
+
+def test_q_tiled_config_legality():
+    assert QTiledConfig().is_legal(128, 64)
+    assert QTiledConfig(tile_n=64, stages=4).is_legal(64, 16)
+    with pytest.raises(ConfigError, match="tile_n"):
+        QTiledConfig(tile_n=32).check(128, 64)
+    with pytest.raises(ConfigError, match="SMEM"):
+        QTiledConfig(tile_n=128, stages=4).check(128, 64)
+    with pytest.raises(ConfigError, match="piece_pages"):
+        QTiledConfig(piece_pages=-1).check(128, 64)
+    assert QTiledConfig.from_dict({"tile_n": 64}).tile_n == 64
+    with pytest.raises(ConfigError, match="unknown"):
+        QTiledConfig.from_dict({"chunk_tiles": 2})
+    assert q_tiles(8192, 4) == 256 and q_tiles(33, 4) == 2 and q_tiles(1, 128) == 1
+
+
+def test_q_tiled_compile_key_ignores_only_the_runtime_piece_size():
+    import torch
+
+    from directkv_cute.kernels.jit import q_tiled_key
+
+    base = q_tiled_key(QTiledConfig(), torch.bfloat16, 128, 64, 4, True)
+    assert q_tiled_key(QTiledConfig(piece_pages=8), torch.bfloat16, 128, 64, 4, True) == base
+    for other in (q_tiled_key(QTiledConfig(stages=3, tile_n=64), torch.bfloat16, 128, 64, 4, True),
+                  q_tiled_key(QTiledConfig(), torch.bfloat16, 128, 64, 4, False),
+                  q_tiled_key(QTiledConfig(), torch.float16, 128, 64, 4, True),
+                  q_tiled_key(QTiledConfig(), torch.bfloat16, 128, 64, 8, True)):
+        assert other != base
