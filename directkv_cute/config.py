@@ -396,12 +396,16 @@ class QTiledConfig:
     piece_pages: staging only: pages per ready piece (0 = the op's choice): a tile is issued once
                  the copy engine has finished the piece holding its pages, so compute starts after
                  the first piece instead of the whole copy.
+    pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
+                 handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
+                 busy; 0 = each issues as soon as it is ready.
     """
 
     tile_n: int = 128
     stages: int = 2
     carveout: int = 100
     piece_pages: int = 0
+    pingpong: int = 1
 
     CONSUMER_WGS = 2
 
@@ -420,6 +424,8 @@ class QTiledConfig:
             out.append(f"tile_n {self.tile_n} must be 64 or 128")
         if self.piece_pages < 0:
             out.append("piece_pages must be >= 0 (0 = automatic)")
+        if self.pingpong not in (0, 1):
+            out.append(f"pingpong {self.pingpong} must be 0 or 1")
         return out or self.ring_config().problems(head_dim, page_size, elem_bytes)
 
     def check(self, head_dim: int, page_size: int | None = None, elem_bytes: int = 2) -> None:

@@ -28,9 +28,14 @@ from cutlass.cute.nvgpu import warpgroup
 from directkv_cute.config import QTiledConfig
 from directkv_cute.kernels.helpers import acc_as_operand_a, gemm, gemm_issue
 from directkv_cute.kernels.masks import mask_tile
-from directkv_cute.kernels.paged import REGS, PagedAttention
+from directkv_cute.kernels.paged import PagedAttention
 from directkv_cute.kernels.softmax import rescale_rows, softmax_finalize, softmax_reset, softmax_step, softmax_update
 from directkv_cute.kernels.walk import CtaWork, NamedBarrier, RingState
+
+
+# setmaxnreg budgets (producer warpgroup, each consumer warpgroup): 128 x (24 + 2 x 240) = 64512 of
+# the SM's 64K. The consumers hold S and O of a 64 x 128 tile (128 fp32 registers) and P.
+Q_TILED_REGS = (24, 240)
 
 
 class QTiledAttention(PagedAttention):
@@ -42,6 +47,7 @@ class QTiledAttention(PagedAttention):
                          occupancy=1, tail=True)
         self.wait_ready = wait_ready
         self.producer.wait_ready = wait_ready
+        self.pingpong = bool(cfg.pingpong)
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -118,7 +124,7 @@ class QTiledAttention(PagedAttention):
 
         if warp_idx < 4:
             # ---------------- producer warpgroup: warp 0 streams the KV tiles with TMA --------
-            cute.arch.setmaxregister_decrease(REGS[self.wgs, 1][0])
+            cute.arch.setmaxregister_decrease(Q_TILED_REGS[0])
             if warp_idx == 0:
                 self.producer.load(
                     kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
@@ -126,7 +132,7 @@ class QTiledAttention(PagedAttention):
                 )
         else:
             # ---------------- consumer warpgroups: 64 rows each, O in registers --------------
-            cute.arch.setmaxregister_increase(REGS[self.wgs, 1][1])
+            cute.arch.setmaxregister_increase(Q_TILED_REGS[1])
             w = self.consumer_regs(tidx, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv)
             self.qio.load_q(mQ, sQ, cta.q_start, cta.q_len, cta.kvh, w.ctidx, tok0, w.n_cons, self.q_per_cta)
             cute.arch.fence_view_async_shared()
@@ -159,7 +165,9 @@ class QTiledAttention(PagedAttention):
     @cute.jit
     def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
         """Every KV tile [0, t_end) as it lands, for this warpgroup's rows, software pipelined:
-        S(t) and P(t-1) V(t-1) are issued together; tile t-1 is released once both are done."""
+        S(t) and P(t-1) V(t-1) are issued together; tile t-1 is released once both are done.
+        With pingpong the two warpgroups alternate their issues (turn_wait / turn_done): both
+        make the same n + 1 issues, warpgroup 1 first hands the first turn to warpgroup 0."""
         tile_n, group = self.tile_n, self.group
         seq_len, q_len, n = cta.seq_len, cta.q_len, cta.t_end
         acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt = w.acc_S, w.acc_O, w.tOrP, w.tSrQ, w.tSrK, w.tOrVt
@@ -167,9 +175,16 @@ class QTiledAttention(PagedAttention):
         wait_state = RingState.consumer(self.stages)
         free_state = RingState.consumer(self.stages)
         if n > 0:
+            if const_expr(self.pingpong):
+                if w.wg == 1:  # warpgroup 0 issues first
+                    self.turn_done(0)
             kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
             st = wait_state.index
-            gemm(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+            self.turn_wait(w.wg)
+            warpgroup.fence()
+            gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+            self.turn_done(1 - w.wg)
+            warpgroup.wait_group(0)
             mask_tile(acc_S, 0, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
             softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
@@ -178,9 +193,11 @@ class QTiledAttention(PagedAttention):
                 st_prev = st
                 kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
                 st = wait_state.index
+                self.turn_wait(w.wg)
                 warpgroup.fence()
                 gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
                 gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev], False)
+                self.turn_done(1 - w.wg)
                 warpgroup.wait_group(1)  # S(t) is ready; P V of tile t-1 may still run
                 mask_tile(acc_S, t, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
                 softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2)
@@ -190,5 +207,21 @@ class QTiledAttention(PagedAttention):
                 rescale_rows(acc_O, row_scale)
                 tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
                 wait_state.advance()
-            gemm(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st], False)
+            self.turn_wait(w.wg)
+            warpgroup.fence()
+            gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st], False)
+            self.turn_done(1 - w.wg)
+            warpgroup.wait_group(0)
             kv_pipe.consumer_release(free_state)
+
+    @cute.jit
+    def turn_wait(self, wg):
+        """Pingpong: wait until the other warpgroup has issued its WGMMAs (its arrive on ours)."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=int(NamedBarrier.SCHED_BASE) + wg, number_of_threads=256)
+
+    @cute.jit
+    def turn_done(self, other):
+        """Pingpong: hand the tensor cores to warpgroup ``other``."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=int(NamedBarrier.SCHED_BASE) + other, number_of_threads=256)

@@ -18,6 +18,7 @@ class NamedBarrier(IntEnum):
 
     Q_STORED = 1  # streaming: every consumer thread has stored its part of the Q tile
     WG_BASE = 2  # multi-token: warpgroup wg syncs its own 128 threads on WG_BASE + wg
+    SCHED_BASE = 4  # Q-tiled pingpong: warpgroup wg waits on SCHED_BASE + wg for its turn at the tensor cores
 
 
 @dataclass
