@@ -396,15 +396,19 @@ class QTiledConfig:
     piece_pages: staging only: pages per ready piece (0 = the op's choice): a tile is issued once
                  the copy engine has finished the piece holding its pages, so compute starts after
                  the first piece instead of the whole copy.
+    splits:      staging only: KV splits (0 = the op's choice), each a run of pieces written as
+                 fp32 partials and combined: the CTAs of early splits run while later pieces still
+                 copy, instead of every CTA's walk being paced by the copy.
     pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
                  handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
                  busy; 0 = each issues as soon as it is ready.
     """
 
     tile_n: int = 128
-    stages: int = 2
+    stages: int = 3
     carveout: int = 100
     piece_pages: int = 0
+    splits: int = 0
     pingpong: int = 1
 
     CONSUMER_WGS = 2
@@ -424,6 +428,8 @@ class QTiledConfig:
             out.append(f"tile_n {self.tile_n} must be 64 or 128")
         if self.piece_pages < 0:
             out.append("piece_pages must be >= 0 (0 = automatic)")
+        if self.splits < 0:
+            out.append("splits must be >= 0 (0 = automatic)")
         if self.pingpong not in (0, 1):
             out.append(f"pingpong {self.pingpong} must be 0 or 1")
         return out or self.ring_config().problems(head_dim, page_size, elem_bytes)

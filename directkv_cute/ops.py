@@ -281,41 +281,55 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled_q_tiled(cfg: QTiledConfig, dtype, head_dim, page_size, group, wait_ready):
+def _compiled_q_tiled(cfg: QTiledConfig, dtype, head_dim, page_size, group, wait_ready, split_out):
     from directkv_cute.kernels.jit import compile_q_tiled
 
-    return compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready)
+    return compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_out)
 
 
 def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
                     cfg: QTiledConfig, plan):
-    """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer."""
+    """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer, in
+    ``q_tiled_splits`` KV splits (combined afterwards) when staged."""
     from directkv_cute.config import q_tiles
-    from directkv_cute.kernels.launch import launch_q_tiled, link_counters
+    from directkv_cute.kernels.launch import launch_combine, launch_q_tiled, link_counters
+    from directkv_cute.plan import q_tiled_splits
 
     total_q, hq, d = q.shape
-    hkv = cache.num_kv_heads
+    hkv, P = cache.num_kv_heads, cache.page_size
     group = hq // hkv
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    fn = _compiled_q_tiled(cfg, q.dtype, d, cache.page_size, group, plan is not None)
     host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
     n_qt = q_tiles(max_q_len, group, cfg.rows)
+    max_tiles = math.ceil(max(tables.host_seq_lens) / cfg.tile_n)
+    if plan is None:
+        splits, split_tiles, piece_tiles = 1, max_tiles, 1
+    else:
+        piece_tiles = plan.piece_pages * P // cfg.tile_n
+        splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits)
+    fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, splits > 1)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if splits > 1:
+        o_k = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
+        lse_k = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
+    else:
+        o_k, lse_k = out, lse
     if plan is None:
         ready = link_counters(q.device)  # never read without wait_ready
-        launch_q_tiled(fn, q, out, lse, host, cache.hbm_pool, cache.num_layers, layer, hkv, tables.page_table,
-                       tables.seq_lens, cu_q, ready, n_qt, 0, 1, scale)
-        return (out, lse) if return_lse else out
-    st = stager(q.device, torch.cuda.current_stream(q.device))
-    table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
-    with st.lock:
-        buf, flags, epoch = st.stage(cache, layer, plan)
-        piece_tiles = plan.piece_pages * cache.page_size // cfg.tile_n
-        launch_q_tiled(fn, q, out, lse, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, epoch,
-                       piece_tiles, scale)
-        st.finish()
+        launch_q_tiled(fn, q, o_k, lse_k, host, cache.hbm_pool, cache.num_layers, layer, hkv, tables.page_table,
+                       tables.seq_lens, cu_q, ready, n_qt, splits, split_tiles, 0, 1, scale)
+    else:
+        st = stager(q.device, torch.cuda.current_stream(q.device))
+        table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
+        with st.lock:
+            buf, flags, epoch = st.stage(cache, layer, plan)
+            launch_q_tiled(fn, q, o_k, lse_k, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
+                           split_tiles, epoch, piece_tiles, scale)
+            st.finish()
+    if splits > 1:
+        launch_combine(_compiled_combine(d, q.dtype), o_k, lse_k, out, lse, splits)
     return (out, lse) if return_lse else out
 
 

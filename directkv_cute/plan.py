@@ -82,7 +82,8 @@ LINK_GBPS = 51.0  # SM reads of pinned host memory (the zero-copy kernels' ceili
 MEMCPY_GBPS = 54.8  # the copy engine's H2D rate (the staging copies)
 D2D_GBPS = 1500.0  # HBM-to-HBM copies of pages already in HBM (read + write)
 CHUNKED_TFLOPS = 300.0  # the KV-outer chunk kernel's attention rate where it is compute-bound
-Q_TILED_TFLOPS = 550.0  # the Q-tiled kernel's
+Q_TILED_TFLOPS = 640.0  # the Q-tiled kernel's (tile 128, 3 stages, pingpong)
+STAGED_SPLITS = 4  # KV splits of a staged call
 STAGE_OVERHEAD_MS = 0.03  # the staged call's host work and first-piece latency beyond the model
 
 
@@ -115,6 +116,15 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, pieces: int) ->
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms)
     copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + hbm_bytes / (D2D_GBPS * 1e6)
-    first = copy_ms / max(1, pieces)
+    first = copy_ms / max(1, min(pieces, STAGED_SPLITS))
     staged = first + max(copy_ms - first, flops / (Q_TILED_TFLOPS * 1e9)) + STAGE_OVERHEAD_MS
     return StagedChoice(in_place, staged, compute_ms >= COMPUTE_SHARE * link_ms and staged < 0.97 * in_place)
+
+
+def q_tiled_splits(max_tiles: int, piece_tiles: int, want: int = 0) -> tuple[int, int]:
+    """(splits, tiles per split) of a staged Q-tiled call: ``want`` (0: ``STAGED_SPLITS``) runs of
+    whole pieces over the longest sequence's tiles; fewer when there are fewer pieces."""
+    want = want or STAGED_SPLITS
+    per = math.ceil(max_tiles / want)
+    per = max(piece_tiles, math.ceil(per / piece_tiles) * piece_tiles)
+    return math.ceil(max_tiles / per), per

@@ -25,6 +25,9 @@ CASES = [
     ([4099], [300], 64, 8, 128, 32, torch.bfloat16, 1.0, QTiledConfig(tile_n=64, stages=3)),
     ([9000], [4096], 32, 2, 128, 64, torch.bfloat16, 0.0, QTiledConfig(piece_pages=4)),  # group 16
     ([333, 1], [333, 1], 8, 8, 64, 16, torch.float16, 0.0, QTiledConfig(tile_n=64, stages=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=3, piece_pages=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.float16, 0.3, QTiledConfig(splits=1)),
+    ([5000], [17], 32, 8, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=8, piece_pages=8)),
 ]
 
 

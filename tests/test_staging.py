@@ -144,3 +144,14 @@ def test_q_tiled_compile_key_ignores_only_the_runtime_piece_size():
                   q_tiled_key(QTiledConfig(), torch.float16, 128, 64, 4, True),
                   q_tiled_key(QTiledConfig(), torch.bfloat16, 128, 64, 8, True)):
         assert other != base
+
+
+@pytest.mark.parametrize("max_tiles,piece_tiles,want", [(256, 16, 0), (256, 16, 3), (5, 16, 0), (1000, 7, 4),
+                                                        (64, 1, 1)])
+def test_q_tiled_splits_are_whole_pieces_covering_every_tile(max_tiles, piece_tiles, want):
+    from directkv_cute.plan import STAGED_SPLITS, q_tiled_splits
+
+    splits, per = q_tiled_splits(max_tiles, piece_tiles, want)
+    assert per % piece_tiles == 0
+    assert (splits - 1) * per < max_tiles <= splits * per
+    assert 1 <= splits <= (want or STAGED_SPLITS)

@@ -169,26 +169,30 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident)
 
 
 def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                wait_ready: bool):
-    # piece_pages is a runtime argument (piece_tiles); everything else generates code.
-    code = dataclasses.replace(cfg, piece_pages=0)
-    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), *dataclasses.astuple(code))
+                wait_ready: bool, split_out: bool = False):
+    # piece_pages and splits are runtime arguments (piece_tiles, num_splits / split_tiles), except
+    # that more than one split writes partials (split_out); everything else generates code.
+    code = dataclasses.replace(cfg, piece_pages=0, splits=0)
+    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(split_out),
+            *dataclasses.astuple(code))
 
 
 def compile_q_tiled(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                    wait_ready: bool):
+                    wait_ready: bool, split_out: bool = False):
     """Compile (once per key) the Q-tiled kernel over HBM-resident (or staged) KV; ``wait_ready``
-    makes its producer wait for each staged piece's ready flag."""
+    makes its producer wait for each staged piece's ready flag; ``split_out`` writes fp32
+    partials of several KV splits for the combine kernel."""
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
     if not 1 <= group <= cfg.rows:
         raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
-    key = q_tiled_key(cfg, dtype, head_dim, page_size, group, wait_ready)
-    return _cached_compile(key, lambda: _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready))
+    key = q_tiled_key(cfg, dtype, head_dim, page_size, group, wait_ready, split_out)
+    return _cached_compile(key, lambda: _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready,
+                                                         split_out))
 
 
-def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready):
+def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_out):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -197,11 +201,12 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready):
     from directkv_cute.kernels.q_tiled import QTiledAttention
 
     dt = cutlass_dtype(dtype)
-    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready)
+    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready, split_out)
+    o_dt = cutlass.Float32 if split_out else dt
     args = (
-        _ptr(dt), _ptr(dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
+        _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
-        *(Int32(1) for _ in range(11)), Float32(1.0), cuda.CUstream(0),
+        *(Int32(1) for _ in range(13)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 

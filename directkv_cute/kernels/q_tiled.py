@@ -41,9 +41,10 @@ Q_TILED_REGS = (24, 240)
 class QTiledAttention(PagedAttention):
     """Q-outer over HBM-resident KV: each CTA's 128 query rows walk all their KV tiles."""
 
-    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: QTiledConfig, wait_ready: bool):
+    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: QTiledConfig, wait_ready: bool,
+                 split_out: bool = False):
         ring = cfg.ring_config()
-        super().__init__(dtype, head_dim, page_size, group, ring, False, copy_rows=min(page_size, cfg.tile_n),
+        super().__init__(dtype, head_dim, page_size, group, ring, split_out, copy_rows=min(page_size, cfg.tile_n),
                          occupancy=1, tail=True)
         self.wait_ready = wait_ready
         self.producer.wait_ready = wait_ready
@@ -54,8 +55,8 @@ class QTiledAttention(PagedAttention):
     def __call__(
         self,
         q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
-        o_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
-        lse_ptr: cute.Pointer,  # (total_q, Hq) fp32
+        o_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype; split_out: (splits, total_q, Hq, d) fp32
+        lse_ptr: cute.Pointer,  # (total_q, Hq) fp32; split_out: (splits, total_q, Hq)
         host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d): read only through HBM entries' stand-in
         hbm_ptr: cute.Pointer,  # HBM pool or staging buffer, same layout
         page_table_ptr: cute.Pointer,  # (B, max_pages) int32, HBM entries
@@ -71,20 +72,22 @@ class QTiledAttention(PagedAttention):
         hbm_pages: Int32,
         max_pages: Int32,
         n_q_tiles: Int32,
+        num_splits: Int32,
+        split_tiles: Int32,
         epoch: Int32,
         piece_tiles: Int32,
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
         h = self.host_setup(q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, batch,
-                            total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, 1)
+                            total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, num_splits)
         mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages))  # (pieces <= max_pages,)
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
-            num_kv_heads, num_layers, layer, epoch, piece_tiles, scale_log2,
+            num_kv_heads, num_layers, layer, batch, split_tiles, epoch, piece_tiles, scale_log2,
             h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
-            grid=[n_q_tiles, num_kv_heads, batch],
+            grid=[n_q_tiles, num_kv_heads, batch * num_splits],
             block=[self.num_threads, 1, 1],
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
@@ -109,6 +112,8 @@ class QTiledAttention(PagedAttention):
         num_kv_heads: Int32,
         num_layers: Int32,
         layer: Int32,
+        batch: Int32,
+        split_tiles: Int32,
         epoch: Int32,
         piece_tiles: Int32,
         scale_log2: Float32,
@@ -119,7 +124,7 @@ class QTiledAttention(PagedAttention):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        cta, tok0 = self.tile_work(mSeqLen, mCuQ)
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, split_tiles)
         sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
 
         if warp_idx < 4:
@@ -140,36 +145,42 @@ class QTiledAttention(PagedAttention):
             softmax_reset(w.acc_O, w.row_max, w.row_sum)
             self.attend_all(w, cta, kv_pipe, tok0, scale_log2)
             softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
-            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0, tok0,
-                           self.q_per_cta)
+            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0,
+                           tok0, self.q_per_cta)
 
     @cute.jit
-    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor):
+    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, split_tiles):
         """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
-        (heaviest) down; a tile past its sequence's queries gets no KV tiles and stores nothing."""
+        (heaviest) down, z over (split, sequence), split-major: split s owns KV tiles
+        [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged pages
+        land first) run first. A tile past its sequence's queries or its split's keys walks no
+        KV tiles (with split_out it writes an empty partial, LSE -inf)."""
         tile_n, qpc = self.tile_n, self.q_per_cta
-        mt, kvh, b = cute.arch.block_idx()
+        mt, kvh, z = cute.arch.block_idx()
         n_mt, _, _ = cute.arch.grid_dim()
+        split = z // batch
+        b = z - split * batch
         seq_len = mSeqLen[b]
         q_start = mCuQ[b]
         q_len = mCuQ[b + 1] - q_start
         tok0 = (n_mt - 1 - mt) * qpc
         last_tok = cutlass.min(q_len, tok0 + qpc) - 1
         key_end = seq_len - q_len + last_tok + 1  # keys the tile's last token sees
-        t_end = Int32(0)
+        t_begin = split * split_tiles
+        t_end = t_begin
         if tok0 < q_len:
-            t_end = (key_end + tile_n - 1) // tile_n
+            t_end = cutlass.max(t_begin, cutlass.min(t_begin + split_tiles, (key_end + tile_n - 1) // tile_n))
         n_pages = (seq_len + self.page_size - 1) // self.page_size
-        return CtaWork(0, kvh, b, 0, seq_len, q_start, q_len, n_pages, Int32(0), t_end), tok0
+        return CtaWork(split, kvh, b, 0, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
 
     @cute.jit
     def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
-        """Every KV tile [0, t_end) as it lands, for this warpgroup's rows, software pipelined:
+        """Every KV tile [t_begin, t_end) as it lands, for this warpgroup's rows, software pipelined:
         S(t) and P(t-1) V(t-1) are issued together; tile t-1 is released once both are done.
         With pingpong the two warpgroups alternate their issues (turn_wait / turn_done): both
         make the same n + 1 issues, warpgroup 1 first hands the first turn to warpgroup 0."""
         tile_n, group = self.tile_n, self.group
-        seq_len, q_len, n = cta.seq_len, cta.q_len, cta.t_end
+        seq_len, q_len, t0, n = cta.seq_len, cta.q_len, cta.t_begin, cta.t_end - cta.t_begin
         acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt = w.acc_S, w.acc_O, w.tOrP, w.tSrQ, w.tSrK, w.tOrVt
         row_max, row_sum, row_scale, tScS = w.row_max, w.row_sum, w.row_scale, w.tScS
         wait_state = RingState.consumer(self.stages)
@@ -185,7 +196,7 @@ class QTiledAttention(PagedAttention):
             gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
             self.turn_done(1 - w.wg)
             warpgroup.wait_group(0)
-            mask_tile(acc_S, 0, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
+            mask_tile(acc_S, t0, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
             softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
             tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
             wait_state.advance()
@@ -199,7 +210,7 @@ class QTiledAttention(PagedAttention):
                 gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev], False)
                 self.turn_done(1 - w.wg)
                 warpgroup.wait_group(1)  # S(t) is ready; P V of tile t-1 may still run
-                mask_tile(acc_S, t, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
+                mask_tile(acc_S, t0 + t, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
                 softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2)
                 warpgroup.wait_group(0)
                 kv_pipe.consumer_release(free_state)  # tile t-1: its K and V are read
