@@ -15,6 +15,7 @@ On a CPU-only machine the same call runs the float32 reference.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, resident_splits
-from directkv_cute.plan import causal_flops, choose_staged
+from directkv_cute.plan import causal_flops, choose_staged, partial_bytes
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -272,11 +273,14 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     if need > cap:
         return refuse(f"staging needs {need / 2**30:.2f} GiB of HBM, over the {cap / 2**30:.2f} GiB cap "
                       "(DIRECTKV_MAX_STAGING_GB)")
+    host_b = plan.host_pages * page_bytes
+    choice = choose_staged(host_b, need - host_b, causal_flops(lens, q_lens, hq, d),
+                           partial_bytes(q.shape[0], hq, d), cfg.splits)
     if not explicit:
-        host_b = plan.host_pages * page_bytes
-        choice = choose_staged(host_b, need - host_b, causal_flops(lens, q_lens, hq, d), len(plan.pieces))
         if not choice.staged:
             return None
+    if not cfg.splits:
+        cfg = dataclasses.replace(cfg, splits=choice.splits)
     return cfg, plan
 
 

@@ -99,26 +99,46 @@ class StagedChoice:
     """The cost model's verdict for one multi-token call (ms estimates)."""
 
     in_place_ms: float  # the KV-outer chunk kernel reading host pages in place
-    staged_ms: float  # copy engine into HBM, piece by piece, overlapped with the Q-tiled kernel
+    staged_ms: float  # copy engine into HBM, overlapped with the Q-tiled kernel, at ``splits``
     staged: bool
+    splits: int  # KV splits of the staged call
 
 
 # Stage only chunks whose in-place compute reaches this share of their link time: below it the
 # in-place kernel sits at the link, and staging would only trade HBM for the copy engine's edge.
 COMPUTE_SHARE = 0.5
+PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by the combine
+SPLIT_CHOICES = (1, 2, 4, 8)
 
 
-def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, pieces: int) -> StagedChoice:
-    """Stage compute-bound chunks when the model says the copy + Q-tiled kernel beats reading in
-    place by 3%: the in-place kernel is bound by max(link, its compute); the staged one pays the
-    first piece's copy, then max(the rest of the copy, the Q-tiled compute)."""
+def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int) -> float:
+    """A staged call in ``splits`` KV splits: the first split's copy is exposed (the CTAs of a
+    split are paced by its pieces), then max(the rest of the copy, the compute), plus the
+    partials of every split when there are several (``partial_bytes`` per split, written and
+    read back)."""
+    first = copy_ms / splits
+    partials = splits * partial_bytes / (PARTIAL_GBPS * 1e6) if splits > 1 else 0.0
+    return first + max(copy_ms - first, compute_ms) + partials + STAGE_OVERHEAD_MS
+
+
+def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
+                  splits: int = 0) -> StagedChoice:
+    """Stage compute-bound chunks when the model says the copy + Q-tiled kernel (at the best of
+    ``SPLIT_CHOICES``, or at ``splits``) beats reading in place by 3%: the in-place kernel is
+    bound by max(link, its compute)."""
     link_ms = host_bytes / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms)
     copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + hbm_bytes / (D2D_GBPS * 1e6)
-    first = copy_ms / max(1, min(pieces, STAGED_SPLITS))
-    staged = first + max(copy_ms - first, flops / (Q_TILED_TFLOPS * 1e9)) + STAGE_OVERHEAD_MS
-    return StagedChoice(in_place, staged, compute_ms >= COMPUTE_SHARE * link_ms and staged < 0.97 * in_place)
+    q_ms = flops / (Q_TILED_TFLOPS * 1e9)
+    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
+    est = staged_ms(copy_ms, q_ms, partial_bytes, best)
+    return StagedChoice(in_place, est, compute_ms >= COMPUTE_SHARE * link_ms and est < 0.97 * in_place, best)
+
+
+def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:
+    """fp32 partial O and LSE of one split, written and read back once."""
+    return 2 * total_q * num_q_heads * (head_dim + 1) * 4
 
 
 def q_tiled_splits(max_tiles: int, piece_tiles: int, want: int = 0) -> tuple[int, int]:

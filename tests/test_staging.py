@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directkv_cute.config import ConfigError, QTiledConfig, q_tiles
-from directkv_cute.plan import causal_flops, choose_staged
+from directkv_cute.plan import causal_flops, choose_staged, partial_bytes
 from directkv_cute.staging import MAX_PIECES, piece_pages_for, plan_staging
 
 
@@ -107,14 +107,20 @@ def test_causal_flops_match_a_direct_count():
 
 def test_cost_model_stages_compute_bound_chunks_only():
     kv = 2 * 32768 * 8 * 128 * 2  # 32k tokens, one layer
-    decode_like = choose_staged(kv, 0, causal_flops([32768], [64], 32, 128), 16)
-    link_bound = choose_staged(kv, 0, causal_flops([32768], [512], 32, 128), 16)
+    decode_like = choose_staged(kv, 0, causal_flops([32768], [64], 32, 128), partial_bytes(64, 32, 128))
+    link_bound = choose_staged(kv, 0, causal_flops([32768], [512], 32, 128), partial_bytes(512, 32, 128))
     assert not link_bound.staged
-    long_prefill = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), 16)
+    long_prefill = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128))
     assert not decode_like.staged
     assert long_prefill.staged and long_prefill.staged_ms < long_prefill.in_place_ms
     # Never below the copy it needs, nor below its compute.
     assert long_prefill.staged_ms >= kv / 54.8e6
+    assert long_prefill.splits > 1  # the copy is long enough to be worth splitting
+    # A short context under a long chunk: the partials would cost more than the copy they hide.
+    short = choose_staged(kv // 4, 0, causal_flops([8192], [8192], 32, 128), partial_bytes(8192, 32, 128))
+    assert short.splits <= 2
+    fixed = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128), splits=8)
+    assert fixed.splits == 8
 
 
 def test_q_tiled_config_legality():
