@@ -1,7 +1,9 @@
 """Shared test fixtures and the ``gpu`` marker skip.
 
 Tests marked ``@pytest.mark.gpu`` are skipped cleanly when ``torch.cuda.is_available()`` is False
-(CPU CI); everything else must pass on a CPU-only machine.
+(CPU CI); everything else must pass on a CPU-only machine. Tests (or parameters) marked
+``@pytest.mark.full`` are the rest of a matrix whose representative part always runs: they run
+with ``--full`` (CI: ``python -m pytest -q -m full --full``, a step of ``.ci/run``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,21 @@ if not HAS_CUDA:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full", action="store_true", default=False,
+        help="also run the tests marked full (the whole matrices: every kernel variant of a family "
+             "compiled, the whole prefill search space enumerated). The default run keeps a "
+             "representative part of each; CI runs the rest as a step of its own: "
+             "python -m pytest -q -m full --full")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--full"):
+        skip_full = pytest.mark.skip(reason="full matrix: python -m pytest -m full --full (a step of .ci/run)")
+        for item in items:
+            if "full" in item.keywords:
+                item.add_marker(skip_full)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -45,3 +61,24 @@ def randn(gen: torch.Generator) -> Callable[..., torch.Tensor]:
         return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
     return make
+
+
+PREFILL_SAMPLE = 100_000
+
+
+@pytest.fixture(scope="session")
+def sampled_prefill_legality():
+    """``legality(shape)`` of the prefill search space from a seeded uniform sample of
+    PREFILL_SAMPLE of its 2.6 M points (the real static filter on real points), once per shape a
+    session: enumerating the whole space takes ~40 s on one core (the full test does that once,
+    tests/test_tuning_space.py::test_prefill_space_whole). Do not use it with patched rules."""
+    from directkv_cute.tuning.space import get_space
+
+    space, memo = get_space("prefill"), {}
+
+    def legality(shape):
+        if shape not in memo:
+            memo[shape] = space.sample_legality(shape, PREFILL_SAMPLE, seed=0)
+        return memo[shape]
+
+    return legality

@@ -107,11 +107,14 @@ def test_space_hash_is_stable_and_tracks_the_space():
     assert out == h
 
 
-def test_prefill_space():
-    space = get_space("prefill")
-    shape = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
-    rep = space.legality(shape)
-    assert rep.total == 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 * 3 * 3 and 0 < rep.legal_count < rep.total
+PREFILL_SHAPE = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
+PREFILL_POINTS = 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 * 3 * 3
+
+
+def _check_prefill_legality(space, rep):
+    """What the prefill space's static filter must keep and drop, over the legal configs of
+    ``rep`` (every point of the space, or a uniform sample of it)."""
+    assert 0 < rep.legal_count < rep.total
     assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 1), (0, 2)}
     # two CTAs per SM only where they fit: one consumer warpgroup and SMEM for both
     assert all(c.consumer_wgs == 1 and c.resident_occupancy(128) == 2 for c in rep.legal if c.ctas_per_sm == 2)
@@ -134,10 +137,28 @@ def test_prefill_space():
     # staggered chunk boundaries: up to one group per chunk tile, never with edge chunks
     assert {c.stagger for c in rep.legal} == {0, 2, 4}
     assert all(c.stagger <= c.chunk and not c.edge_tiles for c in rep.legal if c.stagger)
-    d = space.default_for(shape)
-    assert space.is_legal(d, shape) and space.in_space(d) and d.consumer_wgs == 2
-    assert get_space("decode").legality(shape).legal_count == 0  # too many rows for one CTA
+
+
+def test_prefill_space(sampled_prefill_legality):
+    """The filter over a uniform sample of the space (the whole space: test_prefill_space_whole)."""
+    space = get_space("prefill")
+    assert space.cardinality() == PREFILL_POINTS
+    rep = sampled_prefill_legality(PREFILL_SHAPE)
+    assert rep.total == 100_000 and rep.legal_count > 1000
+    _check_prefill_legality(space, rep)
+    d = space.default_for(PREFILL_SHAPE)
+    assert space.is_legal(d, PREFILL_SHAPE) and space.in_space(d) and d.consumer_wgs == 2
+    assert get_space("decode").legality(PREFILL_SHAPE).legal_count == 0  # too many rows for one CTA
     assert space.space_hash() != get_space("decode").space_hash()
+
+
+@pytest.mark.full
+def test_prefill_space_whole():
+    """The filter over every point of the space (2.6 M: ~40 s)."""
+    space = get_space("prefill")
+    rep = space.legality(PREFILL_SHAPE)
+    assert rep.total == PREFILL_POINTS
+    _check_prefill_legality(space, rep)
 
 
 def test_registry_accepts_a_second_kernel():

@@ -88,14 +88,25 @@ def test_first_trial_is_the_heuristic_default_and_result_is_sane():
     assert "speedup" in table and str(SHAPE.context) in table
 
 
-def test_prefill_search_starts_with_default_then_portfolio():
+PREFILL_SHAPE = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
+
+
+def _prefill_space(monkeypatch, sampled_prefill_legality):
+    """The prefill space, its legality report drawn from a sample of its points: the tuner only
+    counts the legal configs and their launches there (over the whole space: 2 x 35 s a tune);
+    the sample keeps the count far above the exhaustive threshold, so the search is the same TPE."""
+    space = get_space("prefill")
+    monkeypatch.setattr(space, "legality", sampled_prefill_legality)
+    assert space.legality(PREFILL_SHAPE).legal_count > 10 * TuneOptions().exhaustive_threshold
+    return space
+
+
+def test_prefill_search_starts_with_default_then_portfolio(monkeypatch, sampled_prefill_legality):
     """The multi-token tuner measures the heuristic default first and then the space's portfolio
     of configs that did well before, in order, skipping any illegal for the shape and the one
     that is the default (measured once, first)."""
-    from directkv_cute.tuning.space import get_space
-
-    space = get_space("prefill")
-    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
+    space = _prefill_space(monkeypatch, sampled_prefill_legality)
+    shape = PREFILL_SHAPE
     default = space.default_for(shape)
     legal = [c for c in space.portfolio(shape) if space.is_legal(c, shape)]
     assert default in legal  # the portfolio lists the q_regs chunk-4 default too
@@ -108,15 +119,13 @@ def test_prefill_search_starts_with_default_then_portfolio():
     assert first == [space.default_for(shape).to_dict()] + [c.to_dict() for c in portfolio]
 
 
-def test_a_tune_shorter_than_its_seeds_says_which_go_unmeasured(caplog):
+def test_a_tune_shorter_than_its_seeds_says_which_go_unmeasured(caplog, monkeypatch, sampled_prefill_legality):
     """Seeds count against --trials: a 3-trial prefill tune measures the default and the first
     two portfolio picks, and warns that the rest of the seeds go unmeasured."""
     import logging
 
-    from directkv_cute.tuning.space import get_space
-
-    space = get_space("prefill")
-    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
+    space = _prefill_space(monkeypatch, sampled_prefill_legality)
+    shape = PREFILL_SHAPE
     legal = {space.config_key(c) for c in [space.default_for(shape), *space.portfolio(shape)] if space.is_legal(c, shape)}
     with caplog.at_level(logging.WARNING):
         r = Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=3)).tune_bucket(shape)
