@@ -5,6 +5,8 @@ Tracked ratios, per ``ours`` record (bench, shape, HBM fraction):
 * ``frac_of_ceiling``: ideal time / our time, the ideal being the bytes at the run's own
   ceilings (so link or clock drift between runs cancels out);
 * ``speedup_vs_zero_copy``: naive zero-copy time / our time on the same shape;
+* ``frac_of_fa4_limit``: max(floor, fa4[hbm]) / our time, the honest limit of a kernel over host
+  KV (the link, or FlashAttention-4's compute with the KV in HBM); only where the run has FA4;
 * ``frac_of_memcpy``: the same ideal with the run's cudaMemcpy H2D rate as the host ceiling.
   The copy engine's rate was the steadiest number across H200 leases (55.1 GB/s on two
   leases), while the SM-read ceiling (47.1 vs 49.1 GB/s) and the zero-copy baseline (up to 15%)
@@ -40,7 +42,7 @@ from typing import Mapping, Sequence
 
 from bench.common import Ceilings, load_json, record_key, shape_key, validate_results, write_json
 
-TRACKED = ("frac_of_ceiling", "speedup_vs_zero_copy", "frac_of_memcpy")
+TRACKED = ("frac_of_ceiling", "speedup_vs_zero_copy", "frac_of_memcpy", "frac_of_fa4_limit")
 DEFAULT_RTOL = 0.03
 DEFAULT_ATOL = 0.005
 DEFAULT_MIN_MS = 1.0
@@ -55,6 +57,8 @@ def tracked_ratios(doc: Mapping) -> dict[str, dict[str, float | None]]:
     """{record key of each ours record: {ratio name: value or None when not measured}}."""
     records = doc["records"]
     zero_copy = {shape_key(r): r for r in records if r["method"] == "zero_copy"}
+    floor = {shape_key(r): r["ms"] for r in records if r["method"] == "floor" and r["ms"]}
+    fa4 = {shape_key(r): r["ms"] for r in records if r["method"] == "fa4[hbm]" and r["ms"]}
     c = doc["ceilings"]
     memcpy = Ceilings(host_read_gbps=c["memcpy_h2d_gbps"], hbm_read_gbps=c["hbm_read_gbps"],
                       memcpy_h2d_gbps=c["memcpy_h2d_gbps"])
@@ -69,6 +73,9 @@ def tracked_ratios(doc: Mapping) -> dict[str, dict[str, float | None]]:
             "speedup_vs_zero_copy": z["ms"] / ms if ms and z and z["ms"] else None,
             "frac_of_memcpy": memcpy.ideal_ms(r["host_bytes"], r["hbm_bytes"]) / ms if ms else None,
         }
+        k = shape_key(r)
+        if k in fa4 and ms:
+            out[record_key(r)]["frac_of_fa4_limit"] = max(floor.get(k, 0.0), fa4[k]) / ms
     return out
 
 
@@ -136,6 +143,8 @@ def compare(baseline: Mapping, fresh: Mapping, *, rtol: float = DEFAULT_RTOL, at
         for ratio in TRACKED:
             b = base.get(key, {}).get(ratio)
             f = new.get(key, {}).get(ratio)
+            if b is None and f is None and ratio not in base.get(key, {}) and ratio not in new.get(key, {}):
+                continue  # a ratio neither run has (frac_of_fa4_limit without FA4)
             status = _status(b, f, max(rtol, spread.get(key, {}).get(ratio) or 0.0), atol)
             if status == "REGRESSED" and (base_ms.get(key) or 0.0) < min_ms:
                 status = "noisy"

@@ -268,3 +268,26 @@ def test_regress_replays_separately_made_runs_each_with_its_own_arguments(tmp_pa
     write_json(bdir / "NVIDIA_H200.json", baseline)
     main(["regress", "--baseline-dir", str(bdir), "--device", "cpu"])
     assert calls == [(["decode", "prefill"], None)]
+
+
+def test_fa4_limit_ratio_tracks_ours_against_max_of_floor_and_fa4():
+    """frac_of_fa4_limit = max(floor, fa4[hbm]) / ours where the run has FA4; a drop of ours
+    against it regresses, and runs without FA4 have no such row."""
+    from bench.regress import tracked_ratios
+
+    shape = Shape("prefill", 1, 32768, 8192, 32, 8, 128, "bfloat16")
+
+    def run(ours_ms):
+        doc = make_run()
+        for method, ms in (("floor", 2.6), ("fa4[hbm]", 5.5), ("ours", ours_ms)):
+            doc["records"].append(make_record(shape, method, ms, CEIL, host_bytes=shape.kv_bytes).to_dict())
+        add_check(doc, shape, "ours", True, rel_err=1e-3, against="fp32 anchor")
+        return doc
+
+    base, slow = run(6.6), run(7.2)
+    key = next(k for k in tracked_ratios(base) if "ctx32768/q8192" in k)
+    assert tracked_ratios(base)[key]["frac_of_fa4_limit"] == pytest.approx(5.5 / 6.6)
+    report = compare(base, slow)
+    assert not report.ok and [r.ratio for r in report.regressions if "q8192" in r.key].count("frac_of_fa4_limit") == 1
+    plain = make_run()
+    assert all(r.ratio != "frac_of_fa4_limit" for r in compare(plain, plain).rows)
