@@ -161,3 +161,21 @@ def test_q_tiled_splits_are_whole_pieces_covering_every_tile(max_tiles, piece_ti
     assert per % piece_tiles == 0
     assert (splits - 1) * per < max_tiles <= splits * per
     assert 1 <= splits <= (want or STAGED_SPLITS)
+
+
+@pytest.mark.parametrize("cfg,dtype,d,page,group,wait_ready,split_out", [
+    (QTiledConfig(), "bfloat16", 128, 64, 4, True, True),
+    (QTiledConfig(), "bfloat16", 128, 64, 4, False, False),
+    (QTiledConfig(tile_n=64, stages=4, pingpong=0), "float16", 64, 16, 16, True, False),
+])
+def test_q_tiled_kernel_compiles_for_hopper(monkeypatch, cfg, dtype, d, page, group, wait_ready, split_out):
+    """The Q-tiled kernel compiles for sm_90a without a GPU (CI compiles every kernel)."""
+    import torch
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("DIRECTKV_DISK_CACHE", "0")
+    from directkv_cute.kernels import jit
+
+    fn = jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out)
+    assert fn is not None
+    assert jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out) is fn
