@@ -4,18 +4,25 @@
     module or no profile yet is a pass) loads and validates, and every entry's config is legal
     for its shape;
 (b) compile: every heuristic default config (head_dim 64/128 x rows 8/16/64/128 x page
-    16..128) and every profile entry compiles for sm_90a through ``compile_decode`` (with and
-    without split outputs when the compiler takes ``split_out``), plus the combine kernel;
+    16..128, a float16 spot check), the multi-token defaults, the prefill tuner's portfolio and
+    every profile entry compiles for sm_90a through ``compile_decode`` (with and without split
+    outputs when the compiler takes ``split_out``), plus the combine kernels; each distinct kernel
+    (the compiler's cache key) is compiled once and counted once;
 (c) traffic: the host-traffic model reads every host KV byte exactly once (bench.traffic).
-Exit status 1 if any part fails.
+
+The output is a summary: one line per part, every failure in full; ``--verbose`` adds the
+profile notes, every compiled kernel with its time and the traffic table. Exit status 1 if any
+part fails.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -54,10 +61,13 @@ class CompileTarget:
 
     @property
     def label(self) -> str:
-        c = self.cfg
-        kind = f"prefill chunk{c.chunk} ctas{c.ctas_per_sm}" if self.resident else f"q{self.max_q_len}"
-        return (f"{self.source}: {self.dtype} d{self.head_dim} page{self.page_size} group{self.group} "
-                f"{kind} tile{c.tile_n} st{c.stages} wg{c.consumer_wgs} a{c.carveout}")
+        """Where the target comes from, its shape and every config field off the default."""
+        kind = "multi-token" if self.resident else f"decode q{self.max_q_len}"
+        base = DecodeConfig()
+        fields = " ".join(f"{f.name}={getattr(self.cfg, f.name)}" for f in dataclasses.fields(self.cfg)
+                          if getattr(self.cfg, f.name) != getattr(base, f.name))
+        return (f"{self.source}: {self.dtype} d{self.head_dim} page{self.page_size} group{self.group} {kind}"
+                + (f" {fields}" if fields else ""))
 
 
 @dataclass
@@ -179,11 +189,12 @@ def portfolio_targets() -> list[CompileTarget]:
             for cfg in space.portfolio(shape)]
 
 
-def resolve_compiler() -> tuple[Callable, Callable | None]:
-    """(compile_decode, compile_combine or None) from the kernel package.
+def resolve_compiler() -> tuple[Callable, Callable | None, Callable | None]:
+    """(compile_decode, compile_combine or None, decode_key or None) from the kernel package.
 
     docs/CONTRACT.md names ``directkv_cute.kernels.decode.compile_decode``; the implementation
-    may keep it in ``directkv_cute.kernels.jit``. Raises CheckError if neither imports.
+    may keep it in ``directkv_cute.kernels.jit``. ``decode_key`` is the compiler's cache key (two
+    requests with the same key get the same kernel). Raises CheckError if neither imports.
     """
     errors = []
     for module in ("directkv_cute.kernels.decode", "directkv_cute.kernels.jit"):
@@ -193,7 +204,7 @@ def resolve_compiler() -> tuple[Callable, Callable | None]:
             errors.append(f"{module}: {type(e).__name__}: {e}")
             continue
         if hasattr(mod, "compile_decode"):
-            return mod.compile_decode, getattr(mod, "compile_combine", None)
+            return mod.compile_decode, getattr(mod, "compile_combine", None), getattr(mod, "decode_key", None)
         errors.append(f"{module}: no compile_decode")
     raise CheckError("the decode kernel cannot be compiled: " + " | ".join(errors))
 
@@ -205,80 +216,156 @@ def ensure_arch() -> str:
     return os.environ.get("CUTE_DSL_ARCH", "(current GPU)")
 
 
-def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tuple[list[tuple], list[str]]:
-    """Compile every target; returns ([(target, split_out, seconds, error or None)], problems)."""
-    compile_decode, compile_combine = resolve_compiler()
+@dataclass
+class CompileJob:
+    """One distinct kernel: the first target that asks for it (and how many others do too)."""
+    target: CompileTarget | None  # None: the combine kernel
+    split: bool | None
+    head_dim: int = 0
+    dtype: str = ""
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.target is None:
+            return f"combine: {self.dtype} d{self.head_dim}"
+        return self.target.label + ("" if self.split is None or self.target.resident else f" split_out={self.split}")
+
+
+def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
+                 has_split: bool = True) -> list[CompileJob]:
+    """The distinct kernels ``targets`` need (by the compiler's ``key_fn`` where it has one), then
+    one combine kernel per head dim and dtype."""
+    jobs, seen = [], set()
+    for t in targets:
+        for split in ((True,) if t.resident else (True, False)) if has_split else (None,):
+            if key_fn is not None:
+                key = key_fn(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, bool(split),
+                             resident=t.resident)
+            else:
+                key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split, t.resident)
+            if key not in seen:
+                seen.add(key)
+                jobs.append(CompileJob(t, split))
+    for d in SUPPORTED_HEAD_DIMS:
+        for dtype in sorted({t.dtype for t in targets}):
+            jobs.append(CompileJob(None, None, d, dtype))
+    return jobs
+
+
+def _progress(jobs: list, enabled: bool):
+    """A progress bar on a terminal; in a log (CI) a line at each quarter instead of one
+    carriage-return line of every update."""
+    if not enabled:
+        return jobs
+    if sys.stderr.isatty():
+        return progress_bar(jobs, True, "compile", "kernel")
+
+    def quarters():
+        t0, marks = time.perf_counter(), {len(jobs) * q // 4 for q in (1, 2, 3)} - {0}
+        for i, job in enumerate(jobs, 1):
+            yield job
+            if i in marks:
+                print(f"  {i}/{len(jobs)} kernels, {time.perf_counter() - t0:.0f} s", flush=True)
+    return quarters()
+
+
+def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tuple[list[CompileJob], list[str]]:
+    """Compile every distinct kernel ``targets`` need; returns (jobs with their times and errors,
+    problems)."""
+    compile_decode, compile_combine, key_fn = resolve_compiler()
     has_split = "split_out" in inspect.signature(compile_decode).parameters
-    variants = (True, False) if has_split else (None,)
-    seen, rows, problems = set(), [], []
-    jobs = [(t, s) for t in targets for s in ((True,) if t.resident else variants)]
-    for t, split in progress_bar(jobs, progress, "compile", "kernel"):
-        key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split, t.resident)
-        if key in seen:
-            continue
-        seen.add(key)
-        kwargs = {} if split is None else {"split_out": split}
-        if t.resident:
-            kwargs["resident"] = True
+    jobs = compile_jobs(targets, key_fn, has_split)
+    if compile_combine is None:
+        jobs = [j for j in jobs if j.target is not None]
+    for job in _progress(jobs, progress):
         t0 = time.perf_counter()
         try:
-            compile_decode(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, t.max_q_len, **kwargs)
-            err = None
+            if job.target is None:
+                compile_combine(job.head_dim, torch_dtype(job.dtype))
+            else:
+                t = job.target
+                kwargs = {} if job.split is None else {"split_out": job.split}
+                if t.resident:
+                    kwargs["resident"] = True
+                compile_decode(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, t.max_q_len, **kwargs)
         except Exception as e:  # noqa: BLE001 - a config that stops compiling is what CI must catch
-            err = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-            problems.append(f"{t.label} split_out={split}: {err}")
-        rows.append((t, split, time.perf_counter() - t0, err))
-    if compile_combine is not None:
-        for d in SUPPORTED_HEAD_DIMS:
-            for dtype in sorted({t.dtype for t in targets}):
-                try:
-                    compile_combine(d, torch_dtype(dtype))
-                except Exception as e:  # noqa: BLE001
-                    problems.append(f"combine d{d} {dtype}: {type(e).__name__}: {e}")
-    return rows, problems
+            text = str(e).strip()
+            job.error = f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+        job.seconds = time.perf_counter() - t0
+    return jobs, [f"{j.label}: {j.error}" for j in jobs if j.error]
 
 
-def format_compile_table(rows: list[tuple]) -> str:
-    lines = [f"{'target':<92} {'split':>5} {'sec':>6}  result"]
-    for t, split, sec, err in rows:
-        lines.append(f"{t.label:<92} {str(split):>5} {sec:6.2f}  {'ok' if err is None else 'FAIL ' + err}")
+def format_compile_table(jobs: list[CompileJob]) -> str:
+    width = max([len(j.label) for j in jobs] + [6])
+    lines = [f"{'kernel':<{width}} {'sec':>6}  result"]
+    for j in jobs:
+        lines.append(f"{j.label:<{width}} {j.seconds:6.2f}  {'ok' if j.error is None else 'FAIL ' + j.error}")
     return "\n".join(lines)
+
+
+def _count(items, what: str) -> str:
+    return f"{items} {what}" + ("" if items == 1 else "s")
 
 
 # ---- driver --------------------------------------------------------------------------------
 def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = True, profile_dir=None,
               fp16: bool = True, progress: bool = True, verbose: bool = False) -> int:
-    """Run the selected parts, print their tables and a summary; 0 if all pass, else 1."""
+    """Run the selected parts, print a summary of each (every failure in full; ``verbose``: the
+    long lists too); 0 if all pass, else 1."""
     results: list[PartResult] = []
     loaded = []
     if profiles:
         msgs, loaded, problems = load_shipped_profiles(profile_dir)
-        print("== (a) profiles\n" + "\n".join(msgs + [f"FAIL {p}" for p in problems]))
-        results.append(PartResult("profiles", not problems, f"{len(loaded)} loaded, {len(problems)} problems"))
+        buckets = sum(len(prof) for _, prof in loaded)
+        summary = f"{_count(len(loaded), 'file')}, {_count(buckets, 'bucket')}, {_count(len(problems), 'problem')}"
+        print(f"== (a) profiles: {summary}")
+        stale = [m for m in msgs if "WARNING" in m]
+        for m in msgs if verbose or not loaded else stale:
+            print(f"  {m}")
+        for p in problems:
+            print(f"FAIL {p}")
+        results.append(PartResult("profiles", not problems, summary))
     if compile:
         arch = ensure_arch()
         targets = (default_targets(("bfloat16", "float16") if fp16 else ("bfloat16",)) + portfolio_targets()
                    + profile_targets(loaded))
-        print(f"== (b) compile for {arch}: {len(targets)} configs")
+        sources = {}
+        for t in targets:
+            sources[t.source] = sources.get(t.source, 0) + 1
+        print(f"== (b) compile for {arch}: {_count(len(targets), 'config')} ("
+              + ", ".join(f"{n} {src}" for src, n in sources.items()) + ")")
+        t0 = time.perf_counter()
         try:
-            rows, problems = compile_targets(targets, progress)
+            jobs, problems = compile_targets(targets, progress)
         except CheckError as e:
             print(f"FAIL {e}")
             results.append(PartResult("compile", False, str(e)))
         else:
-            table = format_compile_table(rows)
-            print(table if verbose or problems else "\n".join(table.splitlines()[:1] + [
-                f"... {len(rows)} kernels compiled, {sum(r[2] for r in rows):.1f} s (--verbose lists them)"]))
+            if verbose:
+                print(format_compile_table(jobs))
             for p in problems:
                 print(f"FAIL {p}")
-            results.append(PartResult("compile", not problems, f"{len(rows)} kernels, {len(problems)} failed"))
+            summary = (f"{_count(len(jobs), 'kernel')} in {time.perf_counter() - t0:.0f} s, "
+                       f"{len(problems)} failed")
+            print(f"  {summary}" + ("" if verbose else " (--verbose lists them)"))
+            results.append(PartResult("compile", not problems, summary))
     if traffic:
         from bench.traffic import format_traffic_table, run_traffic_check
 
         tr = run_traffic_check()
-        print("== (c) host-traffic model\n" + format_traffic_table(tr))
-        failed = sum(not r.ok for r in tr)
-        results.append(PartResult("traffic", failed == 0, f"{len(tr)} cases, {failed} failed"))
+        failed = [r for r in tr if not r.ok]
+        summary = f"{len(tr) - len(failed)}/{len(tr)} cases pass"
+        print(f"== (c) host-traffic model: {summary}")
+        if verbose:
+            print(format_traffic_table(tr))
+        else:
+            for r in failed[:20]:
+                print(f"FAIL {r.case.label}: " + "; ".join(r.problems[:3]))
+            if len(failed) > 20:
+                print(f"... and {len(failed) - 20} more failing cases (--verbose: the table)")
+        results.append(PartResult("traffic", not failed, f"{len(tr)} cases, {len(failed)} failed"))
     print("== summary")
     for r in results:
         print(f"{'PASS' if r.ok else 'FAIL'}  {r.name:<9} {r.summary}")
