@@ -399,6 +399,9 @@ class QTiledConfig:
     splits:      staging only: KV splits (0 = the op's choice), each a run of pieces written as
                  fp32 partials and combined: the CTAs of early splits run while later pieces still
                  copy, instead of every CTA's walk being paced by the copy.
+    order:       staging only: launch order of the query tiles (0 = the op's choice; 1 = heaviest
+                 first; 2 = lightest first, one split: the tiles that need the fewest keys run
+                 while the copy lands the rest, as in a prefill from the first token).
     pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
                  handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
                  busy; 0 = each issues as soon as it is ready.
@@ -409,6 +412,7 @@ class QTiledConfig:
     carveout: int = 100
     piece_pages: int = 0
     splits: int = 0
+    order: int = 0
     pingpong: int = 1
 
     CONSUMER_WGS = 2
@@ -430,6 +434,10 @@ class QTiledConfig:
             out.append("piece_pages must be >= 0 (0 = automatic)")
         if self.splits < 0:
             out.append("splits must be >= 0 (0 = automatic)")
+        if self.order not in (0, 1, 2):
+            out.append(f"order {self.order} must be 0 (automatic), 1 (heaviest first) or 2 (lightest first)")
+        elif self.order == 2 and self.splits > 1:
+            out.append(f"order 2 (lightest first) runs one split, got splits {self.splits}")
         if self.pingpong not in (0, 1):
             out.append(f"pingpong {self.pingpong} must be 0 or 1")
         return out or self.ring_config().problems(head_dim, page_size, elem_bytes)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, resident_splits
-from directkv_cute.plan import causal_flops, choose_staged, partial_bytes
+from directkv_cute.plan import causal_flops, choose_staged, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -274,13 +274,16 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
         return refuse(f"staging needs {need / 2**30:.2f} GiB of HBM, over the {cap / 2**30:.2f} GiB cap "
                       "(DIRECTKV_MAX_STAGING_GB)")
     host_b = plan.host_pages * page_bytes
+    tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
     choice = choose_staged(host_b, need - host_b, causal_flops(lens, q_lens, hq, d),
-                           partial_bytes(q.shape[0], hq, d), cfg.splits)
+                           partial_bytes(q.shape[0], hq, d), 1 if cfg.order == 2 else cfg.splits, tiles)
     if not explicit:
         if not choice.staged:
             return None
+    if not cfg.order:
+        cfg = dataclasses.replace(cfg, order=2 if choice.ascending else 1)
     if not cfg.splits:
-        cfg = dataclasses.replace(cfg, splits=choice.splits)
+        cfg = dataclasses.replace(cfg, splits=1 if cfg.order == 2 else choice.splits)
     return cfg, plan
 
 
@@ -330,7 +333,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         with st.lock:
             buf, flags, epoch = st.stage(cache, layer, plan)
             launch_q_tiled(fn, q, o_k, lse_k, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
-                           split_tiles, epoch, piece_tiles, scale)
+                           split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2)
             st.finish()
     if splits > 1:
         launch_combine(_compiled_combine(d, q.dtype), o_k, lse_k, out, lse, splits)

@@ -102,6 +102,7 @@ class StagedChoice:
     staged_ms: float  # copy engine into HBM, overlapped with the Q-tiled kernel, at ``splits``
     staged: bool
     splits: int  # KV splits of the staged call
+    ascending: bool = False  # one split, lightest query tiles first (they follow the copy)
 
 
 # Stage only chunks whose in-place compute reaches this share of their link time: below it the
@@ -121,11 +122,43 @@ def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: i
     return first + max(copy_ms - first, compute_ms) + partials + STAGE_OVERHEAD_MS
 
 
+def q_tile_profile(seq_lens, q_lens, q_per_tile: int):
+    """(release, work) of every query tile in ascending launch order (tile index, then sequence):
+    release = the share of the longest sequence's keys the tile needs (when a piece-ordered copy
+    has landed them), work = its share of the call's attention work (keys x its tokens)."""
+    import numpy as np
+
+    rel, work, order = [], [], []
+    longest = max(seq_lens)
+    for b, (n, q) in enumerate(zip(seq_lens, q_lens)):
+        m = np.arange(math.ceil(q / q_per_tile))
+        first = m * q_per_tile
+        last = np.minimum(q, first + q_per_tile) - 1
+        keys = n - q + last + 1
+        rel.append(keys / longest)
+        work.append((last - first + 1) * (n - q + (first + last) / 2 + 1))
+        order.append(m * len(seq_lens) + b)
+    rel, work, order = np.concatenate(rel), np.concatenate(work), np.concatenate(order)
+    idx = np.argsort(order, kind="stable")
+    return rel[idx], work[idx] / work.sum()
+
+
+def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
+    """One split, lightest query tiles first: no run of tiles can finish before its keys have
+    landed plus the work from it on, so T = max over tiles i of (release_i x copy + work from i on
+    x compute) (a list-scheduling bound; the tiles run in launch order)."""
+    import numpy as np
+
+    rest = np.cumsum(work[::-1])[::-1]  # work of tiles i..end
+    return float(np.max(np.asarray(release) * copy_ms + rest * compute_ms)) + STAGE_OVERHEAD_MS
+
+
 def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
-                  splits: int = 0) -> StagedChoice:
+                  splits: int = 0, tiles=None) -> StagedChoice:
     """Stage compute-bound chunks when the model says the copy + Q-tiled kernel (at the best of
-    ``SPLIT_CHOICES``, or at ``splits``) beats reading in place by 3%: the in-place kernel is
-    bound by max(link, its compute)."""
+    ``SPLIT_CHOICES``, or at ``splits``; with ``tiles`` = ``q_tile_profile(...)`` also one split
+    in ascending order) beats reading in place by 3%: the in-place kernel is bound by
+    max(link, its compute)."""
     link_ms = host_bytes / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms)
@@ -133,7 +166,13 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     q_ms = flops / (Q_TILED_TFLOPS * 1e9)
     best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
     est = staged_ms(copy_ms, q_ms, partial_bytes, best)
-    return StagedChoice(in_place, est, compute_ms >= COMPUTE_SHARE * link_ms and est < 0.97 * in_place, best)
+    ascending = False
+    if tiles is not None and splits in (0, 1):
+        asc = ascending_ms(copy_ms, q_ms, *tiles)
+        if asc < est:
+            est, best, ascending = asc, 1, True
+    return StagedChoice(in_place, est, compute_ms >= COMPUTE_SHARE * link_ms and est < 0.97 * in_place, best,
+                        ascending)
 
 
 def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:

@@ -28,6 +28,8 @@ CASES = [
     ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=3, piece_pages=2)),
     ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.float16, 0.3, QTiledConfig(splits=1)),
     ([5000], [17], 32, 8, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=8, piece_pages=8)),
+    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(order=2, piece_pages=2)),
+    ([4000, 2500], [4000, 1000], 16, 8, 64, 32, torch.float16, 0.5, QTiledConfig(order=1, splits=1)),
 ]
 
 

@@ -179,3 +179,39 @@ def test_q_tiled_kernel_compiles_for_hopper(monkeypatch, cfg, dtype, d, page, gr
     fn = jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out)
     assert fn is not None
     assert jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out) is fn
+
+
+def test_lightest_first_is_chosen_for_a_prefill_from_the_first_token_only():
+    from directkv_cute.plan import ascending_ms, q_tile_profile
+
+    rel, work = q_tile_profile([8192], [8192], 32)
+    assert rel[0] < rel[-1] == 1.0 and work.sum() == pytest.approx(1.0)
+    assert (np.diff(rel) > 0).all(), "launch order: lightest first"
+    # Never faster than the copy or the compute alone.
+    assert ascending_ms(0.6, 0.9, rel, work) >= 0.9
+    kv = 2 * 8192 * 8 * 128 * 2
+    tri = choose_staged(kv, 0, causal_flops([8192], [8192], 32, 128), partial_bytes(8192, 32, 128),
+                        tiles=q_tile_profile([8192], [8192], 32))
+    assert tri.staged and tri.ascending and tri.splits == 1
+    kv = 2 * 32768 * 8 * 128 * 2  # every query tile needs >= 24k of the 32k keys: splits win
+    late = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128),
+                         tiles=q_tile_profile([32768], [8192], 32))
+    assert late.staged and not late.ascending and late.splits > 1
+
+
+def test_q_tile_profile_orders_tiles_across_a_ragged_batch():
+    from directkv_cute.plan import q_tile_profile
+
+    rel, work = q_tile_profile([100, 1000], [64, 40], 32)
+    # tiles (m, b) in launch order: (0,0) (0,1) (1,0) (1,1); sequence 0 has 2 tiles, 1 has 2
+    assert len(rel) == 4
+    assert rel[0] == pytest.approx((100 - 64 + 32) / 1000) and rel[1] == pytest.approx((1000 - 40 + 32) / 1000)
+    assert rel[3] == pytest.approx(1.0)
+
+
+def test_order_legality():
+    assert QTiledConfig(order=2, splits=1).is_legal(128, 64)
+    with pytest.raises(ConfigError, match="one split"):
+        QTiledConfig(order=2, splits=4).check(128, 64)
+    with pytest.raises(ConfigError, match="order"):
+        QTiledConfig(order=3).check(128, 64)

@@ -170,9 +170,10 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident)
 
 def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
                 wait_ready: bool, split_out: bool = False):
-    # piece_pages and splits are runtime arguments (piece_tiles, num_splits / split_tiles), except
+    # piece_pages, splits and order are runtime arguments (piece_tiles, num_splits / split_tiles,
+    # ascending), except
     # that more than one split writes partials (split_out); everything else generates code.
-    code = dataclasses.replace(cfg, piece_pages=0, splits=0)
+    code = dataclasses.replace(cfg, piece_pages=0, splits=0, order=0)
     return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(split_out),
             *dataclasses.astuple(code))
 
@@ -206,7 +207,7 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
-        *(Int32(1) for _ in range(13)), Float32(1.0), cuda.CUstream(0),
+        *(Int32(1) for _ in range(14)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 

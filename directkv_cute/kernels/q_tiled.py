@@ -74,6 +74,7 @@ class QTiledAttention(PagedAttention):
         n_q_tiles: Int32,
         num_splits: Int32,
         split_tiles: Int32,
+        ascending: Int32,
         epoch: Int32,
         piece_tiles: Int32,
         scale_log2: Float32,
@@ -84,7 +85,7 @@ class QTiledAttention(PagedAttention):
         mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages))  # (pieces <= max_pages,)
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
-            num_kv_heads, num_layers, layer, batch, split_tiles, epoch, piece_tiles, scale_log2,
+            num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, scale_log2,
             h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
             grid=[n_q_tiles, num_kv_heads, batch * num_splits],
@@ -114,6 +115,7 @@ class QTiledAttention(PagedAttention):
         layer: Int32,
         batch: Int32,
         split_tiles: Int32,
+        ascending: Int32,
         epoch: Int32,
         piece_tiles: Int32,
         scale_log2: Float32,
@@ -124,7 +126,7 @@ class QTiledAttention(PagedAttention):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, split_tiles)
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, split_tiles, ascending)
         sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
 
         if warp_idx < 4:
@@ -149,9 +151,10 @@ class QTiledAttention(PagedAttention):
                            tok0, self.q_per_cta)
 
     @cute.jit
-    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, split_tiles):
+    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, split_tiles, ascending):
         """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
-        (heaviest) down, z over (split, sequence), split-major: split s owns KV tiles
+        (heaviest) down, or with ``ascending`` from the first (the lightest, whose keys a staged
+        copy lands first), z over (split, sequence), split-major: split s owns KV tiles
         [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged pages
         land first) run first. A tile past its sequence's queries or its split's keys walks no
         KV tiles (with split_out it writes an empty partial, LSE -inf)."""
@@ -164,6 +167,8 @@ class QTiledAttention(PagedAttention):
         q_start = mCuQ[b]
         q_len = mCuQ[b + 1] - q_start
         tok0 = (n_mt - 1 - mt) * qpc
+        if ascending != 0:
+            tok0 = mt * qpc
         last_tok = cutlass.min(q_len, tok0 + qpc) - 1
         key_end = seq_len - q_len + last_tok + 1  # keys the tile's last token sees
         t_begin = split * split_tiles
