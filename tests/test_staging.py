@@ -181,8 +181,11 @@ def test_q_tiled_kernel_compiles_for_hopper(monkeypatch, cfg, dtype, d, page, gr
     assert jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out) is fn
 
 
-def test_lightest_first_is_chosen_for_a_prefill_from_the_first_token_only():
+def test_lightest_first_is_chosen_for_a_prefill_from_the_first_token_only(monkeypatch):
+    from directkv_cute import plan
     from directkv_cute.plan import ascending_ms, q_tile_profile
+
+    monkeypatch.setattr(plan, "ASCENDING_AUTO", True)
 
     rel, work = q_tile_profile([8192], [8192], 32)
     assert rel[0] < rel[-1] == 1.0 and work.sum() == pytest.approx(1.0)
@@ -197,6 +200,9 @@ def test_lightest_first_is_chosen_for_a_prefill_from_the_first_token_only():
     late = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128),
                          tiles=q_tile_profile([32768], [8192], 32))
     assert late.staged and not late.ascending and late.splits > 1
+    monkeypatch.setattr(plan, "ASCENDING_AUTO", False)  # the op's setting until measured on a GPU
+    assert not choose_staged(kv // 4, 0, causal_flops([8192], [8192], 32, 128), partial_bytes(8192, 32, 128),
+                             tiles=q_tile_profile([8192], [8192], 32)).ascending
 
 
 def test_q_tile_profile_orders_tiles_across_a_ragged_batch():
