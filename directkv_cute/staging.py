@@ -195,3 +195,25 @@ def stager(device, stream) -> Stager:
         if st is None:
             st = _STAGERS[key] = Stager(device)
         return st
+
+
+def staging_bytes() -> int:
+    """HBM bytes the staging buffers of this process hold."""
+    with _STAGERS_LOCK:
+        return sum(s.buffer.numel() * s.buffer.element_size() for s in _STAGERS.values() if s.buffer is not None)
+
+
+def release_staging() -> int:
+    """Free every staging buffer (after the work queued on their streams); returns the bytes
+    freed. The next staged call allocates again."""
+    import torch
+
+    freed = 0
+    with _STAGERS_LOCK:
+        for s in _STAGERS.values():
+            with s.lock:
+                if s.buffer is not None:
+                    torch.cuda.synchronize(s.device)
+                    freed += s.buffer.numel() * s.buffer.element_size()
+                    s.buffer = None
+    return freed

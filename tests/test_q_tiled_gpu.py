@@ -67,6 +67,9 @@ def test_staged_calls_back_to_back_reuse_the_buffer():
     torch.cuda.synchronize()
     st = staging.stager(q.device, torch.cuda.current_stream())
     assert st.epoch >= 3
+    held = staging.staging_bytes()
+    assert held >= (3000 + 1200) * 2 * 8 * 128 * 2  # one layer of both sequences
+    assert staging.release_staging() == held and staging.staging_bytes() == 0
     for layer, (o, lse) in zip((0, 1, 0), outs):
         # the reference for this layer, rebuilt from the cache's own pages of that layer
         from directkv_cute.reference import paged_attention_ref

@@ -221,3 +221,23 @@ def test_order_legality():
         QTiledConfig(order=2, splits=4).check(128, 64)
     with pytest.raises(ConfigError, match="order"):
         QTiledConfig(order=3).check(128, 64)
+
+
+def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
+    """With a stand-in stager holding a CPU buffer: the bytes are counted, freed once, then 0."""
+    import threading
+
+    import torch
+
+    from directkv_cute import staging
+
+    class Fake:
+        device = torch.device("cpu")
+        lock = threading.Lock()
+        buffer = torch.empty(10, 4, dtype=torch.bfloat16)
+
+    monkeypatch.setattr(staging, "_STAGERS", {("cpu", 0): Fake()})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert staging.staging_bytes() == 80
+    assert staging.release_staging() == 80
+    assert staging.staging_bytes() == 0 and staging.release_staging() == 0
