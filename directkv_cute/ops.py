@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, resident_splits
-from directkv_cute.plan import causal_flops, choose_staged, partial_bytes, q_tile_profile
+from directkv_cute.plan import causal_flops, choose_staged, compute_bound, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -263,11 +263,23 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     P = cache.page_size
     n_pages = [math.ceil(n / P) for n in lens]
     used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
-    if bool((used < 0).all()):
-        return cfg, None  # every page already in HBM
+    n_host = int((used >= 0).sum())
+    if n_host == 0:
+        # Every page already in HBM: the Q-tiled kernel (no KV splits) once its query tiles fill
+        # about a wave of SMs (measured from q 512 at Hkv 8); fewer tiles leave SMs idle and the
+        # split chunk kernel is faster.
+        from directkv_cute.config import q_tiles
+
+        ctas = q_tiles(max(q_lens), group, cfg.rows) * cache.num_kv_heads * len(lens)
+        if explicit or 2 * ctas >= _num_sms(q.device.index):
+            return cfg, None
+        return None
+    page_bytes = 2 * cache.num_kv_heads * P * d * q.element_size()
+    flops = causal_flops(lens, q_lens, hq, d)
+    if not explicit and not compute_bound(n_host * page_bytes, flops):
+        return None  # link-bound: read in place (decided before any planning)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
     plan = plan_staging(host_table, lens, P, pp)
-    page_bytes = 2 * cache.num_kv_heads * P * d * q.element_size()
     need = plan.pages * page_bytes
     cap = staging_cap(_total_memory(q.device.index))
     if need > cap:
@@ -275,7 +287,7 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
                       "(DIRECTKV_MAX_STAGING_GB)")
     host_b = plan.host_pages * page_bytes
     tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
-    choice = choose_staged(host_b, need - host_b, causal_flops(lens, q_lens, hq, d),
+    choice = choose_staged(host_b, need - host_b, flops,
                            partial_bytes(q.shape[0], hq, d), 1 if cfg.order == 2 else cfg.splits, tiles)
     if not explicit:
         if not choice.staged:

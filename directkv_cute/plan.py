@@ -115,6 +115,12 @@ PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by
 SPLIT_CHOICES = (1, 2, 4, 8)
 
 
+def compute_bound(host_bytes: int, flops: float) -> bool:
+    """Whether the in-place kernel's compute reaches ``COMPUTE_SHARE`` of the call's link time:
+    the only calls ``choose_staged`` may stage (checked first, before any staging plan)."""
+    return flops / (CHUNKED_TFLOPS * 1e9) >= COMPUTE_SHARE * host_bytes / (LINK_GBPS * 1e6)
+
+
 def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int) -> float:
     """A staged call in ``splits`` KV splits: the first split's copy is exposed (the CTAs of a
     split are paced by its pieces), then max(the rest of the copy, the compute), plus the
@@ -174,8 +180,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
         asc = ascending_ms(copy_ms, q_ms, *tiles)
         if asc < est:
             est, best, ascending = asc, 1, True
-    return StagedChoice(in_place, est, compute_ms >= COMPUTE_SHARE * link_ms and est < 0.97 * in_place, best,
-                        ascending)
+    return StagedChoice(in_place, est, compute_bound(host_bytes, flops) and est < 0.97 * in_place, best, ascending)
 
 
 def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:
