@@ -1,5 +1,11 @@
 """Every kernel variant compiles for sm_90a without a GPU (CUTE_DSL_ARCH=sm_90a, set in conftest),
-and the compile cache (memory and disk) returns kernels without recompiling."""
+the generated code has what the kernels' designs need, and the compile cache (memory and disk)
+returns kernels without recompiling.
+
+The matrices (default configs, the decode search space, multi-token variants, tile x page) run
+a representative part by default; the rest is marked ``full`` and runs with ``--full`` (a step of
+``.ci/run``). Every kernel compiled here keeps its PTX (``fn.__ptx__``), so the PTX tests read the
+code of the kernels the compile tests built instead of compiling each again in a subprocess."""
 
 from __future__ import annotations
 
@@ -17,9 +23,28 @@ from directkv_cute.config import (
     default_prefill_config,
 )
 from directkv_cute.kernels import jit
-from ptx_dump import dumped_ptx
 
 pytestmark = pytest.mark.compile
+full = pytest.mark.full
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _keep_ptx(tmp_path_factory):
+    """``cute.compile`` keeps the PTX of every kernel compiled in this module (``--keep-ptx``, the
+    dump in a temporary folder): the same text CuTe DSL's CUTE_DSL_KEEP=ptx dump writes."""
+    import cutlass.cute as cute
+
+    dump = tmp_path_factory.mktemp("ptx")
+    real = cute.compile
+
+    def compile_keeping_ptx(*args, **kwargs):
+        assert "options" not in kwargs, "jit passes compile options now: merge them here"
+        return real(*args, options=f"--keep-ptx --dump-dir={dump}", **kwargs)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cute, "compile", compile_keeping_ptx)
+    yield
+    mp.undo()
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +53,41 @@ def _isolated_disk_cache(tmp_path, monkeypatch):
     yield
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("page_size", SUPPORTED_PAGE_SIZES)
+def _ptx_of(fn, rebuild) -> str:
+    """The PTX of compiled ``fn``; ``rebuild()`` compiles it afresh when ``fn`` came from a cache
+    filled before this module kept PTX."""
+    ptx = getattr(fn, "__ptx__", None)
+    if not ptx:
+        ptx = rebuild().__ptx__
+    assert ptx and ptx.count(".entry") == 1
+    return ptx
+
+
+def _cover(configs: list) -> list:
+    """A few of ``configs`` in which the smallest and the largest value (among ``configs``) of
+    every field appear."""
+    names = [f.name for f in dataclasses.fields(configs[0])]
+    missing = {(n, pick(getattr(c, n) for c in configs)) for n in names for pick in (min, max)}
+    picked = []
+    while missing:
+        best = max(configs, key=lambda c: len(missing & set(dataclasses.asdict(c).items())))
+        picked.append(best)
+        missing -= set(dataclasses.asdict(best).items())
+    return picked
+
+
+# bench check compiles the bf16 defaults of every head dim, row count and page size (and the
+# float16 ones at page 64): the representative part here is the other dtype, head dim and page.
+REPRESENTATIVE_DEFAULTS = {(torch.float16, 64, 16)}
+
+
+def _default_params():
+    return [pytest.param(dtype, head_dim, page, id=f"{str(dtype)[6:]}-d{head_dim}-page{page}",
+                         marks=() if (dtype, head_dim, page) in REPRESENTATIVE_DEFAULTS else full)
+            for page in SUPPORTED_PAGE_SIZES for head_dim in (64, 128) for dtype in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size", _default_params())
 def test_default_configs_compile(dtype, head_dim, page_size):
     for group, q_len in ((1, 1), (4, 1), (8, 1), (8, 8)):
         cfg = default_decode_config(head_dim, group * q_len, page_size)
@@ -41,19 +98,34 @@ def test_default_configs_compile(dtype, head_dim, page_size):
     assert callable(jit.compile_combine(head_dim, dtype))
 
 
-def test_search_space_configs_compile():
-    """Every code-generation-distinct legal config of the tuner's decode space compiles."""
+def _decode_space_configs() -> list:
+    """One config per compile key among the legal configs of the tuner's decode space."""
     from directkv_cute.tuning.space import TuneShape, get_space
 
-    space = get_space("decode")
-    seen = set()
-    for cfg in space.legal_configs(TuneShape(32, 8, 128, batch=1, context=32768, page_size=64)):
-        key = jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True)
-        if key in seen:
-            continue
-        seen.add(key)
-        jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, True)
-    assert len(seen) >= 10
+    by_key = {}
+    for cfg in get_space("decode").legal_configs(TuneShape(32, 8, 128, batch=1, context=32768, page_size=64)):
+        by_key.setdefault(jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True), cfg)
+    return list(by_key.values())
+
+
+def test_search_space_configs_compile_a_cover():
+    """Configs of the tuner's decode space with the smallest and largest value of every field
+    compile (every code-generation-distinct one: test_search_space_configs_compile, --full)."""
+    configs = _decode_space_configs()
+    assert len(configs) >= 10
+    picked = _cover(configs)
+    assert len(picked) < len(configs) / 4
+    for cfg in picked:
+        assert callable(jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, True))
+
+
+@full
+def test_search_space_configs_compile():
+    """Every code-generation-distinct legal config of the tuner's decode space compiles."""
+    configs = _decode_space_configs()
+    assert len(configs) >= 10
+    for cfg in configs:
+        assert callable(jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, True))
 
 
 def test_memory_cache_hits_without_recompiling(monkeypatch):
@@ -63,23 +135,6 @@ def test_memory_cache_hits_without_recompiling(monkeypatch):
     assert jit.compile_decode(cfg, torch.bfloat16, 128, 32, 8, 1, True) is fn
     # num_splits / ctas_per_sm change only the launch, so they share the compiled kernel
     assert jit.compile_decode(DecodeConfig(tile_n=64, stages=3, num_splits=5), torch.bfloat16, 128, 32, 8) is fn
-
-
-def test_disk_cache_survives_a_new_process_cache(monkeypatch, tmp_path):
-    cfg = DecodeConfig(tile_n=32, stages=5)
-    jit.compile_decode(cfg, torch.float16, 64, 16, 2, 1, False)
-    objs = list((tmp_path / "kc").rglob("*.o"))
-    assert objs, "nothing written to the disk cache"
-    jit.clear_memory_cache()
-    monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("recompiled despite the disk cache"))
-    assert callable(jit.compile_decode(cfg, torch.float16, 64, 16, 2, 1, False))
-
-
-def test_disk_cache_can_be_disabled(monkeypatch, tmp_path):
-    monkeypatch.setenv("DIRECTKV_DISK_CACHE", "0")
-    jit.clear_memory_cache()
-    jit.compile_decode(DecodeConfig(tile_n=64, stages=2), torch.bfloat16, 64, 64, 1, 1, True)
-    assert not list((tmp_path / "kc").rglob("*.o"))
 
 
 def test_cache_key_covers_codegen_fields():
@@ -128,37 +183,45 @@ def test_cache_key_covers_codegen_fields():
         dataclasses.replace(credited, link_credits=16), torch.bfloat16, 128, 64, 4, True, resident=True)
 
 
+def _full(cfg: DecodeConfig):
+    return pytest.param(cfg, marks=full)
+
+
+# The representative part: two CTAs per SM, wide tiles with link admission and edge chunks, the
+# clusters the PTX tests read too (compiled once for both), staggered chunks in a cluster.
 @pytest.mark.parametrize(
     "cfg",
     [
-        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5),
-        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2),
+        _full(DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5)),
+        _full(DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2)),
         DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2),  # two CTAs per SM
-        DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, ctas_per_sm=1, chunk_tiles=3),
-        DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=6, max_inflight=1),
+        _full(DecodeConfig(tile_n=32, stages=8, consumer_wgs=3, carveout=100, ctas_per_sm=1, chunk_tiles=3)),
+        _full(DecodeConfig(tile_n=32, stages=12, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=6,
+                           max_inflight=1)),
         DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
                      link_credits=8, edge_tiles=1),
         # Q in registers: the freed 32 KB holds a seventh 64-token stage; wide tiles too
-        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5, max_inflight=1,
-                     link_credits=16, q_regs=1),
-        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_regs=1),
+        _full(DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5,
+                           max_inflight=1, link_credits=16, q_regs=1)),
+        _full(DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_regs=1)),
         # clusters of CTAs sharing each tile by TMA multicast
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=2),
-        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, q_cluster=4),
+        _full(DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2,
+                           q_cluster=4)),
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=4),  # four CTAs: the page pieces are halved into four boxes
         # clusters under link admission (rank 0 admits each tile and signals its peers)
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=2, link_credits=16),
-        DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2, max_inflight=1,
-                     q_cluster=4, link_credits=8),
+        _full(DecodeConfig(tile_n=128, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=2,
+                           max_inflight=1, q_cluster=4, link_credits=8)),
         # staggered chunk boundaries: in a cluster, with Q in SMEM, with link admission
         DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
                      q_regs=1, q_cluster=2, stagger=4),
-        DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=3, stagger=2),
-        DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4, max_inflight=1,
-                     link_credits=16, q_regs=1, stagger=3),
+        _full(DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=3, stagger=2)),
+        _full(DecodeConfig(tile_n=64, stages=7, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=4,
+                           max_inflight=1, link_credits=16, q_regs=1, stagger=3)),
     ],
 )
 def test_resident_variants_compile(cfg):
@@ -192,7 +255,10 @@ def test_dtype_is_checked():
         jit.compile_decode(DecodeConfig(), torch.float32, 128, 64, 4)
 
 
-@pytest.mark.parametrize("tile_n,page_size", list(itertools.product([32, 64, 128], SUPPORTED_PAGE_SIZES)))
+@pytest.mark.parametrize("tile_n,page_size", [
+    # the representative part: a tile within one page, one page, several pages
+    pytest.param(t, p, marks=() if (t, p) in {(32, 128), (64, 64), (128, 16)} else full)
+    for t, p in itertools.product([32, 64, 128], SUPPORTED_PAGE_SIZES)])
 def test_tile_page_combinations_compile(tile_n, page_size):
     cfg = DecodeConfig(tile_n=tile_n, stages=2, carveout=100)
     jit.compile_decode(cfg, torch.bfloat16, 128, page_size, 8, 1, True)
@@ -206,30 +272,23 @@ def test_multi_token_group_limit_fails_before_compiling(monkeypatch):
         jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 96)
 
 
-_PTX_SCRIPT = """
-import dataclasses, torch
-from directkv_cute.config import default_prefill_config
-from directkv_cute.kernels import jit
-jit.compile_prefill(dataclasses.replace(default_prefill_config(128), {}), torch.bfloat16, 128, 64, 4)
-"""
+def _prefill_ptx(**fields) -> str:
+    """PTX of the multi-token kernel: the bf16, d 128, GQA 4 default with ``fields`` replaced."""
+    cfg = dataclasses.replace(default_prefill_config(128), **fields)
+    return _ptx_of(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4),
+                   lambda: jit._compile_decode(cfg, torch.bfloat16, 128, 64, 4, True, True))
 
 
-def _prefill_ptx(path, fields: str = "") -> str:
-    """PTX of the multi-token kernel: the bf16, d 128 default with ``fields`` replaced."""
-    return dumped_ptx(path, _PTX_SCRIPT.format(fields))
-_PTX_COMBINE_SCRIPT = """
-import torch
-from directkv_cute.kernels import jit
-jit.compile_combine(128, torch.bfloat16)
-"""
+def _combine_ptx() -> str:
+    return _ptx_of(jit.compile_combine(128, torch.bfloat16), lambda: jit._compile_combine(128, torch.bfloat16))
 
 
-def test_multi_token_kernel_ptx(tmp_path):
+def test_multi_token_kernel_ptx():
     """The multi-token kernel's generated code with Q in SMEM: TMA loads, WGMMA, the split
     partials written and reloaded with 8-byte vector accesses (scalar ones double the L2
     transactions per pass), the next block's Q rows and partial prefetched into L2, and a pass's
     loads issued together."""
-    ptx = _prefill_ptx(tmp_path, "q_regs=0, stages=6")
+    ptx = _prefill_ptx(q_regs=0, stages=6)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v2.b32", "ld.global.v2.b32",
                    "prefetch.global.L2"):
         assert needle in ptx, needle
@@ -242,13 +301,13 @@ def test_multi_token_kernel_ptx(tmp_path):
     assert max(at("ld.global.v4.b32") + at("ld.global.v2.b32")) < min(at("st.shared.v4.b32"))
 
 
-def test_combine_kernel_ptx(tmp_path):
+def test_combine_kernel_ptx():
     """The combine kernel reads each split's partial row with 16-byte vector loads (a warp per row),
     a group of 8 splits at a time with every load of the group issued before the first weight is
     computed: one memory round trip per group."""
     from directkv_cute.kernels.combine import SPLIT_GROUP
 
-    ptx = dumped_ptx(tmp_path, _PTX_COMBINE_SCRIPT)
+    ptx = _combine_ptx()
     lines = ptx.splitlines()
     at = lambda needle: [i for i, line in enumerate(lines) if needle in line]  # noqa: E731
     loads, exps = at("ld.global.v4.b32"), at("ex2.approx")
@@ -257,23 +316,23 @@ def test_combine_kernel_ptx(tmp_path):
     assert max(loads + at("ld.global.b32")) < min(exps)
 
 
-def test_throttled_producer_ptx(tmp_path):
+def test_throttled_producer_ptx():
     """With max_inflight the producer waits on a tile's full barrier before issuing a later one:
     one more mbarrier wait loop in the producer than without."""
-    plain = _prefill_ptx(tmp_path / "a", "max_inflight=0, link_credits=0")
-    limited = _prefill_ptx(tmp_path / "b", "max_inflight=1, link_credits=0")
+    plain = _prefill_ptx(max_inflight=0, link_credits=0)
+    limited = _prefill_ptx(max_inflight=1, link_credits=0)
     waits = lambda ptx: ptx.count("mbarrier.try_wait")  # noqa: E731
     assert waits(limited) > waits(plain)
 
 
-def test_link_admission_ptx(tmp_path):
+def test_link_admission_ptx():
     """With link_credits the producer takes a ticket with an atomic add on the device-wide
     counter, polls the landed counter with sleeps, and reports each landed tile with a reduction;
     without it none of these are emitted. The producer warp walks its tiles with all lanes: one
     lane takes the ticket and reads the counter, a shuffle hands both to the others, and one
     atomic add per ticket remains."""
-    plain = _prefill_ptx(tmp_path / "a", "max_inflight=1, link_credits=0")
-    credited = _prefill_ptx(tmp_path / "b", "max_inflight=1, link_credits=8")
+    plain = _prefill_ptx(max_inflight=1, link_credits=0)
+    credited = _prefill_ptx(max_inflight=1, link_credits=8)
     for needle in ("atom.global.add", "ld.relaxed.gpu.global", "nanosleep", "red.relaxed.gpu.global.add"):
         assert needle not in plain, needle
         assert needle in credited, needle
@@ -281,12 +340,12 @@ def test_link_admission_ptx(tmp_path):
     assert credited.count("shfl.sync.idx") > plain.count("shfl.sync.idx")
 
 
-def test_q_in_registers_ptx(tmp_path):
+def test_q_in_registers_ptx():
     """With q_regs the multi-token kernel has no Q tile in SMEM: no 16-byte SMEM stores, no
     per-warpgroup named barriers, and its Q K^T WGMMA takes A as four registers (the RS form)
     where the SMEM variant passes two descriptors."""
-    smem = _prefill_ptx(tmp_path / "a", "q_regs=0, stages=6")
-    regs = _prefill_ptx(tmp_path / "b", "q_regs=1, stages=7")
+    smem = _prefill_ptx(q_regs=0, stages=6)
+    regs = _prefill_ptx(q_regs=1, stages=7)
     qk = lambda ptx: [ln for ln in ptx.splitlines() if "wgmma.mma_async.sync.aligned.m64n64k16" in ln]  # noqa: E731
     assert qk(smem) and qk(regs)
     assert all("}, {%r" not in ln for ln in qk(smem))
@@ -295,16 +354,16 @@ def test_q_in_registers_ptx(tmp_path):
     assert smem.count("bar.sync") > regs.count("bar.sync")
 
 
-def test_cluster_multicast_ptx(tmp_path):
+def test_cluster_multicast_ptx():
     """With q_cluster the producer's TMA copies are multicast to the cluster (each box issued by
     one CTA), the consumers release a stage to every CTA of it, and the CTAs meet at a cluster
     barrier before they exit; without it none of that is emitted. Four CTAs over a tile of one
     64-token page piece (two boxes, K and V) halve the pieces: four boxes. The producer is the
     whole warp (the pipeline and each copy elect their own lane: no elect.sync nested in an
     elected lane, where the first cluster kernel hung)."""
-    plain = _prefill_ptx(tmp_path / "a", "q_cluster=0, link_credits=0")
-    cluster = _prefill_ptx(tmp_path / "b", "q_cluster=2, link_credits=0")
-    four = _prefill_ptx(tmp_path / "c", "q_cluster=4, link_credits=0")
+    plain = _prefill_ptx(q_cluster=0, link_credits=0)
+    cluster = _prefill_ptx(q_cluster=2, link_credits=0)
+    four = _prefill_ptx(q_cluster=4, link_credits=0)
     tma = lambda ptx: [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]  # noqa: E731
     assert tma(plain) and not any("multicast::cluster" in ln for ln in tma(plain))
     assert tma(cluster) and all("multicast::cluster" in ln for ln in tma(cluster))
@@ -326,14 +385,14 @@ def test_cluster_multicast_ptx(tmp_path):
     assert "mapa" not in plain and "mapa" in cluster  # remote arrives on the peers' empty barriers
 
 
-def test_cluster_link_admission_ptx(tmp_path):
+def test_cluster_link_admission_ptx():
     """Clusters under link admission: one ticket (atomic add) per tile, taken by rank 0, which then
     arrives on its peers' admit barrier in their SMEM (one remote arrive per peer, from one lane);
     the peers wait on their own admit barrier. Without link credits a cluster kernel has none of
     that."""
-    plain = _prefill_ptx(tmp_path / "a", "q_cluster=2, link_credits=0")
-    two = _prefill_ptx(tmp_path / "b", "q_cluster=2, link_credits=16")
-    four = _prefill_ptx(tmp_path / "c", "q_cluster=4, link_credits=16")
+    plain = _prefill_ptx(q_cluster=2, link_credits=0)
+    two = _prefill_ptx(q_cluster=2, link_credits=16)
+    four = _prefill_ptx(q_cluster=4, link_credits=16)
     remote = lambda ptx: ptx.count("mbarrier.arrive.shared::cluster")  # noqa: E731
     tickets = lambda ptx: ptx.count("atom.global.add")  # noqa: E731
     assert tickets(plain) == 0 and tickets(two) == 1 and tickets(four) == 1
@@ -342,3 +401,21 @@ def test_cluster_link_admission_ptx(tmp_path):
     assert remote(two) == remote(plain) + 1 and remote(four) == remote(plain) + 3
     waits = lambda ptx: ptx.count("mbarrier.try_wait.parity")  # noqa: E731
     assert waits(two) > waits(plain)  # the peers' admit wait (and the last ticketed tile's landing)
+
+
+# The disk cache tests come last: they empty the memory cache, which the tests above share.
+def test_disk_cache_survives_a_new_process_cache(monkeypatch, tmp_path):
+    cfg = DecodeConfig(tile_n=32, stages=5)
+    jit.compile_decode(cfg, torch.float16, 64, 16, 2, 1, False)
+    objs = list((tmp_path / "kc").rglob("*.o"))
+    assert objs, "nothing written to the disk cache"
+    jit.clear_memory_cache()
+    monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("recompiled despite the disk cache"))
+    assert callable(jit.compile_decode(cfg, torch.float16, 64, 16, 2, 1, False))
+
+
+def test_disk_cache_can_be_disabled(monkeypatch, tmp_path):
+    monkeypatch.setenv("DIRECTKV_DISK_CACHE", "0")
+    jit.clear_memory_cache()
+    jit.compile_decode(DecodeConfig(tile_n=64, stages=2), torch.bfloat16, 64, 64, 1, 1, True)
+    assert not list((tmp_path / "kc").rglob("*.o"))
