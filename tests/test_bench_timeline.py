@@ -8,7 +8,7 @@ import os
 import shutil
 
 import pytest
-from ptx_dump import dumped_ptx
+from ptx_dump import compiled_ptx, dumped_ptx
 
 from bench.timeline import InstrumentError, instrument
 
@@ -20,20 +20,23 @@ from directkv_cute.config import default_prefill_config
 from directkv_cute.kernels import jit
 import directkv_cute
 assert directkv_cute.__file__.startswith({root!r}), directkv_cute.__file__
-cfg = default_prefill_config(128, {rows})
-assert cfg.q_cluster == {cluster}
-jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
+for rows, cluster in {cases!r}:
+    cfg = default_prefill_config(128, rows)
+    assert cfg.q_cluster == cluster
+    jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
 """
 
 
-@pytest.mark.parametrize("rows,cluster", [(None, 0), (4096, 2)])  # the default without and with clusters
-def test_instrumented_kernel_compiles_with_timer_reads(tmp_path, rows, cluster):
+def test_instrumented_kernel_compiles_with_timer_reads(tmp_path):
+    """The default without and with clusters (one interpreter compiles both)."""
     root = instrument(tmp_path / "copy")
     decode = (root / "directkv_cute" / "kernels" / "multi_token.py").read_text()
     assert decode.count("cute.arch.globaltimer()") == 7
-    script = _COMPILE.format(root=str(root), rows=rows, cluster=cluster)
-    ptx = dumped_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
-    assert "%globaltimer" in ptx
+    script = _COMPILE.format(root=str(root), cases=[(None, 0), (4096, 2)])
+    ptxs = compiled_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
+    assert len(ptxs) == 2 and ptxs[0] != ptxs[1]
+    assert all("%globaltimer" in ptx for ptx in ptxs)
+    assert "multicast::cluster" not in ptxs[0] and "multicast::cluster" in ptxs[1]
 
 
 def test_skipped_passes_leave_the_link_phase_only(tmp_path):
@@ -44,7 +47,7 @@ def test_skipped_passes_leave_the_link_phase_only(tmp_path):
     decode = (root / "directkv_cute" / "kernels" / "multi_token.py").read_text()
     assert "if const_expr(False):  # bench timeline --skip-passes" in decode
     assert "if j == 0 or t_stop > c_begin:" not in decode
-    script = _COMPILE.format(root=str(root), rows=4096, cluster=2)
+    script = _COMPILE.format(root=str(root), cases=[(4096, 2)])
     ptx = dumped_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
     assert "%globaltimer" in ptx and "cp.async.bulk.tensor" in ptx
     assert "wgmma.mma_async" not in ptx
