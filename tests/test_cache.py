@@ -666,7 +666,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 CacheMachine.TestCase.settings = settings(
-    max_examples=100,
+    max_examples=50,  # x up to 40 steps: 2000 random operations a run
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
