@@ -150,3 +150,12 @@ def test_resident_split_counts_are_in_the_grid():
                     assert all(b - a <= stages for a, b in (split_range(tiles, splits, s) for s in range(splits)))
             else:
                 assert splits * len(lens) * 2 <= max(132, len(lens) * 2)
+
+def test_split_summary_never_cuts_a_number():
+    from bench.traffic import split_summary
+
+    assert split_summary({4, 1, 2}) == "1,2,4"
+    many = set(range(1, 66, 5))
+    text = split_summary(many)
+    assert text == "1..61 (13 counts)"
+    assert len(split_summary(set(range(1, 200)))) <= 28
