@@ -14,8 +14,9 @@ mask); the attention function of the first layer plans the step once -- which of
 are real (left padding from the 2-D attention mask never enters the cache), how many pages each
 sequence grows by and in which tier, the page tables and the store slots -- and every layer then
 stores its new K/V straight into their pages (GPU stores into pinned host memory, no staging
-buffer) and runs ``paged_attention_tables`` over the sequences' whole history. Query rows of pad
-tokens get zeros.
+buffer) and runs ``paged_attention_tables`` over the sequences' whole history (a long prefill
+chunk whose attention is compute-bound is staged into HBM by the op, see ``directkv_cute.ops``).
+Query rows of pad tokens get zeros.
 
 Placement: host only by default. With ``hbm_budget`` (bytes) an HBM tier holds each sequence's
 first ``sink_pages`` pages and its most recent pages, an equal share of the budget per sequence;

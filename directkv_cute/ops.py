@@ -3,12 +3,15 @@
 ``paged_attention`` validates its inputs, picks a config (explicit, tuned profile, or the
 heuristic default) and a kernel -- the streaming split-KV kernel when all query rows of a KV head
 fit one CTA (decode, short speculative windows), else the KV-chunk resident kernel (multi-token
-queries) -- and launches it and, when the context is split across CTAs, the combine kernel, on
-the current CUDA stream. Nothing is staged: the kernel
-reads host pages through their UVA addresses. Once a shape's kernels are compiled and its
-``q_lens`` seen (their device copy is kept), the op only allocates its fp32 split workspace from
-torch's caching allocator, so it can be captured in a CUDA graph (the captured graph pins the
-pools' base addresses, which never move).
+queries), or for compute-bound multi-token calls the Q-tiled kernel -- and launches it and, when
+the context is split across CTAs, the combine kernel, on the current CUDA stream. The streaming
+and KV-chunk kernels read host pages in place through their UVA addresses; the Q-tiled kernel
+reads HBM, so over host pages the op first stages them into an HBM buffer with the copy engine,
+overlapped with the kernel (``_q_tiled_route`` decides, ``directkv_cute.staging`` copies).
+Once a shape's kernels are compiled and its ``q_lens`` seen (their device copy is kept), the
+in-place paths only allocate their fp32 split workspace from torch's caching allocator, so they
+can be captured in a CUDA graph (the captured graph pins the pools' base addresses, which never
+move); the staged path is not taken inside a capture.
 
 On a CPU-only machine the same call runs the float32 reference.
 """
