@@ -10,8 +10,8 @@ regress                 compare a run (``--results FILE``, or a fresh run replay
                         regression, a missing record or a failed check.
 refresh                 make a run (``--results FILE`` or a fresh one) the baseline of its GPU,
                         only if it passed every correctness check.
-timeline                per-CTA chunk and pass timeline of the multi-token kernel, from an
-                        instrumented copy of the kernels (GPU; ``bench/timeline.py``).
+timeline                per-CTA chunk and pass timeline of the multi-token kernel, compiled
+                        with its timeline stamps (GPU; ``bench/timeline.py``).
 breakdown               the kernels and copies of one op call, their GPU times and the gaps
                         between them, from torch.profiler (GPU; ``bench/breakdown.py``).
 plot                    PNG plots of a results JSON (``--results FILE``), for runs made where

@@ -112,12 +112,14 @@ def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(cfg: DecodeConfig, dtype, head_dim, page_size, group, max_q_len, split_out, resident):
+def _compiled(cfg: DecodeConfig, dtype, head_dim, page_size, group, max_q_len, split_out, resident, trace=None):
     """The compiled kernel for a launch (jit's cache keys on the target arch too; this memo keeps
-    that key's construction off the per-call path)."""
+    that key's construction off the per-call path). ``trace``: ``jit.tracing``'s, for the
+    multi-token kernel (bench timeline)."""
     from directkv_cute.kernels.jit import compile_decode
 
-    return compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=split_out, resident=resident)
+    return compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=split_out, resident=resident,
+                          trace=trace)
 
 
 @functools.lru_cache(maxsize=64)
@@ -235,7 +237,8 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     else:
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident)
+        fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident,
+                       _current_trace() if resident else None)
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
         launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
@@ -353,6 +356,12 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     if splits > 1:
         launch_combine(_compiled_combine(d, q.dtype), o_k, lse_k, out, lse, splits)
     return (out, lse) if return_lse else out
+
+
+def _current_trace():
+    from directkv_cute.kernels.jit import current_trace
+
+    return current_trace()
 
 
 # ---- torch.library registration --------------------------------------------------------------

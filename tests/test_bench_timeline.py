@@ -1,16 +1,12 @@
-"""The timeline diagnostic's instrumentation: it still applies to the kernel sources, the
-instrumented kernel compiles for sm_90a with the timer reads in it, and a moved anchor is a clear
-error (the GPU run itself is `python -m bench timeline`)."""
+"""The timeline diagnostic: its stamps are a compile-time option of the multi-token kernel, so
+the traced kernel compiles for sm_90a with the timer reads in it, the op's own kernels have none
+and keep their code, and ``--skip-passes`` compiles the walk without passes (the GPU run itself
+is `python -m bench timeline`)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
-from ptx_dump import compiled_ptx, dumped_ptx
-
-from bench.timeline import InstrumentError, instrument
+from ptx_dump import compiled_ptx
 
 pytestmark = pytest.mark.compile
 
@@ -18,59 +14,51 @@ _COMPILE = """
 import torch
 from directkv_cute.config import default_prefill_config
 from directkv_cute.kernels import jit
-import directkv_cute
-assert directkv_cute.__file__.startswith({root!r}), directkv_cute.__file__
-for rows, cluster in {cases!r}:
+from directkv_cute.kernels.trace import Trace
+for rows, cluster, trace in {cases!r}:
     cfg = default_prefill_config(128, rows)
     assert cfg.q_cluster == cluster
-    jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
+    if trace is None:
+        jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
+    else:
+        with jit.tracing(Trace(1 << 40, 2, trace == "skip")):
+            jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
 """
 
 
-def test_instrumented_kernel_compiles_with_timer_reads(tmp_path):
-    """The default without and with clusters (one interpreter compiles both)."""
-    root = instrument(tmp_path / "copy")
-    decode = (root / "directkv_cute" / "kernels" / "multi_token.py").read_text()
-    assert decode.count("cute.arch.globaltimer()") == 7
-    script = _COMPILE.format(root=str(root), cases=[(None, 0), (4096, 2)])
-    ptxs = compiled_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
-    assert len(ptxs) == 2 and ptxs[0] != ptxs[1]
-    assert all("%globaltimer" in ptx for ptx in ptxs)
-    assert "multicast::cluster" not in ptxs[0] and "multicast::cluster" in ptxs[1]
+def test_traced_kernels_have_timer_reads_and_the_ops_kernels_none(tmp_path):
+    """One interpreter compiles the default without and with clusters, traced and not, and the
+    cluster default with its passes skipped."""
+    cases = [(None, 0, None), (None, 0, "trace"), (4096, 2, None), (4096, 2, "trace"), (4096, 2, "skip")]
+    plain, traced, plain_c, traced_c, skipped = compiled_ptx(tmp_path, _COMPILE.format(cases=cases))
+    assert "%globaltimer" not in plain and "%globaltimer" not in plain_c
+    assert "%globaltimer" in traced and "%globaltimer" in traced_c
+    assert "multicast::cluster" not in traced and "multicast::cluster" in traced_c
+    assert "wgmma.mma_async" in traced_c
+    # --skip-passes: the chunks still land and are released (stamps, TMA) but no pass runs.
+    assert "%globaltimer" in skipped and "cp.async.bulk.tensor" in skipped and "wgmma.mma_async" not in skipped
 
 
-def test_skipped_passes_leave_the_link_phase_only(tmp_path):
-    """``--skip-passes``: the instrumented copy's consumers still wait for and release every
-    chunk (its stamps remain) but run no pass, so the kernel has no WGMMA; the cluster default
-    compiles that way."""
-    root = instrument(tmp_path / "copy", skip_passes=True)
-    decode = (root / "directkv_cute" / "kernels" / "multi_token.py").read_text()
-    assert "if const_expr(False):  # bench timeline --skip-passes" in decode
-    assert "if j == 0 or t_stop > c_begin:" not in decode
-    script = _COMPILE.format(root=str(root), cases=[(4096, 2)])
-    ptx = dumped_ptx(tmp_path, script, cwd=root, DIRECTKV_TIMELINE_ADDR=str(1 << 40))
-    assert "%globaltimer" in ptx and "cp.async.bulk.tensor" in ptx
-    assert "wgmma.mma_async" not in ptx
+def test_trace_keys_and_their_cache():
+    """A trace is part of the compile key (the address is in the code) and only the multi-token
+    kernel has one; ``tracing`` sets it for the block only."""
+    import torch
 
+    from directkv_cute.config import DecodeConfig
+    from directkv_cute.kernels import jit
+    from directkv_cute.kernels.trace import Trace
 
-def test_child_script_builds_its_shape_with_the_breakdowns_helper():
-    """The GPU child (run by ``bench timeline``) is valid Python and builds its cache with
-    ``bench.breakdown.build_shape``, the same shape as ``bench breakdown``."""
-    from bench import timeline
-
-    compile(timeline._CHILD, "timeline_child.py", "exec")
-    assert "cache, tables, q = build_shape(spec)" in timeline._CHILD
-
-
-def test_a_moved_anchor_is_named(tmp_path):
-    import directkv_cute
-
-    src = tmp_path / "src" / "directkv_cute"
-    shutil.copytree(os.path.dirname(directkv_cute.__file__), src, ignore=shutil.ignore_patterns("__pycache__"))
-    kernel = src / "kernels" / "multi_token.py"
-    kernel.write_text(kernel.read_text().replace("nb = rb + step", "nxt = rb + step"))
-    with pytest.raises(InstrumentError, match="the start of a pass"):
-        instrument(tmp_path / "copy", src_pkg=src)
+    cfg = DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100)
+    plain = jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True, True)
+    t1, t2 = Trace(1 << 40), Trace(1 << 41)
+    k1 = jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True, True, t1)
+    assert k1 != plain and k1 != jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True, True, t2)
+    assert jit.current_trace() is None
+    with jit.tracing(t1):
+        assert jit.current_trace() == t1
+    assert jit.current_trace() is None
+    with pytest.raises(ValueError, match="multi-token kernel only"):
+        jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, split_out=True, resident=False, trace=t1)
 
 
 def test_summary_table_and_cpu_refusal(capsys):
@@ -120,17 +108,3 @@ def test_stamp_summary_keeps_nanoseconds():
     assert res["span_us"] == 3.503
     assert res["passes"]["gather_reload"] == {"n": 17, "median_us": 0.007, "p90_us": 0.007}
     assert res["passes"]["wgmma"]["median_us"] == 0.013 and res["passes"]["finalize_store"]["median_us"] == 0.001
-
-
-def test_child_env_keeps_wheels_but_not_a_shadowing_package(tmp_path):
-    """The child must still find cutlass on PYTHONPATH (how the GPU machine provides it) while a
-    folder holding another directkv_cute would shadow the instrumented copy and is dropped."""
-    from bench.timeline import child_env
-
-    wheels, shadow = tmp_path / "site", tmp_path / "repo"
-    (wheels / "cutlass").mkdir(parents=True)
-    (shadow / "directkv_cute").mkdir(parents=True)
-    env = child_env({"PYTHONPATH": f"{wheels}:{shadow}:", "X": "1"})
-    assert env["PYTHONPATH"] == str(wheels) and env["X"] == "1"
-    assert "PYTHONPATH" not in child_env({"PYTHONPATH": str(shadow)})
-    assert "PYTHONPATH" not in child_env({})

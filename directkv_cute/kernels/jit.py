@@ -14,6 +14,8 @@ folders, objects authenticated by a per-user key, writes renamed into place unde
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import os
@@ -105,19 +107,20 @@ def _ptr(dtype, align=16):
 
 
 def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool,
-               resident: bool = False):
+               resident: bool = False, trace=None):
     # Every config field is part of the key except what only changes the launch: num_splits, and
     # ctas_per_sm beyond the occupancy it resolves to; the chunk walk (chunk_tiles, edge_tiles,
     # q_regs, q_cluster, stagger) exists only in the resident kernel.
     code = dataclasses.replace(cfg, num_splits=0, ctas_per_sm=cfg.resident_occupancy(head_dim, 2) if resident else 1)
     if not resident:
         code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0, q_cluster=0, stagger=0)
-    return ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident),
-            *dataclasses.astuple(code))
+    key = ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident),
+           *dataclasses.astuple(code))
+    return key if trace is None else (*key, "trace", trace.addr, trace.chunk, bool(trace.skip_passes))
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                   max_q_len: int = 1, split_out: bool = True, resident: bool = False):
+                   max_q_len: int = 1, split_out: bool = True, resident: bool = False, trace=None):
     """Compile (once per key) the paged attention kernel; returns a callable taking the runtime
     arguments. ``resident=False`` streams KV tiles through the SMEM ring (decode: every query row
     of a KV head fits one CTA); ``resident=True`` keeps each CTA's KV chunk (``cfg.chunk`` tiles) in
@@ -134,17 +137,54 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
         raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
     if not resident and group * max_q_len > (cfg.rows // group) * group:
         raise ValueError(f"group {group} x q_len {max_q_len} rows exceed the config's {cfg.rows} rows")
-    key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident)
-    return _cached_compile(key, lambda: _compile_decode(cfg, dtype, head_dim, page_size, group, split_out,
-                                                        resident))
+    if trace is None:
+        trace = _TRACE.get() if resident else None
+    elif not resident:
+        raise ValueError("timeline stamps (trace) exist in the multi-token kernel only")
+    key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)
+    build = lambda: _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)  # noqa: E731
+    if trace is not None:
+        return _traced_compile(key, build)
+    return _cached_compile(key, build)
 
 
-def compile_prefill(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int):
-    """The multi-token (KV-chunk resident) kernel; always writes split partials."""
-    return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, resident=True)
+def compile_prefill(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, trace=None):
+    """The multi-token (KV-chunk resident) kernel; always writes split partials. ``trace``
+    (``kernels.trace.Trace``) compiles timeline stamps in."""
+    return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, resident=True, trace=trace)
 
 
-def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident):
+# The trace that multi-token compiles in this context use (``tracing``); None: no stamps.
+_TRACE: contextvars.ContextVar = contextvars.ContextVar("directkv_trace", default=None)
+
+
+@contextlib.contextmanager
+def tracing(trace):
+    """Within the block, the op's multi-token kernels are compiled with ``trace``'s timeline
+    stamps (a key of their own, never on disk: the buffer address is in the code)."""
+    token = _TRACE.set(trace)
+    try:
+        yield trace
+    finally:
+        _TRACE.reset(token)
+
+
+def current_trace():
+    return _TRACE.get()
+
+
+def _traced_compile(key: tuple, build):
+    """Memory cache only: a traced kernel's code holds a buffer address of this process."""
+    fn = _CACHE.get(key)
+    if fn is None:
+        with _LOCK:
+            fn = _CACHE.get(key)
+            if fn is None:
+                fn = _CACHE[key] = build()
+    return fn
+
+
+def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident, trace=None):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -154,7 +194,7 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident)
     if resident:
         from directkv_cute.kernels.multi_token import MultiTokenAttention
 
-        kernel = MultiTokenAttention(dt, head_dim, page_size, group, cfg, split_out)
+        kernel = MultiTokenAttention(dt, head_dim, page_size, group, cfg, split_out, trace)
     else:
         from directkv_cute.kernels.decode import DecodeAttention
 

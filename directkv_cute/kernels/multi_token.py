@@ -28,6 +28,7 @@ from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels.helpers import acc_as_operand_a, gemm, gemm_issue
 from directkv_cute.kernels.masks import mask_tile
 from directkv_cute.kernels.paged import REGS, PagedAttention
+from directkv_cute.kernels.trace import SLOTS, TRACE_ELEMS, Trace
 from directkv_cute.kernels.softmax import (
     rescale_rows,
     softmax_finalize,
@@ -42,7 +43,8 @@ class MultiTokenAttention(PagedAttention):
     """The KV-outer chunk kernel: each CTA's KV chunk stays in SMEM while every block of query
     rows is applied to it."""
 
-    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: DecodeConfig, split_out: bool = True):
+    def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: DecodeConfig, split_out: bool = True,
+                 trace: Trace | None = None):
         copy_rows = min(page_size, cfg.tile_n)
         if cfg.q_cluster:
             # The CTAs of a cluster share out a tile's TMA boxes (K and V of each piece): pieces
@@ -52,6 +54,9 @@ class MultiTokenAttention(PagedAttention):
         super().__init__(dtype, head_dim, page_size, group, cfg, split_out, copy_rows=copy_rows,
                          occupancy=cfg.resident_occupancy(head_dim), tail=False)
         self.chunk = cfg.chunk
+        # Timeline stamps (``kernels/trace.py``, for ``bench timeline``): None compiles none.
+        self.trace = trace
+        self.skip_passes = bool(trace is not None and trace.skip_passes)
         self.walk = ChunkWalk(cfg.chunk, cfg.edge_tiles, cfg.stagger, cfg.stages)
         assert self.q_per_wg >= 1, "the multi-token kernel holds GQA groups up to 64"
 
@@ -121,6 +126,10 @@ class MultiTokenAttention(PagedAttention):
             n_rounds = self.walk.num_rounds(n_tiles)
             last_rb = lane + (n_blocks - 1 - lane) // lanes * lanes  # this warpgroup's last block
             wg_bar = int(NamedBarrier.WG_BASE) + wg  # named barrier of this warpgroup's 128 threads
+            tr = None  # trace: this CTA's SLOTS stamps (bench timeline)
+            if const_expr(self.trace is not None):
+                tr = self.trace_slots(cta, kvh, num_splits, num_kv_heads)
+                self.stamp(tr, w, 0, True)
             wait_state = RingState.consumer(self.stages)  # the next tile to wait for
             free_state = RingState.consumer(self.stages)  # the next tile to release
             waited = Int32(0)  # tiles (from the split's first) this warpgroup has waited for
@@ -140,6 +149,8 @@ class MultiTokenAttention(PagedAttention):
                     tok0 = rb * qb
                     b_rel, e_rel = self.walk.pass_bounds(j, m, n_mine, n_tiles)
                     waited = wait_state.wait_through(kv_pipe, waited, e_rel)
+                    if const_expr(self.trace is not None):
+                        self.stamp(tr, w, 1 + 2 * j, j < 31 and m == 0)  # round j's first tiles landed
                     c_begin = t_begin + b_rel
                     c_end = t_begin + e_rel
                     # Keys visible to the block's last token bound the tiles it needs.
@@ -149,33 +160,42 @@ class MultiTokenAttention(PagedAttention):
                     # The first round writes every block's partial (an empty one for blocks
                     # that see none of the split); later rounds touch only blocks they feed.
                     if j == 0 or t_stop > c_begin:
-                        # Warm L2 with the next block's Q rows and partial, so its gather and
-                        # reload do not wait on HBM latency. (The next round starts with this
-                        # same block, or unstaggered with this warpgroup's first.)
-                        nb = rb + step
-                        if nb >= 0 and nb < n_blocks:
-                            self.qio.prefetch_block(mQ, mO, split, q_start, q_len, kvh, nb * qb, wg_tidx, j > 0)
-                        # The block's Q rows and its partial are loaded together (both in
-                        # flight at once, one L2 round trip per pass). With q_regs they stay in
-                        # registers; else they go to SMEM once the warpgroup's previous pass is
-                        # done with sQ_wg.
-                        if const_expr(self.q_regs):
-                            self.qio.gather_q_regs(mQ, w.rQc, w.thr_pv, q_start, q_len, kvh, tok0)
-                        else:
-                            self.qio.gather_q(mQ, rQ, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
-                        if j == 0:
-                            softmax_reset(w.acc_O, w.row_max, w.row_sum)
-                        else:
-                            self.qio.reload(mO, mLSE, w.acc_O, w.row_max, w.row_sum, w.thr_pv, split, q_start, q_len,
-                                       kvh, tok0, scale_log2)
-                        if const_expr(not self.q_regs):
-                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
-                            self.qio.store_q(rQ, w.sQ_wg, wg_tidx, 128)
-                            cute.arch.fence_view_async_shared()
-                            cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
-                        self.attend_tiles(w, cta, c_begin, t_stop, tok0, scale_log2)
-                        softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
-                        self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
+                        if const_expr(not self.skip_passes):  # bench timeline --skip-passes: none
+                            # Warm L2 with the next block's Q rows and partial, so its gather and
+                            # reload do not wait on HBM latency. (The next round starts with this
+                            # same block, or unstaggered with this warpgroup's first.)
+                            if const_expr(self.trace is not None):
+                                self.stamp(tr, w, 64 + 4 * m, j == self.trace.chunk and m < 16)  # pass start
+                            nb = rb + step
+                            if nb >= 0 and nb < n_blocks:
+                                self.qio.prefetch_block(mQ, mO, split, q_start, q_len, kvh, nb * qb, wg_tidx, j > 0)
+                            # The block's Q rows and its partial are loaded together (both in
+                            # flight at once, one L2 round trip per pass). With q_regs they stay in
+                            # registers; else they go to SMEM once the warpgroup's previous pass is
+                            # done with sQ_wg.
+                            if const_expr(self.q_regs):
+                                self.qio.gather_q_regs(mQ, w.rQc, w.thr_pv, q_start, q_len, kvh, tok0)
+                            else:
+                                self.qio.gather_q(mQ, rQ, q_start, q_len, kvh, wg_tidx, tok0, 128, qb)
+                            if j == 0:
+                                softmax_reset(w.acc_O, w.row_max, w.row_sum)
+                            else:
+                                self.qio.reload(mO, mLSE, w.acc_O, w.row_max, w.row_sum, w.thr_pv, split, q_start, q_len,
+                                           kvh, tok0, scale_log2)
+                            if const_expr(not self.q_regs):
+                                cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)  # sQ_wg free again
+                                self.qio.store_q(rQ, w.sQ_wg, wg_tidx, 128)
+                                cute.arch.fence_view_async_shared()
+                                cute.arch.barrier(barrier_id=wg_bar, number_of_threads=128)
+                            if const_expr(self.trace is not None):
+                                self.stamp(tr, w, 65 + 4 * m, j == self.trace.chunk and m < 16)  # WGMMA loop
+                            self.attend_tiles(w, cta, c_begin, t_stop, tok0, scale_log2)
+                            if const_expr(self.trace is not None):
+                                self.stamp(tr, w, 66 + 4 * m, j == self.trace.chunk and m < 16)  # finalize
+                            softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
+                            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, split, q_start, q_len, kvh, 0, tok0, qb)
+                            if const_expr(self.trace is not None):
+                                self.stamp(tr, w, 67 + 4 * m, j == self.trace.chunk and m < 16)  # stored
                     if const_expr(self.walk.stagger > 0):
                         # Free the tiles no later pass of this warpgroup needs: below the next
                         # block's begin in this round and the first block's in the next (the
@@ -187,6 +207,8 @@ class MultiTokenAttention(PagedAttention):
                 # The round's end frees the tiles the next round does not need (the chunk,
                 # unstaggered). A warpgroup without blocks waits for them first: a slot is
                 # released only after its tile has landed.
+                if const_expr(self.trace is not None):
+                    self.stamp(tr, w, 2 + 2 * j, j < 31)  # round j done
                 nxt = self.walk.round_begin(j + 1, n_rounds, n_mine, n_tiles)
                 waited = wait_state.wait_through(kv_pipe, waited, nxt)
                 freed = free_state.release_through(kv_pipe, freed, nxt)
@@ -195,6 +217,22 @@ class MultiTokenAttention(PagedAttention):
             # barriers.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def trace_slots(self, cta, kvh, num_splits, num_kv_heads):
+        """This CTA's SLOTS int64 stamps in the trace buffer, (CTAs x SLOTS,) from its address."""
+        C = self.cluster
+        cta_id = cta.split * C + cta.rank + num_splits * C * (kvh + num_kv_heads * cta.b)
+        buf = cute.make_tensor(cute.make_ptr(cutlass.Int64, self.trace.addr, cute.AddressSpace.gmem, assumed_align=8),
+                               cute.make_layout(TRACE_ELEMS))
+        return cute.local_tile(buf, (SLOTS,), (cta_id,))  # (SLOTS,)
+
+    @cute.jit
+    def stamp(self, tr, w, slot, cond):
+        """The first consumer thread writes %globaltimer into ``slot`` when ``cond``."""
+        if w.ctidx == 0:
+            if cond:
+                tr[slot] = cute.arch.globaltimer()
 
     @cute.jit
     def attend_tiles(self, w, cta, t_first, t_stop, tok0, scale_log2):

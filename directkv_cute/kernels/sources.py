@@ -27,7 +27,7 @@ _SHARED = ("kernels/paged.py", "kernels/producer.py", "kernels/qio.py", "kernels
 
 CODE_FILES: dict[str, tuple[str, ...]] = {
     "decode": ("kernels/decode.py", *_SHARED),  # the streaming kernel
-    "prefill": ("kernels/multi_token.py", *_SHARED),  # the multi-token (KV-outer chunk) kernel
+    "prefill": ("kernels/multi_token.py", "kernels/trace.py", *_SHARED),  # the multi-token (KV-outer chunk) kernel
     "q_tiled": ("kernels/q_tiled.py", *_SHARED),  # the Q-tiled kernel over HBM (staged) KV
     "combine": ("kernels/combine.py", "kernels/jit.py"),
 }
