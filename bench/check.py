@@ -297,6 +297,44 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
     return jobs, [f"{j.label}: {j.error}" for j in jobs if j.error]
 
 
+# ---- (b2) the Q-tiled kernel -------------------------------------------------------------------
+# The op builds QTiledConfig() itself (no profile yet): every variant it can route to, for the
+# presets' page sizes and GQA groups. (wait_ready, split_out): all-HBM (no, no); staged in KV
+# splits (yes, yes) or in one split (yes, no).
+Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
+Q_TILED_PAGES = (16, 64)
+Q_TILED_GROUPS = (1, 4, 8)
+
+
+def q_tiled_targets() -> list[tuple]:
+    """(dtype, head_dim, page, group, wait_ready, split_out) of every Q-tiled kernel to compile."""
+    return [("bfloat16", d, page, g, wr, so) for d in SUPPORTED_HEAD_DIMS for page in Q_TILED_PAGES
+            for g in Q_TILED_GROUPS for wr, so in Q_TILED_VARIANTS]
+
+
+def resolve_q_tiled() -> Callable:
+    from directkv_cute.kernels.jit import compile_q_tiled
+
+    return compile_q_tiled
+
+
+def compile_q_tiled_targets(progress: bool = True) -> tuple[int, list[str]]:
+    """Compile the op's default QTiledConfig for every target; returns (kernels, problems)."""
+    from directkv_cute.config import QTiledConfig
+
+    compile_q_tiled = resolve_q_tiled()
+    targets = q_tiled_targets()
+    problems = []
+    for dtype, d, page, g, wr, so in _progress(targets, progress):
+        try:
+            compile_q_tiled(QTiledConfig(), torch_dtype(dtype), d, page, g, wr, so)
+        except Exception as e:  # noqa: BLE001 - a kernel that stops compiling is what CI must catch
+            text = str(e).strip()
+            problems.append(f"q_tiled {dtype} d{d} page{page} group{g} wait_ready={wr} split_out={so}: "
+                            f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+    return len(targets), problems
+
+
 def format_compile_table(jobs: list[CompileJob]) -> str:
     width = max([len(j.label) for j in jobs] + [6])
     lines = [f"{'kernel':<{width}} {'sec':>6}  result"]
@@ -311,7 +349,7 @@ def _count(items, what: str) -> str:
 
 # ---- driver --------------------------------------------------------------------------------
 def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = True, profile_dir=None,
-              fp16: bool = True, progress: bool = True, verbose: bool = False) -> int:
+              fp16: bool = True, progress: bool = True, verbose: bool = False, q_tiled: bool = True) -> int:
     """Run the selected parts, print a summary of each (every failure in full; ``verbose``: the
     long lists too); 0 if all pass, else 1."""
     results: list[PartResult] = []
@@ -351,6 +389,14 @@ def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = Tr
                        f"{len(problems)} failed")
             print(f"  {summary}" + ("" if verbose else " (--verbose lists them)"))
             results.append(PartResult("compile", not problems, summary))
+    if compile and q_tiled:
+        t0 = time.perf_counter()
+        n, problems = compile_q_tiled_targets(progress)
+        summary = f"{_count(n, 'kernel')} in {time.perf_counter() - t0:.0f} s, {len(problems)} failed"
+        print(f"== (b2) Q-tiled kernel, the op's default config: {summary}")
+        for p in problems:
+            print(f"FAIL {p}")
+        results.append(PartResult("q_tiled", not problems, summary))
     if traffic:
         from bench.traffic import format_traffic_table, run_traffic_check
 

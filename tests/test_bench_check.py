@@ -46,6 +46,7 @@ def fake(monkeypatch):
 
 
 def _check(capsys, **kw) -> tuple[int, str]:
+    kw.setdefault("q_tiled", False)
     rc = run_check(traffic=False, progress=False, **kw)
     return rc, capsys.readouterr().out
 
@@ -105,7 +106,7 @@ def test_verbose_lists_every_kernel(fake, capsys):
 def test_a_log_gets_a_few_progress_lines_not_a_bar(fake, capsys):
     """Not a terminal (CI): a line at each quarter, no carriage returns."""
     fake()
-    run_check(traffic=False, profiles=False, progress=True)
+    run_check(traffic=False, profiles=False, progress=True, q_tiled=False)
     captured = capsys.readouterr()
     assert "\r" not in captured.out + captured.err
     lines = [ln for ln in captured.out.splitlines() if re.fullmatch(r"  \d+/\d+ kernels, \d+ s", ln)]
@@ -134,3 +135,27 @@ def test_no_profiles_is_said(capsys, tmp_path):
     assert run_check(compile=False, traffic=False, profile_dir=tmp_path, progress=False) == 0
     out = capsys.readouterr().out
     assert "== (a) profiles: 0 files, 0 buckets, 0 problems" in out and "no profiles in" in out
+
+
+def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, monkeypatch, capsys):
+    """(b2): the op's default QTiledConfig for every head dim, page size, group and (wait_ready,
+    split_out) the op can route to, each once; a failing one is a FAIL line and fails the check."""
+    calls = []
+
+    def fake_q_tiled(cfg, dtype, d, page, group, wait_ready, split_out):
+        calls.append((d, page, group, wait_ready, split_out))
+        if (d, page, group, wait_ready, split_out) == (64, 16, 8, True, True):
+            raise RuntimeError("ptxas: boom\nsecond line")
+        return object()
+
+    fake()
+    monkeypatch.setattr(check, "resolve_q_tiled", lambda: fake_q_tiled)
+    rc, out = _check(capsys, q_tiled=True)
+    assert rc == 1
+    n = len(SUPPORTED_HEAD_DIMS) * 2 * 3 * 3
+    assert len(calls) == len(set(calls)) == n
+    assert {(wr, so) for *_, wr, so in calls} == {(False, False), (True, True), (True, False)}
+    assert f"== (b2) Q-tiled kernel, the op's default config: {n} kernels" in out and "1 failed" in out
+    assert "FAIL q_tiled bfloat16 d64 page16 group8 wait_ready=True split_out=True: RuntimeError: ptxas: boom" in out
+    assert "second line" not in out
+    assert re.search(r"^FAIL  q_tiled ", out, re.M)

@@ -106,7 +106,7 @@ def test_compile_part_fails_clearly_without_the_kernel(monkeypatch, capsys):
         raise CheckError("the decode kernel cannot be compiled: directkv_cute.kernels.decode: ImportError: x")
 
     monkeypatch.setattr(check, "resolve_compiler", missing)
-    assert run_check(profiles=False, compile=True, traffic=False, progress=False) == 1
+    assert run_check(profiles=False, compile=True, traffic=False, progress=False, q_tiled=False) == 1
     assert "cannot be compiled" in capsys.readouterr().out
 
 
