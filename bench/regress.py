@@ -143,7 +143,7 @@ def compare(baseline: Mapping, fresh: Mapping, *, rtol: float = DEFAULT_RTOL, at
         for ratio in TRACKED:
             b = base.get(key, {}).get(ratio)
             f = new.get(key, {}).get(ratio)
-            if b is None and f is None and ratio not in base.get(key, {}) and ratio not in new.get(key, {}):
+            if ratio not in base.get(key, {}) and ratio not in new.get(key, {}):
                 continue  # a ratio neither run has (frac_of_fa4_limit without FA4)
             status = _status(b, f, max(rtol, spread.get(key, {}).get(ratio) or 0.0), atol)
             if status == "REGRESSED" and (base_ms.get(key) or 0.0) < min_ms:

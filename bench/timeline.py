@@ -6,7 +6,7 @@ chunk of KV tiles has landed, how long its consumers take per chunk, and how one
 and the finalize + store, as medians and tails over all CTAs.
 
 How: the multi-token kernel has timeline stamps as a compile-time option
-(``directkv_cute.kernels.trace``): inside ``jit.tracing(Trace(address, chunk))`` the op compiles
+(``directkv_cute.kernels.trace``): inside ``tracing(Trace(address, chunk))`` the op compiles
 a kernel of its own (a separate compile key, never cached on disk) whose first consumer thread
 of each CTA reads ``%globaltimer`` at those points into a device buffer at that address. The
 op's own kernels, outside the block, have none of it (their code is unchanged). The timeline runs
@@ -33,8 +33,7 @@ def trace_run(spec: dict) -> dict:
     from bench.breakdown import build_shape
     from bench.common import Timer, time_calls
     from directkv_cute.config import DecodeConfig, default_prefill_config
-    from directkv_cute.kernels import jit
-    from directkv_cute.kernels.trace import TRACE_ELEMS, Trace
+    from directkv_cute.kernels.trace import TRACE_ELEMS, Trace, tracing
 
     hq, hkv, d, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "q_len"))
     cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else default_prefill_config(d, ql * hq // hkv)
@@ -45,7 +44,7 @@ def trace_run(spec: dict) -> dict:
 
     op_ms = time_calls([run], Timer("cuda"), warmup=3, reps=3).ms  # device time, as the benches time it
     buf = torch.zeros(TRACE_ELEMS, dtype=torch.int64, device="cuda")
-    with jit.tracing(Trace(buf.data_ptr(), int(spec["chunk"]), bool(spec.get("skip_passes")))):
+    with tracing(Trace(buf.data_ptr(), int(spec["chunk"]), bool(spec.get("skip_passes")))):
         run()  # compiles the traced kernel; the second run is the one summarised
         torch.cuda.synchronize()
         buf.zero_()

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from directkv_cute.config import DecodeConfig, QTiledConfig, resident_splits
+from directkv_cute.config import DecodeConfig, QTiledConfig, q_tiles, resident_splits
+from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import causal_flops, choose_staged, compute_bound, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
@@ -114,8 +115,8 @@ def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int
 @functools.lru_cache(maxsize=1024)
 def _compiled(cfg: DecodeConfig, dtype, head_dim, page_size, group, max_q_len, split_out, resident, trace=None):
     """The compiled kernel for a launch (jit's cache keys on the target arch too; this memo keeps
-    that key's construction off the per-call path). ``trace``: ``jit.tracing``'s, for the
-    multi-token kernel (bench timeline)."""
+    that key's construction off the per-call path). ``trace``: ``kernels.trace.tracing``'s, for
+    the multi-token kernel (bench timeline)."""
     from directkv_cute.kernels.jit import compile_decode
 
     return compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=split_out, resident=resident,
@@ -238,7 +239,7 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
         fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident,
-                       _current_trace() if resident else None)
+                       current_trace() if resident else None)
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
         launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
@@ -274,8 +275,6 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
         # Every page already in HBM: the Q-tiled kernel (no KV splits) once its query tiles fill
         # about a wave of SMs (measured from q 512 at Hkv 8); fewer tiles leave SMs idle and the
         # split chunk kernel is faster.
-        from directkv_cute.config import q_tiles
-
         ctas = q_tiles(max(q_lens), group, cfg.rows) * cache.num_kv_heads * len(lens)
         if explicit or 2 * ctas >= _num_sms(q.device.index):
             return cfg, None
@@ -316,7 +315,6 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
                     cfg: QTiledConfig, plan):
     """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer, in
     ``q_tiled_splits`` KV splits (combined afterwards) when staged."""
-    from directkv_cute.config import q_tiles
     from directkv_cute.kernels.launch import launch_combine, launch_q_tiled, link_counters
     from directkv_cute.plan import q_tiled_splits
 
@@ -356,12 +354,6 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     if splits > 1:
         launch_combine(_compiled_combine(d, q.dtype), o_k, lse_k, out, lse, splits)
     return (out, lse) if return_lse else out
-
-
-def _current_trace():
-    from directkv_cute.kernels.jit import current_trace
-
-    return current_trace()
 
 
 # ---- torch.library registration --------------------------------------------------------------

@@ -135,7 +135,6 @@ class Stager:
     def _buffer(self, pages: int, like_shape, dtype):
         import torch
 
-        shape = (pages, 1, *like_shape)
         buf = self.buffer
         if buf is None or buf.dtype != dtype or tuple(buf.shape[2:]) != tuple(like_shape) or buf.shape[0] < pages:
             if buf is not None:
@@ -143,7 +142,7 @@ class Stager:
             self.buffer = None
             grow = pages if buf is None else max(pages, int(buf.shape[0] * 1.25))
             self.buffer = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
-        return self.buffer[: shape[0]]
+        return self.buffer[:pages]
 
     def stage(self, cache, layer: int, plan: StagePlan):
         """Queue the plan's copies and ready flags on the side stream after the current stream's

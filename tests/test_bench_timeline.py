@@ -18,11 +18,7 @@ from directkv_cute.kernels.trace import Trace
 for rows, cluster, trace in {cases!r}:
     cfg = default_prefill_config(128, rows)
     assert cfg.q_cluster == cluster
-    if trace is None:
-        jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
-    else:
-        with jit.tracing(Trace(1 << 40, 2, trace == "skip")):
-            jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4)
+    jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4, trace=trace and Trace(1 << 40, 2, trace == "skip"))
 """
 
 
@@ -46,17 +42,17 @@ def test_trace_keys_and_their_cache():
 
     from directkv_cute.config import DecodeConfig
     from directkv_cute.kernels import jit
-    from directkv_cute.kernels.trace import Trace
+    from directkv_cute.kernels.trace import Trace, current_trace, tracing
 
     cfg = DecodeConfig(tile_n=64, stages=4, consumer_wgs=2, carveout=100)
     plain = jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True, True)
     t1, t2 = Trace(1 << 40), Trace(1 << 41)
     k1 = jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True, True, t1)
     assert k1 != plain and k1 != jit.decode_key(cfg, torch.bfloat16, 128, 64, 4, True, True, t2)
-    assert jit.current_trace() is None
-    with jit.tracing(t1):
-        assert jit.current_trace() == t1
-    assert jit.current_trace() is None
+    assert current_trace() is None
+    with tracing(t1):
+        assert current_trace() == t1
+    assert current_trace() is None
     with pytest.raises(ValueError, match="multi-token kernel only"):
         jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, split_out=True, resident=False, trace=t1)
 

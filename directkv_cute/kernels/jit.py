@@ -14,8 +14,6 @@ folders, objects authenticated by a per-user key, writes renamed into place unde
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import os
@@ -137,9 +135,7 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
         raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
     if not resident and group * max_q_len > (cfg.rows // group) * group:
         raise ValueError(f"group {group} x q_len {max_q_len} rows exceed the config's {cfg.rows} rows")
-    if trace is None:
-        trace = _TRACE.get() if resident else None
-    elif not resident:
+    if trace is not None and not resident:
         raise ValueError("timeline stamps (trace) exist in the multi-token kernel only")
     key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)
     build = lambda: _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)  # noqa: E731
@@ -152,25 +148,6 @@ def compile_prefill(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_s
     """The multi-token (KV-chunk resident) kernel; always writes split partials. ``trace``
     (``kernels.trace.Trace``) compiles timeline stamps in."""
     return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, resident=True, trace=trace)
-
-
-# The trace that multi-token compiles in this context use (``tracing``); None: no stamps.
-_TRACE: contextvars.ContextVar = contextvars.ContextVar("directkv_trace", default=None)
-
-
-@contextlib.contextmanager
-def tracing(trace):
-    """Within the block, the op's multi-token kernels are compiled with ``trace``'s timeline
-    stamps (a key of their own, never on disk: the buffer address is in the code)."""
-    token = _TRACE.set(trace)
-    try:
-        yield trace
-    finally:
-        _TRACE.reset(token)
-
-
-def current_trace():
-    return _TRACE.get()
 
 
 def _traced_compile(key: tuple, build):

@@ -10,6 +10,8 @@ trace (every launch of the op) none of it is compiled in.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 SLOTS = 128  # int64 stamps per CTA
@@ -24,3 +26,22 @@ class Trace:
     addr: int
     chunk: int = 2
     skip_passes: bool = False
+
+
+# The trace the op compiles its multi-token kernels with in this context (``tracing``).
+_TRACE: contextvars.ContextVar = contextvars.ContextVar("directkv_trace", default=None)
+
+
+@contextlib.contextmanager
+def tracing(trace: Trace):
+    """Within the block, the op's multi-token kernels are compiled with ``trace``'s timeline
+    stamps (a compile key of their own, never on disk: the buffer address is in the code)."""
+    token = _TRACE.set(trace)
+    try:
+        yield trace
+    finally:
+        _TRACE.reset(token)
+
+
+def current_trace() -> Trace | None:
+    return _TRACE.get()
