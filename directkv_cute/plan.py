@@ -171,13 +171,14 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     link_ms = host_bytes / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms)
-    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + hbm_bytes / (D2D_GBPS * 1e6)
+    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6)
+    d2d_ms = hbm_bytes / (D2D_GBPS * 1e6)  # pages already in HBM: copied before the kernel starts
     q_ms = flops / (Q_TILED_TFLOPS * 1e9)
     best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
-    est = staged_ms(copy_ms, q_ms, partial_bytes, best)
+    est = d2d_ms + staged_ms(copy_ms, q_ms, partial_bytes, best)
     ascending = False
     if tiles is not None and splits in (0, 1) and ASCENDING_AUTO:
-        asc = ascending_ms(copy_ms, q_ms, *tiles)
+        asc = d2d_ms + ascending_ms(copy_ms, q_ms, *tiles)
         if asc < est:
             est, best, ascending = asc, 1, True
     return StagedChoice(in_place, est, compute_bound(host_bytes, flops) and est < 0.97 * in_place, best, ascending)

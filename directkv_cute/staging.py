@@ -162,15 +162,26 @@ class Stager:
         epoch = self.epoch
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # new tokens' K/V stored, and the buffer's last reader done
-        s = self.stream.cuda_stream
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+
+        def copy(r: Run, stream):
+            pool = hbm if r.hbm else host
+            src = pool.data_ptr() + (r.src * layers + layer) * width
+            dst = buf.data_ptr() + r.dst * width
+            _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, width, r.count, kind, stream),
+                   "cudaMemcpy2DAsync")
+
+        # Pages already in HBM are copied on the current stream, ahead of the kernel: a
+        # device-to-device copy may run on SMs, which the kernel's waiting CTAs would hold.
+        for runs in plan.pieces:
+            for r in runs:
+                if r.hbm:
+                    copy(r, cur.cuda_stream)
+        s = self.stream.cuda_stream
         for p, runs in enumerate(plan.pieces):
             for r in runs:
-                pool = hbm if r.hbm else host
-                src = pool.data_ptr() + (r.src * layers + layer) * width
-                dst = buf.data_ptr() + r.dst * width
-                _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, width, r.count, kind, s),
-                       "cudaMemcpy2DAsync")
+                if not r.hbm:
+                    copy(r, s)
             _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * p), epoch, 0),
                    "cuStreamWriteValue32")
         return buf, self.flags, epoch

@@ -105,3 +105,23 @@ def test_staging_cap_refuses_before_writing(monkeypatch):
     torch.cuda.synchronize()
     _check(o, lse, q, ks, vs, [4000], torch.bfloat16)
     cache.close()
+
+
+def test_hybrid_staging_with_more_ctas_than_sms_finishes():
+    """Hybrid tiers with a grid far larger than the GPU (1024 CTAs): the pages already in HBM
+    are copied before the kernel, so no copy waits for SMs that CTAs spinning on ready flags
+    hold. Run in a child process so a deadlock fails the test instead of hanging it."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys, torch; sys.path.insert(0, %r); from test_attention_gpu import _run; "
+            "from directkv_cute.config import QTiledConfig; "
+            "_run([8192], [4096], 32, 8, 128, 64, torch.bfloat16, 0.5, QTiledConfig()); "
+            "torch.cuda.synchronize(); print('done')" % here)
+    try:
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the staged hybrid call did not finish in 240 s (copies waiting on the kernel's SMs)")
+    assert res.returncode == 0 and "done" in res.stdout, res.stderr[-3000:]
