@@ -4,6 +4,7 @@ Public API:
     PagedKVCache            the whole-model paged KV cache (pinned host tier + optional HBM tier)
     paged_attention         attention of new query tokens over their cached history
     paged_attention_tables  the same with page tables built once (per step / CUDA graphs)
+    cascade_attention       the same reading the pages forked sequences share once per batch
     DecodeConfig            kernel knobs (tile, stages, splits, SMEM carveout, warpgroups)
     paged_attention_ref     the float32 reference (also the CPU path)
 """
@@ -23,6 +24,8 @@ _LAZY = {
     "PagedKVCache": "directkv_cute.cache",
     "paged_attention": "directkv_cute.ops",
     "paged_attention_tables": "directkv_cute.ops",
+    "cascade_attention": "directkv_cute.cascade",
+    "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",
     "paged_attention_ref": "directkv_cute.reference",
 }
@@ -51,10 +54,12 @@ __all__ = [
     "KernelTables",
     "PagedKVCache",
     "__version__",
+    "cascade_attention",
     "default_decode_config",
     "default_prefill_config",
     "dense_attention_ref",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_tables",
+    "plan_cascade",
 ]

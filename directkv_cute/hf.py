@@ -209,6 +209,7 @@ class _Step:
     max_seq_len: int
     undo: list[tuple[int, int]]  # (seq_id, length before the step)
     processed_before: int
+    cascade: object = None  # cascade.PreparedCascade when `rows` share pages (forks), else None
 
 
 class DirectKVLayer(CacheLayerMixin):
@@ -458,9 +459,18 @@ class DirectKVCache(Cache):
         if valid is not None and sum(counts) != batch * q_len:
             tok_idx = valid.reshape(-1).nonzero().squeeze(1).to(query.device)  # (total,) row-major
         step = _Step(batch, q_len, rows, q_lens, tok_idx, slots, tables,
-                     max((self.kv.seq_len(self._seqs[b]) for b in rows), default=0), undo, self.processed)
+                     max((self.kv.seq_len(self._seqs[b]) for b in rows), default=0), undo, self.processed,
+                     self._cascade(tables, q_lens, hq, query.device) if len(rows) > 1 else None)
         self.processed += q_len
         return step
+
+    def _cascade(self, tables, q_lens, num_q_heads: int, device):
+        """The step's cascade (shared pages read once for all their sharers: forks made by
+        ``batch_repeat_interleave``, beam search or ``fork``), or None when nothing is shared."""
+        from directkv_cute.cascade import plan_cascade, prepare_cascade
+
+        plan = plan_cascade(tables.host_table, tables.host_seq_lens, q_lens, self.kv.page_size)
+        return prepare_cascade(self.kv, tables, plan, num_q_heads, device) if plan.shared else None
 
     def _growth(self, counts: Sequence[int]) -> list[Growth]:
         """Every sequence's growth for this step, with the step's capacity checked as a whole
@@ -533,7 +543,12 @@ class DirectKVCache(Cache):
             return query.new_zeros(batch, q_len, hq, d)
         self.kv.write_slots(step.slots, layer_idx, k, v)
         q = q.contiguous()
-        if q.is_cuda:
+        if step.cascade is not None:
+            from directkv_cute.cascade import cascade_attention
+
+            o = cascade_attention(q, self.kv, layer_idx, [self._seqs[b] for b in step.rows], step.q_lens, scaling,
+                                  tables=step.tables, prepared=step.cascade)
+        elif q.is_cuda:
             from directkv_cute.ops import paged_attention_tables
 
             o = paged_attention_tables(q, self.kv, layer_idx, step.tables, step.q_lens, scaling,

@@ -77,9 +77,10 @@ def _runs(entries: np.ndarray, first_dst: int) -> list[Run]:
 
 
 def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: int) -> StagePlan:
-    """The copies and staged page table for a batch: sequence b's logical page j goes to staging
-    page ``base[b] + j`` (sequences back to back); piece p holds logical pages
-    [p * piece_pages, (p + 1) * piece_pages) of every sequence."""
+    """The copies and staged page table for a batch. Piece p holds logical pages
+    [p * piece_pages, (p + 1) * piece_pages) of every sequence; each distinct page entry is
+    copied once, in the first piece that needs it, to the next free staging page, so pages that
+    sequences share (forks of one prompt) cross the link once per call."""
     table = np.asarray(host_table, dtype=np.int32)
     if table.ndim != 2 or table.shape[0] != len(seq_lens):
         raise ValueError(f"host_table {table.shape} does not match {len(seq_lens)} sequences")
@@ -88,23 +89,32 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     n_pages = [math.ceil(int(n) / page_size) for n in seq_lens]
     if min(n_pages) < 1 or max(n_pages) > table.shape[1]:
         raise ValueError(f"sequence lengths {list(seq_lens)[:8]} do not fit the table's {table.shape[1]} pages")
-    base = np.concatenate(([0], np.cumsum(n_pages)[:-1])).astype(np.int64)
-    staged = np.empty_like(table)
-    for b, n in enumerate(n_pages):
-        idx = -(base[b] + np.arange(n, dtype=np.int64)) - 1
-        staged[b, :n] = idx
-        staged[b, n:] = idx[-1]
     n_pieces = math.ceil(max(n_pages) / piece_pages)
-    pieces = []
+    # Every (row, logical page) in copy order: piece by piece, row by row within a piece.
+    rows, cols, piece_of = [], [], []
     for p in range(n_pieces):
         lo = p * piece_pages
-        runs: list[Run] = []
         for b, n in enumerate(n_pages):
             hi = min(n, lo + piece_pages)
             if lo < hi:
-                runs += _runs(table[b, lo:hi], int(base[b]) + lo)
-        pieces.append(tuple(runs))
-    return StagePlan(tuple(pieces), staged, int(sum(n_pages)), piece_pages)
+                rows.append(np.full(hi - lo, b, dtype=np.int64))
+                cols.append(np.arange(lo, hi, dtype=np.int64))
+                piece_of.append(np.full(hi - lo, p, dtype=np.int64))
+    rows, cols, piece_of = np.concatenate(rows), np.concatenate(cols), np.concatenate(piece_of)
+    flat = table[rows, cols]
+    uniq, first, inv = np.unique(flat, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")  # distinct entries by first use
+    dst_of = np.empty(len(uniq), dtype=np.int64)
+    dst_of[order] = np.arange(len(uniq))
+    staged = np.empty_like(table)
+    staged[rows, cols] = -dst_of[inv.reshape(-1)] - 1
+    for b, n in enumerate(n_pages):
+        staged[b, n:] = staged[b, n - 1]
+    new_entries = flat[first[order]]  # in staging order
+    new_piece = piece_of[first[order]]
+    bounds = np.searchsorted(new_piece, np.arange(n_pieces + 1))
+    pieces = tuple(tuple(_runs(new_entries[bounds[p]:bounds[p + 1]], int(bounds[p]))) for p in range(n_pieces))
+    return StagePlan(pieces, staged, int(len(uniq)), piece_pages)
 
 
 def staging_cap(total_memory: int) -> int:

@@ -278,3 +278,27 @@ def test_plan_growth_properties(length, n, ps, quota, sinks, data):
         at, pages = at + m, end
     assert pages == new
     assert len(target) <= max(quota, 0)
+
+
+def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
+    """Beams fork the prompt's pages; from the first reorder on, the decode steps attend the
+    shared prompt once for all beams (cascade) and the tokens equal transformers' own."""
+    import directkv_cute.cascade as cascade
+
+    calls = []
+    real = cascade.cascade_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("prepared"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade, "cascade_attention", counting)
+    model = _llama(seed=9)
+    ids, mask = _prompts([300, 283])
+    kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, early_stopping=False)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    cache = _ours(model, batch=6, max_tokens=4000)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    assert calls and all(p is not None and p.plan.shared for p in calls)
+    assert max(len(s.rows) for p in calls for s in p.plan.spans) >= 3

@@ -48,7 +48,8 @@ def test_plan_copies_every_page_once_to_its_staged_slot(case):
     table, lens, page, pp = case
     plan = plan_staging(table, lens, page, pp)
     n_pages = [math.ceil(n / page) for n in lens]
-    assert plan.pages == sum(n_pages)
+    used = {int(table[b, j]) for b, n in enumerate(n_pages) for j in range(n)}
+    assert plan.pages == len(used), "each distinct page is copied once"
     assert len(plan.pieces) == math.ceil(max(n_pages) / pp)
     # Replay the copies: staging slot -> (tier, source page).
     landed = {}
@@ -66,10 +67,24 @@ def test_plan_copies_every_page_once_to_its_staged_slot(case):
             slot = -e - 1
             hbm, src, piece = landed[slot]
             assert _encode(hbm, src) == table[b, j]
-            assert piece == j // pp, "a page copied in another piece than the kernel waits for"
+            assert piece <= j // pp, "a page copied after the piece the kernel waits for"
         # Past the sequence's pages the last entry repeats (a valid page).
         assert (plan.table[b, n:] == plan.table[b, n - 1]).all()
-    assert plan.host_pages == sum(1 for b, n in enumerate(n_pages) for j in range(n) if table[b, j] >= 0)
+    assert plan.host_pages == sum(1 for e in used if e >= 0)
+
+
+def test_plan_copies_pages_that_forks_share_once():
+    """Sixteen forks of one 40-page prompt with 3 own pages each: the prompt's pages are copied
+    once, in the piece each is first needed, and every fork's entries point at them."""
+    prompt = np.arange(100, 140, dtype=np.int32)
+    table = np.stack([np.concatenate([prompt, np.arange(1000 + 3 * i, 1003 + 3 * i, dtype=np.int32)])
+                      for i in range(16)])
+    plan = plan_staging(table, [43 * 64] * 16, 64, 8)
+    assert plan.pages == 40 + 16 * 3 and plan.host_pages == 40 + 16 * 3
+    assert (plan.table[:, :40] == plan.table[0, :40]).all()
+    assert len({int(e) for e in plan.table[:, 40:].reshape(-1)}) == 16 * 3
+    copied = [r for piece in plan.pieces[:5] for r in piece if 100 <= r.src < 140]
+    assert sum(r.count for r in copied) == 40
 
 
 def test_plan_merges_consecutive_pages_into_one_copy():
