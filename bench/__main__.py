@@ -1,8 +1,12 @@
-"""``python -m bench {decode,prefill,all,check,regress,refresh,timeline,breakdown,plot,e2e}`` (also ``directkv-bench``).
+"""``python -m bench {decode,prefill,all,prefix,check,regress,refresh,timeline,breakdown,plot,e2e}``
+(also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
                         tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
                         (``--out-dir`` elsewhere); exit 1 if a correctness check failed.
+prefix                  batches forked from one shared prompt: cascade attention (shared
+                        pages read once per batch) vs the per-sequence kernels and the
+                        baselines, with targets (``bench/prefix.py``; ``--device cpu`` smoke).
 check                   the GPU-free CI part: profiles validate, every default / profile config
                         compiles for sm_90a, the host-traffic model reads each byte once.
 regress                 compare a run (``--results FILE``, or a fresh run replaying the
@@ -14,8 +18,8 @@ timeline                per-CTA chunk and pass timeline of the multi-token kerne
                         with its timeline stamps (GPU; ``bench/timeline.py``).
 breakdown               the kernels and copies of one op call, their GPU times and the gaps
                         between them, from torch.profiler (GPU; ``bench/breakdown.py``).
-plot                    PNG plots of a results JSON (``--results FILE``), for runs made where
-                        matplotlib is missing; exit 2 if it cannot plot.
+plot                    PNG plots of a results JSON (``--results FILE``; a prefix run's too),
+                        for runs made where matplotlib is missing; exit 2 if it cannot plot.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from bench.breakdown import add_arguments as add_breakdown_arguments
 from bench.breakdown import cmd_breakdown
 from bench.e2e import add_arguments as add_e2e_arguments
 from bench.e2e import cmd_e2e
+from bench.prefix import add_arguments as add_prefix_arguments
+from bench.prefix import cmd_prefix
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
@@ -57,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_timeline_arguments(sub.add_parser("timeline", help="per-CTA chunk and pass timeline of the multi-token kernel"))
     add_breakdown_arguments(sub.add_parser("breakdown", help="GPU time of each kernel and copy of one op call"))
     add_e2e_arguments(sub.add_parser("e2e", help="end to end: a whole model's prefill and decode, ours vs transformers' caches"))
+    add_prefix_arguments(sub.add_parser("prefix", help="forks of one shared prompt: cascade vs per-sequence attention"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
-    pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all")
+    pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all / prefix")
     pl.add_argument("--prefix", default=None, help="PNG path prefix (default: the JSON's path without .json)")
 
     for name, text in (("regress", "compare a run with the committed baseline of its GPU"),
@@ -186,7 +193,15 @@ def cmd_plot(ns: argparse.Namespace) -> int:
         print(f"{ns.results} is not a results document: {problems[0]}", file=sys.stderr)
         return 2
     try:
-        files = plot_results(doc, ns.prefix or str(Path(ns.results).with_suffix("")))
+        if doc.get("bench") == "prefix":
+            from bench.prefix import plot_prefix
+
+            png = plot_prefix(doc, (ns.prefix or str(Path(ns.results).with_suffix(""))) + ".png")
+            if png is None:
+                raise PlotError("matplotlib is not installed or the document has no measured prefix rows")
+            files = [png]
+        else:
+            files = plot_results(doc, ns.prefix or str(Path(ns.results).with_suffix("")))
     except PlotError as e:
         print(f"no plots: {e}", file=sys.stderr)
         return 2
@@ -197,7 +212,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
-            "plot": cmd_plot, "e2e": cmd_e2e}
+            "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -210,6 +210,7 @@ class _Step:
     undo: list[tuple[int, int]]  # (seq_id, length before the step)
     processed_before: int
     cascade: object = None  # cascade.PreparedCascade when `rows` share pages (forks), else None
+    write_idx: torch.Tensor | None = None  # int64: the real tokens stored (merged rows store once), None: all
 
 
 class DirectKVLayer(CacheLayerMixin):
@@ -275,11 +276,16 @@ class DirectKVCache(Cache):
         hbm_budget: bytes of GPU memory for the HBM tier (0: host only).
         sink_pages: pages at the start of each sequence kept in HBM when there is a budget.
         dtype, device: default to the model's (device "cpu" runs the float32 reference path).
+        share_prompts: batch rows whose tokens are identical so far (``num_return_sequences``,
+            the beams of one prompt) hold one sequence: its K/V are stored once, and when the
+            rows diverge each new branch forks it (full pages shared, read once per step by
+            ``cascade_attention``). Rows are compared by their first layer's new K and V, bit
+            for bit.
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, share_prompts: bool = True):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
         if dtype is None:
@@ -306,6 +312,7 @@ class DirectKVCache(Cache):
         self.device = self.kv.device
         self.dtype = dtype
         self.sink_pages = sink_pages
+        self.share_prompts = bool(share_prompts)
         self.processed = 0
         self._seqs: list[int] = []
         self._step: _Step | None = None
@@ -338,7 +345,7 @@ class DirectKVCache(Cache):
         return len(self._seqs) if self._seqs else -1
 
     def reset(self) -> None:
-        for sid in self._seqs:
+        for sid in dict.fromkeys(self._seqs):
             self.kv.free(sid)
         self._seqs = []
         self.processed = 0
@@ -420,49 +427,100 @@ class DirectKVCache(Cache):
         for r in rows:
             new.append(self._seqs[r] if r not in used else self.kv.fork(self._seqs[r]))
             used.add(r)
-        for r, sid in enumerate(self._seqs):
-            if r not in used:
+        kept = set(new)
+        for sid in dict.fromkeys(self._seqs):  # merged rows hold one sequence: free it once, if no row keeps it
+            if sid not in kept:
                 self.kv.free(sid)
         self._seqs = new
         self._step = None
 
     def _hbm_quota(self) -> int:
-        return self.kv.num_pages("hbm") // max(1, len(self._seqs))
+        return self.kv.num_pages("hbm") // max(1, len(set(self._seqs)))
 
-    def _plan(self, query: torch.Tensor, attention_mask) -> _Step:
+    def _plan(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask) -> _Step:
         batch, hq, q_len, d = query.shape
         if self._seqs and batch != len(self._seqs):
             raise ValueError(f"a batch of {batch} rows for a cache holding {len(self._seqs)} sequences "
                              "(one DirectKVCache per batch; reset() it for a new one)")
         valid = _valid_tokens(attention_mask, batch, q_len)  # bool (B, S) or None
         counts = [q_len] * batch if valid is None else valid.sum(dim=1).tolist()
+        share = self.share_prompts and batch > 1
         if not self._seqs:
-            self._seqs = [self.kv.add_sequence() for _ in range(batch)]
-        plans = self._growth(counts)
-        undo = [(sid, self.kv.seq_len(sid)) for sid in self._seqs]
+            groups = _identical_rows(key, value, valid, list(range(batch))) if share else [[b] for b in range(batch)]
+            self._seqs = [0] * batch
+            for g in groups:
+                sid = self.kv.add_sequence()
+                for b in g:
+                    self._seqs[b] = sid
+        elif share and len(set(self._seqs)) < batch:
+            self._split(key, value, valid)
+        uniq = list(dict.fromkeys(self._seqs))  # each sequence once, in row order
+        first = {}
+        for b, sid in enumerate(self._seqs):
+            first.setdefault(sid, b)
+        plans = self._growth([counts[first[sid]] for sid in uniq], uniq)
+        undo = [(sid, self.kv.seq_len(sid)) for sid in uniq]
+        before = dict(undo)
         try:
-            for sid, growth in zip(self._seqs, plans):
+            for sid, growth in zip(uniq, plans):
                 if growth.demote:
                     self.kv.move_pages(sid, growth.demote, "host")
                 for tier, n in growth.runs:
                     self.kv.extend(sid, n, tier)
             rows = [b for b in range(batch) if counts[b]]
-            starts = [undo[b][1] for b in rows]
-            q_lens = [int(counts[b]) for b in rows]
-            slots = self.kv.token_slots([self._seqs[b] for b in rows], starts, q_lens)
+            writers = [b for b in rows if first[self._seqs[b]] == b]  # one row per sequence stores
+            slots = self.kv.token_slots([self._seqs[b] for b in writers], [before[self._seqs[b]] for b in writers],
+                                        [int(counts[b]) for b in writers])
             tables = self.kv.kernel_tables([self._seqs[b] for b in rows]) if rows else None
         except BaseException:
             for sid, length in undo:
                 self.kv.truncate(sid, length)
             raise
+        q_lens = [int(counts[b]) for b in rows]
         tok_idx = None
         if valid is not None and sum(counts) != batch * q_len:
             tok_idx = valid.reshape(-1).nonzero().squeeze(1).to(query.device)  # (total,) row-major
+        write_idx = None
+        if len(writers) < len(rows):  # the stored rows' tokens among the real tokens of `rows`
+            cu = [0]
+            for n in q_lens:
+                cu.append(cu[-1] + n)
+            pos = {b: i for i, b in enumerate(rows)}
+            write_idx = torch.tensor([t for b in writers for t in range(cu[pos[b]], cu[pos[b] + 1])],
+                                     dtype=torch.long).to(query.device)
         step = _Step(batch, q_len, rows, q_lens, tok_idx, slots, tables,
                      max((self.kv.seq_len(self._seqs[b]) for b in rows), default=0), undo, self.processed,
-                     self._cascade(tables, q_lens, hq, query.device) if len(rows) > 1 else None)
+                     self._cascade(tables, q_lens, hq, query.device) if len(rows) > 1 else None, write_idx)
         self.processed += q_len
         return step
+
+    def _split(self, key: torch.Tensor, value: torch.Tensor, valid) -> None:
+        """Rows that share a sequence but whose new tokens differ now get their own: each group
+        of rows that still agree forks the sequence (its state before this step), capacity
+        checked for all the forks first."""
+        by_sid: dict[int, list[int]] = {}
+        for b, sid in enumerate(self._seqs):
+            by_sid.setdefault(sid, []).append(b)
+        splits = []
+        for sid, rows in by_sid.items():
+            if len(rows) > 1:
+                groups = _identical_rows(key, value, valid, rows)
+                splits += [(sid, g) for g in groups if rows[0] not in g]
+        if not splits:
+            return
+        need: dict[str, int] = {}
+        for sid, _ in splits:
+            if self.kv.seq_len(sid) % self.kv.page_size:  # fork copies the partial last page
+                tier = "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
+                need[tier] = need.get(tier, 0) + 1
+        for tier, n in need.items():
+            if n > self.kv.free_pages(tier):
+                raise CacheCapacityError(f"{n} rows diverged and need {n} free {tier} pages to fork, "
+                                         f"{self.kv.free_pages(tier)} free; the cache is unchanged")
+        for sid, g in splits:
+            child = self.kv.fork(sid)
+            for b in g:
+                self._seqs[b] = child
 
     def _cascade(self, tables, q_lens, num_q_heads: int, device):
         """The step's cascade (shared pages read once for all their sharers: forks made by
@@ -472,13 +530,13 @@ class DirectKVCache(Cache):
         plan = plan_cascade(tables.host_table, tables.host_seq_lens, q_lens, self.kv.page_size)
         return prepare_cascade(self.kv, tables, plan, num_q_heads, device) if plan.shared else None
 
-    def _growth(self, counts: Sequence[int]) -> list[Growth]:
+    def _growth(self, counts: Sequence[int], sids: Sequence[int]) -> list[Growth]:
         """Every sequence's growth for this step, with the step's capacity checked as a whole
         before anything changes."""
         quota = self._hbm_quota()
-        lengths = [self.kv.seq_len(sid) for sid in self._seqs]
+        lengths = [self.kv.seq_len(sid) for sid in sids]
         plans = []
-        for sid, length, n in zip(self._seqs, lengths, counts):
+        for sid, length, n in zip(sids, lengths, counts):
             hbm = [lp for lp, e in enumerate(self.kv.page_table(sid)) if e < 0]
             plans.append(plan_growth(length, hbm, int(n), self.kv.page_size, quota, self.sink_pages))
         need = self._needs(plans, lengths)
@@ -514,7 +572,7 @@ class DirectKVCache(Cache):
         if layer_idx == 0 or self._step is None:
             if layer_idx != 0:
                 raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
-            self._step = self._plan(query, attention_mask)
+            self._step = self._plan(query, key, value, attention_mask)
         step = self._step
         if (batch, q_len) != (step.batch, step.q_len):
             raise RuntimeError(f"layer {layer_idx} has {batch}x{q_len} tokens, the step {step.batch}x{step.q_len}")
@@ -541,7 +599,11 @@ class DirectKVCache(Cache):
             q, k, v = q[step.tok_idx], k[step.tok_idx], v[step.tok_idx]
         if not step.rows:
             return query.new_zeros(batch, q_len, hq, d)
-        self.kv.write_slots(step.slots, layer_idx, k, v)
+        if step.write_idx is None:
+            self.kv.write_slots(step.slots, layer_idx, k, v)
+        else:
+            self.kv.write_slots(step.slots, layer_idx, k.index_select(0, step.write_idx),
+                                v.index_select(0, step.write_idx))
         q = q.contiguous()
         if step.cascade is not None:
             from directkv_cute.cascade import cascade_attention
@@ -596,6 +658,28 @@ def _valid_tokens(attention_mask, batch: int, q_len: int) -> torch.Tensor | None
     if attention_mask.shape[0] != batch or attention_mask.shape[1] < q_len:
         raise ValueError(f"padding mask of shape {tuple(attention_mask.shape)} for {batch} rows x {q_len} new tokens")
     return attention_mask[:, -q_len:].to(torch.bool)
+
+
+def _identical_rows(key: torch.Tensor, value: torch.Tensor, valid, rows: list[int]) -> list[list[int]]:
+    """``rows`` grouped by equality of their new tokens: padding mask, first layer's K and V (B,
+    Hkv, S, d), bit for bit. Groups in order of their first row; ``rows[0]`` leads the first."""
+    k = key[rows].reshape(len(rows), -1)
+    v = value[rows].reshape(len(rows), -1)
+    sig = torch.stack([k.float().sum(1), v.float().sum(1), k.float().abs().sum(1)], 1)
+    if valid is not None:
+        sig = torch.cat([sig, valid[rows].float().to(sig.device)], 1)
+    sig = sig.tolist()
+    groups: list[list[int]] = []
+    for i, b in enumerate(rows):
+        for g in groups:
+            j = rows.index(g[0])
+            if sig[i] == sig[j] and torch.equal(k[i], k[j]) and torch.equal(v[i], v[j]) \
+                    and (valid is None or torch.equal(valid[b], valid[g[0]])):
+                g.append(b)
+                break
+        else:
+            groups.append([b])
+    return groups
 
 
 def _check_module(module, spec: ModelSpec) -> None:

@@ -302,3 +302,39 @@ def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
     assert torch.equal(out, ref)
     assert calls and all(p is not None and p.plan.shared for p in calls)
     assert max(len(s.rows) for p in calls for s in p.plan.spans) >= 3
+
+
+def test_return_sequences_store_the_prompt_once_and_fork_when_they_diverge():
+    model = _llama(seed=10)
+    ids, mask = _prompts([300])
+    kw = dict(max_new_tokens=10, do_sample=True, top_k=0, temperature=1.0, num_return_sequences=4)
+    torch.manual_seed(3)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    torch.manual_seed(3)
+    cache = _ours(model, batch=4, max_tokens=4000)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    assert len(set(cache.seq_ids)) == 4, "sampled rows diverged into their own sequences"
+    # The prompt's 18 full pages are held once; each row adds its partial page and new tokens.
+    used = cache.kv.num_pages("host") - cache.kv.free_pages("host")
+    assert used <= 18 + 4 * 2, used
+    tables = cache.kv.kernel_tables(cache.seq_ids)
+    assert (tables.host_table[:, :18] == tables.host_table[0, :18]).all()
+
+
+def test_identical_rows_stay_one_sequence_under_greedy_decoding():
+    model = _llama(seed=11)
+    one, m1 = _prompts([45])
+    ids, mask = one.repeat(3, 1), m1.repeat(3, 1)
+    kw = dict(max_new_tokens=12, do_sample=False)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    cache = _ours(model)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    assert len(set(cache.seq_ids)) == 1 and cache.seq_lengths() == [45 + 11] * 3
+    assert cache.kv.num_pages("host") - cache.kv.free_pages("host") == -(-(45 + 11) // 16)
+    off = _ours(model, share_prompts=False)
+    assert torch.equal(_generate(model, off, ids, mask, **kw), ref)
+    assert len(set(off.seq_ids)) == 3
+    cache.reset()
+    assert cache.kv.free_pages("host") == cache.kv.num_pages("host")
