@@ -120,3 +120,48 @@ def test_logits_agree_with_dynamic_cache_over_200_steps(model, reference, hbm_pa
     model.set_attn_implementation("sdpa")
     assert out.shape == (3, ids.shape[1] + 8)
     assert cache.seq_lengths() == [n + 7 for n in lens]
+
+
+def test_forks_of_one_prompt_agree_with_dynamic_cache_through_the_cascade(model, capsys):
+    """Four rows of one 1500-token prompt are stored once; teacher-forced different tokens fork
+    them at the first step, and every later step reads the shared prompt once (cascade). Logits
+    are compared as above, against the float32 model and bf16 SDPA on the same tokens."""
+    import copy
+
+    import directkv_cute.cascade as cascade
+    from transformers import DynamicCache
+
+    one, m1 = _prompts([1500], model.config.vocab_size, seed=5)
+    ids, mask = one.repeat(4, 1), m1.repeat(4, 1)
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randint(1, model.config.vocab_size, (4, STEPS), generator=g).cuda()
+    fp32 = copy.deepcopy(model).float()
+    ref_logits, _ = _run(fp32, DynamicCache(config=fp32.config), "sdpa", ids, mask, tokens)
+    del fp32
+    torch.cuda.empty_cache()
+    bf16_logits, _ = _run(model, DynamicCache(config=model.config), "sdpa", ids, mask, tokens)
+    calls = []
+    real = cascade.cascade_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs.get("prepared"))
+        return real(*args, **kwargs)
+
+    cascade.cascade_attention = counting
+    try:
+        cache = dkhf.DirectKVCache(model, max_tokens=4 * (1500 + STEPS + 1), max_batch_size=4, page_size=64)
+        ours, _ = _run(model, cache, "directkv", ids, mask, tokens)
+    finally:
+        cascade.cascade_attention = real
+    rel, agree = _errors(ours, ref_logits)
+    rel_sdpa, agree_sdpa = _errors(bf16_logits, ref_logits)
+    with capsys.disabled():
+        print(f"\n[hf gpu, 4 forks of one prompt] ours rel. error max {rel.max():.2e} median {rel.median():.2e}, "
+              f"agreement {agree:.4f}; bf16 SDPA max {rel_sdpa.max():.2e}, agreement {agree_sdpa:.4f}; "
+              f"{len(calls)} cascade calls")
+    assert rel.max() <= 2 * rel_sdpa.max() + 1e-3
+    assert rel.median() <= 2 * rel_sdpa.median() + 1e-3
+    assert agree >= agree_sdpa - 0.02
+    assert len(set(cache.seq_ids)) == 4 and calls and all(p.plan.shared for p in calls)
+    used = cache.kv.num_pages("host") - cache.kv.free_pages("host")
+    assert used <= 1500 // 64 + 4 * (-(-(1500 % 64 + STEPS) // 64)), used
