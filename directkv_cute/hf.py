@@ -53,6 +53,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
 from directkv_cute.cache import CacheCapacityError, PagedKVCache
+from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 ATTN_IMPLEMENTATION = "directkv"
 KERNEL_HEAD_DIMS = (64, 128)
@@ -272,6 +273,8 @@ class DirectKVCache(Cache):
         max_tokens: tokens of K/V the cache can hold over all its sequences (prompt + generated,
             summed over the batch, pads excluded); the host tier is sized for them.
         max_batch_size: most sequences at once (each may leave one partial page).
+            Under tensor parallelism (a model loaded with ``tp_plan``) each rank's cache holds its
+            own KV heads (``directkv_cute.tp``): ``max_tokens`` and ``hbm_budget`` are per rank.
         page_size: tokens per page (16, 32, 64, 128).
         hbm_budget: bytes of GPU memory for the HBM tier (0: host only).
         sink_pages: pages at the start of each sequence kept in HBM when there is a budget.
@@ -288,6 +291,12 @@ class DirectKVCache(Cache):
                  device: str | torch.device | None = None, share_prompts: bool = True):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
+        # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
+        self.shard = model_shard(model, self.spec.num_q_heads, self.spec.num_kv_heads) \
+            if hasattr(model, "config") else None
+        if self.shard is not None:
+            self.spec = ModelSpec(self.spec.num_layers, len(self.shard.q_heads), len(self.shard.kv_heads),
+                                  self.spec.head_dim)
         if dtype is None:
             dtype = getattr(model, "dtype", None) or getattr(_text_config(config), "dtype", None) or torch.bfloat16
         if isinstance(dtype, str):
@@ -307,8 +316,10 @@ class DirectKVCache(Cache):
         hbm_pages = hbm_budget // page_bytes
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
         host_pages = math.ceil(max_tokens / page_size) + max_batch_size
-        self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
-                               num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device)
+        # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
+        with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
+            self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
+                                   num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device)
         self.device = self.kv.device
         self.dtype = dtype
         self.sink_pages = sink_pages
