@@ -4,7 +4,7 @@
     module or no profile yet is a pass) loads and validates, and every entry's config is legal
     for its shape;
 (b) compile: every heuristic default config (head_dim 64/128 x rows 8/16/64/128 x page
-    16..128, a float16 spot check), the multi-token defaults, the prefill tuner's portfolio and
+    16..128, a float16 spot check), the multi-token defaults, the multi_token tuner's portfolio and
     every profile entry compiles for sm_90a through ``compile_decode`` (with and without split
     outputs when the compiler takes ``split_out``), plus the combine kernels; each distinct kernel
     (the compiler's cache key) is compiled once and counted once;
@@ -30,12 +30,13 @@ from typing import Callable
 import torch
 
 from bench.common import dtype_name, progress_bar, torch_dtype
+from directkv_cute.kernels import specs
 from directkv_cute.config import (
     SUPPORTED_HEAD_DIMS,
     SUPPORTED_PAGE_SIZES,
     DecodeConfig,
     default_decode_config,
-    default_prefill_config,
+    default_multi_token_config,
 )
 
 # rows (GQA group x q_len) -> (group, max_q_len) compiled for it: decode with group 8,
@@ -57,7 +58,12 @@ class CompileTarget:
     group: int
     max_q_len: int
     source: str
-    resident: bool = False  # the multi-token (KV-chunk resident) kernel
+    kernel: str = "decode"  # the kernel spec's name: "decode" (streaming) or "multi_token"
+
+    @property
+    def resident(self) -> bool:
+        """Whether ``compile_decode`` builds the multi-token kernel for it (its ``resident=``)."""
+        return self.kernel == "multi_token"
 
     @property
     def label(self) -> str:
@@ -124,36 +130,38 @@ def _stale_count(prof) -> int:
         return 0
 
 
+# The kernels over host pages whose profile entries compile through compile_decode.
+PAGED_KERNELS = ("decode", "multi_token")
+
+
 def profile_targets(loaded) -> list[CompileTarget]:
-    """Compile targets for the decode and prefill entries of loaded profiles."""
+    """Compile targets for the decode and multi_token entries of loaded profiles."""
     out = []
     for path, prof in loaded:
         for class_key, bucket, rec in prof.records():
             kernel, dtype, head_dim, group, page_size = class_key
-            if kernel not in ("decode", "prefill"):
+            if kernel not in PAGED_KERNELS:
                 continue
             q_len = bucket[2] if len(bucket) > 2 else 1
-            out.append(CompileTarget(DecodeConfig.from_dict(rec["config"]), dtype_name(str(dtype)), int(head_dim),
-                                     int(page_size), int(group), 1 if kernel == "prefill" else int(q_len),
-                                     f"{path.name}", resident=kernel == "prefill"))
+            cfg = specs.get(kernel).config_class.from_dict(rec["config"])
+            out.append(CompileTarget(cfg, dtype_name(str(dtype)), int(head_dim), int(page_size), int(group),
+                                     1 if kernel == "multi_token" else int(q_len), f"{path.name}", kernel=kernel))
     return out
 
 
 def profile_legality_problems(prof) -> list[str]:
-    """Static legality of each decode entry's config for its shape."""
+    """Static legality of each entry's config for its shape: its kernel spec's rules (the
+    config's own and the kernel's on the GQA group and query rows)."""
     problems = []
     for class_key, bucket, rec in prof.records():
-        kernel, _dtype, head_dim, group, page_size = class_key
-        if kernel not in ("decode", "prefill"):
+        kernel, dtype, head_dim, group, page_size = class_key
+        if kernel not in PAGED_KERNELS:
             continue
-        cfg = DecodeConfig.from_dict(rec["config"])
+        spec = specs.get(kernel)
+        cfg = spec.config_class.from_dict(rec["config"])
         q_len = bucket[2] if len(bucket) > 2 else 1
-        issues = cfg.problems(int(head_dim), int(page_size))
-        if kernel == "prefill":
-            if int(group) > cfg.rows:
-                issues.append(f"group {group} exceeds {cfg.rows} rows")
-        elif int(group) * int(q_len) > cfg.rows:
-            issues.append(f"group {group} x q_len {q_len} exceeds {cfg.rows} rows")
+        issues = spec.problems(cfg, int(head_dim), int(page_size), group=int(group),
+                               q_len=1 if kernel == "multi_token" else int(q_len))
         if issues:
             problems.append(f"{class_key} {bucket}: " + "; ".join(issues))
     return problems
@@ -173,40 +181,34 @@ def default_targets(dtypes=("bfloat16",)) -> list[CompileTarget]:
                     out.append(CompileTarget(cfg, dtype, d, page, group, q_len, "default"))
             # The multi-token kernel's default, GQA 4 and 8.
             for group in (4, 8):
-                out.append(CompileTarget(default_prefill_config(d), dtype, d, 64, group, 1, "default",
-                                         resident=True))
+                out.append(CompileTarget(default_multi_token_config(d), dtype, d, 64, group, 1, "default",
+                                         kernel="multi_token"))
     return out
 
 
 def portfolio_targets() -> list[CompileTarget]:
-    """The prefill tuner's portfolio (the configs it tries right after the default), bf16, d 128,
+    """The multi_token tuner's portfolio (the configs it tries right after the default), bf16, d 128,
     GQA 4: they must compile wherever the tuner may pick them."""
     from directkv_cute.tuning.space import TuneShape, get_space
 
-    space = get_space("prefill")
+    space = get_space("multi_token")
     shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
-    return [CompileTarget(cfg, "bfloat16", 128, 64, 4, 1, "portfolio", resident=True)
+    return [CompileTarget(cfg, "bfloat16", 128, 64, 4, 1, "portfolio", kernel="multi_token")
             for cfg in space.portfolio(shape)]
 
 
 def resolve_compiler() -> tuple[Callable, Callable | None, Callable | None]:
-    """(compile_decode, compile_combine or None, decode_key or None) from the kernel package.
-
-    docs/CONTRACT.md names ``directkv_cute.kernels.decode.compile_decode``; the implementation
-    may keep it in ``directkv_cute.kernels.jit``. ``decode_key`` is the compiler's cache key (two
-    requests with the same key get the same kernel). Raises CheckError if neither imports.
+    """(compile_decode, compile_combine, decode_key): the compile and key functions the kernel
+    specs name (``directkv_cute.kernels.specs``: the streaming and the multi-token kernel share
+    ``compile_decode``, its ``resident=`` picking the second). ``decode_key`` is the compiler's
+    cache key (two requests with the same key get the same kernel). Raises CheckError if they do
+    not import.
     """
-    errors = []
-    for module in ("directkv_cute.kernels.decode", "directkv_cute.kernels.jit"):
-        try:
-            mod = __import__(module, fromlist=["compile_decode"])
-        except Exception as e:  # noqa: BLE001 - report every reason the kernels do not import
-            errors.append(f"{module}: {type(e).__name__}: {e}")
-            continue
-        if hasattr(mod, "compile_decode"):
-            return mod.compile_decode, getattr(mod, "compile_combine", None), getattr(mod, "decode_key", None)
-        errors.append(f"{module}: no compile_decode")
-    raise CheckError("the decode kernel cannot be compiled: " + " | ".join(errors))
+    decode, combine = specs.get("decode"), specs.get("combine")
+    try:
+        return decode.compile_fn, combine.compile_fn, decode.key_fn
+    except Exception as e:  # noqa: BLE001 - report why the kernels do not import
+        raise CheckError(f"the decode kernel cannot be compiled: {decode.compile}: {type(e).__name__}: {e}") from e
 
 
 def ensure_arch() -> str:
@@ -313,14 +315,12 @@ def q_tiled_targets() -> list[tuple]:
 
 
 def resolve_q_tiled() -> Callable:
-    from directkv_cute.kernels.jit import compile_q_tiled
-
-    return compile_q_tiled
+    return specs.get("q_tiled").compile_fn
 
 
 def compile_q_tiled_targets(progress: bool = True) -> tuple[int, list[str]]:
     """Compile the op's default QTiledConfig for every target; returns (kernels, problems)."""
-    from directkv_cute.config import QTiledConfig
+    QTiledConfig = specs.get("q_tiled").config_class
 
     compile_q_tiled = resolve_q_tiled()
     targets = q_tiled_targets()

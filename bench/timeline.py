@@ -32,11 +32,11 @@ def trace_run(spec: dict) -> dict:
     import directkv_cute as dk
     from bench.breakdown import build_shape
     from bench.common import Timer, time_calls
-    from directkv_cute.config import DecodeConfig, default_prefill_config
+    from directkv_cute.config import DecodeConfig, default_multi_token_config
     from directkv_cute.kernels.trace import TRACE_ELEMS, Trace, tracing
 
     hq, hkv, d, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "q_len"))
-    cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else default_prefill_config(d, ql * hq // hkv)
+    cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else default_multi_token_config(d, ql * hq // hkv)
     cache, tables, q = build_shape(spec)
 
     def run():

@@ -12,7 +12,7 @@ Public API:
 from importlib import import_module
 import sys as _sys
 
-from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_prefill_config
+from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_multi_token_config
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,12 @@ if "torch" in _sys.modules:
 
 
 def __getattr__(name: str):
+    if name == "default_prefill_config":  # the multi-token kernel's default under its old name
+        import warnings
+
+        warnings.warn("directkv_cute.default_prefill_config is deprecated: use default_multi_token_config",
+                      DeprecationWarning, stacklevel=2)
+        return default_multi_token_config
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'directkv_cute' has no attribute {name!r}")
@@ -56,7 +62,7 @@ __all__ = [
     "__version__",
     "cascade_attention",
     "default_decode_config",
-    "default_prefill_config",
+    "default_multi_token_config",
     "dense_attention_ref",
     "paged_attention",
     "paged_attention_ref",

@@ -39,7 +39,7 @@ class DecodeConfig:
     carveout:      percent of the unified L1/SMEM reserved as SMEM
                    (cudaFuncAttributePreferredSharedMemoryCarveout); the paper's default is 80.
     consumer_wgs:  consumer warpgroups (1-3); each holds 64 query rows (GQA group x q_len).
-    chunk_tiles:   multi-token (resident) kernel only: KV tiles every query block is applied to
+    chunk_tiles:   multi-token kernel only: KV tiles every query block is applied to
                    before the chunk's ring slots are released. 0 = the whole ring (one chunk per
                    CTA, no overlap); 1..stages-1 keeps ``stages - chunk_tiles`` slots loading the
                    next chunk while the consumers work, and each CTA walks several chunks, merging
@@ -117,11 +117,11 @@ class DecodeConfig:
 
     @property
     def chunk(self) -> int:
-        """KV tiles per chunk of the resident kernel."""
+        """KV tiles per chunk of the multi-token kernel."""
         return self.chunk_tiles or self.stages
 
     def resident_occupancy(self, head_dim: int, elem_bytes: int = 2) -> int:
-        """CTAs per SM the resident kernel is compiled for: 2 when asked (ctas_per_sm >= 2) with one
+        """CTAs per SM the multi-token kernel is compiled for: 2 when asked (ctas_per_sm >= 2) with one
         consumer warpgroup and SMEM for two, so one CTA loads its chunk while the other computes;
         else 1."""
         if self.ctas_per_sm >= 2 and self.consumer_wgs == 1 and self.resident_ctas(head_dim, elem_bytes) >= 2:
@@ -249,57 +249,57 @@ def default_decode_config(head_dim: int, rows: int = 8, page_size: int | None = 
 # Device-wide host tiles in flight of the multi-token default: 16 x 32 KB is several times the
 # link's bandwidth x round trip, yet keeps host requests from queueing in front of the consumers'
 # HBM traffic (H200 A/B: bench/results/NVIDIA_H200-2026-11-29-s4-ab.txt).
-PREFILL_LINK_CREDITS = 16
+MULTI_TOKEN_LINK_CREDITS = 16
 # Query rows per KV head (q_len x group) up to which the multi-token default walks chunks of four
 # tiles: H200 A/B of session 5 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, run K):
 # chunks of 4 won at 2048 query tokens x group 4 (8k: 1.30 vs 1.39 ms at 5, 32k: 4.29 vs 4.38),
 # chunks of 6 at 8192 tokens (32k: 13.64 vs 14.32 ms at 5, 15.39 at 4); 512 tokens and below tie.
-PREFILL_CHUNK4_ROWS = 8192
+MULTI_TOKEN_CHUNK4_ROWS = 8192
 # Query rows per KV head from which the multi-token default runs clusters of two CTAs (up to
-# PREFILL_CHUNK4_ROWS): H200 A/B of session 6 (bench/results/NVIDIA_H200-2026-11-30-s6-ab*.txt),
+# MULTI_TOKEN_CHUNK4_ROWS): H200 A/B of session 6 (bench/results/NVIDIA_H200-2026-11-30-s6-ab*.txt),
 # s7 k4 in clusters of two against the session-5 default, ms: 8k q512 0.783 vs 0.858, 32k q512
 # 2.928 vs 3.002, 128k q512 11.07 vs 11.17, 8k q2048 1.232 vs 1.309, 32k q2048 4.180 vs 4.341;
 # but 32k q64 (256 rows) 2.776 vs 2.721 and 32k q8192 15.39 vs 13.91. Clusters of four lost
 # everywhere (fewer 4-CTA clusters fit the GPCs at one CTA per SM: 128k q512 14.5 ms).
-PREFILL_CLUSTER_ROWS = 2048
-# Query rows per KV head from which the clusters (up to PREFILL_CHUNK4_ROWS) stagger their blocks'
+MULTI_TOKEN_CLUSTER_ROWS = 2048
+# Query rows per KV head from which the clusters (up to MULTI_TOKEN_CHUNK4_ROWS) stagger their blocks'
 # chunk boundaries in four groups under 8 link credits (rank 0 admits for the cluster): H200 A/B
 # of session 9 (bench/results/NVIDIA_H200-2026-11-30-s9-ab*.txt), ms, against the cluster default:
 # 8k q2048 1.082 vs 1.217, 16k q2048 2.048 vs 2.161. Without credits the link served some clusters
 # late (round 0 done at max 380 vs med 228 us: 1.242 ms). At 8k q512 (2048 rows) four groups
 # without credits were 0.747 vs 0.740 ms, so the smaller shapes keep the plain walk.
-PREFILL_STAGGER_ROWS = 4096
-PREFILL_STAGGER = 4
-PREFILL_STAGGER_CREDITS = 8
+MULTI_TOKEN_STAGGER_ROWS = 4096
+MULTI_TOKEN_STAGGER = 4
+MULTI_TOKEN_STAGGER_CREDITS = 8
 
 
-def default_prefill_config(head_dim: int, rows: int | None = None) -> DecodeConfig:
-    """Untuned default of the multi-token (KV-chunk resident) kernel: two consumer warpgroups (128
+def default_multi_token_config(head_dim: int, rows: int | None = None) -> DecodeConfig:
+    """Untuned default of the multi-token (KV-outer chunk) kernel: two consumer warpgroups (128
     query rows per pass) that keep each pass's Q rows in registers, all of L1 as SMEM, a ring of
     seven 64-token tiles (the Q tile's SMEM buys the seventh) walked in chunks of four (three
-    tiles of prefetch per chunk) up to ``PREFILL_CHUNK4_ROWS`` query rows per KV head and of six
+    tiles of prefetch per chunk) up to ``MULTI_TOKEN_CHUNK4_ROWS`` query rows per KV head and of six
     above (a third fewer passes of each query block over the split), and the producer admitted
-    to the link one tile at a time under ``PREFILL_LINK_CREDITS``. Falls back to Q in SMEM where
-    registers cannot hold it. From ``PREFILL_CLUSTER_ROWS`` up to ``PREFILL_CHUNK4_ROWS`` rows
+    to the link one tile at a time under ``MULTI_TOKEN_LINK_CREDITS``. Falls back to Q in SMEM where
+    registers cannot hold it. From ``MULTI_TOKEN_CLUSTER_ROWS`` up to ``MULTI_TOKEN_CHUNK4_ROWS`` rows
     the seven-stage config runs in clusters of two CTAs sharing each tile (``q_cluster``, which
     goes without link credits): half the passes per chunk and half the splits. From
-    ``PREFILL_STAGGER_ROWS`` those clusters stagger their blocks' chunk boundaries
-    (``PREFILL_STAGGER`` groups) under ``PREFILL_STAGGER_CREDITS`` link credits, so compute starts
+    ``MULTI_TOKEN_STAGGER_ROWS`` those clusters stagger their blocks' chunk boundaries
+    (``MULTI_TOKEN_STAGGER`` groups) under ``MULTI_TOKEN_STAGGER_CREDITS`` link credits, so compute starts
     after one tile and the link serves the clusters in turn."""
-    chunk = 4 if rows is None or rows <= PREFILL_CHUNK4_ROWS else 6
-    cluster = 2 if rows is not None and PREFILL_CLUSTER_ROWS <= rows <= PREFILL_CHUNK4_ROWS else 0
-    stagger = PREFILL_STAGGER if cluster and rows >= PREFILL_STAGGER_ROWS else 0
+    chunk = 4 if rows is None or rows <= MULTI_TOKEN_CHUNK4_ROWS else 6
+    cluster = 2 if rows is not None and MULTI_TOKEN_CLUSTER_ROWS <= rows <= MULTI_TOKEN_CHUNK4_ROWS else 0
+    stagger = MULTI_TOKEN_STAGGER if cluster and rows >= MULTI_TOKEN_STAGGER_ROWS else 0
     for tile_n, stages, chunk_tiles, q_regs, q_cluster in ((64, 7, chunk, 1, cluster), (64, 6, 5, 0, 0),
                                                            (128, 3, 2, 0, 0), (64, 4, 3, 0, 0), (64, 2, 1, 0, 0)):
-        credits = PREFILL_LINK_CREDITS
+        credits = MULTI_TOKEN_LINK_CREDITS
         if q_cluster:
-            credits = PREFILL_STAGGER_CREDITS if stagger else 0
+            credits = MULTI_TOKEN_STAGGER_CREDITS if stagger else 0
         cfg = DecodeConfig(tile_n=tile_n, stages=stages, ctas_per_sm=1, consumer_wgs=2, carveout=100,
                            chunk_tiles=chunk_tiles, max_inflight=1, q_regs=q_regs, q_cluster=q_cluster,
                            link_credits=credits, stagger=stagger if q_cluster else 0)
         if cfg.is_legal(head_dim):
             return cfg
-    raise ConfigError(f"no legal default prefill config for head_dim={head_dim}")
+    raise ConfigError(f"no legal default multi-token config for head_dim={head_dim}")
 
 
 def chunk_bounds(n_tiles: int, chunk: int, edge: int = 0) -> list[tuple[int, int]]:
@@ -367,7 +367,7 @@ def block_passes(cfg: DecodeConfig, n_tiles: int, m: int, n_mine: int) -> list[t
 
 def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_heads: int = 1,
                     num_sms: int = SM90_NUM_SMS, head_dim: int = 128, elem_bytes: int = 2) -> int:
-    """Splits (CTAs per sequence and KV head) of the resident kernel.
+    """Splits (CTAs per sequence and KV head) of the multi-token kernel.
 
     A fixed ``num_splits`` is honoured (up to one per tile). With ``chunk_tiles == 0`` every CTA
     holds one chunk of ``stages`` tiles (splits = chunks). Otherwise CTAs walk several chunks

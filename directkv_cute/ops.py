@@ -2,10 +2,11 @@
 
 ``paged_attention`` validates its inputs, picks a config (explicit, tuned profile, or the
 heuristic default) and a kernel -- the streaming split-KV kernel when all query rows of a KV head
-fit one CTA (decode, short speculative windows), else the KV-chunk resident kernel (multi-token
-queries), or for compute-bound multi-token calls the Q-tiled kernel -- and launches it and, when
-the context is split across CTAs, the combine kernel, on the current CUDA stream. The streaming
-and KV-chunk kernels read host pages in place through their UVA addresses; the Q-tiled kernel
+fit one CTA (decode, short speculative windows), else the multi-token KV-outer chunk kernel
+(multi-token queries), or for compute-bound multi-token calls the Q-tiled kernel -- and launches it
+and, when the context is split across CTAs, the combine kernel, on the current CUDA stream (the
+kernels' specs, ``kernels.specs``, state which runs what). The streaming and multi-token kernels
+read host pages in place through their UVA addresses; the Q-tiled kernel
 reads HBM, so over host pages the op first stages them into an HBM buffer with the copy engine,
 overlapped with the kernel (``_q_tiled_route`` decides, ``directkv_cute.staging`` copies).
 Once a shape's kernels are compiled and its ``q_lens`` seen (their device copy is kept), the
@@ -32,7 +33,7 @@ from directkv_cute.config import DecodeConfig, QTiledConfig, q_tiles, resident_s
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import causal_flops, choose_staged, compute_bound, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
-from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
+from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
 
 
@@ -77,19 +78,16 @@ def _total_memory(index: int) -> int:
 _WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
 
 
-def _fits_streaming(cfg: DecodeConfig, group: int, max_q_len: int) -> bool:
-    return not cfg.multi_token_only and group <= cfg.rows and max_q_len <= cfg.rows // group
-
-
 def select_config(cache, group: int, max_q_len: int, batch: int, max_context: int,
                   config: DecodeConfig | None) -> tuple[DecodeConfig, str]:
     """(config, kernel): an explicit config wins, else the tuned profile for this GPU, else the
     heuristic default. kernel is "decode" (streaming) when every query row of a KV head fits one
-    CTA, else "prefill" (KV-chunk resident); an explicit config with ``q_regs`` or ``q_cluster``
-    always runs the multi-token kernel, the only one with those options."""
+    CTA, else "multi_token" (the KV-outer chunk kernel); an explicit config with a multi-token-only
+    option (``q_regs``, ``q_cluster``, ``stagger``) always runs the multi-token kernel. The kernels'
+    specs state both rules (``kernels.specs.config_kernel``, ``op_kernel``)."""
     rows = group * max_q_len
     if config is not None:
-        return config, "decode" if _fits_streaming(config, group, max_q_len) else "prefill"
+        return config, config_kernel(config, group, max_q_len)
     kernel = op_kernel(group, max_q_len)
     return _lookup(kernel, cache, group, batch, max_context, max_q_len, rows), kernel
 
@@ -199,7 +197,7 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
 
-    if isinstance(config, QTiledConfig) or (config is None and group * max_q_len > STREAM_MAX_ROWS):
+    if isinstance(config, QTiledConfig) or (config is None and op_kernel(group, max_q_len) != "decode"):
         route = _q_tiled_route(q, cache, tables, q_lens, group, config)
         if route is not None:
             return _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
@@ -209,7 +207,7 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     check_config(cfg, d, cache.page_size)
     if group > cfg.rows:
         raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
-    resident = kernel == "prefill"
+    resident = kernel == "multi_token"
     if resident:
         # Size the split count from the page table's width (a bound the host knows without reading
         # seq_lens), never from a caller's hint.

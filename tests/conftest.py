@@ -24,7 +24,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--full", action="store_true", default=False,
         help="also run the tests marked full (the whole matrices: every kernel variant of a family "
-             "compiled, the whole prefill search space enumerated). The default run keeps a "
+             "compiled, the whole multi_token search space enumerated). The default run keeps a "
              "representative part of each; CI runs the rest as a step of its own: "
              "python -m pytest -q -m full --full")
 
@@ -67,14 +67,14 @@ PREFILL_SAMPLE = 100_000
 
 
 @pytest.fixture(scope="session")
-def sampled_prefill_legality():
-    """``legality(shape)`` of the prefill search space from a seeded uniform sample of
+def sampled_multi_token_legality():
+    """``legality(shape)`` of the multi_token search space from a seeded uniform sample of
     PREFILL_SAMPLE of its 2.6 M points (the real static filter on real points), once per shape a
     session: enumerating the whole space takes ~40 s on one core (the full test does that once,
-    tests/test_tuning_space.py::test_prefill_space_whole). Do not use it with patched rules."""
+    tests/test_tuning_space.py::test_multi_token_space_whole). Do not use it with patched rules."""
     from directkv_cute.tuning.space import get_space
 
-    space, memo = get_space("prefill"), {}
+    space, memo = get_space("multi_token"), {}
 
     def legality(shape):
         if shape not in memo:

@@ -12,13 +12,13 @@ pytestmark = pytest.mark.compile
 
 _COMPILE = """
 import torch
-from directkv_cute.config import default_prefill_config
+from directkv_cute.config import default_multi_token_config
 from directkv_cute.kernels import jit
 from directkv_cute.kernels.trace import Trace
 for rows, cluster, trace in {cases!r}:
-    cfg = default_prefill_config(128, rows)
+    cfg = default_multi_token_config(128, rows)
     assert cfg.q_cluster == cluster
-    jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4, trace=trace and Trace(1 << 40, 2, trace == "skip"))
+    jit.compile_multi_token(cfg, torch.bfloat16, 128, 64, 4, trace=trace and Trace(1 << 40, 2, trace == "skip"))
 """
 
 

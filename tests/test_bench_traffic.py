@@ -116,7 +116,7 @@ def test_portfolio_compile_targets_are_the_tuners_portfolio():
 
     targets = portfolio_targets()
     assert targets and all(t.resident and t.source == "portfolio" for t in targets)
-    assert [t.cfg for t in targets] == get_space("prefill").portfolio(None)
+    assert [t.cfg for t in targets] == get_space("multi_token").portfolio(None)
     for t in targets:
         assert t.cfg.is_legal(t.head_dim, t.page_size), t.label
 

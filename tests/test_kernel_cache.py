@@ -225,7 +225,7 @@ def test_a_mutated_config_rule_gives_a_new_cache_key(root, tmp_path, monkeypatch
     copy = package_copy(tmp_path)
     monkeypatch.setattr(sources, "PACKAGE_DIR", copy)
     assert jit.disk_cache_dir() == first  # an identical copy: the same key
-    edit(copy / "config.py", "PREFILL_CHUNK4_ROWS = 8192", "PREFILL_CHUNK4_ROWS = 4096")
+    edit(copy / "config.py", "MULTI_TOKEN_CHUNK4_ROWS = 8192", "MULTI_TOKEN_CHUNK4_ROWS = 4096")
     second = jit.disk_cache_dir()
     assert second != first and second.parent == first.parent
     compile_once()
@@ -235,7 +235,7 @@ def test_a_mutated_config_rule_gives_a_new_cache_key(root, tmp_path, monkeypatch
 @pytest.mark.parametrize("rel, changes", [
     ("config.py", True), ("kernels/decode.py", True), ("kernels/multi_token.py", True), ("kernels/helpers.py", True),
     ("kernels/paged.py", True), ("kernels/producer.py", True), ("kernels/softmax.py", True),
-    ("kernels/combine.py", True), ("kernels/jit.py", True),
+    ("kernels/combine.py", True), ("kernels/jit.py", True), ("kernels/specs.py", True),
     ("ops.py", False), ("kernels/launch.py", False), ("kernels/disk_cache.py", False),
 ])
 def test_the_cache_key_covers_every_code_file(tmp_path, monkeypatch, rel, changes):

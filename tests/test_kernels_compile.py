@@ -20,7 +20,7 @@ from directkv_cute.config import (
     ConfigError,
     DecodeConfig,
     default_decode_config,
-    default_prefill_config,
+    default_multi_token_config,
 )
 from directkv_cute.kernels import jit
 
@@ -94,7 +94,7 @@ def test_default_configs_compile(dtype, head_dim, page_size):
         for split_out in (True, False):
             fn = jit.compile_decode(cfg, dtype, head_dim, page_size, group, q_len, split_out)
             assert callable(fn)
-    assert callable(jit.compile_prefill(default_prefill_config(head_dim), dtype, head_dim, page_size, 4))
+    assert callable(jit.compile_multi_token(default_multi_token_config(head_dim), dtype, head_dim, page_size, 4))
     assert callable(jit.compile_combine(head_dim, dtype))
 
 
@@ -227,7 +227,7 @@ def _full(cfg: DecodeConfig):
 def test_resident_variants_compile(cfg):
     """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
     throttled producer, device-wide link admission with edge chunks, staggered chunks."""
-    assert callable(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4))
+    assert callable(jit.compile_multi_token(cfg, torch.bfloat16, 128, 64, 4))
 
 
 @pytest.mark.parametrize(
@@ -269,13 +269,13 @@ def test_multi_token_group_limit_fails_before_compiling(monkeypatch):
     monkeypatch.setattr(jit, "_compile_decode", lambda *a, **k: pytest.fail("compiled an illegal request"))
     cfg = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=100, ctas_per_sm=1)
     with pytest.raises(ValueError, match="up to 64"):
-        jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 96)
+        jit.compile_multi_token(cfg, torch.bfloat16, 128, 64, 96)
 
 
-def _prefill_ptx(**fields) -> str:
+def _multi_token_ptx(**fields) -> str:
     """PTX of the multi-token kernel: the bf16, d 128, GQA 4 default with ``fields`` replaced."""
-    cfg = dataclasses.replace(default_prefill_config(128), **fields)
-    return _ptx_of(jit.compile_prefill(cfg, torch.bfloat16, 128, 64, 4),
+    cfg = dataclasses.replace(default_multi_token_config(128), **fields)
+    return _ptx_of(jit.compile_multi_token(cfg, torch.bfloat16, 128, 64, 4),
                    lambda: jit._compile_decode(cfg, torch.bfloat16, 128, 64, 4, True, True))
 
 
@@ -288,7 +288,7 @@ def test_multi_token_kernel_ptx():
     partials written and reloaded with 8-byte vector accesses (scalar ones double the L2
     transactions per pass), the next block's Q rows and partial prefetched into L2, and a pass's
     loads issued together."""
-    ptx = _prefill_ptx(q_regs=0, stages=6)
+    ptx = _multi_token_ptx(q_regs=0, stages=6)
     for needle in ("wgmma.mma_async", "cp.async.bulk.tensor", "st.global.v2.b32", "ld.global.v2.b32",
                    "prefetch.global.L2"):
         assert needle in ptx, needle
@@ -319,8 +319,8 @@ def test_combine_kernel_ptx():
 def test_throttled_producer_ptx():
     """With max_inflight the producer waits on a tile's full barrier before issuing a later one:
     one more mbarrier wait loop in the producer than without."""
-    plain = _prefill_ptx(max_inflight=0, link_credits=0)
-    limited = _prefill_ptx(max_inflight=1, link_credits=0)
+    plain = _multi_token_ptx(max_inflight=0, link_credits=0)
+    limited = _multi_token_ptx(max_inflight=1, link_credits=0)
     waits = lambda ptx: ptx.count("mbarrier.try_wait")  # noqa: E731
     assert waits(limited) > waits(plain)
 
@@ -331,8 +331,8 @@ def test_link_admission_ptx():
     without it none of these are emitted. The producer warp walks its tiles with all lanes: one
     lane takes the ticket and reads the counter, a shuffle hands both to the others, and one
     atomic add per ticket remains."""
-    plain = _prefill_ptx(max_inflight=1, link_credits=0)
-    credited = _prefill_ptx(max_inflight=1, link_credits=8)
+    plain = _multi_token_ptx(max_inflight=1, link_credits=0)
+    credited = _multi_token_ptx(max_inflight=1, link_credits=8)
     for needle in ("atom.global.add", "ld.relaxed.gpu.global", "nanosleep", "red.relaxed.gpu.global.add"):
         assert needle not in plain, needle
         assert needle in credited, needle
@@ -344,8 +344,8 @@ def test_q_in_registers_ptx():
     """With q_regs the multi-token kernel has no Q tile in SMEM: no 16-byte SMEM stores, no
     per-warpgroup named barriers, and its Q K^T WGMMA takes A as four registers (the RS form)
     where the SMEM variant passes two descriptors."""
-    smem = _prefill_ptx(q_regs=0, stages=6)
-    regs = _prefill_ptx(q_regs=1, stages=7)
+    smem = _multi_token_ptx(q_regs=0, stages=6)
+    regs = _multi_token_ptx(q_regs=1, stages=7)
     qk = lambda ptx: [ln for ln in ptx.splitlines() if "wgmma.mma_async.sync.aligned.m64n64k16" in ln]  # noqa: E731
     assert qk(smem) and qk(regs)
     assert all("}, {%r" not in ln for ln in qk(smem))
@@ -361,9 +361,9 @@ def test_cluster_multicast_ptx():
     64-token page piece (two boxes, K and V) halve the pieces: four boxes. The producer is the
     whole warp (the pipeline and each copy elect their own lane: no elect.sync nested in an
     elected lane, where the first cluster kernel hung)."""
-    plain = _prefill_ptx(q_cluster=0, link_credits=0)
-    cluster = _prefill_ptx(q_cluster=2, link_credits=0)
-    four = _prefill_ptx(q_cluster=4, link_credits=0)
+    plain = _multi_token_ptx(q_cluster=0, link_credits=0)
+    cluster = _multi_token_ptx(q_cluster=2, link_credits=0)
+    four = _multi_token_ptx(q_cluster=4, link_credits=0)
     tma = lambda ptx: [ln for ln in ptx.splitlines() if "cp.async.bulk.tensor" in ln]  # noqa: E731
     assert tma(plain) and not any("multicast::cluster" in ln for ln in tma(plain))
     assert tma(cluster) and all("multicast::cluster" in ln for ln in tma(cluster))
@@ -390,9 +390,9 @@ def test_cluster_link_admission_ptx():
     arrives on its peers' admit barrier in their SMEM (one remote arrive per peer, from one lane);
     the peers wait on their own admit barrier. Without link credits a cluster kernel has none of
     that."""
-    plain = _prefill_ptx(q_cluster=2, link_credits=0)
-    two = _prefill_ptx(q_cluster=2, link_credits=16)
-    four = _prefill_ptx(q_cluster=4, link_credits=16)
+    plain = _multi_token_ptx(q_cluster=2, link_credits=0)
+    two = _multi_token_ptx(q_cluster=2, link_credits=16)
+    four = _multi_token_ptx(q_cluster=4, link_credits=16)
     remote = lambda ptx: ptx.count("mbarrier.arrive.shared::cluster")  # noqa: E731
     tickets = lambda ptx: ptx.count("atom.global.add")  # noqa: E731
     assert tickets(plain) == 0 and tickets(two) == 1 and tickets(four) == 1

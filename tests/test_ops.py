@@ -68,13 +68,13 @@ def test_fake_tensor_shapes(cache_and_q):
     [
         (4, 1, DecodeConfig(), "decode"),
         (8, 8, DecodeConfig(), "decode"),  # 64 rows: one consumer warpgroup
-        (8, 9, DecodeConfig(), "prefill"),  # 72 rows do not fit one warpgroup's 64
+        (8, 9, DecodeConfig(), "multi_token"),  # 72 rows do not fit one warpgroup's 64
         (8, 16, DecodeConfig(consumer_wgs=2), "decode"),
-        (4, 2048, DecodeConfig(consumer_wgs=2, carveout=100), "prefill"),
+        (4, 2048, DecodeConfig(consumer_wgs=2, carveout=100), "multi_token"),
         (5, 12, DecodeConfig(), "decode"),  # group 5: 60 of the 64 rows used
-        (5, 13, DecodeConfig(), "prefill"),
-        (4, 1, DecodeConfig(consumer_wgs=2, stages=7, carveout=100, q_regs=1), "prefill"),  # q_regs: resident only
-        (4, 1, DecodeConfig(consumer_wgs=2, carveout=100, ctas_per_sm=1, q_cluster=2), "prefill"),  # so is q_cluster
+        (5, 13, DecodeConfig(), "multi_token"),
+        (4, 1, DecodeConfig(consumer_wgs=2, stages=7, carveout=100, q_regs=1), "multi_token"),  # q_regs: resident only
+        (4, 1, DecodeConfig(consumer_wgs=2, carveout=100, ctas_per_sm=1, q_cluster=2), "multi_token"),  # so is q_cluster
     ],
 )
 def test_explicit_config_dispatch(group, q_len, cfg, kernel):
@@ -203,31 +203,31 @@ def test_resident_chunk_and_occupancy_rules():
     assert dataclasses.replace(two, stages=4).resident_occupancy(128) == 1
     assert dataclasses.replace(two, carveout=90).resident_occupancy(128) == 1
     # the default: Q in registers, a ring of seven 64-token tiles in chunks of four up to
-    # PREFILL_CHUNK4_ROWS query rows and of six above, admitted to the link one tile at a time
-    from directkv_cute.config import PREFILL_CHUNK4_ROWS, PREFILL_LINK_CREDITS, default_prefill_config
+    # MULTI_TOKEN_CHUNK4_ROWS query rows and of six above, admitted to the link one tile at a time
+    from directkv_cute.config import MULTI_TOKEN_CHUNK4_ROWS, MULTI_TOKEN_LINK_CREDITS, default_multi_token_config
 
-    d128 = default_prefill_config(128)
+    d128 = default_multi_token_config(128)
     assert (d128.tile_n, d128.stages, d128.chunk_tiles, d128.consumer_wgs, d128.q_regs) == (64, 7, 4, 2, 1)
-    assert d128.max_inflight == 1 and d128.link_credits == PREFILL_LINK_CREDITS > 0
-    assert default_prefill_config(128, PREFILL_CHUNK4_ROWS).chunk_tiles == 4
-    assert default_prefill_config(128, PREFILL_CHUNK4_ROWS + 1).chunk_tiles == 6
-    # clusters of two from PREFILL_CLUSTER_ROWS to PREFILL_CHUNK4_ROWS rows, without link credits
-    # below PREFILL_STAGGER_ROWS and staggered under PREFILL_STAGGER_CREDITS from there
-    from directkv_cute.config import (PREFILL_CLUSTER_ROWS, PREFILL_STAGGER, PREFILL_STAGGER_CREDITS,
-                                      PREFILL_STAGGER_ROWS)
+    assert d128.max_inflight == 1 and d128.link_credits == MULTI_TOKEN_LINK_CREDITS > 0
+    assert default_multi_token_config(128, MULTI_TOKEN_CHUNK4_ROWS).chunk_tiles == 4
+    assert default_multi_token_config(128, MULTI_TOKEN_CHUNK4_ROWS + 1).chunk_tiles == 6
+    # clusters of two from MULTI_TOKEN_CLUSTER_ROWS to MULTI_TOKEN_CHUNK4_ROWS rows, without link credits
+    # below MULTI_TOKEN_STAGGER_ROWS and staggered under MULTI_TOKEN_STAGGER_CREDITS from there
+    from directkv_cute.config import (MULTI_TOKEN_CLUSTER_ROWS, MULTI_TOKEN_STAGGER, MULTI_TOKEN_STAGGER_CREDITS,
+                                      MULTI_TOKEN_STAGGER_ROWS)
 
-    assert PREFILL_CLUSTER_ROWS < PREFILL_STAGGER_ROWS <= PREFILL_CHUNK4_ROWS
-    for rows, cluster, stagger in ((PREFILL_CLUSTER_ROWS - 1, 0, 0), (PREFILL_CLUSTER_ROWS, 2, 0),
-                                   (PREFILL_STAGGER_ROWS - 1, 2, 0), (PREFILL_STAGGER_ROWS, 2, PREFILL_STAGGER),
-                                   (PREFILL_CHUNK4_ROWS, 2, PREFILL_STAGGER), (PREFILL_CHUNK4_ROWS + 1, 0, 0),
+    assert MULTI_TOKEN_CLUSTER_ROWS < MULTI_TOKEN_STAGGER_ROWS <= MULTI_TOKEN_CHUNK4_ROWS
+    for rows, cluster, stagger in ((MULTI_TOKEN_CLUSTER_ROWS - 1, 0, 0), (MULTI_TOKEN_CLUSTER_ROWS, 2, 0),
+                                   (MULTI_TOKEN_STAGGER_ROWS - 1, 2, 0), (MULTI_TOKEN_STAGGER_ROWS, 2, MULTI_TOKEN_STAGGER),
+                                   (MULTI_TOKEN_CHUNK4_ROWS, 2, MULTI_TOKEN_STAGGER), (MULTI_TOKEN_CHUNK4_ROWS + 1, 0, 0),
                                    (None, 0, 0)):
-        cfg = default_prefill_config(128, rows)
+        cfg = default_multi_token_config(128, rows)
         assert cfg.q_cluster == cluster and cfg.stagger == stagger, rows
-        credits = (PREFILL_STAGGER_CREDITS if stagger else 0) if cluster else PREFILL_LINK_CREDITS
+        credits = (MULTI_TOKEN_STAGGER_CREDITS if stagger else 0) if cluster else MULTI_TOKEN_LINK_CREDITS
         assert cfg.link_credits == credits and cfg.max_inflight == 1, rows
     for rows in (256, 2048, 8192, 65536):
         for d in (64, 128):
-            assert default_prefill_config(d, rows).is_legal(d)
+            assert default_multi_token_config(d, rows).is_legal(d)
 
 
 @pytest.mark.parametrize("chunk,edge", [(1, 0), (2, 0), (5, 0), (2, 1), (2, 2), (5, 1), (5, 2), (3, 3)])

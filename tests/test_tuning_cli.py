@@ -48,10 +48,21 @@ def test_dry_run_shapes_and_dedupe(capsys):
     assert rc == 0 and "3 bucket(s)" in out and "1000" in out
 
 
-def test_dry_run_prefill_kernel(capsys):
-    rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b", "--q-lens", "64,256",
+def test_dry_run_multi_token_kernel(capsys):
+    rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "multi_token", "--preset", "llama3-8b", "--q-lens", "64,256",
                      "--batches", "1", "--contexts", "32768")
-    assert rc == 0 and "kernel prefill" in out and "2571912 points" in out and "2 bucket(s)" in out
+    assert rc == 0 and "kernel multi_token" in out and "2571912 points" in out and "2 bucket(s)" in out
+
+
+def test_prefill_is_a_deprecated_alias_of_multi_token(capsys):
+    """--kernel prefill (the multi-token kernel's old name) still works, says so, and --help
+    names it as deprecated."""
+    rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b", "--q-lens", "64",
+                       "--batches", "1", "--contexts", "32768")
+    assert rc == 0 and "kernel multi_token" in out and "--kernel prefill is deprecated" in err
+    with pytest.raises(SystemExit):
+        run(capsys, "run", "--help")
+    assert "'prefill' is a deprecated alias of multi_token" in " ".join(capsys.readouterr().out.split())
 
 
 def test_bad_arguments(capsys):
@@ -79,7 +90,7 @@ def test_model_run_writes_profile_show_and_check(capsys, tmp_path, monkeypatch):
     assert rc == 0 and "Modelled H200 PCIe5" in out and "decode" in out and "default us" in out
     rc, out, _ = run(capsys, "show", "--dir", str(out_dir), "--format", "json")
     doc = json.loads(out)[str(path)]
-    assert doc["schema_version"] == 2 and len(doc["entries"][0]["buckets"]) == 2
+    assert doc["schema_version"] == 3 and len(doc["entries"][0]["buckets"]) == 2
     rc, out, _ = run(capsys, "show", str(path), "--format", "yaml")
     assert yaml.safe_load(out)[str(path)]["metadata"]["gpu_name"] == "Modelled H200 PCIe5"
 

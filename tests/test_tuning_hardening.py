@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from directkv_cute.config import DecodeConfig, default_decode_config, default_prefill_config
+from directkv_cute.config import DecodeConfig, default_decode_config, default_multi_token_config
 from directkv_cute.tuning import cli
 from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
@@ -398,19 +398,19 @@ def test_op_kernel_is_the_ops_rule(monkeypatch):
         for q_len in (1, 2, 8, 16, 17, 32, 33, 128, 129, 2048):
             cfg, kernel = ops.select_config(Cache(), group, q_len, 1, 4096, None)
             assert kernel == cfg == op_kernel(group, q_len), (group, q_len)
-    assert op_kernel(1, STREAM_MAX_ROWS) == "decode" and op_kernel(1, STREAM_MAX_ROWS + 1) == "prefill"
+    assert op_kernel(1, STREAM_MAX_ROWS) == "decode" and op_kernel(1, STREAM_MAX_ROWS + 1) == "multi_token"
 
 
 def test_lookup_answers_with_the_kernel_the_op_runs(capsys, tmp_path):
     write_profile(tmp_path / "env")
-    with pytest.warns(P.ProfileWarning, match="no tuned prefill config"):
+    with pytest.warns(P.ProfileWarning, match="no tuned multi_token config"):
         rc, out, _ = run(capsys, "lookup", "--gpu", GPU, "--shape", "64,8,128,1,4096,2048")
-    assert rc == 0 and "kernel:  prefill" in out and "source:  default" in out
-    assert str(default_prefill_config(128, 8 * 2048)) in out
+    assert rc == 0 and "kernel:  multi_token" in out and "source:  default" in out
+    assert str(default_multi_token_config(128, 8 * 2048)) in out
     rc, out, _ = run(capsys, "lookup", "--gpu", GPU, "--shape", "64,8,128,1,4096,1")
     assert rc == 0 and "kernel:  decode\n" in out and "source:  exact" in out
     with pytest.warns(P.ProfileWarning):
-        rc, out, _ = run(capsys, "lookup", "--gpu", GPU, "--shape", "64,8,128,1,4096,1", "--kernel", "prefill")
+        rc, out, _ = run(capsys, "lookup", "--gpu", GPU, "--shape", "64,8,128,1,4096,1", "--kernel", "multi_token")
     assert rc == 0 and "the op runs decode" in out
 
 
@@ -420,30 +420,30 @@ def test_lookup_options_have_help():
         assert action.help, f"lookup {action.option_strings} has no help"
 
 
-def test_prefill_dry_run_is_quick_and_says_it_estimates(capsys):
+def test_multi_token_dry_run_is_quick_and_says_it_estimates(capsys):
     t0 = time.perf_counter()
-    rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b",
+    rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "multi_token", "--preset", "llama3-8b",
                      "--q-lens", "512,2048", "--batches", "1", "--contexts", "32768")
     assert rc == 0 and time.perf_counter() - t0 < 30
     assert "2571912 points" in out and "estimated from" in out and "sampled points" in out and "2 bucket(s)" in out
 
 
-def test_prefill_preset_leaves_out_the_q_len_1_buckets(capsys):
-    rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b",
+def test_multi_token_preset_leaves_out_the_q_len_1_buckets(capsys):
+    rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "multi_token", "--preset", "llama3-8b",
                        "--q-lens", "1,512", "--batches", "1", "--contexts", "4096")
     assert rc == 0 and "1 bucket(s)" in out and "q_len=1 " not in out
     assert "left out 1 bucket(s) with q_len 1" in err and "--kernel decode" in err
-    rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "prefill", "--preset", "llama3-8b")
-    assert rc == 2 and "no bucket left for the prefill kernel" in err and "--q-lens" in err
+    rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "multi_token", "--preset", "llama3-8b")
+    assert rc == 2 and "no bucket left for the multi_token kernel" in err and "--q-lens" in err
     rc, out, err = run(capsys, "run", "--dry-run", "--preset", "llama3-8b", "--q-lens", "1,64",
                        "--batches", "1", "--contexts", "4096")  # decode: q_len 64 x group 4 = 256 rows
     assert rc == 0 and "1 bucket(s)" in out and "with q_len 64" in err
 
 
-def test_check_compile_compiles_prefill_entries_too(capsys, tmp_path, monkeypatch):
+def test_check_compile_compiles_multi_token_entries_too(capsys, tmp_path, monkeypatch):
     d = tmp_path / "env"
-    pre = default_prefill_config(128, 4 * 512)
-    path = write_profile(d, entries={(1, 32768, 512): pre}, cls=("prefill", "bf16", 128, 4, 64), kernel="prefill")
+    pre = default_multi_token_config(128, 4 * 512)
+    path = write_profile(d, entries={(1, 32768, 512): pre}, cls=("multi_token", "bf16", 128, 4, 64), kernel="multi_token")
     P.save_profile(make_profile(), path)  # and one decode entry
     calls = []
 

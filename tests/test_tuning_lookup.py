@@ -148,21 +148,21 @@ def test_stale_entry_is_used_with_one_warning_per_kernel(tmp_path):
     assert "directkv-tune run --kernel decode" in msgs[0] and str(tmp_path / "Test_GPU_H200.yaml") in msgs[0]
     assert w[0].filename == __file__  # attributed to the caller
 
-    prefill = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90, ctas_per_sm=1, chunk_tiles=2)
+    multi = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90, ctas_per_sm=1, chunk_tiles=2)
     prof = P.load_profile(tmp_path / "Test_GPU_H200.yaml")
-    prof.set(("prefill", "bf16", 128, 8, 64), (1, 4096, 64),
-             {"config": prefill.to_dict(), "p50_us": 10.0, "default_p50_us": 11.0, "trials": 5, "kernel_hash": STALE})
+    prof.set(("multi_token", "bf16", 128, 8, 64), (1, 4096, 64),
+             {"config": multi.to_dict(), "p50_us": 10.0, "default_p50_us": 11.0, "trials": 5, "kernel_hash": STALE})
     P.save_profile(prof)
     L.clear_cache()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        got = L.select_config("prefill", gpu_name=GPU, kernel_hash=P.current_kernel_hash("prefill"),
+        got = L.select_config("multi_token", gpu_name=GPU, kernel_hash=P.current_kernel_hash("multi_token"),
                               dtype="bf16", head_dim=128, group=8, page_size=64, batch=1, context=4096, q_len=64,
                               rows=8 * 64)
         assert ask()[1] == "exact"
-    assert got == (prefill, "exact")
+    assert got == (multi, "exact")
     msgs = _profile_warnings(w)
-    assert len(msgs) == 2 and "prefill" in msgs[0] and "--kernel prefill" in msgs[0] and "decode" in msgs[1]
+    assert len(msgs) == 2 and "multi_token" in msgs[0] and "--kernel multi_token" in msgs[0] and "decode" in msgs[1]
 
 
 def test_current_entries_do_not_warn(tmp_path):
@@ -265,18 +265,18 @@ def test_profile_change_seen_after_clear_cache(tmp_path):
     assert ask()[0] == DecodeConfig(tile_n=64, stages=2)
 
 
-def test_prefill_kernel_lookup(tmp_path):
-    from directkv_cute.config import default_prefill_config
+def test_multi_token_kernel_lookup(tmp_path):
+    from directkv_cute.config import default_multi_token_config
 
     def pre(**kw):
-        return L.select_config("prefill", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128, group=8,
+        return L.select_config("multi_token", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128, group=8,
                                page_size=64, batch=1, context=4096, rows=8 * 64, **kw)
 
-    with pytest.warns(P.ProfileWarning, match="no tuned prefill config"):
-        assert pre(q_len=64) == (default_prefill_config(128, 8 * 64), "default")
+    with pytest.warns(P.ProfileWarning, match="no tuned multi_token config"):
+        assert pre(q_len=64) == (default_multi_token_config(128, 8 * 64), "default")
     L.clear_cache()
     tuned = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90, ctas_per_sm=1, chunk_tiles=2)
-    write_profile(tmp_path, entries={(1, 4096, 64): tuned}, cls=("prefill", "bf16", 128, 8, 64))
+    write_profile(tmp_path, entries={(1, 4096, 64): tuned}, cls=("multi_token", "bf16", 128, 8, 64))
     assert pre(q_len=64) == (tuned, "exact")
     assert pre(q_len=128) == (tuned, "nearest")
 
@@ -304,25 +304,25 @@ def test_a_bucket_that_kept_the_default_lends_the_default_for_the_launchs_rows(t
     query rows (the default's row thresholds were measured), not the bucket's config: a q_len
     8192 launch next to a q_len 2048 bucket (clusters of two) runs the q 8192 default (chunks of
     6, no clusters). A bucket that found something better is still borrowed as it is."""
-    from directkv_cute.config import PREFILL_CHUNK4_ROWS, default_prefill_config
+    from directkv_cute.config import MULTI_TOKEN_CHUNK4_ROWS, default_multi_token_config
 
     group = 4
 
     def pre(q_len, context=32768):
-        return L.select_config("prefill", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128,
+        return L.select_config("multi_token", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128,
                                group=group, page_size=64, batch=1, context=context, q_len=q_len, rows=group * q_len)
 
-    kept = default_prefill_config(128, group * 2048)
+    kept = default_multi_token_config(128, group * 2048)
     tuned = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5,
                          max_inflight=1, link_credits=16)
-    assert kept.q_cluster == 2 and tuned != default_prefill_config(128, group * 2048)
+    assert kept.q_cluster == 2 and tuned != default_multi_token_config(128, group * 2048)
     write_profile(tmp_path, entries={(1, 32768, 2048): kept, (1, 131072, 2048): tuned},
-                  cls=("prefill", "bf16", 128, group, 64))
+                  cls=("multi_token", "bf16", 128, group, 64))
     assert pre(2048) == (kept, "exact")
-    far = default_prefill_config(128, group * 8192)
-    assert group * 8192 > PREFILL_CHUNK4_ROWS and far.q_cluster == 0 and far.chunk_tiles == 6
+    far = default_multi_token_config(128, group * 8192)
+    assert group * 8192 > MULTI_TOKEN_CHUNK4_ROWS and far.q_cluster == 0 and far.chunk_tiles == 6
     assert pre(8192) == (far, "nearest")
-    dec = L.explain_config("prefill", gpu_name=GPU, kernel_hash=KH, dtype="bf16", head_dim=128, group=group,
+    dec = L.explain_config("multi_token", gpu_name=GPU, kernel_hash=KH, dtype="bf16", head_dim=128, group=group,
                            page_size=64, batch=1, context=32768, q_len=8192, rows=group * 8192)
     assert dec.bucket == (1, 32768, 2048) and "kept the default" in dec.reason
     assert pre(8192, context=131072) == (tuned, "nearest")  # the tuned bucket's config, borrowed as is

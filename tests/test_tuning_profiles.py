@@ -1,7 +1,6 @@
 """YAML profiles: schema round trip, rejection of bad files, atomic merge, per-kernel source
 hashes and stale entries, the schema-1 migration (CPU only)."""
 
-import ast
 import os
 import warnings
 from pathlib import Path
@@ -12,7 +11,7 @@ import yaml
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels import sources
 from directkv_cute.tuning import profiles as P
-from pkg_copy import edit, package_copy
+from pkg_copy import HOST_ONLY, edit, package_copy, package_imports as _package_imports
 
 GPU = "NVIDIA H200"
 KH = "a" * 64
@@ -70,7 +69,7 @@ def test_round_trip_keeps_ints_and_fields(tmp_path):
     for ck, bk, _ in back.records():
         assert all(type(x) is int for x in ck[2:] + bk)
     md = back.metadata
-    assert back.schema_version == P.SCHEMA_VERSION == 2 and back.migrated_from is None
+    assert back.schema_version == P.SCHEMA_VERSION == 3 and back.migrated_from is None
     for k in ("tune_version", "sm_count", "smem_optin_bytes"):
         assert type(md[k]) is int
     assert md["compute_capability"] == "9.0" and md["objective"] == "gpu"
@@ -85,7 +84,7 @@ def test_round_trip_keeps_ints_and_fields(tmp_path):
         ("schema_version: 1\nmetadata: {gpu_name: [unclosed\n", "corrupt YAML"),
         ("", "empty file"),
         ("- just\n- a list\n", "not a profile"),
-        ("schema_version: 3\nmetadata: {}\nentries: []\n", "unknown schema_version 3"),
+        ("schema_version: 4\nmetadata: {}\nentries: []\n", "unknown schema_version 4"),
         ("schema_version: '1'\nmetadata: {}\n", "schema_version missing or not an integer"),
     ],
 )
@@ -170,8 +169,8 @@ def test_stale_entries_are_listed_per_kernel(tmp_path):
     path = tmp_path / "NVIDIA_H200.yaml"
     prof = make({(1, 4096, 1): rec(), (4, 4096, 1): rec()}, kh=P.current_kernel_hash("decode"))
     prof.set(CLASS, (16, 4096, 1), {"kernel_hash": KH2, **rec()})
-    prof.set(("prefill", "bf16", 128, 8, 64), (1, 4096, 512),
-             {"kernel_hash": P.current_kernel_hash("prefill"), **rec()})
+    prof.set(("multi_token", "bf16", 128, 8, 64), (1, 4096, 512),
+             {"kernel_hash": P.current_kernel_hash("multi_token"), **rec()})
     prof.set(("future-kernel", "bf16", 128, 8, 64), (1, 4096, 1), {"kernel_hash": KH2, **rec()})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -274,13 +273,37 @@ def v1_doc(kh=KH):
 def test_schema_1_file_is_migrated_with_every_entry_stale(tmp_path):
     path = write_doc(tmp_path / "NVIDIA_H200.yaml", v1_doc())
     prof = P.load_profile(path)
-    assert prof.schema_version == 2 and prof.migrated_from == 1 and "kernel_hash" not in prof.metadata
+    assert prof.schema_version == 3 and prof.migrated_from == 1 and "kernel_hash" not in prof.metadata
     assert prof.get(CLASS, (1, 4096, 1))["kernel_hash"] == KH
     assert [(ck, bk) for ck, bk, _ in prof.stale()] == [(CLASS, (1, 4096, 1))]
     P.save_profile(make({(4, 4096, 1): rec()}, kh=P.current_kernel_hash("decode")), path)
     doc = yaml.safe_load(path.read_text())
-    assert doc["schema_version"] == 2 and "kernel_hash" not in doc["metadata"]
+    assert doc["schema_version"] == 3 and "kernel_hash" not in doc["metadata"]
     assert {b["kernel_hash"] for b in doc["entries"][0]["buckets"]} == {KH, P.current_kernel_hash("decode")}
+
+
+def test_schema_2_file_reads_its_prefill_entries_as_multi_token(tmp_path):
+    """Schema 2 named the multi-token kernel "prefill": such a file still loads, its entries read
+    as multi_token (stale: their hashes were taken under the old name); the next save writes
+    schema 3 with the new name."""
+    prof = make({(1, 4096, 1): rec()}, kh=P.current_kernel_hash("decode"))
+    mt = DecodeConfig(tile_n=64, stages=3, consumer_wgs=2, carveout=90, ctas_per_sm=1, chunk_tiles=2)
+    prof.set(("multi_token", "bf16", 128, 8, 64), (1, 4096, 512), {**rec(), "config": mt.to_dict(), "kernel_hash": KH})
+    doc = prof.to_doc()
+    doc["schema_version"] = 2
+    for e in doc["entries"]:
+        if e["kernel"] == "multi_token":
+            e["kernel"] = "prefill"
+    path = write_doc(tmp_path / "NVIDIA_H200.yaml", doc)
+    assert "kernel: prefill" in path.read_text()
+    back = P.load_profile(path)
+    assert back.schema_version == 3 and back.migrated_from == 2
+    assert {ck[0] for ck in back.entries} == {"decode", "multi_token"}
+    assert back.get(("multi_token", "bf16", 128, 8, 64), (1, 4096, 512))["config"] == mt.to_dict()
+    assert [ck[0] for ck, _bk, _why in back.stale()] == ["multi_token"]  # KH: tuned under another name
+    P.save_profile(make({(4, 4096, 1): rec()}, kh=P.current_kernel_hash("decode")), path)
+    text = path.read_text()
+    assert yaml.safe_load(text)["schema_version"] == 3 and "kernel: multi_token" in text and "prefill" not in text
 
 
 def test_schema_1_file_without_its_hash_is_invalid(tmp_path):
@@ -310,7 +333,7 @@ def hashes(root):
 def test_kernel_hash_is_the_current_hash_of_the_installation():
     assert hashes(None) == {k: P.current_kernel_hash(k) for k in sources.tuned_kernels()}
     assert all(len(h) == 64 for h in hashes(None).values())
-    assert P.current_kernel_hash("decode") != P.current_kernel_hash("prefill")  # each kernel its own key
+    assert P.current_kernel_hash("decode") != P.current_kernel_hash("multi_token")  # each kernel its own key
     assert hashes(sources.PACKAGE_DIR) == hashes(None)
 
 
@@ -318,25 +341,26 @@ def test_a_code_generating_config_rule_changes_the_kernel_hashes(tmp_path):
     root = package_copy(tmp_path)
     before = hashes(root)
     assert before == hashes(None)
-    edit(root / "config.py", "PREFILL_CHUNK4_ROWS = 8192", "PREFILL_CHUNK4_ROWS = 4096")
+    edit(root / "config.py", "MULTI_TOKEN_CHUNK4_ROWS = 8192", "MULTI_TOKEN_CHUNK4_ROWS = 4096")
     after = hashes(root)
-    assert after["decode"] != before["decode"] and after["prefill"] != before["prefill"]
+    assert after["decode"] != before["decode"] and after["multi_token"] != before["multi_token"]
 
 
 @pytest.mark.parametrize("rel, changes", [
     ("kernels/decode.py", {"decode"}),
-    ("kernels/multi_token.py", {"prefill"}),
-    ("kernels/helpers.py", {"decode", "prefill"}),
-    ("kernels/paged.py", {"decode", "prefill"}),
-    ("kernels/producer.py", {"decode", "prefill"}),
-    ("kernels/qio.py", {"decode", "prefill"}),
-    ("kernels/walk.py", {"decode", "prefill"}),
-    ("kernels/masks.py", {"decode", "prefill"}),
-    ("kernels/softmax.py", {"decode", "prefill"}),
-    ("kernels/jit.py", {"decode", "prefill"}),
-    ("kernels/combine.py", {"decode", "prefill"}),  # both launches run the combine after split partials
+    ("kernels/multi_token.py", {"multi_token"}),
+    ("kernels/helpers.py", {"decode", "multi_token"}),
+    ("kernels/paged.py", {"decode", "multi_token"}),
+    ("kernels/producer.py", {"decode", "multi_token"}),
+    ("kernels/qio.py", {"decode", "multi_token"}),
+    ("kernels/walk.py", {"decode", "multi_token"}),
+    ("kernels/masks.py", {"decode", "multi_token"}),
+    ("kernels/softmax.py", {"decode", "multi_token"}),
+    ("kernels/jit.py", {"decode", "multi_token"}),
+    ("kernels/combine.py", {"decode", "multi_token"}),  # both launches run the combine after split partials
     ("kernels/launch.py", set()),  # host-side launch glue: no code generation
     ("kernels/disk_cache.py", set()),
+    ("kernels/specs.py", set()),  # adding a kernel's spec voids no profile
     ("ops.py", set()),
     ("kernels/new_kernel.py", set()),  # adding a kernel file voids no profile
 ])
@@ -350,35 +374,14 @@ def test_kernel_hash_covers_exactly_its_files(tmp_path, rel, changes):
 
 def test_a_kernel_of_its_own_file_keeps_the_other_kernels_hash(tmp_path, monkeypatch):
     root = package_copy(tmp_path)
-    (root / "kernels" / "prefill.py").write_text("x = 1\n")
-    monkeypatch.setitem(sources.CODE_FILES, "prefill", ("kernels/prefill.py", "kernels/helpers.py", "config.py"))
+    (root / "kernels" / "new_multi_token.py").write_text("x = 1\n")
+    monkeypatch.setitem(sources.CODE_FILES, "multi_token", ("kernels/new_multi_token.py", "kernels/helpers.py", "config.py"))
     before = hashes(root)
-    edit(root / "kernels" / "prefill.py", "x = 1", "x = 2")
+    edit(root / "kernels" / "new_multi_token.py", "x = 1", "x = 2")
     after = hashes(root)
-    assert after["prefill"] != before["prefill"] and after["decode"] == before["decode"]
+    assert after["multi_token"] != before["multi_token"] and after["decode"] == before["decode"]
     edit(root / "kernels" / "decode.py", "from __future__", "# edited\nfrom __future__")
-    assert hashes(root)["prefill"] == after["prefill"] and hashes(root)["decode"] != after["decode"]
-
-
-def _package_imports(path: Path) -> set[str]:
-    """Files of directkv_cute that ``path`` imports (at module level or in a function)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        for name in names:
-            if not name.startswith("directkv_cute."):
-                continue
-            rel = name.removeprefix("directkv_cute.").replace(".", "/")
-            if (sources.PACKAGE_DIR / f"{rel}.py").exists():
-                out.add(f"{rel}.py")
-    return out
-
-
-HOST_ONLY = {"kernels/sources.py", "kernels/disk_cache.py", "paths.py"}  # jit's cache plumbing: generates no code
+    assert hashes(root)["multi_token"] == after["multi_token"] and hashes(root)["decode"] != after["decode"]
 
 
 def test_code_files_are_closed_under_their_package_imports():
@@ -390,7 +393,7 @@ def test_code_files_are_closed_under_their_package_imports():
             imported = _package_imports(sources.PACKAGE_DIR / rel)
             allowed = set(files) | (every | HOST_ONLY if rel == "kernels/jit.py" else set())
             assert imported <= allowed, f"{kernel}: {rel} imports {sorted(imported - allowed)}"
-    assert "config.py" in sources.launch_files("decode") and "config.py" in sources.launch_files("prefill")
+    assert "config.py" in sources.launch_files("decode") and "config.py" in sources.launch_files("multi_token")
 
 
 def test_profile_dirs_env_first(tmp_path, monkeypatch):

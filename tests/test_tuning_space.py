@@ -111,8 +111,8 @@ PREFILL_SHAPE = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 ro
 PREFILL_POINTS = 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 * 3 * 3
 
 
-def _check_prefill_legality(space, rep):
-    """What the prefill space's static filter must keep and drop, over the legal configs of
+def _check_multi_token_legality(space, rep):
+    """What the multi_token space's static filter must keep and drop, over the legal configs of
     ``rep`` (every point of the space, or a uniform sample of it)."""
     assert 0 < rep.legal_count < rep.total
     assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 1), (0, 2)}
@@ -139,13 +139,13 @@ def _check_prefill_legality(space, rep):
     assert all(c.stagger <= c.chunk and not c.edge_tiles for c in rep.legal if c.stagger)
 
 
-def test_prefill_space(sampled_prefill_legality):
-    """The filter over a uniform sample of the space (the whole space: test_prefill_space_whole)."""
-    space = get_space("prefill")
+def test_multi_token_space(sampled_multi_token_legality):
+    """The filter over a uniform sample of the space (the whole space: test_multi_token_space_whole)."""
+    space = get_space("multi_token")
     assert space.cardinality() == PREFILL_POINTS
-    rep = sampled_prefill_legality(PREFILL_SHAPE)
+    rep = sampled_multi_token_legality(PREFILL_SHAPE)
     assert rep.total == 100_000 and rep.legal_count > 1000
-    _check_prefill_legality(space, rep)
+    _check_multi_token_legality(space, rep)
     d = space.default_for(PREFILL_SHAPE)
     assert space.is_legal(d, PREFILL_SHAPE) and space.in_space(d) and d.consumer_wgs == 2
     assert get_space("decode").legality(PREFILL_SHAPE).legal_count == 0  # too many rows for one CTA
@@ -153,12 +153,12 @@ def test_prefill_space(sampled_prefill_legality):
 
 
 @pytest.mark.full
-def test_prefill_space_whole():
+def test_multi_token_space_whole():
     """The filter over every point of the space (2.6 M: ~40 s)."""
-    space = get_space("prefill")
+    space = get_space("multi_token")
     rep = space.legality(PREFILL_SHAPE)
     assert rep.total == PREFILL_POINTS
-    _check_prefill_legality(space, rep)
+    _check_multi_token_legality(space, rep)
 
 
 def test_registry_accepts_a_second_kernel():
@@ -216,19 +216,19 @@ def test_preset_names_and_dedupe():
 
 
 @pytest.mark.parametrize("q_len", [64, 512, 2048, 8192])
-def test_prefill_defaults_lie_in_the_space(q_len):
-    space = get_space("prefill")
+def test_multi_token_defaults_lie_in_the_space(q_len):
+    space = get_space("multi_token")
     shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=q_len)
     d = space.default_for(shape)
     assert space.in_space(d) and space.is_legal(d, shape)
 
 
-def test_prefill_launch_key_merges_only_unresolved_occupancy():
-    """Two prefill configs run the same launch when they differ only in a ctas_per_sm that resolves
+def test_multi_token_launch_key_merges_only_unresolved_occupancy():
+    """Two multi_token configs run the same launch when they differ only in a ctas_per_sm that resolves
     to the same occupancy; any other field (including ones added later) separates them."""
     import dataclasses
 
-    space = get_space("prefill")
+    space = get_space("multi_token")
     shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
     wide = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, ctas_per_sm=1, chunk_tiles=5)
     assert space.launch_key(wide, shape) == space.launch_key(dataclasses.replace(wide, ctas_per_sm=2), shape)

@@ -91,51 +91,51 @@ def test_first_trial_is_the_heuristic_default_and_result_is_sane():
 PREFILL_SHAPE = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512)
 
 
-def _prefill_space(monkeypatch, sampled_prefill_legality):
-    """The prefill space, its legality report drawn from a sample of its points: the tuner only
+def _multi_token_space(monkeypatch, sampled_multi_token_legality):
+    """The multi_token space, its legality report drawn from a sample of its points: the tuner only
     counts the legal configs and their launches there (over the whole space: 2 x 35 s a tune);
     the sample keeps the count far above the exhaustive threshold, so the search is the same TPE."""
-    space = get_space("prefill")
-    monkeypatch.setattr(space, "legality", sampled_prefill_legality)
+    space = get_space("multi_token")
+    monkeypatch.setattr(space, "legality", sampled_multi_token_legality)
     assert space.legality(PREFILL_SHAPE).legal_count > 10 * TuneOptions().exhaustive_threshold
     return space
 
 
-def test_prefill_search_starts_with_default_then_portfolio(monkeypatch, sampled_prefill_legality):
+def test_multi_token_search_starts_with_default_then_portfolio(monkeypatch, sampled_multi_token_legality):
     """The multi-token tuner measures the heuristic default first and then the space's portfolio
     of configs that did well before, in order, skipping any illegal for the shape and the one
     that is the default (measured once, first)."""
-    space = _prefill_space(monkeypatch, sampled_prefill_legality)
+    space = _multi_token_space(monkeypatch, sampled_multi_token_legality)
     shape = PREFILL_SHAPE
     default = space.default_for(shape)
     legal = [c for c in space.portfolio(shape) if space.is_legal(c, shape)]
     assert default in legal  # the portfolio lists the q_regs chunk-4 default too
     portfolio = [c for c in legal if c != default]
     assert len(portfolio) >= 3 and all(space.in_space(c) for c in portfolio)
-    t = Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=len(portfolio) + 3))
+    t = Tuner("multi_token", ModelledObjective(seed=0, kernel="multi_token"), options=opts(n_trials=len(portfolio) + 3))
     r = t.tune_bucket(shape)
     study = optuna.load_study(study_name=r.study_name, storage=t.storage)
     first = [tr.user_attrs["config"] for tr in study.get_trials(deepcopy=False)[:1 + len(portfolio)]]
     assert first == [space.default_for(shape).to_dict()] + [c.to_dict() for c in portfolio]
 
 
-def test_a_tune_shorter_than_its_seeds_says_which_go_unmeasured(caplog, monkeypatch, sampled_prefill_legality):
-    """Seeds count against --trials: a 3-trial prefill tune measures the default and the first
+def test_a_tune_shorter_than_its_seeds_says_which_go_unmeasured(caplog, monkeypatch, sampled_multi_token_legality):
+    """Seeds count against --trials: a 3-trial multi_token tune measures the default and the first
     two portfolio picks, and warns that the rest of the seeds go unmeasured."""
     import logging
 
-    space = _prefill_space(monkeypatch, sampled_prefill_legality)
+    space = _multi_token_space(monkeypatch, sampled_multi_token_legality)
     shape = PREFILL_SHAPE
     legal = {space.config_key(c) for c in [space.default_for(shape), *space.portfolio(shape)] if space.is_legal(c, shape)}
     with caplog.at_level(logging.WARNING):
-        r = Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=3)).tune_bucket(shape)
+        r = Tuner("multi_token", ModelledObjective(seed=0, kernel="multi_token"), options=opts(n_trials=3)).tune_bucket(shape)
     assert r.trials == 3
     msg = [rec.getMessage() for rec in caplog.records if "will not be measured" in rec.getMessage()]
     assert msg and f"{len(legal)} seed configs" in msg[0] and f"the last {len(legal) - 3} seeds" in msg[0]
     # enough trials for every seed: no warning
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        Tuner("prefill", ModelledObjective(seed=0, kernel="prefill"), options=opts(n_trials=len(legal) + 2)).tune_bucket(shape)
+        Tuner("multi_token", ModelledObjective(seed=0, kernel="multi_token"), options=opts(n_trials=len(legal) + 2)).tune_bucket(shape)
     assert not [rec for rec in caplog.records if "will not be measured" in rec.getMessage()]
 
 

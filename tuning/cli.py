@@ -110,6 +110,21 @@ def _positive_float(text: str) -> float:
 PAGE_SIZE_HELP = f"tokens per KV page ({_listing(SUPPORTED_PAGE_SIZES)}; default {_presets.DEFAULT_PAGE_SIZE})"
 
 
+# Old kernel names the CLI still takes (deprecated): the multi-token kernel was "prefill".
+KERNEL_ALIASES = {"prefill": "multi_token"}
+KERNEL_ALIAS_HELP = "'prefill' is a deprecated alias of multi_token"
+
+
+def _kernel_arg(text: str) -> str:
+    """A --kernel value: a kernel name, or a deprecated alias of one (said on stderr)."""
+    new = KERNEL_ALIASES.get(text)
+    if new is None:
+        return text
+    print(f"directkv-tune: --kernel {text} is deprecated; it names the {new} kernel (use --kernel {new})",
+          file=sys.stderr)
+    return new
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="directkv-tune",
@@ -119,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="tune shape buckets and write the GPU's profile (default subcommand)")
     src = r.add_argument_group("what to tune")
-    src.add_argument("--kernel", default="decode", choices=kernels(),
+    src.add_argument("--kernel", default="decode", type=_kernel_arg, choices=kernels(),
                      help=f"kernel to tune (default decode); buckets the op runs with the other kernel are left "
-                          f"out (decode when group x q_len <= {STREAM_MAX_ROWS}, else prefill)")
+                          f"out (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token). {KERNEL_ALIAS_HELP}")
     src.add_argument("--preset", action="append", default=[], metavar="NAME",
                      help=f"model preset ({', '.join(_presets.PRESETS)} or 'all'); repeatable")
     src.add_argument("--shape", action="append", default=[], type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN",
@@ -175,9 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     lk.add_argument("--page-size", type=_page_size_arg, default=_presets.DEFAULT_PAGE_SIZE,
                     help=PAGE_SIZE_HELP)
     lk.add_argument("--dtype", default="bf16", type=_dtype_arg, help="bf16 (default) or fp16")
-    lk.add_argument("--kernel", default=None, choices=kernels(),
+    lk.add_argument("--kernel", default=None, type=_kernel_arg, choices=kernels(),
                     help=f"kernel to look up (default: the one the op runs, decode when group x q_len <= "
-                         f"{STREAM_MAX_ROWS}, else prefill)")
+                         f"{STREAM_MAX_ROWS}, else multi_token). {KERNEL_ALIAS_HELP}")
 
     sub.add_parser("presets", help="list the model presets and their buckets")
     return ap
@@ -205,9 +220,9 @@ def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
     left = [s for s in shapes if op_kernel(s.group, s.q_len) != kernel]
     if left:
         qs = sorted({s.q_len for s in left})
-        other = "prefill" if kernel == "decode" else "decode"
+        other = "multi_token" if kernel == "decode" else "decode"
         print(f"directkv-tune: left out {len(left)} bucket(s) with q_len {_listing(qs)}: the op runs them with the "
-              f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else prefill); "
+              f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token); "
               f"tune them with --kernel {other}", file=sys.stderr)
     if not kept:
         print(f"directkv-tune: no bucket left for the {kernel} kernel; pick --q-lens (or --shape QLEN) with "
@@ -217,7 +232,7 @@ def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
 
 def _legality_line(a, space, s, p) -> None:
     """One shape class of --dry-run: exact counts for a small space, a sampled estimate for a
-    large one (the prefill space has millions of points: enumerating them takes minutes)."""
+    large one (the multi_token space has millions of points: enumerating them takes minutes)."""
     head = (f"  hq={s.num_q_heads} hkv={s.num_kv_heads} d={s.head_dim} group={s.group} q_len={s.q_len} "
             f"page={s.page_size} {s.dtype}: ")
     total = space.cardinality()
@@ -443,11 +458,11 @@ def _resolve_compile():
 
 
 def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> None:
-    """Compile one entry as the op launches it: prefill entries with the KV-chunk resident kernel."""
+    """Compile one entry as the op launches it: multi_token entries with the multi-token kernel."""
     from .space import torch_dtype
 
     kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)
-    if kernel == "prefill":
+    if kernel == "multi_token":
         kw["resident"] = True
     compile_fn(cfg, **kw)
 
@@ -509,7 +524,8 @@ def _cmd_check(a, out) -> int:
         print(f"{status:<7} {path}: {prof.gpu_name}, {len(prof)} bucket(s){extra}", file=out)
         if prof.migrated_from is not None:
             print(f"  note: schema {prof.migrated_from} file, read as schema {prof.schema_version} "
-                  "(every entry stale until re-tuned; the next tune writes the new schema)", file=out)
+                  "(its stale entries are used while legal until re-tuned; the next tune writes the new schema)",
+                  file=out)
         for n in prof.compat_problems():
             print(f"  not used by the lookup: {n}", file=out)
         for line in _stale_lines(stale, path):

@@ -1,8 +1,8 @@
 """Tuned profiles: one YAML file per GPU, ``profiles/<GPU_NAME>.yaml``.
 
-Layout (schema_version 2)::
+Layout (schema_version 3)::
 
-    schema_version: 2
+    schema_version: 3
     metadata:
       tune_version: 1                 # version of the tuning semantics (bumped by hand)
       gpu_name: NVIDIA H200
@@ -38,7 +38,9 @@ current. An entry whose hash differs is *stale*: the lookup still uses it while 
 legal under the current rules, with a warning naming the re-tune command, and ``directkv-tune
 check`` lists it. Schema 1 (one ``metadata.kernel_hash`` over every file in ``kernels/``) is
 migrated on load: every bucket gets that hash, which matches no per-kernel hash, so each entry
-is stale until re-tuned.
+is stale until re-tuned. Schema 2 named the multi-token kernel ``prefill``: its entries are read
+as ``multi_token`` (schema 3 names each kernel as its spec does, ``directkv_cute.kernels.specs``)
+and keep their hashes, taken under the old name, so they are stale until re-tuned.
 
 Files are read with a safe YAML loader that refuses anchors and aliases (a profile never needs
 them; an alias bomb would expand without bound), after a size check (``MAX_PROFILE_BYTES``), and
@@ -79,7 +81,7 @@ from directkv_cute.kernels import sources
 
 from .space import get_space, kernels, normalize_dtype
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TUNE_VERSION = 1
 PROFILE_DIR_ENV = "DIRECTKV_PROFILE_DIR"
 TUNE_COMMAND = "directkv-tune"
@@ -472,6 +474,11 @@ _KNOWN_TOP = {"schema_version", "metadata", "entries"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
+# Kernel names of older schemas -> the kernel's one name now (schema 2 called the multi-token
+# kernel "prefill").
+RENAMED_KERNELS = {"prefill": "multi_token"}
+
+
 def _migrate_v1(doc: dict, source) -> dict:
     """A schema-1 document as schema 2: its one ``metadata.kernel_hash`` goes to every bucket."""
     doc = copy.deepcopy(doc)
@@ -484,7 +491,18 @@ def _migrate_v1(doc: dict, source) -> dict:
         for b in (e.get("buckets") if isinstance(e, dict) else None) or []:
             if isinstance(b, dict):
                 b.setdefault("kernel_hash", old)
-    doc["schema_version"] = SCHEMA_VERSION
+    doc["schema_version"] = 2
+    return doc
+
+
+def _migrate_v2(doc: dict) -> dict:
+    """A schema-2 document as schema 3: old kernel names (``prefill``) become the kernel's one name
+    (``multi_token``)."""
+    doc = copy.deepcopy(doc)
+    for e in doc.get("entries") or []:
+        if isinstance(e, dict) and isinstance(e.get("kernel"), str):
+            e["kernel"] = RENAMED_KERNELS.get(e["kernel"], e["kernel"])
+    doc["schema_version"] = 3
     return doc
 
 
@@ -495,12 +513,12 @@ def _schema(doc, source) -> tuple[dict, int | None]:
     sv = doc.get("schema_version")
     if not _is_int(sv):
         raise ProfileError(f"{source}: schema_version missing or not an integer ({sv!r})")
-    if sv == 1:
-        return _migrate_v1(doc, source), 1
+    if sv in (1, 2):
+        return _migrate_v2(_migrate_v1(doc, source) if sv == 1 else doc), sv
     if sv != SCHEMA_VERSION:
         newer = " (written by a newer directkv-cute?)" if sv > SCHEMA_VERSION else ""
         raise ProfileError(f"{source}: unknown schema_version {sv}{newer}; this version reads "
-                           f"{SCHEMA_VERSION} (and migrates 1)")
+                           f"{SCHEMA_VERSION} (and migrates 1 and 2)")
     return doc, None
 
 

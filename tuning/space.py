@@ -7,8 +7,10 @@ shape *before* anything is sampled, compiled or launched (SMEM under the carveou
 per-block opt-in limit, tile / page divisibility: ``DecodeConfig.problems()``).
 
 Spaces live in a registry (:func:`register_space`, :func:`get_space`), so a second kernel
-("prefill") only needs a new subclass; the tuner, the profile code and the lookup work on any
-registered space.
+("multi_token") only needs a new subclass; the tuner, the profile code and the lookup work on any
+registered space. Each space is of a compiled kernel whose spec (``directkv_cute.kernels.specs``)
+states its name, config class and legality; a space adds only the tuner's own restrictions (the
+fields the problem fixes).
 
 Plain Python: importable without CUDA, cutlass or optuna.
 """
@@ -23,7 +25,9 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, default_decode_config, default_prefill_config
+from directkv_cute.config import SM90_NUM_SMS, ConfigError, DecodeConfig, default_decode_config, default_multi_token_config
+from directkv_cute.kernels import specs
+from directkv_cute.kernels.specs import STREAM_MAX_ROWS, op_kernel
 
 # Bump when the meaning of a space changes in a way its parameter lists do not show
 # (e.g. a new legality rule); it is part of the space hash.
@@ -57,15 +61,9 @@ def torch_dtype(dtype):
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[normalize_dtype(dtype)]
 
 
-STREAM_MAX_ROWS = 128  # query rows (GQA group x q_len) one streaming (decode) CTA holds
-
-
-def op_kernel(group: int, q_len: int) -> str:
-    """The kernel ``directkv_cute.ops.select_config`` runs for a launch without an explicit config:
-    "decode" (streaming) while every query row of a KV head fits one CTA (group x q_len <= 128),
-    else "prefill" (KV-chunk resident). The tuner's CLI asks this, never its own copy of the rule
-    (tests/test_tuning_hardening.py checks it against the op)."""
-    return "decode" if group * q_len <= STREAM_MAX_ROWS else "prefill"
+# STREAM_MAX_ROWS and op_kernel (the kernel the op runs for a launch without an explicit config)
+# are the kernel specs' (directkv_cute.kernels.specs): the tuner's CLI asks them, never its own
+# copy of the rule (tests/test_tuning_hardening.py checks it against the op).
 
 
 def consumer_wgs_for(rows: int) -> int:
@@ -306,7 +304,7 @@ class DecodeSpace(KernelSpace):
 
     kernel = "decode"
     source_kernel = "decode"
-    config_cls = DecodeConfig
+    config_cls = specs.get("decode").config_class
     params = (
         Param("tile_n", (32, 64, 128), "KV tokens per pipeline stage"),
         Param("stages", (2, 3, 4, 5, 6, 7, 8), "depth of the SMEM ring"),
@@ -325,7 +323,7 @@ class DecodeSpace(KernelSpace):
         )
 
     def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
-        out = list(cfg.problems(head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)]))
+        out = specs.get(self.source_kernel).problems(cfg, head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)])
         want = consumer_wgs_for(rows)
         if cfg.consumer_wgs != want:
             out.append(f"consumer_wgs {cfg.consumer_wgs} does not fit {rows} query rows (needs {want})")
@@ -344,8 +342,8 @@ class DecodeSpace(KernelSpace):
         return default_decode_config(head_dim, rows, page_size)
 
 
-class PrefillSpace(KernelSpace):
-    """The multi-token, KV-chunk resident kernel (the op's "prefill" path, rows > 128).
+class MultiTokenSpace(KernelSpace):
+    """The multi-token KV-outer chunk kernel (the op's path over host pages for rows > 128).
 
     Same ``DecodeConfig`` type. Each CTA applies every query block to a chunk of ``chunk_tiles``
     tiles (0 = the whole ``stages`` ring) while the rest of the ring loads the next chunk; the
@@ -353,9 +351,9 @@ class PrefillSpace(KernelSpace):
     fixed.
     """
 
-    kernel = "prefill"
-    source_kernel = "prefill"
-    config_cls = DecodeConfig
+    kernel = "multi_token"
+    source_kernel = "multi_token"
+    config_cls = specs.get("multi_token").config_class
     params = (
         Param("tile_n", (32, 64, 128), "KV tokens per tile"),
         Param("stages", (2, 3, 4, 5, 6, 7, 8), "depth of the SMEM ring of KV tiles"),
@@ -382,7 +380,7 @@ class PrefillSpace(KernelSpace):
 
     def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
         eb = ELEM_BYTES[normalize_dtype(dtype)]
-        out = list(cfg.problems(head_dim, page_size, eb))
+        out = specs.get(self.source_kernel).problems(cfg, head_dim, page_size, eb)
         if not out and cfg.ctas_per_sm >= 2 and cfg.resident_occupancy(head_dim, eb) < 2:
             out.append(f"ctas_per_sm {cfg.ctas_per_sm} needs one consumer warpgroup and SMEM for two CTAs")
         return out
@@ -394,7 +392,7 @@ class PrefillSpace(KernelSpace):
         return self.config_key(dataclasses.replace(cfg, ctas_per_sm=occupancy))
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
-        return default_prefill_config(head_dim, rows)
+        return default_multi_token_config(head_dim, rows)
 
     def portfolio(self, shape: TuneShape) -> list:
         # The runners-up and the tuner's winners of the H200 A/B runs G-N and the tunes of sessions
@@ -465,13 +463,13 @@ def config_problems(kernel: str, cfg, shape: TuneShape) -> list[str]:
 
 
 register_space(DecodeSpace())
-register_space(PrefillSpace())
+register_space(MultiTokenSpace())
 
 __all__ = [
     "ConfigError",
     "DecodeSpace",
     "KernelSpace",
-    "PrefillSpace",
+    "MultiTokenSpace",
     "LegalityReport",
     "STREAM_MAX_ROWS",
     "Param",

@@ -14,7 +14,6 @@ folders, objects authenticated by a per-user key, writes renamed into place unde
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import threading
@@ -24,7 +23,7 @@ import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig
 from directkv_cute.paths import cache_root
-from directkv_cute.kernels import disk_cache, sources
+from directkv_cute.kernels import disk_cache, sources, specs
 
 _LOCK = threading.Lock()  # cute.compile is not thread-safe
 _CACHE: dict[tuple, object] = {}
@@ -106,35 +105,28 @@ def _ptr(dtype, align=16):
 
 def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool,
                resident: bool = False, trace=None):
-    # Every config field is part of the key except what only changes the launch: num_splits, and
-    # ctas_per_sm beyond the occupancy it resolves to; the chunk walk (chunk_tiles, edge_tiles,
-    # q_regs, q_cluster, stagger) exists only in the resident kernel.
-    code = dataclasses.replace(cfg, num_splits=0, ctas_per_sm=cfg.resident_occupancy(head_dim, 2) if resident else 1)
-    if not resident:
-        code = dataclasses.replace(code, chunk_tiles=0, edge_tiles=0, q_regs=0, q_cluster=0, stagger=0)
-    key = ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident),
-           *dataclasses.astuple(code))
+    # The config enters the key as its kernel's spec states (``KernelSpec.key_config``): the
+    # fields that generate code as they are, the launch-only ones (num_splits; ctas_per_sm
+    # beyond the occupancy it resolves to; the chunk walk outside the multi-token kernel) fixed.
+    code = specs.paged_kernel(resident).key_values(cfg, head_dim)
+    key = ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident), *code)
     return key if trace is None else (*key, "trace", trace.addr, trace.chunk, bool(trace.skip_passes))
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
                    max_q_len: int = 1, split_out: bool = True, resident: bool = False, trace=None):
-    """Compile (once per key) the paged attention kernel; returns a callable taking the runtime
-    arguments. ``resident=False`` streams KV tiles through the SMEM ring (decode: every query row
-    of a KV head fits one CTA); ``resident=True`` keeps each CTA's KV chunk (``cfg.chunk`` tiles) in
-    SMEM and applies it to any number of query rows (multi-token queries), walking the CTA's
-    split a chunk at a time while the next chunk loads."""
+    """Compile (once per key) a paged attention kernel over host pages; returns a callable taking
+    the runtime arguments. ``resident=False``: the streaming kernel (``decode``: KV tiles stream
+    through the SMEM ring; every query row of a KV head fits one CTA); ``resident=True``: the
+    multi-token kernel (``multi_token``: each CTA keeps its KV chunk, ``cfg.chunk`` tiles, in SMEM
+    and applies it to any number of query rows, walking its split a chunk at a time while the
+    next chunk loads). The kernel's spec states its shape rules (``KernelSpec.shape_problems``)."""
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
-    if cfg.multi_token_only and not resident:
-        raise ValueError(f"{', '.join(cfg.multi_token_only)}: options of the multi-token kernel only")
-    if resident and group > 64:
-        raise ValueError(f"the multi-token kernel holds GQA groups up to 64, got {group}")
-    if group < 1 or group > cfg.rows:
-        raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
-    if not resident and group * max_q_len > (cfg.rows // group) * group:
-        raise ValueError(f"group {group} x q_len {max_q_len} rows exceed the config's {cfg.rows} rows")
+    problems = specs.paged_kernel(resident).shape_problems(cfg, group, max_q_len)
+    if problems:
+        raise ValueError(problems[0])
     if trace is not None and not resident:
         raise ValueError("timeline stamps (trace) exist in the multi-token kernel only")
     key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)
@@ -144,8 +136,9 @@ def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_si
     return _cached_compile(key, build)
 
 
-def compile_prefill(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, trace=None):
-    """The multi-token (KV-chunk resident) kernel; always writes split partials. ``trace``
+def compile_multi_token(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
+                        trace=None):
+    """The multi-token (KV-outer chunk) kernel; always writes split partials. ``trace``
     (``kernels.trace.Trace``) compiles timeline stamps in."""
     return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, resident=True, trace=trace)
 
@@ -188,11 +181,10 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident,
 def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
                 wait_ready: bool, split_out: bool = False):
     # piece_pages, splits and order are runtime arguments (piece_tiles, num_splits / split_tiles,
-    # ascending), except
-    # that more than one split writes partials (split_out); everything else generates code.
-    code = dataclasses.replace(cfg, piece_pages=0, splits=0, order=0)
+    # ascending), except that more than one split writes partials (split_out); the spec fixes
+    # them in the key, everything else generates code.
     return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(split_out),
-            *dataclasses.astuple(code))
+            *specs.get("q_tiled").key_values(cfg, head_dim))
 
 
 def compile_q_tiled(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
@@ -203,8 +195,9 @@ def compile_q_tiled(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_s
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
-    if not 1 <= group <= cfg.rows:
-        raise ValueError(f"GQA group {group} must be in 1..{cfg.rows}")
+    problems = specs.get("q_tiled").shape_problems(cfg, group)
+    if problems:
+        raise ValueError(problems[0])
     key = q_tiled_key(cfg, dtype, head_dim, page_size, group, wait_ready, split_out)
     return _cached_compile(key, lambda: _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready,
                                                          split_out))
@@ -229,10 +222,13 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     return cute.compile(kernel, *args)
 
 
+def combine_key(head_dim: int, dtype: torch.dtype):
+    return ("combine", arch(), str(dtype), head_dim)
+
+
 def compile_combine(head_dim: int, dtype: torch.dtype):
     """Compile (once per key) the split-KV combine kernel."""
-    key = ("combine", arch(), str(dtype), head_dim)
-    return _cached_compile(key, lambda: _compile_combine(head_dim, dtype))
+    return _cached_compile(combine_key(head_dim, dtype), lambda: _compile_combine(head_dim, dtype))
 
 
 def _compile_combine(head_dim, dtype):

@@ -2,16 +2,17 @@
 
 A compiled kernel's code comes from its device module, the shared modules that module imports,
 the config rules it reads at trace time (``config.py``) and the compile driver (``jit.py``: the
-argument types and what the compile key keeps). :data:`CODE_FILES` states that per compiled
-kernel; a test checks that it is closed under the package imports of those files.
+argument types and what the compile key keeps). :data:`CODE_FILES` lists them per compiled
+kernel, from each kernel's spec (``kernels.specs``); a test checks that it is closed under the
+package imports of those files.
 
 A tuned kernel's launch runs its own kernel and, with more than one split, the split combine
 (:data:`LAUNCHES`), so its profile hash (:func:`kernel_hash`) covers the code files of both.
 The compiled-kernel disk cache keys on :func:`cache_fingerprint`: every code file of every
-kernel and the cutlass-dsl version.
+kernel, the specs (what each compile key keeps) and the cutlass-dsl version.
 
-Plain Python with no imports beyond the standard library, so the tuner and the profile lookup
-can hash the sources without torch or cutlass.
+Plain Python with no imports beyond the standard library (and ``specs``, which has none), so
+the tuner and the profile lookup can hash the sources without torch or cutlass.
 """
 
 from __future__ import annotations
@@ -19,23 +20,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from directkv_cute.kernels import specs
+
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the directkv_cute package
 
-# The parts both paged attention kernels are built from (each imports all of them).
-_SHARED = ("kernels/paged.py", "kernels/producer.py", "kernels/qio.py", "kernels/walk.py", "kernels/masks.py",
-           "kernels/softmax.py", "kernels/helpers.py", "kernels/jit.py", "config.py")
+# Each kernel's files and the kernels its tuned launch runs are stated once, in its spec.
+CODE_FILES: dict[str, tuple[str, ...]] = {s.name: s.files for s in specs.SPECS}
 
-CODE_FILES: dict[str, tuple[str, ...]] = {
-    "decode": ("kernels/decode.py", *_SHARED),  # the streaming kernel
-    "prefill": ("kernels/multi_token.py", "kernels/trace.py", *_SHARED),  # the multi-token (KV-outer chunk) kernel
-    "q_tiled": ("kernels/q_tiled.py", *_SHARED),  # the Q-tiled kernel over HBM (staged) KV
-    "combine": ("kernels/combine.py", "kernels/jit.py"),
-}
-
-LAUNCHES: dict[str, tuple[str, ...]] = {
-    "decode": ("decode", "combine"),
-    "prefill": ("prefill", "combine"),
-}
+LAUNCHES: dict[str, tuple[str, ...]] = {s.name: s.launches for s in specs.SPECS if s.launches}
 
 
 def tuned_kernels() -> tuple[str, ...]:
@@ -85,7 +77,13 @@ def cutlass_version() -> str:
         return "unknown"
 
 
+# What the compile keys keep of each config (the specs' codegen fields): no code of its own, but
+# the disk cache's object names follow from it, so a change of it starts a new folder.
+KEY_FILES = ("kernels/specs.py",)
+
+
 def cache_fingerprint(root: Path | None = None) -> str:
-    """The disk cache's folder name: every kernel's code files and the cutlass-dsl version."""
-    every = {f for files in CODE_FILES.values() for f in files}
+    """The disk cache's folder name: every kernel's code files, the specs that shape the compile
+    keys, and the cutlass-dsl version."""
+    every = {f for files in CODE_FILES.values() for f in files} | set(KEY_FILES)
     return files_digest(every, root, label=f"cutlass-dsl:{cutlass_version()}")[:16]
