@@ -31,7 +31,7 @@ import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, q_tiles, resident_splits
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import causal_flops, choose_staged, compute_bound, partial_bytes, q_tile_profile
+from directkv_cute.plan import causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -190,19 +190,48 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     """Pick the kernel and config and launch, on validated arguments."""
     page_table, seq_lens = tables.page_table, tables.seq_lens
     total_q, hq, d = q.shape
-    hkv = cache.num_kv_heads
     batch, max_pages = page_table.shape
-    group = hq // hkv
+    group = hq // cache.num_kv_heads
     cu_q, max_q_len = _cu_seqlens(q_lens, q.device)
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
 
-    if isinstance(config, QTiledConfig) or (config is None and op_kernel(group, max_q_len) != "decode"):
+    if isinstance(config, QTiledConfig) or config is None:
         route = _q_tiled_route(q, cache, tables, q_lens, group, config)
         if route is not None:
+            if config is None and route[1] is not None:
+                # A capture of this call reads in place (staging is refused there): compile that
+                # kernel and allocate its counters now, outside any capture.
+                try:
+                    _in_place(q, cache, group, max_q_len, batch, max_pages, max_seq_len, None)
+                except ValueError:
+                    pass  # the in-place kernel cannot run this shape at all (workspace cap)
             return _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
                                    *route)
 
+    _, resident, splits, fn, counters = _in_place(q, cache, group, max_q_len, batch, max_pages, max_seq_len, config)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+
+    from directkv_cute.kernels.launch import launch_combine, launch_decode
+
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    if splits == 1 and not resident:
+        launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale, counters)
+    else:
+        o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
+        launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
+        launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
+    return (out, lse) if return_lse else out
+
+
+def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, max_seq_len: int, config):
+    """(config, resident, splits, compiled kernel, link counters) of the kernels that read the
+    pages in place: the streaming kernel, or the multi-token one (``resident``)."""
+    total_q, hq, d = q.shape
+    hkv = cache.num_kv_heads
     cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
     check_config(cfg, d, cache.page_size)
     if group > cfg.rows:
@@ -222,33 +251,24 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
                 "use a config with chunk_tiles > 0 (fewer splits) or feed fewer query tokens per call")
     else:
         splits = cfg.splits_for(batch, hkv, max_seq_len, _num_sms(q.device.index))
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
-    from directkv_cute.kernels.launch import launch_combine, launch_decode, link_counters
+    from directkv_cute.kernels.launch import link_counters
 
     counters = link_counters(q.device)  # before any allocation: refused inside a capture that would own them
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    if splits == 1 and not resident:
-        fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, False, False)
-        launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale, counters)
-    else:
-        o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, True, resident,
-                       current_trace() if resident else None)
-        launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
-        launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
-    return (out, lse) if return_lse else out
+    split_out = splits > 1 or resident
+    fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out, resident,
+                   current_trace() if resident else None)
+    return cfg, resident, splits, fn, counters
 
 
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     """(QTiledConfig, StagePlan or None) when the Q-tiled kernel runs this call, else None.
 
-    It runs directly when every page is in HBM, or over host pages staged into HBM when the cost
-    model (``plan.choose_staged``) says the copy plus its compute beats the chunk kernel reading
-    in place. An explicit QTiledConfig always runs it, or raises where it cannot."""
+    It runs directly when every page of a multi-token call is in HBM, or over host pages staged
+    into HBM when the cost model (``plan.choose_staged``) says the copy plus its compute beats
+    reading in place: compute-bound chunks, and long link-bound reads (decode included), where the
+    copy engine outruns the SMs' reads of host memory. An explicit QTiledConfig always runs it, or
+    raises where it cannot."""
     explicit = isinstance(config, QTiledConfig)
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
 
@@ -272,15 +292,17 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     if n_host == 0:
         # Every page already in HBM: the Q-tiled kernel (no KV splits) once its query tiles fill
         # about a wave of SMs (measured from q 512 at Hkv 8); fewer tiles leave SMs idle and the
-        # split chunk kernel is faster.
+        # split chunk kernel is faster. Streaming launches (decode) keep their kernel.
+        if not explicit and op_kernel(group, max(q_lens)) == "decode":
+            return None
         ctas = q_tiles(max(q_lens), group, cfg.rows) * cache.num_kv_heads * len(lens)
         if explicit or 2 * ctas >= _num_sms(q.device.index):
             return cfg, None
         return None
     page_bytes = 2 * cache.num_kv_heads * P * d * q.element_size()
     flops = causal_flops(lens, q_lens, hq, d)
-    if not explicit and not compute_bound(n_host * page_bytes, flops):
-        return None  # link-bound: read in place (decided before any planning)
+    if not explicit and not may_stage(n_host * page_bytes, flops):
+        return None  # short link-bound reads: in place (decided before any planning)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
     plan = plan_staging(host_table, lens, P, pp)
     need = plan.pages * page_bytes

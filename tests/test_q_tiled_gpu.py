@@ -125,3 +125,31 @@ def test_hybrid_staging_with_more_ctas_than_sms_finishes():
     except subprocess.TimeoutExpired:
         pytest.fail("the staged hybrid call did not finish in 240 s (copies waiting on the kernel's SMs)")
     assert res.returncode == 0 and "done" in res.stdout, res.stderr[-3000:]
+
+
+def test_long_decode_is_staged_and_still_capturable():
+    """Decode over 70k host tokens takes the staged path on its own (the copy engine outruns SM
+    reads of host memory); the eager call also readies the in-place kernel, so a CUDA graph
+    capture of the same call (which reads in place) works."""
+    from directkv_cute import staging
+    from directkv_cute.ops import paged_attention_tables
+
+    dtype = torch.bfloat16
+    cache, ids, ks, vs, layer = _build([40000, 30000], 8, 128, 64, dtype)
+    tables = cache.kernel_tables(ids)
+    q = torch.randn(2, 32, 128, device="cuda").to(dtype)
+    out = torch.full_like(q, float("nan"))
+    before = sum(s.epoch for s in staging._STAGERS.values())
+    o, lse = paged_attention_tables(q, cache, layer, tables, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert sum(s.epoch for s in staging._STAGERS.values()) > before, "decode over 70k tokens was not staged"
+    _check(o, lse, q, ks, vs, None, dtype)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, lse = paged_attention_tables(q, cache, layer, tables, out=out, return_lse=True)
+    q.copy_(torch.randn_like(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, lse, q, ks, vs, None, dtype)
+    cache.close()
