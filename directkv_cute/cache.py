@@ -470,6 +470,14 @@ class PagedKVCache:
         a fork get private copies first (copy-on-write), for every sequence, before anything is
         returned; the capacity for those copies is checked before any is made.
         """
+        return TokenSlots.build(*self.token_entries(seq_ids, starts, counts), self.device)
+
+    @_locked
+    def token_entries(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]):
+        """``token_slots`` as host arrays: (page entry, row in page) int64 (total,) per token, after
+        the same copy-on-write. Entries of several calls concatenate into one ``TokenSlots.build``
+        (a step that forks sequences between them: the forks then share what the first call's
+        tokens write)."""
         self._check_open()
         if not (len(seq_ids) == len(starts) == len(counts)):
             raise ValueError("seq_ids, starts and counts must have one entry per sequence")
@@ -495,7 +503,7 @@ class PagedKVCache:
             offsets.append(pos % self.page_size)
         entry = np.concatenate(entries) if entries else np.zeros(0, np.int64)  # (total,)
         off = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)  # (total,)
-        return TokenSlots.build(entry, off, self.device)
+        return entry, off
 
     @_locked
     def write_slots(self, slots: "TokenSlots", layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -545,9 +553,25 @@ class PagedKVCache:
         return k, v
 
     @_locked
-    def fork(self, seq_id: int) -> int:
-        """New sequence with the same contents: full pages shared, the partial last page copied now."""
+    def fork(self, seq_id: int, length: int | None = None) -> int:
+        """New sequence with the same contents: full pages shared, the partial last page copied now.
+
+        ``length`` (a multiple of the page size, at most the sequence's length): the new sequence
+        holds only the first ``length`` tokens, all in shared pages (a fork at a shared prefix)."""
         seq = self._seq(seq_id)
+        if length is not None:
+            length = _check_int(length, "length")
+            if length % self.page_size or length > seq.length:
+                raise ValueError(f"fork of sequence {seq_id} at {length} tokens: a multiple of the page size "
+                                 f"{self.page_size} up to its length {seq.length} is needed")
+            entries = list(seq.pages[: length // self.page_size])
+            for entry in entries:
+                tier, index = decode_page(entry)
+                self._refs[tier][index] += 1
+            new_id = self.add_sequence()
+            self._seqs[new_id].add_entries(entries)
+            self._seqs[new_id].length = length
+            return new_id
         n_full = seq.length // self.page_size
         partial = seq.pages[n_full:]  # [] or [the partial last page]
         self._require(self._tier_counts(seq, range(n_full, len(seq.pages))), f"fork sequence {seq_id}")

@@ -43,6 +43,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:
@@ -52,7 +53,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
-from directkv_cute.cache import CacheCapacityError, PagedKVCache
+from directkv_cute.cache import CacheCapacityError, PagedKVCache, TokenSlots
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 ATTN_IMPLEMENTATION = "directkv"
@@ -282,8 +283,9 @@ class DirectKVCache(Cache):
         share_prompts: batch rows whose tokens are identical so far (``num_return_sequences``,
             the beams of one prompt) hold one sequence: its K/V are stored once, and when the
             rows diverge each new branch forks it (full pages shared, read once per step by
-            ``cascade_attention``). Rows are compared by their first layer's new K and V, bit
-            for bit.
+            ``cascade_attention``). In the first step, a row whose prompt begins with whole
+            pages of an earlier row's (a shared system prompt or document) forks that row at
+            them. Rows are compared by their first layer's new K and V, bit for bit.
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
@@ -456,22 +458,30 @@ class DirectKVCache(Cache):
         valid = _valid_tokens(attention_mask, batch, q_len)  # bool (B, S) or None
         counts = [q_len] * batch if valid is None else valid.sum(dim=1).tolist()
         share = self.share_prompts and batch > 1
+        prefixes: dict[int, tuple[int, int]] = {}  # first step: row -> (earlier row, shared tokens)
+        groups_of: dict[int, list[int]] = {}
         if not self._seqs:
             groups = _identical_rows(key, value, valid, list(range(batch))) if share else [[b] for b in range(batch)]
-            self._seqs = [0] * batch
+            if share and len(groups) > 1:
+                prefixes = _shared_prefixes(key, value, valid, [g[0] for g in groups], self.kv.page_size)
+            self._seqs = [-1] * batch
             for g in groups:
-                sid = self.kv.add_sequence()
-                for b in g:
-                    self._seqs[b] = sid
+                groups_of[g[0]] = g
+                if g[0] not in prefixes:  # the others fork an earlier row once it is extended
+                    sid = self.kv.add_sequence()
+                    for b in g:
+                        self._seqs[b] = sid
         elif share and len(set(self._seqs)) < batch:
             self._split(key, value, valid)
-        uniq = list(dict.fromkeys(self._seqs))  # each sequence once, in row order
+        uniq = [sid for sid in dict.fromkeys(self._seqs) if sid >= 0]  # each sequence once, in row order
         first = {}
         for b, sid in enumerate(self._seqs):
-            first.setdefault(sid, b)
+            if sid >= 0:
+                first.setdefault(sid, b)
         plans = self._growth([counts[first[sid]] for sid in uniq], uniq)
         undo = [(sid, self.kv.seq_len(sid)) for sid in uniq]
         before = dict(undo)
+        skip: dict[int, int] = {}  # sequence -> leading tokens of this step it shares (not stored)
         try:
             for sid, growth in zip(uniq, plans):
                 if growth.demote:
@@ -479,9 +489,31 @@ class DirectKVCache(Cache):
                 for tier, n in growth.runs:
                     self.kv.extend(sid, n, tier)
             rows = [b for b in range(batch) if counts[b]]
-            writers = [b for b in rows if first[self._seqs[b]] == b]  # one row per sequence stores
-            slots = self.kv.token_slots([self._seqs[b] for b in writers], [before[self._seqs[b]] for b in writers],
-                                        [int(counts[b]) for b in writers])
+            # One row per sequence stores its new tokens. Their slots are taken before any prompt
+            # prefix is forked, so the forks share the pages these writes fill (no copy-on-write).
+            writers = [b for b in rows if self._seqs[b] >= 0 and first[self._seqs[b]] == b]
+            entries = [self.kv.token_entries([self._seqs[b] for b in writers], [before[self._seqs[b]] for b in writers],
+                                             [int(counts[b]) for b in writers])]
+            for b in sorted(prefixes):  # rows sharing an earlier row's prompt prefix: fork it there
+                a, m = prefixes[b]
+                child = self.kv.fork(self._seqs[a], m)
+                undo.append((child, 0))
+                before[child], skip[child] = m, m
+                for r in groups_of[b]:
+                    self._seqs[r] = child
+                first[child] = b
+                hbm = [lp for lp, e in enumerate(self.kv.page_table(child)) if e < 0]
+                growth = plan_growth(m, hbm, int(counts[b]) - m, self.kv.page_size, self._hbm_quota(),
+                                     self.sink_pages)
+                if growth.demote:
+                    self.kv.move_pages(child, growth.demote, "host")
+                for tier, n in growth.runs:
+                    self.kv.extend(child, n, tier)
+                if counts[b] > m:  # its tokens after the shared prefix, taken before any later fork of it
+                    entries.append(self.kv.token_entries([child], [m], [int(counts[b]) - m]))
+                    writers.append(b)
+            slots = TokenSlots.build(np.concatenate([e for e, _ in entries]), np.concatenate([o for _, o in entries]),
+                                     self.kv.device)
             tables = self.kv.kernel_tables([self._seqs[b] for b in rows]) if rows else None
         except BaseException:
             for sid, length in undo:
@@ -492,12 +524,13 @@ class DirectKVCache(Cache):
         if valid is not None and sum(counts) != batch * q_len:
             tok_idx = valid.reshape(-1).nonzero().squeeze(1).to(query.device)  # (total,) row-major
         write_idx = None
-        if len(writers) < len(rows):  # the stored rows' tokens among the real tokens of `rows`
+        if len(writers) < len(rows) or skip:  # the stored tokens among the real tokens of `rows`
             cu = [0]
             for n in q_lens:
                 cu.append(cu[-1] + n)
             pos = {b: i for i, b in enumerate(rows)}
-            write_idx = torch.tensor([t for b in writers for t in range(cu[pos[b]], cu[pos[b] + 1])],
+            write_idx = torch.tensor([t for b in writers
+                                      for t in range(cu[pos[b]] + skip.get(self._seqs[b], 0), cu[pos[b] + 1])],
                                      dtype=torch.long).to(query.device)
         step = _Step(batch, q_len, rows, q_lens, tok_idx, slots, tables,
                      max((self.kv.seq_len(self._seqs[b]) for b in rows), default=0), undo, self.processed,
@@ -691,6 +724,34 @@ def _identical_rows(key: torch.Tensor, value: torch.Tensor, valid, rows: list[in
         else:
             groups.append([b])
     return groups
+
+
+def _shared_prefixes(key: torch.Tensor, value: torch.Tensor, valid, rows: list[int], page_size: int):
+    """{row: (earlier row, tokens)}: rows of the first step whose real tokens begin with at least
+    one page of another row's (same first-layer K and V, bit for bit), each paired with the
+    earlier row it shares the most whole pages with. A random projection of each token's K and V
+    finds the candidates; the shared part is then compared exactly."""
+    n_rows, hkv, s, d = key.shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(d, generator=g, dtype=torch.float64).to(key.device)
+    sig = ((key[rows].double() @ w).sum(1) + 3.0 * (value[rows].double() @ w).sum(1)).cpu()  # (R, S)
+    real = [torch.arange(s) if valid is None else valid[b].nonzero().squeeze(1).cpu() for b in rows]
+    toks = [sig[i, real[i]].numpy() for i in range(len(rows))]
+    out: dict[int, tuple[int, int]] = {}
+    for i in range(1, len(rows)):
+        best_j, best = -1, 0
+        for j in range(i):
+            n = min(len(toks[i]), len(toks[j]))
+            diff = np.flatnonzero(toks[i][:n] != toks[j][:n])
+            c = int(diff[0]) if diff.size else n
+            if c // page_size * page_size > best:
+                best_j, best = j, c // page_size * page_size
+        if best >= page_size:
+            a, b = rows[best_j], rows[i]
+            ia, ib = real[best_j][:best].to(key.device), real[i][:best].to(key.device)
+            if torch.equal(key[a][:, ia], key[b][:, ib]) and torch.equal(value[a][:, ia], value[b][:, ib]):
+                out[b] = (a, best)
+    return out
 
 
 def _check_module(module, spec: ModelSpec) -> None:

@@ -252,6 +252,27 @@ def test_fork_shares_full_pages_and_copies_partial_page_at_once(randn):
     assert torch.equal(cache.read(b, None)[1], torch.cat([v, vb]))
 
 
+def test_fork_at_a_prefix_shares_its_pages_only(randn):
+    cache = make_cache()
+    a = cache.add_sequence()
+    k, v = fill(cache, a, 40, randn)  # pages 0, 1 full; page 2 partial
+    free = cache.free_pages("host")
+    b = cache.fork(a, 16)
+    assert cache.seq_len(b) == 16 and cache.page_table(b) == cache.page_table(a)[:1]
+    assert cache.free_pages("host") == free, "a prefix fork copies nothing"
+    refs = cache.state().refcounts["host"]
+    assert refs[cache.page_table(a)[0]] == 2 and refs[cache.page_table(a)[1]] == 1
+    kb, vb = fill(cache, b, 20, randn)
+    assert torch.equal(cache.read(b, None)[0], torch.cat([k[:16], kb]))
+    assert torch.equal(cache.read(a, None)[0], k) and torch.equal(cache.read(a, None)[1], v)
+    assert cache.fork(a, 0) is not None
+    for bad in (8, 48, -16):
+        with pytest.raises(ValueError):
+            cache.fork(a, bad)
+    cache.free(b)
+    assert cache.state().refcounts["host"][cache.page_table(a)[0]] == 1
+
+
 def test_write_into_shared_page_copies_it_first(randn):
     cache = make_cache()
     a = cache.add_sequence()

@@ -338,3 +338,67 @@ def test_identical_rows_stay_one_sequence_under_greedy_decoding():
     assert len(set(off.seq_ids)) == 3
     cache.reset()
     assert cache.kv.free_pages("host") == cache.kv.num_pages("host")
+
+
+def test_prompts_sharing_a_prefix_share_its_pages():
+    """Three left-padded prompts: rows 1 and 2 begin with row 0's first 40 tokens, row 2 with row
+    1's first 70. Whole pages of those prefixes are stored once (row 1 forks row 0 at 32 tokens,
+    row 2 forks row 1 at 64) and the tokens equal transformers' own cache."""
+    model = _llama(seed=13)
+    g = torch.Generator().manual_seed(4)
+    base = torch.randint(1, VOCAB, (90,), generator=g)
+    p0 = base[:50]
+    p1 = torch.cat([base[:40], torch.randint(1, VOCAB, (45,), generator=g)])
+    p2 = torch.cat([p1[:70], torch.randint(1, VOCAB, (20,), generator=g)])
+    lens = [len(p0), len(p1), len(p2)]
+    width = max(lens)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate((p0, p1, p2)):
+        ids[b, width - len(p):] = p
+        mask[b, width - len(p):] = 1
+    kw = dict(max_new_tokens=10, do_sample=False)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    cache = _ours(model)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    t = cache.kv.kernel_tables(cache.seq_ids).host_table
+    assert (t[1, :2] == t[0, :2]).all() and t[1, 2] != t[0, 2], "row 1 holds row 0's first 2 pages"
+    assert (t[2, :4] == t[1, :4]).all() and t[2, 4] != t[1, 4], "row 2 holds row 1's first 4 pages"
+    used = cache.kv.num_pages("host") - cache.kv.free_pages("host")
+    assert used == sum(-(-(n + 9) // 16) for n in lens) - 2 - 4
+    off = _ours(model, share_prompts=False)
+    assert torch.equal(_generate(model, off, ids, mask, **kw), ref)
+    assert off.kv.num_pages("host") - off.kv.free_pages("host") == sum(-(-(n + 9) // 16) for n in lens)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_prompt_trees_generate_like_dynamic_cache(seed):
+    """Random batches of prompts that copy random prefixes of earlier ones (sometimes a whole
+    duplicate), left padded, chunked prefill or not, greedy or sampled: tokens equal."""
+    import random
+
+    r = random.Random(200 + seed)
+    g = torch.Generator().manual_seed(200 + seed)
+    model = _llama(seed=23)
+    base = torch.randint(1, VOCAB, (120,), generator=g)
+    prompts: list[torch.Tensor] = []
+    for _ in range(r.choice([2, 3, 4])):
+        src = prompts[r.randrange(len(prompts))] if prompts and r.random() < 0.7 else base
+        k = r.randint(0, min(len(src), 100))
+        prompts.append(torch.cat([src[:k], torch.randint(1, VOCAB, (r.randint(1, 40),), generator=g)]))
+    if seed % 2:
+        prompts.append(prompts[0].clone())
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = p
+        mask[b, width - len(p):] = 1
+    kw = dict(max_new_tokens=6, prefill_chunk_size=[None, 32, 48, 32][seed],
+              **({"do_sample": True, "top_k": 0, "temperature": 1.0} if seed >= 2 else {"do_sample": False}))
+    torch.manual_seed(5)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    torch.manual_seed(5)
+    cache = _ours(model, batch=len(prompts), max_tokens=3000)
+    assert torch.equal(_generate(model, cache, ids, mask, **kw), ref)
