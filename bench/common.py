@@ -519,3 +519,11 @@ def format_table(records: Iterable[Mapping], ceilings: Ceilings, variants: Mappi
     head = (f"ceilings: host read {ceilings.host_read_gbps:.1f} GB/s, HBM read {ceilings.hbm_read_gbps:.0f} GB/s, "
             f"memcpy H2D {ceilings.memcpy_h2d_gbps:.1f} GB/s")
     return head + "\n" + "\n".join(lines)
+
+
+def problem_lines(doc: dict) -> list[str]:
+    """The skipped shapes and failed checks of a results document, one line each."""
+    lines = [f"skipped: {s['shape']}: {s['reason']}" for s in doc["skipped"]]
+    lines += [f"CHECK FAILED: {c['method']} on {c['shape']} hbm={c['hbm_fraction']}: "
+              f"rel_err={c['rel_err']} vs {c['against']} {c['detail']}" for c in doc["checks"] if not c["ok"]]
+    return lines

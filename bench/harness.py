@@ -104,10 +104,16 @@ def skip_reason(shape: Shape, opts: BenchOptions) -> str | None:
     if shape.kv_bytes > opts.max_gb * GiB:
         return f"KV {shape.kv_bytes / GiB:.1f} GiB > --max-gb {opts.max_gb:g}"
     host, gpu = footprint(shape, opts)
+    return memory_problem(host, gpu, opts.device)
+
+
+def memory_problem(host: int, gpu: int, device: str) -> str | None:
+    """Why ``host`` bytes of pinned host memory and ``gpu`` bytes of GPU memory do not fit here
+    (90% of the available host memory, 95% of the free GPU memory), or None."""
     avail = _mem_available_host()
     if avail is not None and host > 0.9 * avail:
         return f"needs {host / GiB:.1f} GiB pinned host memory, {avail / GiB:.1f} GiB available"
-    if opts.device == "cuda":
+    if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
         if gpu > 0.95 * free:
             return f"needs {gpu / GiB:.1f} GiB GPU memory, {free / GiB:.1f} GiB free"

@@ -97,9 +97,9 @@ import numpy as np
 import torch
 
 from bench import peers
-from bench.common import (GiB, MiB, Ceilings, Shape, add_check, env_info, new_results, progress_bar, results_path,
-                          shape_key, write_json, dtype_name)
-from bench.harness import BenchOptions, ShapeBench, _Inputs, _mem_available_host, _short_error, peak_extra_bytes
+from bench.common import (GiB, MiB, Ceilings, Shape, add_check, env_info, new_results, problem_lines, progress_bar,
+                          results_path, shape_key, write_json, dtype_name)
+from bench.harness import BenchOptions, ShapeBench, _Inputs, memory_problem, _short_error, peak_extra_bytes
 from bench.hostmem import PinnedBuffer
 from bench.methods import q_as_4d
 
@@ -205,14 +205,7 @@ def skip_reason(row: PrefixRow, opts: BenchOptions) -> str | None:
     if row.dense_bytes > opts.max_gb * GiB:
         return f"dense KV {row.dense_bytes / GiB:.1f} GiB > --max-gb {opts.max_gb:g}"
     host, gpu = footprint(row, opts.page_size)
-    avail = _mem_available_host()
-    if avail is not None and host > 0.9 * avail:
-        return f"needs {host / GiB:.1f} GiB of host memory, {avail / GiB:.1f} GiB available"
-    if opts.device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        if gpu > 0.95 * free:
-            return f"needs {gpu / GiB:.1f} GiB of GPU memory, {free / GiB:.1f} GiB free"
-    return None
+    return memory_problem(host, gpu, opts.device)
 
 
 # ---- one row ---------------------------------------------------------------------------------
@@ -617,12 +610,7 @@ def format_table(doc: dict) -> str:
     tail = []
     for m in doc["missing"]:
         tail.append(f"missing: {m['method']} on {m['shape']}: {m['reason']}")
-    for s in doc["skipped"]:
-        tail.append(f"skipped: {s['shape']}: {s['reason']}")
-    for ch in doc["checks"]:
-        if not ch["ok"]:
-            tail.append(f"CHECK FAILED: {ch['method']} on {ch['shape']} hbm={ch['hbm_fraction']}: "
-                        f"rel_err={ch['rel_err']} vs {ch['against']} {ch['detail']}")
+    tail += problem_lines(doc)
     if doc["notes"].get("peers"):
         tail.append(f"peers: {doc['notes']['peers']}")
     targets = []

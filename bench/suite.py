@@ -18,8 +18,8 @@ import torch
 
 from bench import decode, prefill
 from bench.ceilings import measure_ceilings
-from bench.common import (GiB, MiB, Ceilings, env_info, format_table, merge_results, new_results, results_path,
-                          write_json)
+from bench.common import (GiB, MiB, Ceilings, env_info, format_table, merge_results, new_results, problem_lines,
+                          results_path, write_json)
 from bench.harness import BenchOptions, load_ours, run_shapes
 from bench.plots import plot_decode, plot_prefill
 
@@ -157,12 +157,7 @@ def summarize(doc: dict) -> str:
              format_table(doc["records"], ceilings, doc["notes"].get("variants"))]
     for m in doc["missing"]:
         parts.append(f"missing: ours on {m['shape']} (hbm {m['hbm_fractions']}): {m['reason']}")
-    for s in doc["skipped"]:
-        parts.append(f"skipped: {s['shape']}: {s['reason']}")
-    for c in doc["checks"]:
-        if not c["ok"]:
-            parts.append(f"CHECK FAILED: {c['method']} on {c['shape']} hbm={c['hbm_fraction']}: "
-                         f"rel_err={c['rel_err']} vs {c['against']} {c['detail']}")
+    parts += problem_lines(doc)
     return "\n".join(parts)
 
 

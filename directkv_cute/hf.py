@@ -423,18 +423,12 @@ class DirectKVCache(Cache):
         if any(not 0 <= r < len(self._seqs) for r in rows):
             raise IndexError(f"batch rows {rows} out of range for a batch of {len(self._seqs)}")
         seen: set[int] = set()
-        extra: dict[str, int] = {}
+        forks = []
         for r in rows:
             if r in seen:
-                sid = self._seqs[r]
-                if self.kv.seq_len(sid) % self.kv.page_size:
-                    tier = "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
-                    extra[tier] = extra.get(tier, 0) + 1
+                forks.append(self._seqs[r])
             seen.add(r)
-        for tier, n in extra.items():
-            if n > self.kv.free_pages(tier):
-                raise CacheCapacityError(f"forking {n} sequences needs {n} free {tier} pages, "
-                                         f"{self.kv.free_pages(tier)} free; the cache is unchanged")
+        self._check_forks(forks, "forking")
         used: set[int] = set()
         new = []
         for r in rows:
@@ -550,21 +544,24 @@ class DirectKVCache(Cache):
             if len(rows) > 1:
                 groups = _identical_rows(key, value, valid, rows)
                 splits += [(sid, g) for g in groups if rows[0] not in g]
-        if not splits:
-            return
-        need: dict[str, int] = {}
-        for sid, _ in splits:
-            if self.kv.seq_len(sid) % self.kv.page_size:  # fork copies the partial last page
-                tier = "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
-                need[tier] = need.get(tier, 0) + 1
-        for tier, n in need.items():
-            if n > self.kv.free_pages(tier):
-                raise CacheCapacityError(f"{n} rows diverged and need {n} free {tier} pages to fork, "
-                                         f"{self.kv.free_pages(tier)} free; the cache is unchanged")
+        self._check_forks([sid for sid, _ in splits], "rows that diverged forking")
         for sid, g in splits:
             child = self.kv.fork(sid)
             for b in g:
                 self._seqs[b] = child
+
+    def _check_forks(self, sids: list[int], what: str) -> None:
+        """``CacheCapacityError`` unless the free pages cover a fork of each of ``sids`` (a fork
+        copies the partial last page), before any is made."""
+        need: dict[str, int] = {}
+        for sid in sids:
+            if self.kv.seq_len(sid) % self.kv.page_size:
+                tier = "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
+                need[tier] = need.get(tier, 0) + 1
+        for tier, n in need.items():
+            if n > self.kv.free_pages(tier):
+                raise CacheCapacityError(f"{what} {n} sequences needs {n} free {tier} pages, "
+                                         f"{self.kv.free_pages(tier)} free; the cache is unchanged")
 
     def _cascade(self, tables, q_lens, num_q_heads: int, device):
         """The step's cascade (shared pages read once for all their sharers: forks made by
