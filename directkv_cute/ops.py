@@ -301,9 +301,10 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
         return None
     page_bytes = 2 * cache.num_kv_heads * P * d * q.element_size()
     flops = causal_flops(lens, q_lens, hq, d)
-    if not explicit and not may_stage(n_host * page_bytes, flops):
-        return None  # short link-bound reads: in place (decided before any planning)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
+    calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
+    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls):
+        return None  # short link-bound reads: in place (decided before any planning)
     plan = plan_staging(host_table, lens, P, pp)
     need = plan.pages * page_bytes
     cap = staging_cap(_total_memory(q.device.index))
@@ -312,8 +313,11 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
                       "(DIRECTKV_MAX_STAGING_GB)")
     host_b = plan.host_pages * page_bytes
     tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
+    runs = [r for piece in plan.pieces for r in piece]
+    hbm_calls = sum(r.hbm for r in runs)
     choice = choose_staged(host_b, need - host_b, flops,
-                           partial_bytes(q.shape[0], hq, d), 1 if cfg.order == 2 else cfg.splits, tiles)
+                           partial_bytes(q.shape[0], hq, d), 1 if cfg.order == 2 else cfg.splits, tiles,
+                           host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls)
     if not explicit:
         if not choice.staged:
             return None

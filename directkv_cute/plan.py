@@ -110,12 +110,15 @@ class StagedChoice:
 
 # Calls whose in-place compute reaches this share of their link time are compute-bound: staged
 # when the model's estimate beats reading in place by 3%. Below it the in-place kernel sits at
-# the link and staging only wins the copy engine's edge over SM reads of host memory (about 7%,
-# measured: decode at 32k/128k, batch 1/16, staged 3-7% faster), so a link-bound call stages only
-# when the estimate beats reading in place by LINK_STAGE_MARGIN (the model is about 2% optimistic
-# there): from about 50 MB of host KV per call.
+# the link and staging only wins the copy engine's edge over SM reads of host memory (about 7%),
+# less COPY_CALL_MS per copy call (one run of consecutive pages of one sequence in one piece), so
+# a link-bound call stages only when the estimate beats reading in place by LINK_STAGE_MARGIN.
+# Fitted to decode at batch 1/16/64 over 1k-128k tokens (measured 2026-12-01, the model within 4%
+# of every staged time): staging wins from about 16k tokens per sequence and loses up to 22% on
+# many short sequences (batch 64 over 1k: 512 copy calls).
 COMPUTE_SHARE = 0.5
-LINK_STAGE_MARGIN = 0.96
+LINK_STAGE_MARGIN = 0.98
+COPY_CALL_MS = 0.0025
 PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by the combine
 SPLIT_CHOICES = (1, 2, 4, 8)
 
@@ -125,13 +128,20 @@ def compute_bound(host_bytes: int, flops: float) -> bool:
     return flops / (CHUNKED_TFLOPS * 1e9) >= COMPUTE_SHARE * host_bytes / (LINK_GBPS * 1e6)
 
 
-def may_stage(host_bytes: int, flops: float) -> bool:
+def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1) -> bool:
     """Whether staging can pay at all (checked before any staging plan): a compute-bound call, or
-    a link-bound one whose copy at the copy engine's rate, plus the staged call's overhead, beats
-    reading the same bytes in place by ``LINK_STAGE_MARGIN``."""
+    a link-bound one with every page on the host whose copy at the copy engine's rate in at least
+    ``copy_calls`` calls, plus the staged call's overhead, beats reading the same bytes in place by
+    ``LINK_STAGE_MARGIN``.
+    A link-bound call with pages in HBM reads them in place: the streaming kernel overlaps them
+    with the host reads, staging copies them first (measured: decode at 25% HBM, batch 1-64,
+    8k-128k, 12-37% slower staged)."""
     if compute_bound(host_bytes, flops):
         return True
-    return host_bytes / (MEMCPY_GBPS * 1e6) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * host_bytes / (LINK_GBPS * 1e6)
+    if hbm_bytes:
+        return False
+    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + copy_calls * COPY_CALL_MS
+    return copy_ms + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * host_bytes / (LINK_GBPS * 1e6)
 
 
 def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int) -> float:
@@ -176,16 +186,18 @@ def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
 
 
 def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
-                  splits: int = 0, tiles=None) -> StagedChoice:
-    """Stage when the model says the copy + Q-tiled kernel (at the best of ``SPLIT_CHOICES``, or
-    at ``splits``; with ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order)
-    beats reading in place, by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a
-    link-bound one: the in-place kernel is bound by max(link, its compute)."""
+                  splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0) -> StagedChoice:
+    """Stage when the model says the copy (``host_calls`` copy calls; ``hbm_calls`` for the pages
+    already in HBM) + Q-tiled kernel (at the best of ``SPLIT_CHOICES``, or at ``splits``; with
+    ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading in place,
+    by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a link-bound one: the in-place
+    kernel is bound by max(link, its compute)."""
     link_ms = host_bytes / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms)
-    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6)
-    d2d_ms = hbm_bytes / (D2D_GBPS * 1e6)  # pages already in HBM: copied before the kernel starts
+    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + host_calls * COPY_CALL_MS
+    # pages already in HBM: copied before the kernel starts
+    d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = flops / (Q_TILED_TFLOPS * 1e9)
     best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
     est = d2d_ms + staged_ms(copy_ms, q_ms, partial_bytes, best)

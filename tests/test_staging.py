@@ -126,6 +126,17 @@ def test_cost_model_stages_compute_bound_chunks_and_long_link_bound_reads():
     # Decode over 32k: the copy engine's edge over SM reads of host memory (measured 3-7%).
     assert decode.staged and decode.staged_ms < LINK_STAGE_MARGIN * decode.in_place_ms
     assert may_stage(kv, causal_flops([32768], [1], 32, 128))
+    # With a quarter of its pages in HBM the same read stays in place (the streaming kernel
+    # overlaps the HBM pages; staging would copy them first).
+    assert not may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 3)
+    # Many short sequences: one copy call per sequence and piece eats the edge (measured: batch
+    # 64 over 1k staged 22% slower, batch 16 over 16k 3% faster).
+    many_short = 64 * 2 * 1024 * 8 * 128 * 2
+    assert not may_stage(many_short, causal_flops([1024] * 64, [1] * 64, 32, 128), 0, 64 * 8)
+    long16 = 16 * 2 * 16384 * 8 * 128 * 2
+    assert may_stage(long16, causal_flops([16384] * 16, [1] * 16, 32, 128), 0, 16 * 16)
+    assert not choose_staged(many_short, 0, causal_flops([1024] * 64, [1] * 64, 32, 128),
+                             partial_bytes(64, 32, 128), host_calls=64 * 8).staged
     # Over 4k the staged call's overhead eats the edge: read in place, decided before planning.
     short = 2 * 4096 * 8 * 128 * 2
     assert not may_stage(short, causal_flops([4096], [1], 32, 128))
