@@ -26,7 +26,12 @@ no sharing; ``--no-control`` leaves it out) runs last, so the time budget drops 
   as a model step builds them once for all its layers (``directkv_cute.hf`` does). Planning alone
   (``plan_cascade`` on the host table) is timed on the host and reported as ``plan_ms`` (ms per
   step), ``prepare_cascade`` as ``prepare_ms``, in the row's summary and in ``notes``;
-* ``ours[per-seq]``: ``paged_attention_tables`` over the same tables (today's path);
+* ``ours[per-seq]``: ``paged_attention_tables`` over the same tables with the in-place kernel's
+  config given explicitly (each sequence's pages read in place by the paged kernels: the path
+  before cascades);
+* ``ours[op]``: ``paged_attention_tables`` with no config, the op's own choice without a cascade:
+  a long link-bound read is staged through the copy engine, and staging copies each distinct page
+  once (its host bytes are then the unique pages);
 * ``hbm``: torch SDPA over dense per-sequence KV in HBM, as in the other benches (its output is
   the pivot every other method is compared with);
 * ``zero_copy``: SDPA over a CUDA view of the same dense KV in pinned host memory;
@@ -107,9 +112,9 @@ BENCH = "prefix"
 CONTROL_BENCH = "prefix-distinct"
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
-CASCADE, PER_SEQ = "ours[cascade]", "ours[per-seq]"
+CASCADE, PER_SEQ, OP = "ours[cascade]", "ours[per-seq]", "ours[op]"
 FA4_METHODS = ("fa4[hbm]", "fa4[zero_copy_paged]")
-METHOD_ORDER = ("floor", CASCADE, PER_SEQ, "hbm", "zero_copy", "swap") + FA4_METHODS
+METHOD_ORDER = ("floor", CASCADE, PER_SEQ, OP, "hbm", "zero_copy", "swap") + FA4_METHODS
 
 # The issue's targets.
 SPEEDUP_TARGET = 8.0  # ours[cascade] over ours[per-seq] at SPEEDUP_ROW
@@ -386,17 +391,28 @@ class PrefixBench(ShapeBench):
 
     # -- ours --
     def _ops(self):
-        """(cascade call, per-sequence call) for the current tables and plan."""
+        """(cascade call, per-sequence call, the op's own call, whether the op stages) for the
+        current tables and plan."""
         from directkv_cute.cascade import cascade_attention
 
         s, cache, ids = self.shape, self.cache, self.seq_ids
         q = self.inputs.qs[0]
         q_lens = [s.q_len] * s.batch
         per_lens = None if s.q_len == 1 else q_lens
+        staged = False
         if self.opts.device == "cuda":
-            from directkv_cute.ops import paged_attention_tables
+            from directkv_cute.ops import _q_tiled_route, paged_attention_tables, select_config
+
+            group = s.hq // s.hkv
+            max_seq = self.tables.page_table.shape[1] * cache.page_size
+            in_place, _ = select_config(cache, group, s.q_len, s.batch, max_seq, None)
+            route = _q_tiled_route(q, cache, self.tables, tuple(q_lens), group, None)
+            staged = route is not None and route[1] is not None
 
             def per_seq(out):
+                return paged_attention_tables(q, cache, 0, self.tables, per_lens, out=out, config=in_place)
+
+            def op(out):
                 return paged_attention_tables(q, cache, 0, self.tables, per_lens, out=out)
         else:  # the CPU path of the op is the reference (paged_attention_tables needs CUDA tables)
             from directkv_cute.ops import paged_attention
@@ -404,16 +420,19 @@ class PrefixBench(ShapeBench):
             def per_seq(out):
                 return paged_attention(q, cache, 0, ids, per_lens, out=out)
 
+            op = per_seq
+
         def cascade(out):
             return cascade_attention(q, cache, 0, ids, q_lens, tables=self.tables, plan=self.plan,
                                      prepared=self.prepared, out=out)
 
-        return cascade, per_seq
+        return cascade, per_seq, op, staged
 
     def _ours_all(self) -> None:
-        cascade, per_seq = self._ops()
+        cascade, per_seq, op, staged = self._ops()
         self._ours_method(CASCADE, cascade, host_bytes=self.unique_bytes)
         self._ours_method(PER_SEQ, per_seq, host_bytes=self.naive_bytes)
+        self._ours_method(OP, op, host_bytes=self.unique_bytes if staged else self.naive_bytes)
         if not self.hbm_rows:
             return
         try:
@@ -425,6 +444,7 @@ class PrefixBench(ShapeBench):
                 self._add(m, None, hbm_fraction=1.0)
             return
         resident = self.summary["host_pages_read"] * self.page_bytes
+        cascade, per_seq, _, _ = self._ops()  # the tables changed: the in-place config too
         self._ours_method(CASCADE, cascade, hbm_bytes=self.unique_bytes, fraction=1.0, resident=resident)
         self._ours_method(PER_SEQ, per_seq, hbm_bytes=self.naive_bytes, fraction=1.0, resident=resident)
 
@@ -622,7 +642,7 @@ def format_table(doc: dict) -> str:
     return "\n".join(head + body + plan + tail + (["targets:"] + targets if targets else []))
 
 
-_STYLE = {CASCADE: "o-", PER_SEQ: "s-", "floor": "k_:", "hbm": "d-.", "zero_copy": "v--", "swap": "^--",
+_STYLE = {CASCADE: "o-", PER_SEQ: "s-", OP: "x-", "floor": "k_:", "hbm": "d-.", "zero_copy": "v--", "swap": "^--",
           "fa4[hbm]": "x-.", "fa4[zero_copy_paged]": "+--"}
 
 

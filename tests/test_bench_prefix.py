@@ -198,7 +198,7 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert doc["passed"] and doc["bench"] == "prefix" and not doc["missing"]
     rows = {(r["own"], r["q_len"], r["shared_prompt"]): r for r in doc["rows"]}
     assert set(rows) == {(0, 1, True), (40, 1, True), (0, 4, True), (40, 4, True), (0, 1, False)}
-    expect = {"floor", prefix.CASCADE, prefix.PER_SEQ, "hbm", "zero_copy", "swap", f"{prefix.CASCADE}@hbm",
+    expect = {"floor", prefix.CASCADE, prefix.PER_SEQ, prefix.OP, "hbm", "zero_copy", "swap", f"{prefix.CASCADE}@hbm",
               f"{prefix.PER_SEQ}@hbm"}
     for key, r in rows.items():
         assert r["status"] == "ok" and r["batch"] == 4
