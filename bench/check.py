@@ -8,7 +8,8 @@
     every profile entry compiles for sm_90a through ``compile_decode`` (with and without split
     outputs when the compiler takes ``split_out``), plus the combine kernels; each distinct kernel
     (the compiler's cache key) is compiled once and counted once;
-(c) traffic: the host-traffic model reads every host KV byte exactly once (bench.traffic).
+(c) traffic: the host-traffic model reads every host KV byte exactly once (bench.traffic), and a
+    model's steps through the HBM window read only the history's full pages from the host.
 
 The output is a summary: one line per part, every failure in full; ``--verbose`` adds the
 profile notes, every compiled kernel with its time and the traffic table. Exit status 1 if any
@@ -398,9 +399,9 @@ def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = Tr
             print(f"FAIL {p}")
         results.append(PartResult("q_tiled", not problems, summary))
     if traffic:
-        from bench.traffic import format_traffic_table, run_traffic_check
+        from bench.traffic import format_traffic_table, run_step_traffic_check, run_traffic_check
 
-        tr = run_traffic_check()
+        tr = run_traffic_check() + run_step_traffic_check()
         failed = [r for r in tr if not r.ok]
         summary = f"{len(tr) - len(failed)}/{len(tr)} cases pass"
         print(f"== (c) host-traffic model: {summary}")

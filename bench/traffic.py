@@ -199,6 +199,85 @@ def run_traffic_check(cases: list[TrafficCase] | None = None) -> list[TrafficRes
     return [check_case(c) for c in (default_cases() if cases is None else cases)]
 
 
+# ---- a model's steps through the HBM window -----------------------------------------------------
+@dataclass(frozen=True)
+class StepCase:
+    """Steps of a batch as a model runs them: ``steps[i][b]`` new tokens of sequence b in step i
+    (chunked prefill, then decode), through a cache whose window mirrors each step's pages."""
+
+    steps: tuple[tuple[int, ...], ...]
+    page_size: int
+    tile_n: int
+    num_kv_heads: int = 2
+    head_dim: int = 64
+
+    num_splits: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"steps={len(self.steps)} batch={len(self.steps[0])} page={self.page_size} tile={self.tile_n}"
+
+
+def check_step_case(case: StepCase) -> TrafficResult:
+    """Every step's host bytes (``plan.decode_traffic`` over the step's kernel tables, pages
+    mirrored by ``PagedKVCache.mirror`` after the step's ``release_mirrors``, as
+    ``directkv_cute.hf.DirectKVCache`` does) equal the history's full pages read once: the new
+    tokens, and the history sharing the partial last page, come from HBM."""
+    import torch
+
+    from directkv_cute.cache import PagedKVCache
+    from directkv_cute.plan import decode_traffic
+
+    P, hkv, d = case.page_size, case.num_kv_heads, case.head_dim
+    batch = len(case.steps[0])
+    total = [sum(s[b] for s in case.steps) for b in range(batch)]
+    window = max(math.ceil(sum(s) / P) + 2 * batch for s in case.steps)
+    cache = PagedKVCache(1, hkv, d, P, sum(math.ceil(n / P) for n in total) + batch, 0, dtype=torch.bfloat16,
+                         device="cpu", num_window_pages=window)
+    sids = [cache.add_sequence() for _ in range(batch)]
+    res = TrafficResult(case)
+    row = 2 * d * 2 * hkv  # one token of K and V over the KV heads
+    for i, step in enumerate(case.steps):
+        hist = [cache.seq_len(s) for s in sids]
+        for sid, n in zip(sids, step):
+            cache.release_mirrors(sid)
+            cache.extend(sid, n)
+            cache.mirror(sid, cache.seq_len(sid) - n, n)
+        t = cache.kernel_tables(sids)
+        lens = list(t.host_seq_lens)
+        page_hbm = [(t.host_table[b, : math.ceil(n / P)] < 0).tolist() for b, n in enumerate(lens)]
+        host, hbm = decode_traffic(lens, page_hbm, 1, d, P, case.tile_n, 1)
+        host *= hkv
+        hbm *= hkv
+        want = sum((h // P) * P for h in hist) * row
+        res.host_bytes += host
+        res.hbm_bytes += hbm
+        res.expected_host += want
+        res.expected_hbm += hbm
+        if host != want:
+            res.problems.append(f"step {i}: host bytes {host} != the history's full pages {want}")
+        new_hbm = all(t.host_table[b, p] < 0 for b, (h, n) in enumerate(zip(hist, step))
+                      for p in range(h // P, math.ceil((h + n) / P)))
+        if not new_hbm:
+            res.problems.append(f"step {i}: a page holding new tokens is read from the host")
+    return res
+
+
+def default_step_cases() -> list[StepCase]:
+    """Chunked prefills of ragged prompts then decode, at every page size and two tile sizes."""
+    cases = []
+    for P, tile in itertools.product(PAGE_SIZES, (64, 128)):
+        prefill = [(128, 100, 17), (128, 100, 0), (128, 0, 0), (45, 0, 0)]
+        decode = [(1, 1, 1)] * (P + 3)
+        cases.append(StepCase(tuple(prefill + decode), P, tile))
+        cases.append(StepCase(((P * 3 + 5,), (P - 5,), (1,), (2 * P,), (1,)), P, tile, num_kv_heads=1, head_dim=128))
+    return cases
+
+
+def run_step_traffic_check(cases: list[StepCase] | None = None) -> list[TrafficResult]:
+    return [check_step_case(c) for c in (default_step_cases() if cases is None else cases)]
+
+
 def split_summary(splits) -> str:
     """The split counts a row covers, whole: "1,2,4" while short, else "1..65 (12 counts)"."""
     vals = sorted(splits)

@@ -39,6 +39,14 @@ Design choices
   (``"strided"``, which gives every split of the kernel a share of both tiers).
 * **Capacity**: every operation computes how many free pages it needs per tier and raises
   ``CacheCapacityError`` before it modifies anything.
+* **Window mirrors** (``num_window_pages``): pages a step is writing can get an HBM copy, a
+  *mirror*, from a window of extra pages at the end of ``hbm_pool`` (``mirror``). Every write to a
+  mirrored page goes to both (write-through), and the kernel tables name the mirror while the
+  host page is private, so the attention reads the step's own new K/V from HBM and each new token
+  crosses the link once, host-bound. ``release_mirrors`` drops the mirrors of full pages (their
+  host copies are current); a sequence's partial last page keeps its mirror from step to step, so
+  after the first step nothing is copied into the window. Structural changes (fork, truncate,
+  move, free) keep the mirrors consistent or drop them.
 * **Writes** of GPU tensors go straight into the destination pages -- host pages through
   ``host_pool_cuda`` (the GPU stores into host memory over the link), no staging buffer -- as a
   few advanced-index stores covering all touched pages. All data movement (writes, copies,
@@ -132,7 +140,9 @@ class TokenSlots:
     parts: tuple
 
     @staticmethod
-    def build(entry: np.ndarray, off: np.ndarray, device) -> "TokenSlots":
+    def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None) -> "TokenSlots":
+        """From per-token page entries and rows (``token_entries``); ``mirror`` int64 (total,):
+        each token's HBM window page (``mirror_entries``, -1: none) -- a second destination."""
         total = len(entry)
         in_hbm = entry < 0
         groups = [(t, idx) for t, idx in (("host", np.flatnonzero(~in_hbm)), ("hbm", np.flatnonzero(in_hbm)))
@@ -141,6 +151,10 @@ class TokenSlots:
         for tier, tok in groups:
             pidx = entry[tok] if tier == "host" else -entry[tok] - 1
             pieces += [tok, pidx, off[tok]]
+        if mirror is not None and (mirror >= 0).any():
+            tok = np.flatnonzero(mirror >= 0)
+            groups.append(("hbm", tok))
+            pieces += [tok, mirror[tok], off[tok]]
         if not pieces:
             return TokenSlots(0, ())
         dev = torch.from_numpy(np.concatenate(pieces)).to(device)
@@ -162,6 +176,8 @@ class CacheState:
     page_tables: dict[int, tuple[int, ...]]
     refcounts: dict[str, tuple[int, ...]]  # tier -> refcount of every page
     free_lists: dict[str, tuple[int, ...]]  # tier -> free page ids, in allocation (pop) order
+    mirrors: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # seq -> (logical page, window page)
+    free_window: tuple[int, ...] = ()
 
 
 @dataclass
@@ -171,6 +187,7 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)
     length: int = 0
     _table: np.ndarray | None = None  # int32 (len(pages),), rebuilt after a change
+    mirrors: dict[int, int] = field(default_factory=dict)  # logical page -> its HBM window page
 
     def set_entry(self, index: int, entry: int) -> None:
         self.pages[index] = entry
@@ -229,6 +246,7 @@ class PagedKVCache:
         num_hbm_pages: int = 0,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cuda",
+        num_window_pages: int = 0,
     ) -> None:
         self.num_layers = _check_int(num_layers, "num_layers", 1)
         self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", 1)
@@ -242,8 +260,9 @@ class PagedKVCache:
             "host": _check_int(num_host_pages, "num_host_pages", 1),
             "hbm": _check_int(num_hbm_pages, "num_hbm_pages", 0),
         }
+        window = _check_int(num_window_pages, "num_window_pages", 0)
         for tier, n in capacity.items():
-            if n > _MAX_PAGES:
+            if n + (window if tier == "hbm" else 0) > _MAX_PAGES:
                 raise ValueError(f"{tier} tier: {n} pages do not fit int32 page-table entries")
         device = torch.device(device)
         if dtype not in SUPPORTED_DTYPES and not (dtype in CPU_ONLY_DTYPES and device.type == "cpu"):
@@ -279,8 +298,10 @@ class PagedKVCache:
             if device.type == "cuda"
             else None
         )
-        # (num_hbm_pages, L, Hkv, 2, page_size, d) on the cache device.
-        self.hbm_pool = torch.zeros((capacity["hbm"], *self.page_shape), dtype=dtype, device=device)
+        # (num_hbm_pages + num_window_pages, L, Hkv, 2, page_size, d) on the cache device: the HBM
+        # tier, then the window that mirrors pages being written.
+        self.hbm_pool = torch.zeros((capacity["hbm"] + window, *self.page_shape), dtype=dtype, device=device)
+        self.num_window_pages = window
 
         self._capacity = capacity
         self._lock = threading.RLock()
@@ -288,6 +309,7 @@ class PagedKVCache:
         self._refs = {tier: np.zeros(n, dtype=np.int32) for tier, n in capacity.items()}
         # Free lists are stacks popped from the end, so pages are handed out in increasing order.
         self._free = {tier: list(range(n - 1, -1, -1)) for tier, n in capacity.items()}
+        self._free_window = list(range(capacity["hbm"] + window - 1, capacity["hbm"] - 1, -1))
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self._closed = False
@@ -352,6 +374,16 @@ class PagedKVCache:
         return len(self._free[self._check_tier(tier)])
 
     @_locked
+    def free_window_pages(self) -> int:
+        """Free pages of the HBM window (``mirror``)."""
+        return len(self._free_window)
+
+    @_locked
+    def mirrored_pages(self, seq_id: int) -> dict[int, int]:
+        """The sequence's mirrors: logical page -> HBM window page (a copy)."""
+        return dict(self._seq(seq_id).mirrors)
+
+    @_locked
     def seq_len(self, seq_id: int) -> int:
         """Tokens of the sequence (allocated by ``extend``/``append``)."""
         return self._seq(seq_id).length
@@ -381,6 +413,8 @@ class PagedKVCache:
             page_tables={i: tuple(s.pages) for i, s in self._seqs.items()},
             refcounts={t: tuple(int(r) for r in self._refs[t]) for t in TIERS},
             free_lists={t: tuple(self._free[t]) for t in TIERS},
+            mirrors={i: tuple(sorted(s.mirrors.items())) for i, s in self._seqs.items() if s.mirrors},
+            free_window=tuple(self._free_window),
         )
 
     def device_pool(self, tier: Tier) -> torch.Tensor:
@@ -470,7 +504,56 @@ class PagedKVCache:
         a fork get private copies first (copy-on-write), for every sequence, before anything is
         returned; the capacity for those copies is checked before any is made.
         """
-        return TokenSlots.build(*self.token_entries(seq_ids, starts, counts), self.device)
+        entry, off = self.token_entries(seq_ids, starts, counts)
+        return TokenSlots.build(entry, off, self.device, self.mirror_entries(seq_ids, starts, counts))
+
+    @_locked
+    def mirror_entries(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
+        """int64 (total,): the HBM window page mirroring each token's page (-1: none), in
+        ``token_entries`` order, for ``TokenSlots.build``."""
+        out = [self._mirror_of(self._seq(sid), start, n) for sid, start, n in zip(seq_ids, starts, counts)]
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    @_locked
+    def mirror(self, seq_id: int, start: int, n: int) -> int:
+        """Give the host pages holding tokens ``[start, start + n)`` (allocated) an HBM mirror
+        from the window, first page first, as far as free window pages go; a page already holding
+        tokens before ``start`` is copied into its mirror first (all layers). Pages in the HBM
+        tier, and pages already mirrored, are left as they are. Returns the pages mirrored now.
+
+        From then on every write to such a page goes to both copies, and ``kernel_tables`` names
+        the mirror while the host page is private (a shared page is read where its sharers read
+        it, so a cascade still finds it)."""
+        seq = self._seq(seq_id)
+        start, n = _check_int(start, "start"), _check_int(n, "n")
+        if start + n > seq.length:
+            raise ValueError(f"mirror of tokens [{start}, {start + n}) past the end of sequence {seq_id} "
+                             f"(length {seq.length}; extend it first)")
+        if n == 0:
+            return 0
+        made = 0
+        for lp in range(start // self.page_size, (start + n - 1) // self.page_size + 1):
+            if lp in seq.mirrors or seq.pages[lp] < 0:
+                continue
+            if not self._free_window:
+                break
+            w = self._free_window.pop()
+            seq.mirrors[lp] = w
+            if lp * self.page_size < start:  # history in the page: the mirror starts as its copy
+                self._copy_page(seq.pages[lp], encode_page("hbm", w))
+            made += 1
+        seq._table = None
+        return made
+
+    @_locked
+    def release_mirrors(self, seq_id: int, keep_partial: bool = True) -> int:
+        """Drop the sequence's mirrors (their host pages are current: writes went to both),
+        except, with ``keep_partial``, the partial last page's. Returns the pages released."""
+        seq = self._seq(seq_id)
+        full = seq.length // self.page_size
+        drop = [lp for lp in seq.mirrors if not (keep_partial and lp >= full)]
+        self._drop_mirrors(seq, drop)
+        return len(drop)
 
     @_locked
     def token_entries(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]):
@@ -593,6 +676,7 @@ class PagedKVCache:
     def free(self, seq_id: int) -> None:
         """Drop the sequence; pages whose refcount reaches 0 return to their tier's free list."""
         seq = self._seq(seq_id)
+        self._drop_mirrors(seq, list(seq.mirrors))
         for entry in seq.pages:
             self._decref(entry)
         del self._seqs[seq_id]
@@ -613,6 +697,7 @@ class PagedKVCache:
         partial_shared = length % self.page_size and self._refcount(seq.pages[last]) > 1
         if partial_shared:
             self._require(self._tier_counts(seq, [last]), f"truncate sequence {seq_id}")
+        self._drop_mirrors(seq, [lp for lp in seq.mirrors if lp >= keep])
         for entry in reversed(seq.pages[keep:]):  # last first: the free stack pops them in order again
             self._decref(entry)
         seq.pages = seq.pages[:keep]
@@ -648,6 +733,7 @@ class PagedKVCache:
             for i, entry in enumerate(s.pages):
                 if entry in remap:
                     s.set_entry(i, remap[entry])
+            self._drop_mirrors(s, [lp for lp in s.mirrors if s.pages[lp] < 0])
 
     @_locked
     def set_hbm_fraction(self, seq_id: int, fraction: float, placement: str = "recent") -> None:
@@ -698,6 +784,11 @@ class PagedKVCache:
             pages = seq.table()
             row[: len(pages)] = pages
             row[len(pages) :] = pages[-1]
+            for lp, w in seq.mirrors.items():
+                if self._refs["host"][pages[lp]] == 1:  # private: read its mirror
+                    row[lp] = encode_page("hbm", w)
+                    if lp == len(pages) - 1:
+                        row[len(pages) :] = row[lp]
         packed[batch * max_pages :] = [seq.length for seq in seqs]
         # non_blocking: a pageable source is staged by the driver before the call returns (so
         # `packed` may go), and the host does not wait for the GPU's queued work, as a blocking
@@ -803,6 +894,21 @@ class PagedKVCache:
         dst_page = self.device_pool(dst_tier)[di : di + 1]  # (1, L, Hkv, 2, page_size, d)
         dst_page.index_copy_(0, zero, self.device_pool(src_tier)[si : si + 1])
 
+    def _drop_mirrors(self, seq: _Sequence, logical_pages: list[int]) -> None:
+        """Return the given logical pages' mirrors to the window (tables naming them go stale)."""
+        for lp in logical_pages:
+            self._free_window.append(seq.mirrors.pop(lp))
+        if logical_pages:
+            seq._table = None
+            self._generation += 1
+
+    def _mirror_of(self, seq: _Sequence, start: int, n: int) -> np.ndarray:
+        """int64 (n,): the window page mirroring each of tokens [start, start + n) (-1: none)."""
+        if not seq.mirrors:
+            return np.full(n, -1, dtype=np.int64)
+        lps = np.arange(start, start + n) // self.page_size
+        return np.array([seq.mirrors.get(int(lp), -1) for lp in lps], dtype=np.int64)
+
     def _shared_pages(self, seq: _Sequence, start: int, stop: int) -> list[int]:
         """Logical pages holding tokens [start, stop) whose physical page is shared."""
         if stop <= start:
@@ -870,3 +976,11 @@ class PagedKVCache:
             pool = self.device_pool(tier)
             pool[pidx, lsel, :, 0, off] = k if tok is None else k[tok]
             pool[pidx, lsel, :, 1, off] = v if tok is None else v[tok]
+        w = self._mirror_of(seq, start, k.shape[0])  # (n,)
+        tok = np.flatnonzero(w >= 0)
+        if len(tok):  # write-through into the mirrors
+            m = len(tok)
+            dev = torch.from_numpy(np.concatenate([tok, w[tok], (start + tok) % self.page_size])).to(self.device)
+            t, pidx, off = dev[:m], dev[m : 2 * m], dev[2 * m :]
+            self.hbm_pool[pidx, lsel, :, 0, off] = k[t]
+            self.hbm_pool[pidx, lsel, :, 1, off] = v[t]

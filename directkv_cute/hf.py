@@ -286,11 +286,19 @@ class DirectKVCache(Cache):
             ``cascade_attention``). In the first step, a row whose prompt begins with whole
             pages of an earlier row's (a shared system prompt or document) forks that row at
             them. Rows are compared by their first layer's new K and V, bit for bit.
+        window_tokens: new tokens over the batch per step whose pages get an HBM mirror
+            (``PagedKVCache.mirror``): each layer writes its new K/V to the host page and the
+            mirror, and the attention reads the step's own tokens from HBM, so a host page's
+            bytes cross the link once, into host memory, and are read back only in later steps.
+            The window holds ``ceil(window_tokens / page_size) + 2 * max_batch_size`` pages (a
+            partial page and a boundary page per sequence); a step larger than the window
+            mirrors its first pages. 0: no window (every new token is read back from the host).
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
-                 device: str | torch.device | None = None, share_prompts: bool = True):
+                 device: str | torch.device | None = None, share_prompts: bool = True,
+                 window_tokens: int = 8192):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
         # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
@@ -307,7 +315,8 @@ class DirectKVCache(Cache):
             device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(device)
         for name, value, low in (("max_tokens", max_tokens, 1), ("max_batch_size", max_batch_size, 1),
-                                 ("hbm_budget", hbm_budget, 0), ("sink_pages", sink_pages, 0)):
+                                 ("hbm_budget", hbm_budget, 0), ("sink_pages", sink_pages, 0),
+                                 ("window_tokens", window_tokens, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
@@ -318,10 +327,12 @@ class DirectKVCache(Cache):
         hbm_pages = hbm_budget // page_bytes
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
         host_pages = math.ceil(max_tokens / page_size) + max_batch_size
+        window_pages = math.ceil(window_tokens / page_size) + 2 * max_batch_size if window_tokens else 0
         # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
         with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
             self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
-                                   num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device)
+                                   num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device,
+                                   num_window_pages=window_pages)
         self.device = self.kv.device
         self.dtype = dtype
         self.sink_pages = sink_pages
@@ -472,6 +483,8 @@ class DirectKVCache(Cache):
         for b, sid in enumerate(self._seqs):
             if sid >= 0:
                 first.setdefault(sid, b)
+        for sid in uniq:  # last step's full pages are current on the host: read there from now on
+            self.kv.release_mirrors(sid)
         plans = self._growth([counts[first[sid]] for sid in uniq], uniq)
         undo = [(sid, self.kv.seq_len(sid)) for sid in uniq]
         before = dict(undo)
@@ -486,8 +499,11 @@ class DirectKVCache(Cache):
             # One row per sequence stores its new tokens. Their slots are taken before any prompt
             # prefix is forked, so the forks share the pages these writes fill (no copy-on-write).
             writers = [b for b in rows if self._seqs[b] >= 0 and first[self._seqs[b]] == b]
-            entries = [self.kv.token_entries([self._seqs[b] for b in writers], [before[self._seqs[b]] for b in writers],
-                                             [int(counts[b]) for b in writers])]
+            spans = ([self._seqs[b] for b in writers], [before[self._seqs[b]] for b in writers],
+                     [int(counts[b]) for b in writers])
+            for sid, start, n in zip(*spans):
+                self.kv.mirror(sid, start, n)
+            entries = [(*self.kv.token_entries(*spans), self.kv.mirror_entries(*spans))]
             for b in sorted(prefixes):  # rows sharing an earlier row's prompt prefix: fork it there
                 a, m = prefixes[b]
                 child = self.kv.fork(self._seqs[a], m)
@@ -504,10 +520,12 @@ class DirectKVCache(Cache):
                 for tier, n in growth.runs:
                     self.kv.extend(child, n, tier)
                 if counts[b] > m:  # its tokens after the shared prefix, taken before any later fork of it
-                    entries.append(self.kv.token_entries([child], [m], [int(counts[b]) - m]))
+                    span = ([child], [m], [int(counts[b]) - m])
+                    self.kv.mirror(child, m, int(counts[b]) - m)
+                    entries.append((*self.kv.token_entries(*span), self.kv.mirror_entries(*span)))
                     writers.append(b)
-            slots = TokenSlots.build(np.concatenate([e for e, _ in entries]), np.concatenate([o for _, o in entries]),
-                                     self.kv.device)
+            slots = TokenSlots.build(*(np.concatenate([e[i] for e in entries]) for i in range(2)), self.kv.device,
+                                     np.concatenate([e[2] for e in entries]))
             tables = self.kv.kernel_tables([self._seqs[b] for b in rows]) if rows else None
         except BaseException:
             for sid, length in undo:

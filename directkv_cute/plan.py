@@ -119,6 +119,7 @@ class StagedChoice:
 COMPUTE_SHARE = 0.5
 LINK_STAGE_MARGIN = 0.98
 COPY_CALL_MS = 0.0025
+HYBRID_STAGE_SHARE = 0.05
 PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by the combine
 SPLIT_CHOICES = (1, 2, 4, 8)
 
@@ -133,12 +134,13 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     a link-bound one with every page on the host whose copy at the copy engine's rate in at least
     ``copy_calls`` calls, plus the staged call's overhead, beats reading the same bytes in place by
     ``LINK_STAGE_MARGIN``.
-    A link-bound call with pages in HBM reads them in place: the streaming kernel overlaps them
-    with the host reads, staging copies them first (measured: decode at 25% HBM, batch 1-64,
-    8k-128k, 12-37% slower staged)."""
+    A link-bound call with more than ``HYBRID_STAGE_SHARE`` of its bytes in HBM reads in place:
+    the streaming kernel overlaps those pages with the host reads, staging copies them first
+    (measured: decode at 25% HBM, batch 1-64, 8k-128k, 12-37% slower staged). A few pages in
+    HBM (the window mirroring a step's new tokens) are modelled as copies by ``choose_staged``."""
     if compute_bound(host_bytes, flops):
         return True
-    if hbm_bytes:
+    if hbm_bytes > HYBRID_STAGE_SHARE * host_bytes:
         return False
     copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + copy_calls * COPY_CALL_MS
     return copy_ms + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * host_bytes / (LINK_GBPS * 1e6)

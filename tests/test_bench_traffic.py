@@ -159,3 +159,21 @@ def test_split_summary_never_cuts_a_number():
     text = split_summary(many)
     assert text == "1..61 (13 counts)"
     assert len(split_summary(set(range(1, 200)))) <= 28
+
+
+def test_steps_through_the_window_read_only_the_history_from_the_host():
+    from bench.traffic import run_step_traffic_check
+
+    results = run_step_traffic_check()
+    assert results and all(r.ok for r in results), [r.problems for r in results if not r.ok][:3]
+    assert all(r.host_bytes == r.expected_host and r.hbm_bytes > 0 for r in results)
+    assert "cases pass" in format_traffic_table(results)
+
+
+def test_step_traffic_check_fails_without_mirrors(monkeypatch):
+    from bench.traffic import check_step_case, default_step_cases
+    from directkv_cute.cache import PagedKVCache
+
+    monkeypatch.setattr(PagedKVCache, "mirror", lambda self, sid, start, n: 0)
+    r = check_step_case(default_step_cases()[0])
+    assert not r.ok and "host bytes" in r.problems[0] and r.host_bytes > r.expected_host

@@ -402,3 +402,45 @@ def test_random_prompt_trees_generate_like_dynamic_cache(seed):
     torch.manual_seed(5)
     cache = _ours(model, batch=len(prompts), max_tokens=3000)
     assert torch.equal(_generate(model, cache, ids, mask, **kw), ref)
+
+
+@pytest.mark.parametrize("window", [0, 16, 8192], ids=["no-window", "tiny-window", "window"])
+def test_window_steps_read_new_tokens_from_hbm_and_generate_like_dynamic_cache(monkeypatch, window):
+    """Each step's pages are mirrored in HBM: the attention reads the history's full pages from
+    the host and everything newer (this step's tokens, the partial page they extend) from the
+    window; a window too small for a step mirrors what fits; the tokens never change."""
+    model = _llama(seed=21)
+    lens = [70, 41, 16]
+    ids, mask = _prompts(lens)
+    kw = dict(max_new_tokens=20, do_sample=False, prefill_chunk_size=32)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    cache = _ours(model, window_tokens=window)
+    seen = []
+    real = dkhf.DirectKVCache._attend_layer
+
+    def watch(self, step, query, key, value, scaling, layer_idx):
+        if layer_idx == 0:
+            before = {sid: length for sid, length in step.undo}
+            seen.append((step.tables.host_table.copy(), list(step.tables.host_seq_lens),
+                         [before[self._seqs[b]] for b in step.rows]))
+        return real(self, step, query, key, value, scaling, layer_idx)
+
+    monkeypatch.setattr(dkhf.DirectKVCache, "_attend_layer", watch)
+    out = _generate(model, cache, ids, mask, **kw)
+    assert torch.equal(out, ref)
+    P = 16
+    assert seen
+    for table, seq_lens, hist in seen:
+        for row, n, h in zip(table, seq_lens, hist):
+            pages = -(-n // P)
+            from_host = [p for p in range(pages) if row[p] >= 0]
+            if window >= 8192:  # every page of the step in the window: only full history pages on the host
+                assert from_host == list(range(h // P))
+            elif window == 0:
+                assert from_host == list(range(pages))
+            else:
+                assert set(range(h // P)) <= set(from_host)
+    if window:
+        assert any(row[p] < 0 for table, _, _ in seen for row in table for p in range(len(row)))
+    assert cache.kv.free_window_pages() + sum(len(cache.kv.mirrored_pages(s)) for s in set(cache.seq_ids)) \
+        == cache.kv.num_window_pages

@@ -129,6 +129,7 @@ def test_cost_model_stages_compute_bound_chunks_and_long_link_bound_reads():
     # With a quarter of its pages in HBM the same read stays in place (the streaming kernel
     # overlaps the HBM pages; staging would copy them first).
     assert not may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 3)
+    assert may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 256, 2)  # a window page or two
     # Many short sequences: one copy call per sequence and piece eats the edge (measured: batch
     # 64 over 1k staged 22% slower, batch 16 over 16k 3% faster).
     many_short = 64 * 2 * 1024 * 8 * 128 * 2
