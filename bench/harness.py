@@ -64,6 +64,7 @@ class BenchOptions:
     host_read_kernel: str = "sum_f32"
     hbm_read_kernel: str = "sum_f32"
     peers: bool = True  # FlashAttention-4's methods (bench.peers) where it is installed
+    window: bool = False  # ours[window]: the query tokens' pages mirrored in HBM (multi-token, host only)
 
     def timing(self) -> dict:
         return {"warmup": self.warmup, "reps": self.reps, "max_total_s": self.max_rep_s,
@@ -504,9 +505,13 @@ class ShapeBench:
         s, opts = self.shape, self.opts
         n_pages = self._pages_per_seq()
         n_hbm = len(hbm_pages(n_pages, max(fractions), opts.placement))
+        extra = {}
+        if self._window():
+            extra["num_window_pages"] = self.sets * s.batch * (math.ceil(s.q_len / opts.page_size) + 1)
         cache = api.cache_cls(opts.num_layers, s.hkv, s.head_dim, opts.page_size,
                               num_host_pages=self.sets * s.batch * n_pages,
-                              num_hbm_pages=self.sets * s.batch * n_hbm, dtype=self.dtype, device=opts.device)
+                              num_hbm_pages=self.sets * s.batch * n_hbm, dtype=self.dtype, device=opts.device,
+                              **extra)
         seq_ids = []
         for i in range(self.sets):
             ids = []
@@ -556,15 +561,43 @@ class ShapeBench:
         self._ours_config(api, cache, seq_ids, placed, fraction, self.opts.config, "ours")
         for cfg in self.opts.compare_configs:
             self._ours_config(api, cache, seq_ids, placed, fraction, cfg, config_method(cfg))
+        if fraction == 0.0 and self._window():
+            self._ours_window(api, cache, seq_ids, placed)
+
+    def _window(self) -> bool:
+        """Whether this shape gets ours[window] (``--window``; multi-token, with host pages)."""
+        return self.opts.window and self.shape.q_len > 1 and 0.0 in self.opts.hbm_fractions
+
+    def _ours_window(self, api: OursApi, cache, seq_ids, placed) -> None:
+        """ours[window]: the pages holding the query tokens mirrored in HBM, as a model step's
+        window leaves them (the partial page before them copied in), the op's own choice; the
+        history's full pages are read from the host."""
+        s, page = self.shape, self.opts.page_size
+        hist = s.context - s.q_len
+        for ids in seq_ids:
+            for sid in ids:
+                cache.mirror(sid, hist, s.q_len)
+                for layer in range(self.opts.num_layers):  # the step's own stores, through to the mirrors
+                    cache.write(sid, layer, hist, *cache.read(sid, layer, hist, s.context))
+        self.timer.sync()
+        try:
+            host_t = (hist // page) * page
+            kw = dict(host_bytes=s.batch * host_t * s.token_bytes,
+                      hbm_bytes=s.batch * (s.context - host_t) * s.token_bytes)
+            self._ours_config(api, cache, seq_ids, placed, 0.0, self.opts.config, "ours[window]", bytes_kw=kw)
+        finally:
+            for ids in seq_ids:
+                for sid in ids:
+                    cache.release_mirrors(sid, keep_partial=False)
 
     def _ours_config(self, api: OursApi, cache, seq_ids, placed, fraction: float, cfg: dict | None,
-                     method: str) -> None:
+                     method: str, bytes_kw: dict | None = None) -> None:
         s = self.shape
         host_b, hbm_b = self._tier_bytes(fraction)
         page_bytes = 2 * s.hkv * self.opts.page_size * s.head_dim * s.elem_bytes * self.opts.num_layers
         resident = len(placed[0][0]) * s.batch * page_bytes
         q_lens = None if s.q_len == 1 else [s.q_len] * s.batch
-        kw = dict(host_bytes=host_b, hbm_bytes=hbm_b, hbm_fraction=fraction)
+        kw = {"host_bytes": host_b, "hbm_bytes": hbm_b, **(bytes_kw or {}), "hbm_fraction": fraction}
         tables = [cache.kernel_tables(ids) for ids in seq_ids]
         outs = [torch.empty_like(q) for q in self.inputs.qs]
         config = _decode_config(cfg)

@@ -71,7 +71,7 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         seed=ns.seed, max_gb=ns.max_gb, config=ns.config, compare_configs=tuple(ns.compare_configs),
         host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"),
-        peers=not getattr(ns, "no_peers", False))
+        peers=not getattr(ns, "no_peers", False), window=getattr(ns, "window", False))
 
 
 def bench_shapes(ns: argparse.Namespace, bench: str, device: str = "cuda"):
@@ -198,6 +198,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ceiling-gb", type=float, default=2.0, help="host buffer for the ceilings (HBM: twice)")
     g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--window", action="store_true",
+                   help="also ours[window]: multi-token shapes with the query tokens' own pages mirrored in "
+                        "HBM (the HBM window of a model step), host only")
     g.add_argument("--no-peers", action="store_true",
                    help="leave out FlashAttention-4's methods (fa4[hbm], fa4[zero_copy_paged], swap+fa4)")
     g.add_argument("--no-progress", action="store_true")

@@ -390,6 +390,34 @@ def test_harness_with_the_real_cache_and_reference(tmp_path):
     assert all(r["ms"] is not None for r in doc["records"])
 
 
+def test_window_method_reads_the_query_pages_from_the_window(tmp_path):
+    """--window: ours[window] runs the real op with the query tokens' pages mirrored in HBM (checked
+    against the anchor like every method), counts only the history's full pages as host bytes, and
+    leaves no mirror behind."""
+    from bench.harness import load_ours
+
+    real = load_ours("cpu")
+    seen = []
+
+    def run(q, cache, tables, seq_ids, q_lens, config, out):
+        seen.append(int((tables.host_table < 0).sum()))
+        return real.run(q, cache, tables, seq_ids, q_lens, config, out)
+
+    api = OursApi(cache_cls=real.cache_cls, run=run, missing_errors=real.missing_errors)
+    shape = Shape("prefill", 2, 100, 40, 4, 2, 64, "bfloat16")  # history 60: 3 full pages of 16 + 12
+    doc = _run(tmp_path, [shape], BenchOptions(window=True, **FAST), lambda device: api)
+    assert doc["passed"], [c for c in doc["checks"] if not c["ok"]]
+    recs = {r["method"]: r for r in doc["records"]}
+    assert recs["ours[window]"]["ms"] > 0
+    tok = shape.token_bytes
+    assert recs["ours[window]"]["host_bytes"] == 2 * 48 * tok and recs["ours"]["host_bytes"] == 2 * 100 * tok
+    assert recs["ours[window]"]["hbm_bytes"] == 2 * 52 * tok
+    assert 0 in seen and max(seen) == 2 * 4  # pages 3..6 of each sequence from the window
+    doc = _run(tmp_path, [Shape("decode", 2, 100, 1, 4, 2, 64, "bfloat16")], BenchOptions(window=True, **FAST),
+               lambda device: api)
+    assert "ours[window]" not in {r["method"] for r in doc["records"]}  # decode: one token, nothing to mirror
+
+
 @pytest.mark.gpu
 def test_gpu_smoke_run(tmp_path):
     """On a GPU: ceilings, UVA aliases, CUDA-event timing and every method on two tiny shapes."""
