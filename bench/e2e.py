@@ -13,7 +13,9 @@ Methods (``--methods``), each through ``model.generate`` with greedy decoding on
 * ``hf-offloaded``: ``generate(cache_implementation="offloaded")`` + SDPA, KV in host memory,
   each layer copied back to the GPU every step;
 * ``ours[host]``: ``directkv_cute.hf.DirectKVCache``, host only: KV in pinned host pages, read in
-  place by our kernels;
+  place by our kernels, each step's new K/V read from its HBM window (``window_tokens``);
+* ``ours[readback]``: the same without the window (``window_tokens=0``): each step's new K/V are
+  stored in host pages and read back from there;
 * ``ours[hbm]``: the same with an HBM tier of ``--hbm-budget`` bytes (default: what hf-offloaded
   used beyond the weights at the same context and batch, i.e. its peak GPU memory minus the
   memory allocated before it); ``ours[hbm=8GiB]`` fixes one.
@@ -88,7 +90,7 @@ E2E_SCHEMA = "directkv-bench-e2e/1"
 GiB = 1 << 30
 BASE_METHODS = ("dynamic", "hf-offloaded", "ours")
 DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
-METHOD_ORDER = {"dynamic": 0, "hf-offloaded": 1, "ours[host]": 2, "ours[hbm]": 3}
+METHOD_ORDER = {"dynamic": 0, "hf-offloaded": 1, "ours[readback]": 2, "ours[host]": 3, "ours[hbm]": 4}
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 ROW_FIELDS = (
@@ -123,11 +125,15 @@ class Method:
     base: str
     tier: str = "host"
     budget: int | None = None
+    window: bool = True  # ours: each step's new K/V read from the HBM window
 
     @property
     def name(self) -> str:
-        """The method's key in rows and plots: dynamic, hf-offloaded, ours[host], ours[hbm]."""
-        return self.base if self.base != "ours" else f"ours[{self.tier}]"
+        """The method's key in rows and plots: dynamic, hf-offloaded, ours[readback], ours[host],
+        ours[hbm]."""
+        if self.base != "ours":
+            return self.base
+        return f"ours[{self.tier}]" if self.window else "ours[readback]"
 
     def label(self, budget: int | None = None) -> str:
         if self.base == "ours" and self.tier == "hbm":
@@ -148,12 +154,14 @@ def parse_methods(text: str) -> list[Method]:
             out.append(Method(item))
         elif item in ("ours", "ours[host]"):
             out.append(Method("ours", "host"))
+        elif item == "ours[readback]":
+            out.append(Method("ours", "host", window=False))
         elif item == "ours[hbm]":
             out.append(Method("ours", "hbm"))
         elif item.startswith("ours[hbm=") and item.endswith("]"):
             out.append(Method("ours", "hbm", parse_size(item[len("ours[hbm="):-1])))
         else:
-            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[host], ours[hbm] "
+            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[readback], ours[host], ours[hbm] "
                              "or ours[hbm=<bytes>]")
     if not out:
         raise ValueError("no methods given")
@@ -277,6 +285,15 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
         phys = next((r for r in rows if r["method"] == "physics" and r["context"] == ctx and r["batch"] == batch), None)
         if host is None:
             continue
+        rb = _one(rows, method="ours[readback]", role="measured", **m)
+        if rb is not None and rb.get("prefill_s") and host.get("prefill_s"):
+            add("ours[host] prefill faster than ours[readback] (the window)", ctx, batch, host["prefill_s"],
+                rb["prefill_s"], host["prefill_s"] < rb["prefill_s"],
+                f"{host['prefill_s']:.2f} vs {rb['prefill_s']:.2f} s")
+        if rb is not None and rb.get("decode_ms") and host.get("decode_ms"):
+            add("ours[host] decode no slower than ours[readback] (<= 1.02x)", ctx, batch, host["decode_ms"],
+                1.02 * rb["decode_ms"], host["decode_ms"] <= 1.02 * rb["decode_ms"],
+                f"{host['decode_ms']:.2f} vs {rb['decode_ms']:.2f} ms")
         if phys is not None:
             limit = PHYSICS_FACTOR * phys["decode_ms"]
             add(f"ours[host] <= {PHYSICS_FACTOR} x physics", ctx, batch, host["decode_ms"], limit,
@@ -605,7 +622,7 @@ class Runner:
             _set_attn(models, dkhf.ATTN_IMPLEMENTATION)
             cache = dkhf.DirectKVCache(model, max_tokens=batch * (ctx + n_new), max_batch_size=batch,
                                        page_size=o.page_size, hbm_budget=int(budget or 0), dtype=o.dtype,
-                                       device=o.device)
+                                       device=o.device, **({} if method.window else {"window_tokens": 0}))
             try:
                 cache.check_request([ctx] * batch, n_new)
                 setup = time.perf_counter() - t0
