@@ -5,6 +5,7 @@ Public API:
     paged_attention         attention of new query tokens over their cached history
     paged_attention_tables  the same with page tables built once (per step / CUDA graphs)
     cascade_attention       the same reading the pages forked sequences share once per batch
+    kv_project              fused K/V projection + RoPE + store of new tokens into host/HBM pages
     DecodeConfig            kernel knobs (tile, stages, splits, SMEM carveout, warpgroups)
     paged_attention_ref     the float32 reference (also the CPU path)
 """
@@ -28,6 +29,9 @@ _LAZY = {
     "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",
     "paged_attention_ref": "directkv_cute.reference",
+    "KVProjConfig": "directkv_cute.kv_proj",
+    "kv_project": "directkv_cute.kv_proj",
+    "kv_project_reference": "directkv_cute.kv_proj",
 }
 
 
@@ -57,6 +61,7 @@ __all__ = [
     "CacheCapacityError",
     "ConfigError",
     "DecodeConfig",
+    "KVProjConfig",
     "KernelTables",
     "PagedKVCache",
     "__version__",
@@ -64,6 +69,8 @@ __all__ = [
     "default_decode_config",
     "default_multi_token_config",
     "dense_attention_ref",
+    "kv_project",
+    "kv_project_reference",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_tables",

@@ -131,13 +131,17 @@ class KernelTables(NamedTuple):
 class TokenSlots:
     """Destinations of a batch of token rows, by tier (see ``PagedKVCache.token_slots``).
 
-    parts: (tier, tok, pidx, off) per tier present: ``tok`` int64 (m,) the rows in this tier, or
-    None when all rows are; ``pidx`` int64 (m,) their pages; ``off`` int64 (m,) their rows within
-    the page. All on the cache device.
+    parts: (tier, tok, pidx, off) per destination: ``tok`` int64 (m,) the rows it takes, or None
+    when all rows go there; ``pidx`` int64 (m,) their pages; ``off`` int64 (m,) their rows within
+    the page. All on the cache device. A token whose page has a window mirror goes to the mirror
+    (a part of tier "hbm") and to its host page, the part in ``mirrored``; ``runs`` (window page,
+    host page, pages) cover those pages, for copying them instead (``write_slots(defer_host=True)``).
     """
 
     total: int
     parts: tuple
+    mirrored: tuple = ()
+    runs: tuple = ()
 
     @staticmethod
     def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None) -> "TokenSlots":
@@ -145,16 +149,19 @@ class TokenSlots:
         each token's HBM window page (``mirror_entries``, -1: none) -- a second destination."""
         total = len(entry)
         in_hbm = entry < 0
-        groups = [(t, idx) for t, idx in (("host", np.flatnonzero(~in_hbm)), ("hbm", np.flatnonzero(in_hbm)))
+        mirrored = np.zeros(total, bool) if mirror is None else mirror >= 0
+        groups = [(t, idx) for t, idx in (("host", np.flatnonzero(~in_hbm & ~mirrored)),
+                                          ("hbm", np.flatnonzero(in_hbm)),
+                                          ("hbm", np.flatnonzero(mirrored)),
+                                          ("host", np.flatnonzero(mirrored)))
                   if len(idx)]
         pieces = []
-        for tier, tok in groups:
-            pidx = entry[tok] if tier == "host" else -entry[tok] - 1
+        for i, (tier, tok) in enumerate(groups):
+            if tier == "host":
+                pidx = entry[tok]
+            else:
+                pidx = mirror[tok] if mirrored[tok[0]] else -entry[tok] - 1
             pieces += [tok, pidx, off[tok]]
-        if mirror is not None and (mirror >= 0).any():
-            tok = np.flatnonzero(mirror >= 0)
-            groups.append(("hbm", tok))
-            pieces += [tok, mirror[tok], off[tok]]
         if not pieces:
             return TokenSlots(0, ())
         dev = torch.from_numpy(np.concatenate(pieces)).to(device)
@@ -165,6 +172,18 @@ class TokenSlots:
             parts.append((tier, None if whole else dev[at : at + m], dev[at + m : at + 2 * m],
                           dev[at + 2 * m : at + 3 * m]))
             at += 3 * m
+        runs = ()
+        if mirrored.any():
+            tok = np.flatnonzero(mirrored)
+            pairs = list(dict.fromkeys(zip(mirror[tok].tolist(), entry[tok].tolist())))  # (window, host), in order
+            out = []
+            for w, h in pairs:
+                if out and out[-1][0] + out[-1][2] == w and out[-1][1] + out[-1][2] == h:
+                    out[-1][2] += 1
+                else:
+                    out.append([w, h, 1])
+            runs = tuple(tuple(r) for r in out)
+            return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), runs)
         return TokenSlots(total, tuple(parts))
 
 
@@ -204,11 +223,13 @@ class _Sequence:
 
 
 def _locked(method):
-    """Run a cache method under the cache's lock: every operation is atomic for concurrent callers."""
+    """Run a cache method under the cache's lock: every operation is atomic for concurrent callers,
+    and runs after the host copies ``write_slots(defer_host=True)`` queued (current stream order)."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self._lock:
+            self._host_current()
             return method(self, *args, **kwargs)
 
     return run
@@ -310,6 +331,8 @@ class PagedKVCache:
         # Free lists are stacks popped from the end, so pages are handed out in increasing order.
         self._free = {tier: list(range(n - 1, -1, -1)) for tier, n in capacity.items()}
         self._free_window = list(range(capacity["hbm"] + window - 1, capacity["hbm"] - 1, -1))
+        self._copy_stream = self._copy_done = None
+        self._copy_pending = False
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self._closed = False
@@ -335,6 +358,9 @@ class PagedKVCache:
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Unpin the host pool now (idempotent). The cache, and CUDA views of it, are unusable after."""
+        if self._copy_pending:  # no copy may land in memory that is no longer pinned
+            self._copy_done.synchronize()
+            self._copy_pending = False
         self._closed = True
         self.host_pool_cuda = None
         self._host_buffer.close()
@@ -589,18 +615,32 @@ class PagedKVCache:
         return entry, off
 
     @_locked
-    def write_slots(self, slots: "TokenSlots", layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_slots(self, slots: "TokenSlots", layer: int, k: torch.Tensor, v: torch.Tensor,
+                    defer_host: bool = False) -> None:
         """Store K/V rows ``k[i]``, ``v[i]`` ((total, num_kv_heads, head_dim), cache dtype, on the
-        cache device) of one layer at the positions ``slots`` (from ``token_slots``) names."""
+        cache device) of one layer at the positions ``slots`` (from ``token_slots``) names.
+
+        ``defer_host``: tokens whose page has a mirror are stored in the mirror only, and the copy
+        engine then copies this layer of those pages into their host pages on a side stream
+        (ordered after this write), off the current stream's path; every later operation of the
+        cache that reads host pages, and every ``kernel_tables`` call, waits for it first."""
         layer = self._check_layer(layer)
         n = self._check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
             raise ValueError(f"{n} K/V rows for {slots.total} slots")
         k, v = k.detach(), v.detach()  # the pools never join an autograd graph
-        for tier, tok, pidx, off in slots.parts:
+        for tier, tok, pidx, off in slots.parts + (() if defer_host else slots.mirrored):
             pool = self.device_pool(tier)
             pool[pidx, layer, :, 0, off] = k if tok is None else k[tok]
             pool[pidx, layer, :, 1, off] = v if tok is None else v[tok]
+        if defer_host:
+            self._copy_back(layer, slots.runs)
+
+    @_locked
+    def copy_mirrors_to_host(self, slots: "TokenSlots", layer: int) -> None:
+        """The host half of ``write_slots(defer_host=True)`` for a writer that stored the slots'
+        mirrored tokens itself (``kv_project``): queue the copies of this layer of their pages."""
+        self._copy_back(self._check_layer(layer), slots.runs)
 
     @_locked
     def read(
@@ -893,6 +933,43 @@ class PagedKVCache:
         zero = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,)
         dst_page = self.device_pool(dst_tier)[di : di + 1]  # (1, L, Hkv, 2, page_size, d)
         dst_page.index_copy_(0, zero, self.device_pool(src_tier)[si : si + 1])
+
+    def _copy_back(self, layer: int, runs) -> None:
+        """Copy one layer of mirrored pages into their host pages: (window page, host page, pages)
+        runs, by the copy engine on the side stream after the current stream's work so far (on a
+        CPU cache: now)."""
+        if not runs:
+            return
+        width = math.prod(self.page_shape[1:]) * self.dtype.itemsize  # one layer of one page
+        pitch = self.page_bytes
+        if self.device.type != "cuda":
+            for w, h, count in runs:
+                self.host_pool[h : h + count, layer] = self.hbm_pool[w : w + count, layer]
+            return
+        import cuda.bindings.runtime as rt
+
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        cur = torch.cuda.current_stream(self.device)
+        self._copy_stream.wait_stream(cur)
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        host = self.host_pool.data_ptr() + layer * width
+        dev = self.hbm_pool.data_ptr() + layer * width
+        for w, h, count in runs:
+            err, = rt.cudaMemcpy2DAsync(host + h * pitch, pitch, dev + w * pitch, pitch, width, count, kind,
+                                        self._copy_stream.cuda_stream)
+            if err != rt.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaMemcpy2DAsync of mirrored pages to the host failed: {err}")
+        if self._copy_done is None:
+            self._copy_done = torch.cuda.Event()
+        self._copy_done.record(self._copy_stream)
+        self._copy_pending = True
+
+    def _host_current(self) -> None:
+        """Make the current stream wait for the copies ``write_slots(defer_host=True)`` queued."""
+        if self._copy_pending:
+            torch.cuda.current_stream(self.device).wait_event(self._copy_done)
+            self._copy_pending = False
 
     def _drop_mirrors(self, seq: _Sequence, logical_pages: list[int]) -> None:
         """Return the given logical pages' mirrors to the window (tables naming them go stale)."""

@@ -213,6 +213,7 @@ class _Step:
     processed_before: int
     cascade: object = None  # cascade.PreparedCascade when `rows` share pages (forks), else None
     write_idx: torch.Tensor | None = None  # int64: the real tokens stored (merged rows store once), None: all
+    defer_host: bool = False  # mirrored pages reach their host pages by the copy engine (write_slots)
 
 
 class DirectKVLayer(CacheLayerMixin):
@@ -544,9 +545,14 @@ class DirectKVCache(Cache):
             write_idx = torch.tensor([t for b in writers
                                       for t in range(cu[pos[b]] + skip.get(self._seqs[b], 0), cu[pos[b] + 1])],
                                      dtype=torch.long).to(query.device)
+        # A chunk of at least a page per sequence: its mirrored pages are copied to the host by the
+        # copy engine, off the layer's path (a decode step's few rows are stored directly). Not
+        # when prompts were forked in this step: the forks read the shared pages from the host.
+        defer = not prefixes and max(q_lens, default=0) >= self.kv.page_size
         step = _Step(batch, q_len, rows, q_lens, tok_idx, slots, tables,
                      max((self.kv.seq_len(self._seqs[b]) for b in rows), default=0), undo, self.processed,
-                     self._cascade(tables, q_lens, hq, query.device) if len(rows) > 1 else None, write_idx)
+                     self._cascade(tables, q_lens, hq, query.device) if len(rows) > 1 else None, write_idx,
+                     defer)
         self.processed += q_len
         return step
 
@@ -659,10 +665,10 @@ class DirectKVCache(Cache):
         if not step.rows:
             return query.new_zeros(batch, q_len, hq, d)
         if step.write_idx is None:
-            self.kv.write_slots(step.slots, layer_idx, k, v)
+            self.kv.write_slots(step.slots, layer_idx, k, v, defer_host=step.defer_host)
         else:
             self.kv.write_slots(step.slots, layer_idx, k.index_select(0, step.write_idx),
-                                v.index_select(0, step.write_idx))
+                                v.index_select(0, step.write_idx), defer_host=step.defer_host)
         q = q.contiguous()
         if step.cascade is not None:
             from directkv_cute.cascade import cascade_attention

@@ -117,10 +117,13 @@ def test_traffic_part_is_one_line_unless_it_fails(monkeypatch, capsys):
     import bench.traffic as traffic
 
     some = traffic.default_cases()[::20]  # the whole grid: tests/test_bench_traffic.py
+    steps = traffic.default_step_cases()[:2]
     monkeypatch.setattr(traffic, "run_traffic_check", lambda: [traffic.check_case(c) for c in some])
+    monkeypatch.setattr(traffic, "run_step_traffic_check", lambda: [traffic.check_step_case(c) for c in steps])
     assert run_check(profiles=False, compile=False, progress=False) == 0
     out = capsys.readouterr().out
-    assert f"== (c) host-traffic model: {len(some)}/{len(some)} cases pass\n" in out
+    n = len(some) + len(steps)
+    assert f"== (c) host-traffic model: {n}/{n} cases pass\n" in out
     assert "page  tile" not in out and len(out.splitlines()) == 3
     assert run_check(profiles=False, compile=False, progress=False, verbose=True) == 0
     assert "page  tile" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import torch
 from directkv_cute import ops
 from directkv_cute.config import DecodeConfig, QTiledConfig, default_decode_config, default_multi_token_config
 from directkv_cute.kernels import jit, sources, specs
+from directkv_cute.kv_proj import KVProjConfig
 from directkv_cute.tuning.space import TuneShape, get_space
 from pkg_copy import HOST_ONLY, package_imports
 
@@ -23,7 +24,7 @@ CONFIGURED = [s for s in specs.SPECS if s.config is not None]
 
 
 def test_one_spec_per_compiled_kernel():
-    assert [s.name for s in specs.SPECS] == ["decode", "multi_token", "q_tiled", "combine"]
+    assert [s.name for s in specs.SPECS] == ["decode", "multi_token", "q_tiled", "kv_proj", "combine"]
     assert specs.KERNELS == {s.name: s for s in specs.SPECS} and specs.get("q_tiled") is specs.KERNELS["q_tiled"]
     with pytest.raises(KeyError, match="no kernel 'prefill'"):
         specs.get("prefill")
@@ -73,7 +74,7 @@ def test_spec_files_exist_and_are_closed_under_their_package_imports(spec):
         assert imported <= allowed, f"{spec.name}: {rel} imports {sorted(imported - allowed)}"
     # the device module its compile function builds is among its files
     device = {"decode": "kernels/decode.py", "multi_token": "kernels/multi_token.py", "q_tiled": "kernels/q_tiled.py",
-              "combine": "kernels/combine.py"}[spec.name]
+              "kv_proj": "kernels/kv_proj.py", "combine": "kernels/combine.py"}[spec.name]
     assert device in spec.files and "kernels/jit.py" in spec.files
 
 
@@ -87,7 +88,7 @@ def _random_configs(cls, n, seed=0):
         "ctas_per_sm": (0, 1, 2, 9), "carveout": (50, 80, 100, 101), "consumer_wgs": (0, 1, 2, 3),
         "chunk_tiles": (0, 1, 3, 6), "max_inflight": (0, 1, 2), "link_credits": (0, 8, -1), "edge_tiles": (0, 1, 2),
         "q_regs": (0, 1, 2), "q_cluster": (0, 2, 3), "stagger": (0, 2, 4), "piece_pages": (-1, 0, 4),
-        "splits": (-1, 0, 2), "order": (0, 1, 2, 3), "pingpong": (0, 1, 2),
+        "splits": (-1, 0, 2), "order": (0, 1, 2, 3), "pingpong": (0, 1, 2), "tile_m": (32, 64, 128),
     }
     names = [f.name for f in dataclasses.fields(cls)]
     return [cls(**{k: rng.choice(choices[k]) for k in names}) for _ in range(n)]
@@ -156,20 +157,22 @@ def test_every_config_field_is_stated_once(spec):
 
 
 def _key(spec, cfg, head_dim=128):
+    if spec.name == "kv_proj":
+        return jit.kv_proj_key(cfg, torch.bfloat16, 4096, 8, head_dim, 64, True, True, True, False)
     if spec.name == "q_tiled":
         return jit.q_tiled_key(cfg, torch.bfloat16, head_dim, 64, 4, True, True)
     return jit.decode_key(cfg, torch.bfloat16, head_dim, 64, 4, True, resident=spec.name == "multi_token")
 
 
 def _other(value, field):
-    return {"tile_n": 128 if value != 128 else 64, "consumer_wgs": 2 if value != 2 else 1,
+    return {"tile_n": 128 if value != 128 else 64, "tile_m": 64 if value != 64 else 128, "consumer_wgs": 2 if value != 2 else 1,
             "carveout": 90 if value != 90 else 80}.get(field, value + 1)
 
 
 @pytest.mark.parametrize("spec", CONFIGURED, ids=lambda s: s.name)
 def test_codegen_fields_are_exactly_those_that_change_the_compile_key(spec):
     base = {"decode": default_decode_config(128, 8, 64), "multi_token": default_multi_token_config(128),
-            "q_tiled": QTiledConfig()}[spec.name]
+            "q_tiled": QTiledConfig(), "kv_proj": KVProjConfig()}[spec.name]
     resolved = dict(spec.resolved_fields)
     for f in dataclasses.fields(base):
         cfg = dataclasses.replace(base, **{f.name: _other(getattr(base, f.name), f.name)})

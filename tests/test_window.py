@@ -73,6 +73,33 @@ def test_mirrored_pages_are_written_through_and_read_from_hbm():
     assert cache.free_window_pages() == 6
 
 
+def test_deferred_host_stores_copy_whole_mirrored_pages_by_runs():
+    """write_slots(defer_host=True): mirrored tokens go to their mirrors, and one copy per run of
+    consecutive (mirror, host) pages brings that layer into the host pages; tokens without a
+    mirror are stored directly."""
+    gen = torch.Generator().manual_seed(4)
+    cache = make(window=3)
+    sid = cache.add_sequence()
+    cache.append(sid, *rand(5, gen))
+    cache.extend(sid, 4 * P)  # tokens 5..68: pages 0..4; the window holds 3 of them
+    assert cache.mirror(sid, 5, 4 * P) == 3
+    slots = cache.token_slots([sid], [5], [4 * P])
+    assert slots.runs == ((cache.mirrored_pages(sid)[0], cache.page_table(sid)[0], 3),)
+    k, v = rand(4 * P, gen)
+    calls = []
+    real = PagedKVCache._copy_back
+    PagedKVCache._copy_back = lambda self, layer, runs: (calls.append((layer, runs)), real(self, layer, runs))
+    try:
+        for layer in range(L):
+            cache.write_slots(slots, layer, k[:, layer], v[:, layer], defer_host=True)
+    finally:
+        PagedKVCache._copy_back = real
+    assert [c[0] for c in calls] == [0, 1]
+    cache.release_mirrors(sid, keep_partial=False)
+    got_k, got_v = read_through_tables(cache, sid)
+    assert torch.equal(got_k[5:], k) and torch.equal(got_v[5:], v)
+
+
 def test_attention_over_mirrors_equals_attention_over_host_pages():
     gen = torch.Generator().manual_seed(1)
     cache = make(window=8)
@@ -186,8 +213,8 @@ class WindowMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.truth)
     @rule(pick=st.integers(0, 3), n=st.integers(1, 40), mirror=st.booleans(), tier=st.sampled_from(["host", "hbm"]),
-          per_layer=st.booleans())
-    def grow(self, pick, n, mirror, tier, per_layer):
+          per_layer=st.booleans(), defer=st.booleans())
+    def grow(self, pick, n, mirror, tier, per_layer, defer):
         sid = self._ids()[pick % len(self.truth)]
         try:
             start = self.cache.extend(sid, n, tier)
@@ -201,7 +228,7 @@ class WindowMachine(RuleBasedStateMachine):
             if per_layer:
                 slots = self.cache.token_slots([sid], [start], [n])
                 for layer in range(L):
-                    self.cache.write_slots(slots, layer, k[:, layer], v[:, layer])
+                    self.cache.write_slots(slots, layer, k[:, layer], v[:, layer], defer_host=defer)
             else:
                 for layer in range(L):
                     self.cache.write(sid, layer, start, k[:, layer], v[:, layer])

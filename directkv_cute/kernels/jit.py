@@ -254,3 +254,47 @@ def clear_memory_cache() -> None:
     """Forget this process's compiled kernels (the disk cache stays)."""
     with _LOCK:
         _CACHE.clear()
+
+
+def kv_proj_key(cfg, dtype: torch.dtype, hidden: int, kv_heads: int, head_dim: int, page_size: int, bias: bool,
+                to_host: bool, to_hbm: bool, to_out: bool):
+    # The config enters as its spec states (splits is a launch argument); sizes (tokens, pages,
+    # layers, the layer) are runtime arguments.
+    return ("kv_proj", arch(), str(dtype), hidden, kv_heads, head_dim, page_size, bool(bias), bool(to_host),
+            bool(to_hbm), bool(to_out), *specs.get("kv_proj").key_values(cfg, head_dim))
+
+
+def compile_kv_proj(cfg, dtype: torch.dtype, hidden: int, kv_heads: int, head_dim: int, page_size: int, bias: bool,
+                    to_host: bool, to_hbm: bool, to_out: bool):
+    """Compile (once per key) the fused K/V projection + RoPE + store kernel (``kernels/kv_proj.py``)
+    for a ``KVProjConfig``; ``page_size`` 0 when it stores to no pool."""
+    cfg.check(head_dim, page_size or None, 2, hidden)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    if not (to_host or to_hbm or to_out):
+        raise ValueError("the kernel must store somewhere: to_host, to_hbm or to_out")
+    if (to_host or to_hbm) != bool(page_size):
+        raise ValueError(f"page_size {page_size} with to_host={to_host}, to_hbm={to_hbm}: a pool needs its page size, "
+                         "no pool takes 0")
+    key = kv_proj_key(cfg, dtype, hidden, kv_heads, head_dim, page_size, bias, to_host, to_hbm, to_out)
+    return _cached_compile(key, lambda: _compile_kv_proj(cfg, dtype, hidden, kv_heads, head_dim, page_size, bias,
+                                                         to_host, to_hbm, to_out))
+
+
+def _compile_kv_proj(cfg, dtype, hidden, kv_heads, head_dim, page_size, bias, to_host, to_hbm, to_out):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from directkv_cute.kernels.kv_proj import KVProjection
+
+    dt = cutlass_dtype(dtype)
+    kernel = KVProjection(dt, hidden, kv_heads, head_dim, page_size, bool(bias), bool(to_host), bool(to_hbm),
+                          bool(to_out), cfg.tile_m, cfg.consumer_wgs, cfg.stages, cfg.ctas_per_sm)
+    args = (
+        *(_ptr(dt) for _ in range(7)), _ptr(cutlass.Int64, 8), _ptr(cutlass.Int64, 8), _ptr(dt), _ptr(dt),
+        _ptr(cutlass.Float32), _ptr(cutlass.Int32, 4), Int64(0), Int64(0), *(Int32(1) for _ in range(6)),
+        cuda.CUstream(0),
+    )
+    return cute.compile(kernel, *args)

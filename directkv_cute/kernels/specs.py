@@ -227,6 +227,18 @@ SPECS: tuple[KernelSpec, ...] = (
         shape_rules=_q_tiled_rules,
     ),
     KernelSpec(
+        name="kv_proj",
+        summary="fused K/V projection + RoPE + KV-cache store: a TMA/WGMMA GEMM over one head per N tile, "
+                "split-K at small token counts, the epilogue storing rows straight into host and HBM pages",
+        files=("kernels/kv_proj.py", "kernels/helpers.py", "kernels/jit.py"),
+        compile="directkv_cute.kernels.jit.compile_kv_proj",
+        key="directkv_cute.kernels.jit.kv_proj_key",
+        launch="directkv_cute.kv_proj.launch_kv_proj",
+        config="directkv_cute.kv_proj.KVProjConfig",
+        codegen_fields=("tile_m", "consumer_wgs", "stages", "ctas_per_sm"),
+        launch_fields=(("splits", 0),),
+    ),
+    KernelSpec(
         name="combine",
         summary="split-KV combine: merges the fp32 partials of several splits by their LSE",
         files=("kernels/combine.py", "kernels/jit.py"),
