@@ -68,9 +68,11 @@ __all__ = [
     "UnsupportedModelError",
     "cache_kwargs",
     "directkv_attention",
+    "fuse_kv_projection",
     "model_spec",
     "plan_growth",
     "register",
+    "unfuse_kv_projection",
 ]
 
 
@@ -214,6 +216,7 @@ class _Step:
     cascade: object = None  # cascade.PreparedCascade when `rows` share pages (forks), else None
     write_idx: torch.Tensor | None = None  # int64: the real tokens stored (merged rows store once), None: all
     defer_host: bool = False  # mirrored pages reach their host pages by the copy engine (write_slots)
+    fused_dest: dict | None = None  # kv_project's destinations of the step's slots (fused layers)
 
 
 class DirectKVLayer(CacheLayerMixin):
@@ -647,6 +650,65 @@ class DirectKVCache(Cache):
             self._rollback(step)
             raise
 
+    def attend_fused(self, module, query: torch.Tensor, hidden_states: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, attention_mask, scaling: float | None, layer_idx: int) -> torch.Tensor:
+        """One layer of the step with the K/V projection fused (``fuse_kv_projection``): query
+        (B, Hq, S, d) after RoPE, the layer's input ``hidden_states`` (B, S, hidden) and the
+        rotary ``cos``/``sin`` (B, S, d); ``kv_project`` computes K and V, applies RoPE and stores
+        them into their pages (the step's window mirrors, the host copy by the copy engine) in one
+        kernel, then the attention runs as in ``attend``; (B, S, Hq, d)."""
+        from directkv_cute.kv_proj import cache_destinations, kv_project
+
+        if id(module) not in self._checked_modules:
+            _check_module(module, self.spec)
+            self._checked_modules.add(id(module))
+        batch, hq, q_len, d = query.shape
+        if hidden_states.shape[:2] != (batch, q_len):
+            raise ValueError(f"hidden_states {tuple(hidden_states.shape)} do not match query {tuple(query.shape)}")
+        w_k, w_v = module.k_proj.weight, module.v_proj.weight
+        b_k, b_v = module.k_proj.bias, module.v_proj.bias
+        x = hidden_states.reshape(batch * q_len, -1)  # (B * S, hidden)
+        if layer_idx == 0 or self._step is None:
+            if layer_idx != 0:
+                raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
+            if self.share_prompts and batch > 1:
+                # Sharing is found from the first layer's K/V: project them densely once, and store
+                # this layer the unfused way.
+                kd = torch.empty(batch * q_len, self.spec.num_kv_heads, d, dtype=query.dtype, device=query.device)
+                vd = torch.empty_like(kd)
+                kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=cos.reshape(-1, d).contiguous(),
+                           sin=sin.reshape(-1, d).contiguous(), out_k=kd, out_v=vd, check_slots=False)
+                key = kd.view(batch, q_len, -1, d).transpose(1, 2)
+                value = vd.view(batch, q_len, -1, d).transpose(1, 2)
+                return self.attend(module, query, key, value, attention_mask, scaling, layer_idx)
+            _check_query(query, self)
+            self._step = self._plan(query, None, None, attention_mask)
+        step = self._step
+        if (batch, q_len) != (step.batch, step.q_len):
+            raise RuntimeError(f"layer {layer_idx} has {batch}x{q_len} tokens, the step {step.batch}x{step.q_len}")
+        try:
+            if not step.rows:
+                return query.new_zeros(batch, q_len, hq, d)
+            sel = step.tok_idx
+            if step.write_idx is not None:
+                sel = step.write_idx if sel is None else sel[step.write_idx]
+            c, s_ = cos.reshape(-1, d), sin.reshape(-1, d)
+            if sel is not None:
+                x, c, s_ = x[sel], c[sel], s_[sel]
+            if step.fused_dest is None:
+                step.fused_dest = cache_destinations(self.kv, step.slots, step.defer_host)
+            kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=c.contiguous(), sin=s_.contiguous(), layer=layer_idx,
+                       check_slots=False, **step.fused_dest)
+            if step.defer_host:
+                self.kv.copy_mirrors_to_host(step.slots, layer_idx)
+            q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
+            if step.tok_idx is not None:
+                q = q[step.tok_idx]
+            return self._attention(step, q, scaling, layer_idx, query)
+        except BaseException:
+            self._rollback(step)
+            raise
+
     def _rollback(self, step: _Step) -> None:
         for sid, length in step.undo:
             if self.kv.seq_len(sid) > length:
@@ -669,6 +731,12 @@ class DirectKVCache(Cache):
         else:
             self.kv.write_slots(step.slots, layer_idx, k.index_select(0, step.write_idx),
                                 v.index_select(0, step.write_idx), defer_host=step.defer_host)
+        return self._attention(step, q, scaling, layer_idx, query)
+
+    def _attention(self, step: _Step, q: torch.Tensor, scaling, layer_idx: int, query) -> torch.Tensor:
+        """The step's attention of one layer over every row's whole history, its new tokens
+        stored: q (total real tokens, Hq, d); (B, S, Hq, d) with zeros for pad rows."""
+        batch, hq, q_len, d = query.shape
         q = q.contiguous()
         if step.cascade is not None:
             from directkv_cute.cascade import cascade_attention
@@ -789,6 +857,18 @@ def _check_module(module, spec: ModelSpec) -> None:
         raise UnsupportedModelError(f"{name}: cross-attention is not supported by DirectKV attention")
 
 
+def _check_query(query, cache: DirectKVCache) -> None:
+    spec = cache.spec
+    if query.dim() != 4 or query.shape[1] != spec.num_q_heads or query.shape[3] != spec.head_dim:
+        raise ValueError(f"query {tuple(query.shape)} does not match the cache's {spec.num_q_heads} query heads, "
+                         f"head_dim {spec.head_dim} (expected (B, Hq, S, d))")
+    if query.dtype != cache.dtype:
+        raise TypeError(f"the model runs in {query.dtype}, the cache holds {cache.dtype} "
+                        "(build the cache with the model's dtype)")
+    if query.device != cache.device:
+        raise ValueError(f"the model runs on {query.device}, the cache is on {cache.device}")
+
+
 def _check_qkv(query, key, value, cache: DirectKVCache) -> None:
     spec = cache.spec
     if query.dim() != 4 or key.dim() != 4 or key.shape != value.shape:
@@ -805,6 +885,96 @@ def _check_qkv(query, key, value, cache: DirectKVCache) -> None:
                         "(build the cache with the model's dtype)")
     if query.device != cache.device:
         raise ValueError(f"the model runs on {query.device}, the cache is on {cache.device}")
+
+
+# ---- the fused K/V projection ----------------------------------------------------------------
+# Attention modules whose forward is q/k/v projections, transformers' apply_rotary_pos_emb (NeoX
+# rotate_half layout) on q and k from the model's position_embeddings, the cache update, the
+# attention and o_proj, with no norm on q or k: their K/V can come from ``kv_project``.
+FUSABLE_ATTENTION = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
+
+
+def _fusable(module) -> bool:
+    return any(c.__name__ in FUSABLE_ATTENTION for c in type(module).__mro__)
+
+
+def _check_fusable(module) -> None:
+    from directkv_cute.kv_proj import HEAD_DIM, SUPPORTED_DTYPES
+
+    name = type(module).__name__
+    for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not isinstance(getattr(module, part, None), torch.nn.Linear):
+            raise UnsupportedModelError(f"{name}: no {part} linear layer; the fused K/V projection needs one")
+    for norm in ("q_norm", "k_norm"):
+        if getattr(module, norm, None) is not None:
+            raise UnsupportedModelError(f"{name}: {norm} (a norm on q/k before RoPE) is not supported by the fused "
+                                        "K/V projection; run the model unfused")
+    if module.head_dim != HEAD_DIM:
+        raise UnsupportedModelError(f"{name}: head_dim {module.head_dim}; the fused K/V projection supports {HEAD_DIM}")
+    dtype = module.k_proj.weight.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedModelError(f"{name}: weights in {dtype}; the fused K/V projection supports {SUPPORTED_DTYPES}")
+    if getattr(module, "sliding_window", None):
+        raise UnsupportedModelError(f"{name}: sliding-window attention ({module.sliding_window}) is not supported")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+    """The forward ``fuse_kv_projection`` gives an attention module: with a ``DirectKVCache``
+    (``past_key_values=``, or ``cache=`` in newer transformers), q_proj and RoPE on q as
+    transformers does them, K/V by ``DirectKVCache.attend_fused``, o_proj; with any other cache,
+    the module's own forward."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = kwargs.get("cache")
+    if not isinstance(cache, DirectKVCache) or position_embeddings is None:
+        return self._directkv_unfused_forward(hidden_states, position_embeddings=position_embeddings,
+                                              attention_mask=attention_mask, **kwargs)
+    batch, q_len, _ = hidden_states.shape
+    d = self.head_dim
+    q = self.q_proj(hidden_states).view(batch, q_len, -1, d).transpose(1, 2)  # (B, Hq, S, d)
+    cos, sin = position_embeddings  # (B, S, d) each
+    q = (q * cos.unsqueeze(1)) + (_rotate_half(q) * sin.unsqueeze(1))
+    o = cache.attend_fused(self, q, hidden_states, cos, sin, attention_mask, self.scaling, self.layer_idx)
+    return self.o_proj(o.reshape(batch, q_len, -1)), None
+
+
+def fuse_kv_projection(model) -> int:
+    """Give every attention module of ``model`` (Llama, Mistral, Qwen2 and their subclasses) a
+    forward that, with a ``DirectKVCache``, computes K and V with ``kv_project``: one kernel per
+    layer for the K/V projection, RoPE and the store of the new K/V into their pages (the HBM
+    window; the host copy by the copy engine), so the new tokens never cross the link but once,
+    into host memory. With any other cache the module's own forward runs. Checked before any
+    module changes (``UnsupportedModelError`` naming the feature: q/k norms, head_dim other than
+    128, weights not bf16/fp16, sliding windows, no supported attention module). Idempotent;
+    ``unfuse_kv_projection`` undoes it. Returns the number of modules fused."""
+    import types
+
+    modules = [m for m in model.modules() if _fusable(m)]
+    if not modules:
+        raise UnsupportedModelError(f"{type(model).__name__}: no attention module the fused K/V projection supports "
+                                    f"({', '.join(FUSABLE_ATTENTION)})")
+    for m in modules:
+        _check_fusable(m)
+    for m in modules:
+        if "_directkv_unfused_forward" not in m.__dict__:
+            m._directkv_unfused_forward = m.forward
+            m.forward = types.MethodType(_fused_forward, m)
+    return len(modules)
+
+
+def unfuse_kv_projection(model) -> int:
+    """Restore the forwards ``fuse_kv_projection`` replaced; returns how many."""
+    n = 0
+    for m in model.modules():
+        if "_directkv_unfused_forward" in m.__dict__:
+            m.forward = m.__dict__.pop("_directkv_unfused_forward")
+            n += 1
+    return n
 
 
 # ---- transformers registration ---------------------------------------------------------------

@@ -444,3 +444,98 @@ def test_window_steps_read_new_tokens_from_hbm_and_generate_like_dynamic_cache(m
         assert any(row[p] < 0 for table, _, _ in seen for row in table for p in range(len(row)))
     assert cache.kv.free_window_pages() + sum(len(cache.kv.mirrored_pages(s)) for s in set(cache.seq_ids)) \
         == cache.kv.num_window_pages
+
+
+def _fused_model(make, **kw):
+    model = make(**kw).to(torch.bfloat16)
+    assert dkhf.fuse_kv_projection(model) == model.config.num_hidden_layers
+    return model
+
+
+def _llama128(seed=31):
+    return _llama(layers=2, hq=4, hkv=2, head_dim=128, seed=seed)
+
+
+def _qwen2_128(seed=32):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=4096,
+                      use_sliding_window=False)
+    return Qwen2ForCausalLM(cfg).eval().float()
+
+
+@pytest.mark.parametrize("make", [_llama128, _qwen2_128], ids=["llama", "qwen2-bias"])
+@pytest.mark.parametrize("chunk", [None, 32])
+def test_fused_kv_projection_generates_like_transformers(make, chunk):
+    """fuse_kv_projection: K/V from kv_project (the reference on the CPU: float64 dot products,
+    rounded like transformers) stored into the pages and the window; greedy tokens and logits
+    agree with transformers' own DynamicCache + SDPA and with the unfused DirectKV path, over
+    ragged left-padded prompts, chunked or not (Qwen2: k/v biases)."""
+    model = make().to(torch.bfloat16)
+    ids, mask = _prompts([70, 41, 9], seed=8)
+    kw = dict(max_new_tokens=24, do_sample=False, output_logits=True, return_dict_in_generate=True,
+              prefill_chunk_size=chunk)
+    ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    plain = _generate(model, _ours(model, dtype=torch.bfloat16), ids, mask, **kw)
+    dkhf.fuse_kv_projection(model)
+    try:
+        cache = _ours(model, dtype=torch.bfloat16)
+        fused = _generate(model, cache, ids, mask, **kw)
+        again = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)  # other caches: unfused
+    finally:
+        assert dkhf.unfuse_kv_projection(model) == 2
+    assert torch.equal(again.sequences, ref.sequences)
+    for other in (ref, plain):
+        same = (fused.sequences == other.sequences).all(dim=0)[70:]
+        steps = int(same.long().cumprod(0).sum())
+        assert steps >= 10
+        for a, b in zip(fused.logits[:steps], other.logits[:steps]):
+            rel = (a.float() - b.float()).norm() / b.float().norm()
+            assert rel < 2e-2 and torch.isfinite(a).all()
+    assert cache.seq_lengths() == [n + 23 for n in (70, 41, 9)]
+
+
+def test_fused_kv_projection_stores_what_the_unfused_path_stores():
+    """One prefill step, fused against unfused: the host pages hold the same K/V (within one
+    bf16 ulp of transformers' own projection + RoPE, the dot products being summed differently)."""
+    model = _llama128(seed=33).to(torch.bfloat16)
+    ids, mask = _prompts([40, 23], seed=9)
+    kw = dict(max_new_tokens=1, do_sample=False)
+    a = _ours(model, dtype=torch.bfloat16, window_tokens=0)
+    _generate(model, a, ids, mask, **kw)
+    dkhf.fuse_kv_projection(model)
+    try:
+        b = _ours(model, dtype=torch.bfloat16, window_tokens=0)
+        _generate(model, b, ids, mask, **kw)
+    finally:
+        dkhf.unfuse_kv_projection(model)
+    for sa, sb, n in zip(a.seq_ids, b.seq_ids, (40, 23)):
+        ka, va = a.kv.read(sa, None)
+        kb, vb = b.kv.read(sb, None)
+        assert ka.shape == kb.shape == (n, 2, 2, 128)
+        torch.testing.assert_close(kb.float(), ka.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(vb.float(), va.float(), rtol=1e-2, atol=1e-2)
+        assert (kb == ka).float().mean() > 0.9 and (vb == va).float().mean() > 0.9
+
+
+def test_fuse_kv_projection_refuses_what_it_cannot_fuse():
+    with pytest.raises(dkhf.UnsupportedModelError, match="head_dim 16"):
+        dkhf.fuse_kv_projection(_llama().to(torch.bfloat16))
+    with pytest.raises(dkhf.UnsupportedModelError, match="float32"):
+        dkhf.fuse_kv_projection(_llama128())
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+    with pytest.raises(dkhf.UnsupportedModelError, match="no attention module"):  # its own attention class
+        dkhf.fuse_kv_projection(Qwen3ForCausalLM(cfg).to(torch.bfloat16))
+    normed = _llama128().to(torch.bfloat16)
+    normed.model.layers[1].self_attn.k_norm = torch.nn.Identity()  # a norm on k before RoPE
+    with pytest.raises(dkhf.UnsupportedModelError, match="k_norm"):
+        dkhf.fuse_kv_projection(normed)
+    assert not any("_directkv_unfused_forward" in m.__dict__ for m in normed.modules())  # nothing changed
+    with pytest.raises(dkhf.UnsupportedModelError, match="no attention module"):
+        dkhf.fuse_kv_projection(torch.nn.Linear(4, 4))
+    model = _llama128().to(torch.bfloat16)
+    assert dkhf.fuse_kv_projection(model) == dkhf.fuse_kv_projection(model) == 2  # idempotent
+    assert dkhf.unfuse_kv_projection(model) == 2 and dkhf.unfuse_kv_projection(model) == 0
