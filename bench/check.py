@@ -62,14 +62,14 @@ class CompileTarget:
     kernel: str = "decode"  # the kernel spec's name: "decode" (streaming) or "multi_token"
 
     @property
-    def resident(self) -> bool:
-        """Whether ``compile_decode`` builds the multi-token kernel for it (its ``resident=``)."""
+    def multi_token(self) -> bool:
+        """Whether ``compile_decode`` builds the multi-token kernel for it (its ``multi_token=``)."""
         return self.kernel == "multi_token"
 
     @property
     def label(self) -> str:
         """Where the target comes from, its shape and every config field off the default."""
-        kind = "multi-token" if self.resident else f"decode q{self.max_q_len}"
+        kind = "multi-token" if self.multi_token else f"decode q{self.max_q_len}"
         base = DecodeConfig()
         fields = " ".join(f"{f.name}={getattr(self.cfg, f.name)}" for f in dataclasses.fields(self.cfg)
                           if getattr(self.cfg, f.name) != getattr(base, f.name))
@@ -201,7 +201,7 @@ def portfolio_targets() -> list[CompileTarget]:
 def resolve_compiler() -> tuple[Callable, Callable | None, Callable | None]:
     """(compile_decode, compile_combine, decode_key): the compile and key functions the kernel
     specs name (``directkv_cute.kernels.specs``: the streaming and the multi-token kernel share
-    ``compile_decode``, its ``resident=`` picking the second). ``decode_key`` is the compiler's
+    ``compile_decode``, its ``multi_token=`` picking the second). ``decode_key`` is the compiler's
     cache key (two requests with the same key get the same kernel). Raises CheckError if they do
     not import.
     """
@@ -233,7 +233,7 @@ class CompileJob:
     def label(self) -> str:
         if self.target is None:
             return f"combine: {self.dtype} d{self.head_dim}"
-        return self.target.label + ("" if self.split is None or self.target.resident else f" split_out={self.split}")
+        return self.target.label + ("" if self.split is None or self.target.multi_token else f" split_out={self.split}")
 
 
 def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
@@ -242,12 +242,12 @@ def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
     one combine kernel per head dim and dtype."""
     jobs, seen = [], set()
     for t in targets:
-        for split in ((True,) if t.resident else (True, False)) if has_split else (None,):
+        for split in ((True,) if t.multi_token else (True, False)) if has_split else (None,):
             if key_fn is not None:
                 key = key_fn(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, bool(split),
-                             resident=t.resident)
+                             multi_token=t.multi_token)
             else:
-                key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split, t.resident)
+                key = (t.cfg, t.dtype, t.head_dim, t.page_size, t.group, t.max_q_len, split, t.multi_token)
             if key not in seen:
                 seen.add(key)
                 jobs.append(CompileJob(t, split))
@@ -290,8 +290,8 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
             else:
                 t = job.target
                 kwargs = {} if job.split is None else {"split_out": job.split}
-                if t.resident:
-                    kwargs["resident"] = True
+                if t.multi_token:
+                    kwargs["multi_token"] = True
                 compile_decode(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, t.max_q_len, **kwargs)
         except Exception as e:  # noqa: BLE001 - a config that stops compiling is what CI must catch
             text = str(e).strip()

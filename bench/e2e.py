@@ -16,6 +16,8 @@ Methods (``--methods``), each through ``model.generate`` with greedy decoding on
   place by our kernels, each step's new K/V read from its HBM window (``window_tokens``);
 * ``ours[readback]``: the same without the window (``window_tokens=0``): each step's new K/V are
   stored in host pages and read back from there;
+* ``ours[fused]``: ``ours[host]`` with ``directkv_cute.hf.fuse_kv_projection``: each layer's K/V
+  projection, RoPE and page stores in one kernel (``kv_project``);
 * ``ours[hbm]``: the same with an HBM tier of ``--hbm-budget`` bytes (default: what hf-offloaded
   used beyond the weights at the same context and batch, i.e. its peak GPU memory minus the
   memory allocated before it); ``ours[hbm=8GiB]`` fixes one.
@@ -90,7 +92,8 @@ E2E_SCHEMA = "directkv-bench-e2e/1"
 GiB = 1 << 30
 BASE_METHODS = ("dynamic", "hf-offloaded", "ours")
 DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
-METHOD_ORDER = {"dynamic": 0, "hf-offloaded": 1, "ours[readback]": 2, "ours[host]": 3, "ours[hbm]": 4}
+METHOD_ORDER = {"dynamic": 0, "hf-offloaded": 1, "ours[readback]": 2, "ours[host]": 3, "ours[fused]": 4,
+                "ours[hbm]": 5}
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 ROW_FIELDS = (
@@ -126,6 +129,7 @@ class Method:
     tier: str = "host"
     budget: int | None = None
     window: bool = True  # ours: each step's new K/V read from the HBM window
+    fused: bool = False  # ours: fuse_kv_projection (the K/V projection kernel)
 
     @property
     def name(self) -> str:
@@ -133,6 +137,8 @@ class Method:
         ours[hbm]."""
         if self.base != "ours":
             return self.base
+        if self.fused:
+            return "ours[fused]"
         return f"ours[{self.tier}]" if self.window else "ours[readback]"
 
     def label(self, budget: int | None = None) -> str:
@@ -156,12 +162,14 @@ def parse_methods(text: str) -> list[Method]:
             out.append(Method("ours", "host"))
         elif item == "ours[readback]":
             out.append(Method("ours", "host", window=False))
+        elif item == "ours[fused]":
+            out.append(Method("ours", "host", fused=True))
         elif item == "ours[hbm]":
             out.append(Method("ours", "hbm"))
         elif item.startswith("ours[hbm=") and item.endswith("]"):
             out.append(Method("ours", "hbm", parse_size(item[len("ours[hbm="):-1])))
         else:
-            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[readback], ours[host], ours[hbm] "
+            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[readback], ours[host], ours[fused], ours[hbm] "
                              "or ours[hbm=<bytes>]")
     if not out:
         raise ValueError("no methods given")
@@ -286,6 +294,15 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
         if host is None:
             continue
         rb = _one(rows, method="ours[readback]", role="measured", **m)
+        fu = _one(rows, method="ours[fused]", role="measured", **m)
+        if fu is not None and rb is not None and fu.get("prefill_s") and rb.get("prefill_s"):
+            add("ours[fused] prefill faster than ours[readback] (the unfused integration)", ctx, batch,
+                fu["prefill_s"], rb["prefill_s"], fu["prefill_s"] < rb["prefill_s"],
+                f"{fu['prefill_s']:.2f} vs {rb['prefill_s']:.2f} s")
+        if fu is not None and rb is not None and fu.get("decode_ms") and rb.get("decode_ms"):
+            add("ours[fused] decode no slower than ours[readback] (<= 1.02x)", ctx, batch, fu["decode_ms"],
+                1.02 * rb["decode_ms"], fu["decode_ms"] <= 1.02 * rb["decode_ms"],
+                f"{fu['decode_ms']:.2f} vs {rb['decode_ms']:.2f} ms")
         if rb is not None and rb.get("prefill_s") and host.get("prefill_s"):
             add("ours[host] prefill faster than ours[readback] (the window)", ctx, batch, host["prefill_s"],
                 rb["prefill_s"], host["prefill_s"] < rb["prefill_s"],
@@ -625,11 +642,15 @@ class Runner:
                                        device=o.device, **({} if method.window else {"window_tokens": 0}))
             try:
                 cache.check_request([ctx] * batch, n_new)
+                if method.fused:
+                    dkhf.fuse_kv_projection(model)
                 setup = time.perf_counter() - t0
                 res = timed_generate(model, ids, mask, max_new_tokens=n_new, cache=cache, prefill_chunk=o.prefill_chunk,
                                      progress=progress)
                 return res, cache.host_bytes(), cache.hbm_bytes(), setup
             finally:
+                if method.fused:
+                    dkhf.unfuse_kv_projection(model)
                 cache.close()
         _set_attn(models, "sdpa")
         impl = "offloaded" if method.base == "hf-offloaded" else None

@@ -166,16 +166,16 @@ def auto_splits(seq_lens, tile_n: int, num_kv_heads: int) -> int:
     return DecodeConfig(tile_n=tile_n).splits_for(len(seq_lens), num_kv_heads, max(seq_lens))
 
 
-def resident_splits_for(seq_lens, page_size: int, tile_n: int, stages: int, chunk_tiles: int = 0,
-                        num_kv_heads: int = 2) -> int:
-    """The split count of the multi-token (KV-chunk resident) kernel, sized as the op sizes it:
+def multi_token_splits_for(seq_lens, page_size: int, tile_n: int, stages: int, chunk_tiles: int = 0,
+                           num_kv_heads: int = 2) -> int:
+    """The split count of the multi-token kernel, sized as the op sizes it:
     from the page table's width, one chunk per CTA (chunk_tiles 0) or one wave of CTAs walking
     several chunks each (chunk_tiles > 0)."""
-    from directkv_cute.config import DecodeConfig, resident_splits
+    from directkv_cute.config import DecodeConfig, multi_token_splits
 
     width = -(-max(seq_lens) // page_size) * page_size
     cfg = DecodeConfig(tile_n=tile_n, stages=stages, chunk_tiles=chunk_tiles, consumer_wgs=2, carveout=100)
-    return resident_splits(cfg, width, len(seq_lens), num_kv_heads)
+    return multi_token_splits(cfg, width, len(seq_lens), num_kv_heads)
 
 
 def default_cases() -> list[TrafficCase]:
@@ -185,8 +185,9 @@ def default_cases() -> list[TrafficCase]:
     cases = []
     for lens, page in itertools.product(SEQ_SETS, PAGE_SIZES):
         for tile in (ALL_TILE_SIZES if page == 64 else TILE_SIZES):
-            resident = {resident_splits_for(lens, page, tile, st, ch) for st, ch in ((2, 0), (6, 0), (6, 3))}
-            splits = sorted(set(SPLITS) | {auto_splits(lens, tile, 2)} | resident)
+            multi_token_splits = {multi_token_splits_for(lens, page, tile, st, ch)
+                                  for st, ch in ((2, 0), (6, 0), (6, 3))}
+            splits = sorted(set(SPLITS) | {auto_splits(lens, tile, 2)} | multi_token_splits)
             for s, (frac, placement) in itertools.product(splits, FRACTIONS):
                 cases.append(TrafficCase(lens, page, tile, s, hbm_fraction=frac, placement=placement))
     cases.append(TrafficCase((3000, 31), 32, 64, 5, num_kv_heads=1, head_dim=64, hbm_fraction=0.5))

@@ -35,7 +35,7 @@ class DecodeConfig:
     num_splits:    CTAs per (sequence, KV head) along the context; 0 lets the op pick
                    (enough CTAs to fill the GPU ``ctas_per_sm`` times over).
     ctas_per_sm:   target resident CTAs per SM for the automatic split count; the multi-token
-                   kernel runs two per SM where they fit (``resident_occupancy``).
+                   kernel runs two per SM where they fit (``multi_token_occupancy``).
     carveout:      percent of the unified L1/SMEM reserved as SMEM
                    (cudaFuncAttributePreferredSharedMemoryCarveout); the paper's default is 80.
     consumer_wgs:  consumer warpgroups (1-3); each holds 64 query rows (GQA group x q_len).
@@ -120,7 +120,7 @@ class DecodeConfig:
         """KV tiles per chunk of the multi-token kernel."""
         return self.chunk_tiles or self.stages
 
-    def resident_occupancy(self, head_dim: int, elem_bytes: int = 2) -> int:
+    def multi_token_occupancy(self, head_dim: int, elem_bytes: int = 2) -> int:
         """CTAs per SM the multi-token kernel is compiled for: 2 when asked (ctas_per_sm >= 2) with one
         consumer warpgroup and SMEM for two, so one CTA loads its chunk while the other computes;
         else 1."""
@@ -185,7 +185,7 @@ class DecodeConfig:
             out.append(f"q_regs {self.q_regs} must be 0 or 1")
         if self.q_cluster not in (0, 2, 4):
             out.append(f"q_cluster {self.q_cluster} must be 0 (off), 2 or 4")
-        elif self.q_cluster and self.resident_occupancy(head_dim, elem_bytes) != 1:
+        elif self.q_cluster and self.multi_token_occupancy(head_dim, elem_bytes) != 1:
             out.append("q_cluster needs one CTA per SM (ctas_per_sm 1 or a config that fits only one)")
         if self.consumer_wgs not in (1, 2, 3):
             out.append("consumer_wgs must be 1, 2 or 3")
@@ -365,8 +365,8 @@ def block_passes(cfg: DecodeConfig, n_tiles: int, m: int, n_mine: int) -> list[t
     return out
 
 
-def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_heads: int = 1,
-                    num_sms: int = SM90_NUM_SMS, head_dim: int = 128, elem_bytes: int = 2) -> int:
+def multi_token_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_heads: int = 1,
+                       num_sms: int = SM90_NUM_SMS, head_dim: int = 128, elem_bytes: int = 2) -> int:
     """Splits (CTAs per sequence and KV head) of the multi-token kernel.
 
     A fixed ``num_splits`` is honoured (up to one per tile). With ``chunk_tiles == 0`` every CTA
@@ -380,7 +380,7 @@ def resident_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_kv_
     n_chunks = math.ceil(n_tiles / cfg.chunk)
     if cfg.chunk_tiles == 0:
         return n_chunks
-    wave = cfg.resident_occupancy(head_dim, elem_bytes) * num_sms
+    wave = cfg.multi_token_occupancy(head_dim, elem_bytes) * num_sms
     return max(1, min(n_chunks, wave // max(1, batch * num_kv_heads * cfg.cluster)))
 
 

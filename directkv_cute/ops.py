@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from directkv_cute.config import DecodeConfig, QTiledConfig, q_tiles, resident_splits
+from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
@@ -111,14 +111,14 @@ def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int
 
 
 @functools.lru_cache(maxsize=1024)
-def _compiled(cfg: DecodeConfig, dtype, head_dim, page_size, group, max_q_len, split_out, resident, trace=None):
+def _compiled(cfg: DecodeConfig, dtype, head_dim, page_size, group, max_q_len, split_out, multi_token, trace=None):
     """The compiled kernel for a launch (jit's cache keys on the target arch too; this memo keeps
     that key's construction off the per-call path). ``trace``: ``kernels.trace.tracing``'s, for
     the multi-token kernel (bench timeline)."""
     from directkv_cute.kernels.jit import compile_decode
 
-    return compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=split_out, resident=resident,
-                          trace=trace)
+    return compile_decode(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=split_out,
+                          multi_token=multi_token, trace=trace)
 
 
 @functools.lru_cache(maxsize=64)
@@ -209,7 +209,7 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
             return _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
                                    *route)
 
-    _, resident, splits, fn, counters = _in_place(q, cache, group, max_q_len, batch, max_pages, max_seq_len, config)
+    _, multi_token, splits, fn, counters = _in_place(q, cache, group, max_q_len, batch, max_pages, max_seq_len, config)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
 
     from directkv_cute.kernels.launch import launch_combine, launch_decode
@@ -217,7 +217,7 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    if splits == 1 and not resident:
+    if splits == 1 and not multi_token:
         launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale, counters)
     else:
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
@@ -228,20 +228,20 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
 
 
 def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, max_seq_len: int, config):
-    """(config, resident, splits, compiled kernel, link counters) of the kernels that read the
-    pages in place: the streaming kernel, or the multi-token one (``resident``)."""
+    """(config, multi_token, splits, compiled kernel, link counters) of the kernels that read the
+    pages in place: the streaming kernel, or the multi-token one (``multi_token``)."""
     total_q, hq, d = q.shape
     hkv = cache.num_kv_heads
     cfg, kernel = select_config(cache, group, max_q_len, batch, max_seq_len, config)
     check_config(cfg, d, cache.page_size)
     if group > cfg.rows:
         raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
-    resident = kernel == "multi_token"
-    if resident:
+    multi_token = kernel == "multi_token"
+    if multi_token:
         # Size the split count from the page table's width (a bound the host knows without reading
         # seq_lens), never from a caller's hint.
-        splits = resident_splits(cfg, max_pages * cache.page_size, batch, hkv, _num_sms(q.device.index), d,
-                                 q.element_size())
+        splits = multi_token_splits(cfg, max_pages * cache.page_size, batch, hkv, _num_sms(q.device.index), d,
+                                    q.element_size())
         ws = splits * total_q * hq * (d + 1) * 4
         cap = float(os.environ.get(_WORKSPACE_ENV, "0")) * 2**30 or _total_memory(q.device.index) / 4
         if ws > cap:
@@ -255,10 +255,10 @@ def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, 
     from directkv_cute.kernels.launch import link_counters
 
     counters = link_counters(q.device)  # before any allocation: refused inside a capture that would own them
-    split_out = splits > 1 or resident
-    fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out, resident,
-                   current_trace() if resident else None)
-    return cfg, resident, splits, fn, counters
+    split_out = splits > 1 or multi_token
+    fn = _compiled(cfg, q.dtype, d, cache.page_size, group, max_q_len, split_out, multi_token,
+                   current_trace() if multi_token else None)
+    return cfg, multi_token, splits, fn, counters
 
 
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):

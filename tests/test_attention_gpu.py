@@ -246,7 +246,7 @@ def test_bad_inputs_raise_before_launch():
     ],
 )
 def test_multi_token_configs(config):
-    """The resident kernel across warpgroup counts, tiles, chunk sizes and split counts (ragged,
+    """The multi-token kernel across warpgroup counts, tiles, chunk sizes and split counts (ragged,
     mixed tiers)."""
     _run([3333, 900], [700, 129], 32, 8, 128, 32, torch.bfloat16, 0.5, config)
 

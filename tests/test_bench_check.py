@@ -24,9 +24,9 @@ class FakeCompiler:
     def __init__(self, fail=lambda cfg, **kw: False):
         self.decode, self.combine, self.fail = [], [], fail
 
-    def compile_decode(self, cfg, dtype, head_dim, page_size, group, max_q_len=1, split_out=True, resident=False):
-        self.decode.append(jit.decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident=resident))
-        if self.fail(cfg, resident=resident, split_out=split_out):
+    def compile_decode(self, cfg, dtype, head_dim, page_size, group, max_q_len=1, split_out=True, multi_token=False):
+        self.decode.append(jit.decode_key(cfg, dtype, head_dim, page_size, group, split_out, multi_token=multi_token))
+        if self.fail(cfg, multi_token=multi_token, split_out=split_out):
             raise RuntimeError("ptxas: boom\nsecond line")
         return object()
 
@@ -73,14 +73,14 @@ def test_kernels_that_share_a_compile_key_are_compiled_once():
     targets = default_targets() + portfolio_targets()
     jobs = compile_jobs(targets, jit.decode_key)
     keys = [jit.decode_key(j.target.cfg, torch_dtype(j.target.dtype), j.target.head_dim, j.target.page_size,
-                           j.target.group, j.split, resident=j.target.resident) for j in jobs if j.target]
+                           j.target.group, j.split, multi_token=j.target.multi_token) for j in jobs if j.target]
     assert len(keys) == len(set(keys)) and len(keys) < 2 * len(targets)
     relaunched = [dataclasses.replace(t, cfg=dataclasses.replace(t.cfg, num_splits=7)) for t in targets]
     assert len(compile_jobs(targets + portfolio_targets() + relaunched, jit.decode_key)) == len(jobs)
 
 
 def test_a_failed_compile_is_named_in_full(fake, capsys):
-    f = fake(fail=lambda cfg, resident, split_out: resident and cfg.q_cluster == 2)
+    f = fake(fail=lambda cfg, multi_token, split_out: multi_token and cfg.q_cluster == 2)
     rc, out = _check(capsys, profiles=False)
     assert rc == 1
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL ") and "boom" in ln]

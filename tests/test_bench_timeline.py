@@ -54,7 +54,7 @@ def test_trace_keys_and_their_cache():
         assert current_trace() == t1
     assert current_trace() is None
     with pytest.raises(ValueError, match="multi-token kernel only"):
-        jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, split_out=True, resident=False, trace=t1)
+        jit.compile_decode(cfg, torch.bfloat16, 128, 64, 4, 1, split_out=True, multi_token=False, trace=t1)
 
 
 def test_summary_table_and_cpu_refusal(capsys):

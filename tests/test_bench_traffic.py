@@ -115,7 +115,7 @@ def test_portfolio_compile_targets_are_the_tuners_portfolio():
     from directkv_cute.tuning.space import get_space
 
     targets = portfolio_targets()
-    assert targets and all(t.resident and t.source == "portfolio" for t in targets)
+    assert targets and all(t.multi_token and t.source == "portfolio" for t in targets)
     assert [t.cfg for t in targets] == get_space("multi_token").portfolio(None)
     for t in targets:
         assert t.cfg.is_legal(t.head_dim, t.page_size), t.label
@@ -126,23 +126,24 @@ def test_default_compile_targets_are_legal():
     prefill = 2 * 2  # head dims x GQA 4 / 8 (one multi-token default for every row count)
     assert len([t for t in targets if t.dtype == "bfloat16"]) == 2 * len(ROWS) * 4 + prefill
     assert len([t for t in targets if t.dtype == "float16"]) == 2 * 2 + prefill
-    assert {(t.cfg.tile_n, t.cfg.max_inflight, t.cfg.link_credits > 0) for t in targets if t.resident} == {(64, 1, True)}
+    assert {(t.cfg.tile_n, t.cfg.max_inflight, t.cfg.link_credits > 0)
+            for t in targets if t.multi_token} == {(64, 1, True)}
     for t in targets:
         assert t.cfg.is_legal(t.head_dim, t.page_size), t.label
         assert t.group * t.max_q_len <= t.cfg.rows and t.cfg.rows % t.group == 0
 
 
-def test_resident_split_counts_are_in_the_grid():
+def test_multi_token_split_counts_are_in_the_grid():
     """The multi-token kernel's split counts (one chunk per CTA, and a wave of CTAs walking
     several chunks) are checked by CI; the single-chunk count never hands a CTA more tiles than
     its ring, the walking count never more CTAs than one wave."""
-    from bench.traffic import SEQ_SETS, default_cases, resident_splits_for
+    from bench.traffic import SEQ_SETS, default_cases, multi_token_splits_for
     from directkv_cute.plan import split_range
 
     grid = {(c.seq_lens, c.page_size, c.tile_n, c.num_splits) for c in default_cases()}
     for lens in SEQ_SETS:
         for stages, chunk in ((2, 0), (6, 0), (6, 3)):
-            splits = resident_splits_for(lens, 64, 64, stages, chunk)
+            splits = multi_token_splits_for(lens, 64, 64, stages, chunk)
             assert (tuple(lens), 64, 64, splits) in grid
             if chunk == 0:
                 for n in lens:

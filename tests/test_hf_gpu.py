@@ -90,8 +90,18 @@ def _errors(logits, ref):
     return rel, agree
 
 
-@pytest.mark.parametrize("hbm_pages", [0, 24], ids=["host", "hybrid"])
-def test_logits_agree_with_dynamic_cache_over_200_steps(model, reference, hbm_pages, capsys):
+@pytest.mark.parametrize("hbm_pages,fused", [(0, False), (24, False), (0, True)], ids=["host", "hybrid", "fused"])
+def test_logits_agree_with_dynamic_cache_over_200_steps(model, reference, hbm_pages, fused, capsys):
+    """Host-only, hybrid, and with the fused K/V projection kernel (fuse_kv_projection)."""
+    if fused:
+        dkhf.fuse_kv_projection(model)
+    try:
+        _logits_agree(model, reference, hbm_pages, capsys)
+    finally:
+        dkhf.unfuse_kv_projection(model)
+
+
+def _logits_agree(model, reference, hbm_pages, capsys):
     lens, ids, mask, ref_logits, tokens, bf16_logits = reference
     spec = dkhf.model_spec(model.config)
     page_bytes = 2 * spec.num_layers * spec.num_kv_heads * 64 * spec.head_dim * 2

@@ -141,7 +141,7 @@ def test_the_compiler_raises_the_specs_first_shape_problem(kernel, cfg, group, q
         if kernel == "q_tiled":
             jit.compile_q_tiled(cfg, torch.bfloat16, 128, 64, group, False)
         else:
-            jit.compile_decode(cfg, torch.bfloat16, 128, 64, group, q_len, resident=kernel == "multi_token")
+            jit.compile_decode(cfg, torch.bfloat16, 128, 64, group, q_len, multi_token=kernel == "multi_token")
 
 
 # ---- code generation ---------------------------------------------------------------------------
@@ -161,7 +161,7 @@ def _key(spec, cfg, head_dim=128):
         return jit.kv_proj_key(cfg, torch.bfloat16, 4096, 8, head_dim, 64, True, True, True, False)
     if spec.name == "q_tiled":
         return jit.q_tiled_key(cfg, torch.bfloat16, head_dim, 64, 4, True, True)
-    return jit.decode_key(cfg, torch.bfloat16, head_dim, 64, 4, True, resident=spec.name == "multi_token")
+    return jit.decode_key(cfg, torch.bfloat16, head_dim, 64, 4, True, multi_token=spec.name == "multi_token")
 
 
 def _other(value, field):
@@ -187,7 +187,7 @@ def test_codegen_fields_are_exactly_those_that_change_the_compile_key(spec):
 def test_the_occupancy_is_what_ctas_per_sm_puts_in_the_multi_token_key():
     spec = specs.get("multi_token")
     one_wg = DecodeConfig(tile_n=64, stages=2, consumer_wgs=1, carveout=100, chunk_tiles=1)
-    assert one_wg.resident_occupancy(128) == 2
+    assert one_wg.multi_token_occupancy(128) == 2
     keys = {c: _key(spec, dataclasses.replace(one_wg, ctas_per_sm=c)) for c in (1, 2, 3)}
     assert keys[2] == keys[3] != keys[1]  # 2 and 3 both resolve to two CTAs per SM
     two_wg = default_multi_token_config(128)

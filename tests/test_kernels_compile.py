@@ -150,37 +150,37 @@ def test_cache_key_covers_codegen_fields():
         jit.decode_key(base, torch.bfloat16, 128, 16, 4, True),
         jit.decode_key(base, torch.bfloat16, 128, 64, 8, True),
         jit.decode_key(base, torch.bfloat16, 128, 64, 4, False),
-        jit.decode_key(base, torch.bfloat16, 128, 64, 4, True, resident=True),
+        jit.decode_key(base, torch.bfloat16, 128, 64, 4, True, multi_token=True),
     ]
     assert len({k0, *variants}) == len(variants) + 1
-    # the resident kernel's chunk and occupancy change its code; the streaming kernel ignores them
+    # the multi-token kernel's chunk and occupancy change its code; the streaming kernel ignores them
     walk = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=1)
-    resident = {jit.decode_key(c, torch.bfloat16, 128, 64, 4, True, resident=True)
-                for c in (walk, DecodeConfig(**{**walk.to_dict(), "chunk_tiles": 1}),
-                          DecodeConfig(**{**walk.to_dict(), "ctas_per_sm": 2}))}
-    assert len(resident) == 3
+    multi_token = {jit.decode_key(c, torch.bfloat16, 128, 64, 4, True, multi_token=True)
+                   for c in (walk, DecodeConfig(**{**walk.to_dict(), "chunk_tiles": 1}),
+                             DecodeConfig(**{**walk.to_dict(), "ctas_per_sm": 2}))}
+    assert len(multi_token) == 3
     assert jit.decode_key(DecodeConfig(chunk_tiles=2), torch.bfloat16, 128, 64, 4, True) == k0
     # the producer's in-flight limit changes both kernels' code
     assert jit.decode_key(DecodeConfig(max_inflight=1), torch.bfloat16, 128, 64, 4, True) != k0
     assert jit.decode_key(dataclasses.replace(walk, max_inflight=1), torch.bfloat16, 128, 64, 4, True,
-                          resident=True) not in resident
-    # edge chunks, staggered chunks and Q in registers change the resident kernel only
+                          multi_token=True) not in multi_token
+    # edge chunks, staggered chunks and Q in registers change the multi-token kernel only
     for field in ({"edge_tiles": 1, "chunk_tiles": 2}, {"stagger": 2, "chunk_tiles": 2}, {"q_regs": 1},
                   {"q_cluster": 2}):
         on = dataclasses.replace(walk, **field)
         off = dataclasses.replace(on, **{k: 0 for k in field if k != "chunk_tiles"})
-        assert jit.decode_key(on, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
-            off, torch.bfloat16, 128, 64, 4, True, resident=True)
+        assert jit.decode_key(on, torch.bfloat16, 128, 64, 4, True, multi_token=True) != jit.decode_key(
+            off, torch.bfloat16, 128, 64, 4, True, multi_token=True)
     assert jit.decode_key(DecodeConfig(chunk_tiles=2, edge_tiles=1), torch.bfloat16, 128, 64, 4, True) == k0
     assert jit.decode_key(DecodeConfig(chunk_tiles=2, stagger=2), torch.bfloat16, 128, 64, 4, True) == k0
     assert len({jit.decode_key(dataclasses.replace(walk, stages=7, chunk_tiles=4, stagger=g), torch.bfloat16, 128,
-                               64, 4, True, resident=True) for g in (0, 2, 3, 4)}) == 4
+                               64, 4, True, multi_token=True) for g in (0, 2, 3, 4)}) == 4
     # link admission control changes both kernels' code, and each credit count is its own kernel
     credited = dataclasses.replace(walk, max_inflight=1, link_credits=8)
-    assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
-        dataclasses.replace(credited, link_credits=0), torch.bfloat16, 128, 64, 4, True, resident=True)
-    assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, resident=True) != jit.decode_key(
-        dataclasses.replace(credited, link_credits=16), torch.bfloat16, 128, 64, 4, True, resident=True)
+    assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, multi_token=True) != jit.decode_key(
+        dataclasses.replace(credited, link_credits=0), torch.bfloat16, 128, 64, 4, True, multi_token=True)
+    assert jit.decode_key(credited, torch.bfloat16, 128, 64, 4, True, multi_token=True) != jit.decode_key(
+        dataclasses.replace(credited, link_credits=16), torch.bfloat16, 128, 64, 4, True, multi_token=True)
 
 
 def _full(cfg: DecodeConfig):
@@ -224,7 +224,7 @@ def _full(cfg: DecodeConfig):
                            max_inflight=1, link_credits=16, q_regs=1, stagger=3)),
     ],
 )
-def test_resident_variants_compile(cfg):
+def test_multi_token_variants_compile(cfg):
     """The multi-token kernel: walking chunks, wide tiles, two CTAs per SM, three warpgroups, a
     throttled producer, device-wide link admission with edge chunks, staggered chunks."""
     assert callable(jit.compile_multi_token(cfg, torch.bfloat16, 128, 64, 4))

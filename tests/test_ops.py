@@ -10,7 +10,7 @@ import torch
 
 import directkv_cute as dk
 from directkv_cute import ops
-from directkv_cute.config import DecodeConfig, resident_splits
+from directkv_cute.config import DecodeConfig, multi_token_splits
 from directkv_cute.validate import check_q_lens
 
 
@@ -73,7 +73,7 @@ def test_fake_tensor_shapes(cache_and_q):
         (4, 2048, DecodeConfig(consumer_wgs=2, carveout=100), "multi_token"),
         (5, 12, DecodeConfig(), "decode"),  # group 5: 60 of the 64 rows used
         (5, 13, DecodeConfig(), "multi_token"),
-        (4, 1, DecodeConfig(consumer_wgs=2, stages=7, carveout=100, q_regs=1), "multi_token"),  # q_regs: resident only
+        (4, 1, DecodeConfig(consumer_wgs=2, stages=7, carveout=100, q_regs=1), "multi_token"),  # q_regs: multi-token
         (4, 1, DecodeConfig(consumer_wgs=2, carveout=100, ctas_per_sm=1, q_cluster=2), "multi_token"),  # so is q_cluster
     ],
 )
@@ -82,28 +82,28 @@ def test_explicit_config_dispatch(group, q_len, cfg, kernel):
     assert picked is cfg and k == kernel
 
 
-def test_resident_splits_one_chunk_per_cta_without_chunk_tiles():
+def test_multi_token_splits_one_chunk_per_cta_without_chunk_tiles():
     cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100)
     for ctx in (1, 63, 64, 65, 384, 385, 32768 + 512, 131072):
-        splits = resident_splits(cfg, ctx)
+        splits = multi_token_splits(cfg, ctx)
         tiles = -(-ctx // 64)
         assert -(-tiles // splits) <= cfg.stages  # the largest split is one chunk
         assert splits == 1 or -(-tiles // (splits - 1)) > cfg.stages  # and no fewer splits would do
 
 
 @pytest.mark.parametrize("batch,hkv", [(1, 8), (2, 8), (1, 1), (16, 8), (40, 8)])
-def test_resident_splits_walking_chunks_fill_one_wave(batch, hkv):
+def test_multi_token_splits_walking_chunks_fill_one_wave(batch, hkv):
     cfg = DecodeConfig(tile_n=64, stages=6, consumer_wgs=2, carveout=100, chunk_tiles=3)
     assert cfg.resident_ctas(128) == 1
     for ctx in (64, 1000, 32768, 131072):
-        splits = resident_splits(cfg, ctx, batch, hkv, 132)
+        splits = multi_token_splits(cfg, ctx, batch, hkv, 132)
         chunks = -(-(-(-ctx // 64)) // 3)
         assert 1 <= splits <= chunks
         ctas = splits * batch * hkv
         assert ctas <= max(132, batch * hkv)  # never a second, partial wave
         if splits < chunks:
             assert (splits + 1) * batch * hkv > 132  # and no more CTAs would fit the wave
-    assert resident_splits(dataclasses.replace(cfg, num_splits=5), 32768, batch, hkv) == 5
+    assert multi_token_splits(dataclasses.replace(cfg, num_splits=5), 32768, batch, hkv) == 5
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def test_bad_inputs_fail_before_anything_runs(cache_and_q):
         dk.paged_attention(q[:, :5].contiguous(), cache, 0, ids, q_lens)  # Hq 5, Hkv 2
 
 
-def test_resident_chunk_and_occupancy_rules():
+def test_multi_token_chunk_and_occupancy_rules():
     from directkv_cute.config import ConfigError
 
     with pytest.raises(ConfigError, match="chunk_tiles"):
@@ -198,10 +198,10 @@ def test_resident_chunk_and_occupancy_rules():
     assert DecodeConfig.from_dict({"tile_n": 64, "stages": 4}).max_inflight == 0
     assert DecodeConfig(stages=4, chunk_tiles=0).chunk == 4 and DecodeConfig(stages=4, chunk_tiles=3).chunk == 3
     two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2)
-    assert two.resident_occupancy(128) == 2  # 2 x (96 KB ring + 16 KB Q + 1 KB + 1 KB reserved) = 228 KB
-    assert dataclasses.replace(two, consumer_wgs=2).resident_occupancy(128) == 1
-    assert dataclasses.replace(two, stages=4).resident_occupancy(128) == 1
-    assert dataclasses.replace(two, carveout=90).resident_occupancy(128) == 1
+    assert two.multi_token_occupancy(128) == 2  # 2 x (96 KB ring + 16 KB Q + 1 KB + 1 KB reserved) = 228 KB
+    assert dataclasses.replace(two, consumer_wgs=2).multi_token_occupancy(128) == 1
+    assert dataclasses.replace(two, stages=4).multi_token_occupancy(128) == 1
+    assert dataclasses.replace(two, carveout=90).multi_token_occupancy(128) == 1
     # the default: Q in registers, a ring of seven 64-token tiles in chunks of four up to
     # MULTI_TOKEN_CHUNK4_ROWS query rows and of six above, admitted to the link one tile at a time
     from directkv_cute.config import MULTI_TOKEN_CHUNK4_ROWS, MULTI_TOKEN_LINK_CREDITS, default_multi_token_config
@@ -384,10 +384,10 @@ def test_cluster_config_rules_and_splits():
         assert dataclasses.replace(base, q_cluster=c, max_inflight=1, link_credits=16).is_legal(128, 64)
         assert "needs max_inflight 1" in " ".join(dataclasses.replace(base, q_cluster=c, link_credits=16).problems(128))
     two = DecodeConfig(tile_n=64, stages=3, consumer_wgs=1, carveout=100, ctas_per_sm=2, chunk_tiles=2, q_cluster=2)
-    assert two.resident_occupancy(128) == 2 and "one CTA per SM" in " ".join(two.problems(128, 64))
+    assert two.multi_token_occupancy(128) == 2 and "one CTA per SM" in " ".join(two.problems(128, 64))
     # 8k tokens, 8 KV heads, 132 SMs: 16 splits per head alone, 8 clusters of two
-    assert resident_splits(base, 8192, 1, 8, 132, 128) == 16
-    assert resident_splits(dataclasses.replace(base, q_cluster=2), 8192, 1, 8, 132, 128) == 8
+    assert multi_token_splits(base, 8192, 1, 8, 132, 128) == 16
+    assert multi_token_splits(dataclasses.replace(base, q_cluster=2), 8192, 1, 8, 132, 128) == 8
 
 
 def test_stale_tables_are_refused_before_any_work(randn):

@@ -447,8 +447,8 @@ def test_check_compile_compiles_multi_token_entries_too(capsys, tmp_path, monkey
     P.save_profile(make_profile(), path)  # and one decode entry
     calls = []
 
-    def fake_compile(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=True, resident=False):
-        calls.append((cfg, group, max_q_len, resident))
+    def fake_compile(cfg, dtype, head_dim, page_size, group, max_q_len, split_out=True, multi_token=False):
+        calls.append((cfg, group, max_q_len, multi_token))
 
     monkeypatch.setattr(cli, "_resolve_compile", lambda: (fake_compile, ""))
     rc, out, _ = run(capsys, "check", "--dir", str(d), "--compile")

@@ -107,7 +107,7 @@ def test_space_hash_is_stable_and_tracks_the_space():
     assert out == h
 
 
-PREFILL_SHAPE = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the resident kernel
+PREFILL_SHAPE = TuneShape(64, 8, 128, batch=1, context=4096, q_len=64)  # 512 rows: the multi-token kernel
 PREFILL_POINTS = 3 * 7 * 7 * 6 * 3 * 2 * 3 * 3 * 3 * 2 * 3 * 3
 
 
@@ -117,7 +117,7 @@ def _check_multi_token_legality(space, rep):
     assert 0 < rep.legal_count < rep.total
     assert {(c.num_splits, c.ctas_per_sm) for c in rep.legal} == {(0, 1), (0, 2)}
     # two CTAs per SM only where they fit: one consumer warpgroup and SMEM for both
-    assert all(c.consumer_wgs == 1 and c.resident_occupancy(128) == 2 for c in rep.legal if c.ctas_per_sm == 2)
+    assert all(c.consumer_wgs == 1 and c.multi_token_occupancy(128) == 2 for c in rep.legal if c.ctas_per_sm == 2)
     assert all(c.chunk_tiles < c.stages for c in rep.legal)
     assert {c.chunk_tiles for c in rep.legal} == {0, 1, 2, 3, 4, 5, 6}
     assert {c.consumer_wgs for c in rep.legal} == {1, 2, 3}
@@ -132,7 +132,7 @@ def _check_multi_token_legality(space, rep):
     assert not any(not c.q_regs and c.stages == 7 and c.tile_n == 64 and c.consumer_wgs == 2 for c in rep.legal)
     # clusters sharing each tile: only at one CTA per SM
     assert {c.q_cluster for c in rep.legal} == {0, 2, 4}
-    assert all(c.resident_occupancy(128) == 1 for c in rep.legal if c.q_cluster)
+    assert all(c.multi_token_occupancy(128) == 1 for c in rep.legal if c.q_cluster)
     assert {c.link_credits for c in rep.legal if c.q_cluster} == {0, 8, 16}  # rank 0 admits for the cluster
     # staggered chunk boundaries: up to one group per chunk tile, never with edge chunks
     assert {c.stagger for c in rep.legal} == {0, 2, 4}

@@ -463,7 +463,7 @@ def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> Non
 
     kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)
     if kernel == "multi_token":
-        kw["resident"] = True
+        kw["multi_token"] = True
     compile_fn(cfg, **kw)
 
 

@@ -347,7 +347,7 @@ class MultiTokenSpace(KernelSpace):
 
     Same ``DecodeConfig`` type. Each CTA applies every query block to a chunk of ``chunk_tiles``
     tiles (0 = the whole ``stages`` ring) while the rest of the ring loads the next chunk; the
-    split count follows from the config (``resident_splits``), so num_splits and ctas_per_sm are
+    split count follows from the config (``multi_token_splits``), so num_splits and ctas_per_sm are
     fixed.
     """
 
@@ -368,7 +368,7 @@ class MultiTokenSpace(KernelSpace):
         Param("q_cluster", (0, 2, 4), "CTAs of a cluster sharing each KV tile by TMA multicast, splitting the query rows"),
         Param("stagger", (0, 2, 4), "groups of query blocks with staggered chunk boundaries (0 = off; needs edge_tiles 0)"),
     )
-    fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, resident_splits)"
+    fixed_doc = "num_splits = 0 (splits follow from the chunk and occupancy, multi_token_splits)"
 
     def fixed(self, shape: TuneShape) -> dict:
         return {"num_splits": 0}
@@ -381,14 +381,14 @@ class MultiTokenSpace(KernelSpace):
     def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
         eb = ELEM_BYTES[normalize_dtype(dtype)]
         out = specs.get(self.source_kernel).problems(cfg, head_dim, page_size, eb)
-        if not out and cfg.ctas_per_sm >= 2 and cfg.resident_occupancy(head_dim, eb) < 2:
+        if not out and cfg.ctas_per_sm >= 2 and cfg.multi_token_occupancy(head_dim, eb) < 2:
             out.append(f"ctas_per_sm {cfg.ctas_per_sm} needs one consumer warpgroup and SMEM for two CTAs")
         return out
 
     def launch_key(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS):
         # ctas_per_sm only matters through the occupancy it resolves to (num_splits is fixed);
         # every other field is part of the launch.
-        occupancy = cfg.resident_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)])
+        occupancy = cfg.multi_token_occupancy(shape.head_dim, ELEM_BYTES[normalize_dtype(shape.dtype)])
         return self.config_key(dataclasses.replace(cfg, ctas_per_sm=occupancy))
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:

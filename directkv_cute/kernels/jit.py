@@ -104,33 +104,33 @@ def _ptr(dtype, align=16):
 
 
 def decode_key(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int, split_out: bool,
-               resident: bool = False, trace=None):
+               multi_token: bool = False, trace=None):
     # The config enters the key as its kernel's spec states (``KernelSpec.key_config``): the
     # fields that generate code as they are, the launch-only ones (num_splits; ctas_per_sm
     # beyond the occupancy it resolves to; the chunk walk outside the multi-token kernel) fixed.
-    code = specs.paged_kernel(resident).key_values(cfg, head_dim)
-    key = ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(resident), *code)
+    code = specs.paged_kernel(multi_token).key_values(cfg, head_dim)
+    key = ("decode", arch(), str(dtype), head_dim, page_size, group, bool(split_out), bool(multi_token), *code)
     return key if trace is None else (*key, "trace", trace.addr, trace.chunk, bool(trace.skip_passes))
 
 
 def compile_decode(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                   max_q_len: int = 1, split_out: bool = True, resident: bool = False, trace=None):
+                   max_q_len: int = 1, split_out: bool = True, multi_token: bool = False, trace=None):
     """Compile (once per key) a paged attention kernel over host pages; returns a callable taking
-    the runtime arguments. ``resident=False``: the streaming kernel (``decode``: KV tiles stream
-    through the SMEM ring; every query row of a KV head fits one CTA); ``resident=True``: the
+    the runtime arguments. ``multi_token=False``: the streaming kernel (``decode``: KV tiles stream
+    through the SMEM ring; every query row of a KV head fits one CTA); ``multi_token=True``: the
     multi-token kernel (``multi_token``: each CTA keeps its KV chunk, ``cfg.chunk`` tiles, in SMEM
     and applies it to any number of query rows, walking its split a chunk at a time while the
     next chunk loads). The kernel's spec states its shape rules (``KernelSpec.shape_problems``)."""
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
-    problems = specs.paged_kernel(resident).shape_problems(cfg, group, max_q_len)
+    problems = specs.paged_kernel(multi_token).shape_problems(cfg, group, max_q_len)
     if problems:
         raise ValueError(problems[0])
-    if trace is not None and not resident:
+    if trace is not None and not multi_token:
         raise ValueError("timeline stamps (trace) exist in the multi-token kernel only")
-    key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)
-    build = lambda: _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident, trace)  # noqa: E731
+    key = decode_key(cfg, dtype, head_dim, page_size, group, split_out, multi_token, trace)
+    build = lambda: _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, multi_token, trace)  # noqa: E731
     if trace is not None:
         return _traced_compile(key, build)
     return _cached_compile(key, build)
@@ -140,7 +140,7 @@ def compile_multi_token(cfg: DecodeConfig, dtype: torch.dtype, head_dim: int, pa
                         trace=None):
     """The multi-token (KV-outer chunk) kernel; always writes split partials. ``trace``
     (``kernels.trace.Trace``) compiles timeline stamps in."""
-    return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, resident=True, trace=trace)
+    return compile_decode(cfg, dtype, head_dim, page_size, group, 1, split_out=True, multi_token=True, trace=trace)
 
 
 def _traced_compile(key: tuple, build):
@@ -154,14 +154,14 @@ def _traced_compile(key: tuple, build):
     return fn
 
 
-def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, resident, trace=None):
+def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, multi_token, trace=None):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
     dt = cutlass_dtype(dtype)
-    if resident:
+    if multi_token:
         from directkv_cute.kernels.multi_token import MultiTokenAttention
 
         kernel = MultiTokenAttention(dt, head_dim, page_size, group, cfg, split_out, trace)

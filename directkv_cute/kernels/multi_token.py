@@ -52,7 +52,7 @@ class MultiTokenAttention(PagedAttention):
             while 2 * cfg.tile_n // copy_rows < cfg.cluster:
                 copy_rows //= 2
         super().__init__(dtype, head_dim, page_size, group, cfg, split_out, copy_rows=copy_rows,
-                         occupancy=cfg.resident_occupancy(head_dim), tail=False)
+                         occupancy=cfg.multi_token_occupancy(head_dim), tail=False)
         self.chunk = cfg.chunk
         # Timeline stamps (``kernels/trace.py``, for ``bench timeline``): None compiles none.
         self.trace = trace

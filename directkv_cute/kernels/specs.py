@@ -176,7 +176,7 @@ def _q_tiled_rules(cfg, group: int, q_len: int) -> list[str]:
 
 
 def _multi_token_occupancy(cfg, head_dim: int) -> int:
-    return cfg.resident_occupancy(head_dim, 2)
+    return cfg.multi_token_occupancy(head_dim, 2)
 
 
 _RING = ("tile_n", "stages", "carveout", "consumer_wgs", "max_inflight", "link_credits")

@@ -90,7 +90,7 @@ class ChunkWalk:
 
     @cute.jit
     def num_rounds(self, n_tiles):
-        """Rounds of the resident walk over a split of ``n_tiles`` (at least one): its chunks
+        """Rounds of the chunk walk over a split of ``n_tiles`` (at least one): its chunks
         (config.chunk_bounds), or with stagger config.stagger_rounds."""
         chunk = self.chunk
         if const_expr(self.stagger > 0):
