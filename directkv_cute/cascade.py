@@ -209,10 +209,10 @@ def _attend(q, cache, layer, tables, q_lens, scale, staged: bool):
             except ValueError:
                 pass  # over the staging cap, or inside a CUDA graph capture: read in place
         return paged_attention_tables(q, cache, layer, tables, q_lens, scale, return_lse=True)
-    from directkv_cute.reference import tables_attention_ref
+    from directkv_cute.reference import cache_scales, tables_attention_ref
 
     return tables_attention_ref(q, cache.device_pool("host"), cache.device_pool("hbm"), tables.page_table,
-                                tables.seq_lens, layer, q_lens, scale)
+                                tables.seq_lens, layer, q_lens, scale, **cache_scales(cache))
 
 
 @dataclass
@@ -224,6 +224,7 @@ class PreparedCascade:
     own: object  # KernelTables of every row's own pages
     spans: list  # (idx (n_tok,) int64 on the device, KernelTables, n_pseudo, G', staged)
     q_lens: tuple[int, ...]
+    staged: bool = False  # one staged call of the whole batch instead (plan.stage_instead_of_cascade)
 
 
 def prepare_cascade(cache, tables, plan: CascadePlan, num_q_heads: int, device) -> PreparedCascade:
@@ -245,7 +246,23 @@ def prepare_cascade(cache, tables, plan: CascadePlan, num_q_heads: int, device) 
         host_pages = int((host[span.rows[0], span.page_lo:span.page_hi] >= 0).sum())
         spans.append((torch.from_numpy(idx).to(device, non_blocking=True), span_tables, n_pseudo, g2,
                       n_pseudo > 1 and host_pages > 0))
-    return PreparedCascade(plan, own, spans, plan.q_lens)
+    return PreparedCascade(plan, own, spans, plan.q_lens, _stage_whole_batch(cache, tables, plan, num_q_heads,
+                                                                             device))
+
+
+def _stage_whole_batch(cache, tables, plan: CascadePlan, num_q_heads: int, device) -> bool:
+    """Whether the batch runs as one staged call rather than as the cascade: on CUDA, when the
+    staging (each distinct page copied once) is estimated faster (``plan.stage_instead_of_cascade``)."""
+    if torch.device(device).type != "cuda" or not plan.host_pages_read:
+        return False
+    from directkv_cute.ops import staging_choice
+    from directkv_cute.plan import stage_instead_of_cascade
+
+    got = staging_choice(cache, tables, plan.q_lens, num_q_heads, cache.head_dim, cache.dtype.itemsize,
+                         torch.device(device).index or 0)
+    choice = got[0] if isinstance(got, tuple) else None
+    page_bytes = 2 * cache.num_kv_heads * cache.page_size * cache.head_dim * cache.dtype.itemsize
+    return stage_instead_of_cascade(plan.host_pages_read * page_bytes, 1 + len(plan.spans), choice)
 
 
 def cascade_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
@@ -292,6 +309,10 @@ def cascade_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int]
         return (o, lse) if return_lse else o
 
     prep = prepared if prepared is not None else prepare_cascade(cache, tables, plan, hq, q.device)
+    if prep.staged:
+        from directkv_cute.ops import paged_attention_tables
+
+        return paged_attention_tables(q, cache, layer, tables, q_lens, scale, out=out, return_lse=return_lse)
     hkv = cache.num_kv_heads
     o_own, lse_own = _attend(q, cache, layer, prep.own, q_lens, scale, False)
     o_acc, lse_acc = o_own.float(), lse_own.float()

@@ -299,25 +299,12 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
         if explicit or 2 * ctas >= _num_sms(q.device.index):
             return cfg, None
         return None
-    page_bytes = 2 * cache.num_kv_heads * P * d * q.element_size()
-    flops = causal_flops(lens, q_lens, hq, d)
-    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
-    calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
-    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls):
+    got = staging_choice(cache, tables, q_lens, hq, d, q.element_size(), q.device.index, cfg, explicit)
+    if isinstance(got, str):
+        return refuse(got)
+    if got is None:
         return None  # short link-bound reads: in place (decided before any planning)
-    plan = plan_staging(host_table, lens, P, pp)
-    need = plan.pages * page_bytes
-    cap = staging_cap(_total_memory(q.device.index))
-    if need > cap:
-        return refuse(f"staging needs {need / 2**30:.2f} GiB of HBM, over the {cap / 2**30:.2f} GiB cap "
-                      "(DIRECTKV_MAX_STAGING_GB)")
-    host_b = plan.host_pages * page_bytes
-    tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
-    runs = [r for piece in plan.pieces for r in piece]
-    hbm_calls = sum(r.hbm for r in runs)
-    choice = choose_staged(host_b, need - host_b, flops,
-                           partial_bytes(q.shape[0], hq, d), 1 if cfg.order == 2 else cfg.splits, tiles,
-                           host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls)
+    choice, plan = got
     if not explicit:
         if not choice.staged:
             return None
@@ -326,6 +313,43 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     if not cfg.splits:
         cfg = dataclasses.replace(cfg, splits=1 if cfg.order == 2 else choice.splits)
     return cfg, plan
+
+
+def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_bytes: int, device_index: int,
+                   cfg: QTiledConfig | None = None, explicit: bool = False):
+    """The cost model's verdict on staging one call over ``tables`` (some pages on the host):
+    (StagedChoice, StagePlan); None when staging cannot pay (decided before planning; never for
+    an explicit config); a str saying why it cannot run (over the staging cap). Plain host work."""
+    cfg = cfg or QTiledConfig()
+    host_table, lens = tables.host_table, tables.host_seq_lens
+    P = cache.page_size
+    group = num_q_heads // cache.num_kv_heads
+    n_pages = [math.ceil(n / P) for n in lens]
+    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
+    n_host = int((used >= 0).sum())
+    page_bytes = 2 * cache.num_kv_heads * P * head_dim * elem_bytes
+    flops = causal_flops(lens, q_lens, num_q_heads, head_dim)
+    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
+    calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
+    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls):
+        return None
+    plan = plan_staging(host_table, lens, P, pp)
+    need = plan.pages * page_bytes
+    cap = staging_cap(_total_memory(device_index))
+    if need > cap:
+        return (f"staging needs {need / 2**30:.2f} GiB of HBM, over the {cap / 2**30:.2f} GiB cap "
+                "(DIRECTKV_MAX_STAGING_GB)")
+    host_b = plan.host_pages * page_bytes
+    tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
+    runs = [r for piece in plan.pieces for r in piece]
+    hbm_calls = sum(r.hbm for r in runs)
+    # What the Q-tiled kernel reads from the buffer: each query tile its sequence's pages.
+    kv_read = sum(q_tiles(q, group, cfg.rows) * n for q, n in zip(q_lens, n_pages)) * page_bytes
+    choice = choose_staged(host_b, need - host_b, flops,
+                           partial_bytes(sum(q_lens), num_q_heads, head_dim), 1 if cfg.order == 2 else cfg.splits,
+                           tiles, host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls,
+                           in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read)
+    return choice, plan
 
 
 @functools.lru_cache(maxsize=256)
@@ -385,46 +409,54 @@ class _PoolView:
     """The few cache attributes the kernels read, rebuilt from the pool tensors (the op below
     takes tensors only, so that torch.compile and the dispatcher can see them)."""
 
-    def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor):
+    def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor, compute_dtype: torch.dtype | None = None):
         _, self.num_layers, self.num_kv_heads, _, self.page_size, self.head_dim = host_pool.shape
         self.host_pool = self.host_pool_cuda = host_pool
         self.hbm_pool = hbm_pool
         self.dtype = host_pool.dtype
+        self.compute_dtype = compute_dtype or host_pool.dtype
 
 
 @torch.library.custom_op("directkv_cute::paged_attention", mutates_args=())
 def attention_op(q: torch.Tensor, host_pool: torch.Tensor, hbm_pool: torch.Tensor, page_table: torch.Tensor,
                  seq_lens: torch.Tensor, layer: int, q_lens: list[int] | None = None,
                  softmax_scale: float | None = None, config: list[int] | None = None,
-                 max_seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 max_seq_len: int | None = None, host_scales: torch.Tensor | None = None,
+                 hbm_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.directkv_cute.paged_attention``: the op on plain tensors, returning (out, lse).
 
     host_pool is ``cache.host_pool_cuda`` on a GPU (the UVA alias of the pinned pool) or
     ``cache.host_pool`` on a CPU; hbm_pool is ``cache.hbm_pool``; page_table / seq_lens come from
     ``cache.kernel_tables``; config lists the DecodeConfig fields in order (None: profile lookup).
+    FP8 pools come with their scale pools (``cache.device_scales``) and take q's dtype for compute
+    (the CPU reference only: the GPU kernels for FP8 pages are not built yet).
     Direct Python calls of ``paged_attention_tables`` skip the dispatcher's overhead; this entry
     is for torch.compile'd models and other dispatcher users.
     """
+    from directkv_cute.fp8 import is_fp8
+
+    compute = q.dtype if is_fp8(host_pool.dtype) else None
     if q.is_cuda:
         from directkv_cute.cache import KernelTables
 
         cfg = DecodeConfig(*config) if config else None
-        out, lse = paged_attention_tables(q, _PoolView(host_pool, hbm_pool), layer, KernelTables(page_table, seq_lens),
+        out, lse = paged_attention_tables(q, _PoolView(host_pool, hbm_pool, compute), layer, KernelTables(page_table, seq_lens),
                                           q_lens, softmax_scale, config=cfg, return_lse=True, max_seq_len=max_seq_len)
         return out, lse
     from directkv_cute.reference import tables_attention_ref
 
-    view = _PoolView(host_pool, hbm_pool)
+    view = _PoolView(host_pool, hbm_pool, compute)
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or seq_lens.dtype != torch.int32 \
             or seq_lens.shape != (page_table.shape[0],):
         raise ValueError("page_table must be (B, max_pages) int32 and seq_lens (B,) int32 (cache.kernel_tables)")
     layer, lens = check_attention(q, view, layer, batch=page_table.shape[0], q_lens=q_lens,
                                   config=DecodeConfig(*config) if config else None, softmax_scale=softmax_scale,
                                   seq_lens=seq_lens.tolist(), cuda=False)
-    return tables_attention_ref(q, host_pool, hbm_pool, page_table, seq_lens, layer, list(lens), softmax_scale)
+    return tables_attention_ref(q, host_pool, hbm_pool, page_table, seq_lens, layer, list(lens), softmax_scale,
+                                host_scales=host_scales, hbm_scales=hbm_scales)
 
 
 @attention_op.register_fake
 def _attention_op_fake(q, host_pool, hbm_pool, page_table, seq_lens, layer, q_lens=None, softmax_scale=None,
-                       config=None, max_seq_len=None):
+                       config=None, max_seq_len=None, host_scales=None, hbm_scales=None):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

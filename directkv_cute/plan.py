@@ -83,6 +83,10 @@ MEMCPY_GBPS = 54.8  # the copy engine's H2D rate (the staging copies)
 D2D_GBPS = 1500.0  # HBM-to-HBM copies of pages already in HBM (read + write)
 CHUNKED_TFLOPS = 300.0  # the KV-outer chunk kernel's attention rate where it is compute-bound
 Q_TILED_TFLOPS = 640.0  # the Q-tiled kernel's (tile 128, 3 stages, pingpong)
+# ... and its reads of the staging buffer where they bind (decode of many sequences that share
+# pages: each sequence's CTAs read all of its pages; fitted to batch 64 over a shared 32k prompt,
+# staged in 3.79 ms, measured 2026-12-01)
+Q_TILED_READ_GBPS = 2800.0
 STAGED_SPLITS = 4  # KV splits of a staged call
 # The op picks the lightest-first order on its own only once it has been measured on a GPU (it was
 # written after the last GPU run of 2026-12-01); until then QTiledConfig(order=2) asks for it.
@@ -188,19 +192,23 @@ def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
 
 
 def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
-                  splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0) -> StagedChoice:
-    """Stage when the model says the copy (``host_calls`` copy calls; ``hbm_calls`` for the pages
-    already in HBM) + Q-tiled kernel (at the best of ``SPLIT_CHOICES``, or at ``splits``; with
-    ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading in place,
-    by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a link-bound one: the in-place
-    kernel is bound by max(link, its compute)."""
-    link_ms = host_bytes / (LINK_GBPS * 1e6)
+                  splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
+                  in_place_bytes: int | None = None, kv_read_bytes: int = 0) -> StagedChoice:
+    """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
+    ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
+    ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
+    ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading
+    ``in_place_bytes`` in place (default ``host_bytes``; more where sequences share pages, which
+    the staging copies once), by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a
+    link-bound one: the in-place kernel is bound by max(link, its compute)."""
+    read = host_bytes if in_place_bytes is None else in_place_bytes
+    link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms)
     copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + host_calls * COPY_CALL_MS
     # pages already in HBM: copied before the kernel starts
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
-    q_ms = flops / (Q_TILED_TFLOPS * 1e9)
+    q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
     best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
     est = d2d_ms + staged_ms(copy_ms, q_ms, partial_bytes, best)
     ascending = False
@@ -210,6 +218,25 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
             est, best, ascending = asc, 1, True
     margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN
     return StagedChoice(in_place, est, est < margin * in_place, best, ascending)
+
+
+# A batch whose sequences share pages is attended by the cascade (each shared span once, each
+# sequence's own pages, in place: about the unique bytes at the link plus STAGE_OVERHEAD_MS per
+# pass) unless one staged call of the whole batch -- the staging copies each distinct page once,
+# at the copy engine's rate -- is estimated faster by this margin (the staged model is up to 11%
+# optimistic on many short own parts). Fitted to bench prefix, batch 4-64 over a 32k prompt with
+# 0/1k/8k own tokens (measured 2026-12-01): the margin picks the faster of the two on every row.
+CASCADE_MARGIN = 0.95
+
+
+def cascade_ms(host_bytes: int, passes: int) -> float:
+    """The cascade's estimate: ``host_bytes`` (the unique pages) at the link, ``passes`` passes."""
+    return host_bytes / (LINK_GBPS * 1e6) + passes * STAGE_OVERHEAD_MS
+
+
+def stage_instead_of_cascade(host_bytes: int, passes: int, staged: StagedChoice | None) -> bool:
+    """Whether one staged call of the batch beats its cascade (see ``CASCADE_MARGIN``)."""
+    return staged is not None and staged.staged and staged.staged_ms < CASCADE_MARGIN * cascade_ms(host_bytes, passes)
 
 
 def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:

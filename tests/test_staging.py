@@ -277,3 +277,28 @@ def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
     assert staging.staging_bytes() == 80
     assert staging.release_staging() == 80
     assert staging.staging_bytes() == 0 and staging.release_staging() == 0
+
+
+def test_a_batch_sharing_a_prompt_stages_once_or_runs_the_cascade_as_measured():
+    """bench prefix rows (2026-12-01, one layer, 32k shared prompt, 32/8 heads, page 64): one
+    staged call (each distinct page copied once) against the cascade, the faster one chosen."""
+    from directkv_cute.plan import cascade_ms, stage_instead_of_cascade
+
+    page = 2 * 8 * 64 * 128 * 2
+
+    def row(batch, own, calls):
+        prefix_pages, own_pages = 512, own // 64 + (1 if own else 1)
+        unique = (prefix_pages + batch * own_pages) * page
+        naive = batch * (prefix_pages + own_pages) * page
+        ctx = [32768 + own + 1] * batch
+        staged = choose_staged(unique, 0, causal_flops(ctx, [1] * batch, 32, 128), partial_bytes(batch, 32, 128),
+                               host_calls=calls, in_place_bytes=naive, kv_read_bytes=naive)
+        return stage_instead_of_cascade(unique, 2, staged), staged.staged_ms, cascade_ms(unique, 2)
+
+    # batch 16, 8k own: staged 12.63 ms measured vs the cascade's 13.30
+    assert row(16, 8192, 16 * 4 + 13)[0]
+    # batch 64, nothing own: the staged kernel's reads of every sequence's pages bind (3.79 vs 2.97)
+    assert not row(64, 0, 16)[0]
+    # batch 64, 1k own: staged 9.04 vs the cascade's 8.21
+    assert not row(64, 1024, 64 * 2 + 16)[0]
+    assert stage_instead_of_cascade(1, 1, None) is False
