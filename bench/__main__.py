@@ -1,4 +1,4 @@
-"""``python -m bench {decode,prefill,all,prefix,kvproj,check,regress,refresh,timeline,breakdown,plot,e2e}``
+"""``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,check,regress,refresh,timeline,breakdown,plot,e2e}``
 (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
@@ -10,6 +10,10 @@ prefix                  batches forked from one shared prompt: cascade attention
 kvproj                  the fused K/V projection + RoPE + store kernel vs cuBLAS + the rotary
                         math + write_slots, host and HBM pages, with ceilings and the target
                         per row (``bench/kvproj.py``; ``--device cpu`` smoke).
+fp8-accuracy            FP8 KV pages: op output error vs float64 for bf16 and FP8 pages per scale
+                        granularity (random and heavy-tailed K), and end-to-end greedy agreement
+                        and logit error of FP8 vs bf16 KV on a random-weight Llama (CPU;
+                        ``bench/fp8_accuracy.py``).
 check                   the GPU-free CI part: profiles validate, every default / profile config
                         compiles for sm_90a, the host-traffic model reads each byte once.
 regress                 compare a run (``--results FILE``, or a fresh run replaying the
@@ -34,6 +38,8 @@ from bench.breakdown import add_arguments as add_breakdown_arguments
 from bench.breakdown import cmd_breakdown
 from bench.e2e import add_arguments as add_e2e_arguments
 from bench.e2e import cmd_e2e
+from bench.fp8_accuracy import add_arguments as add_fp8_arguments
+from bench.fp8_accuracy import cmd_fp8_accuracy
 from bench.kvproj import add_arguments as add_kvproj_arguments
 from bench.kvproj import cmd_kvproj
 from bench.prefix import add_arguments as add_prefix_arguments
@@ -70,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_e2e_arguments(sub.add_parser("e2e", help="end to end: a whole model's prefill and decode, ours vs transformers' caches"))
     add_prefix_arguments(sub.add_parser("prefix", help="forks of one shared prompt: cascade vs per-sequence attention"))
     add_kvproj_arguments(sub.add_parser("kvproj", help="fused K/V projection + RoPE + store vs the separate path"))
+    add_fp8_arguments(sub.add_parser("fp8-accuracy", help="FP8 KV pages: op and end-to-end accuracy vs bf16 (CPU)"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
     pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all / prefix")
@@ -218,7 +225,8 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
-            "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix, "kvproj": cmd_kvproj}
+            "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix, "kvproj": cmd_kvproj,
+            "fp8-accuracy": cmd_fp8_accuracy}
 
 
 def main(argv: list[str] | None = None) -> int:

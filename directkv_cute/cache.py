@@ -52,6 +52,19 @@ Design choices
   few advanced-index stores covering all touched pages. All data movement (writes, copies,
   moves) is enqueued on the current CUDA stream; host-side reads of ``host_pool`` must
   synchronise first (``read`` works on the device and needs no care).
+
+FP8 pages
+---------
+``dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) stores the pages in FP8 (``directkv_cute.fp8``
+states the format): K/V are written and read in ``compute_dtype`` (bf16 by default) and quantized
+as they are stored, one float32 scale per token per KV head per K/V. The scales live in scale
+pools beside the page pools, ``host_scales`` (pinned and mapped like ``host_pool``;
+``host_scales_cuda`` its CUDA alias) and ``hbm_scales`` (the HBM tier and the window), of shape
+``(num_pages, num_layers, num_kv_heads, 2, page_size)``: for one (page, layer, kv_head) the K
+scales then the V scales form one contiguous piece of ``8 * page_size`` bytes. Every write path
+stores a token's bytes and its scale together (a mirror and its host page get the same bytes),
+every page copy (fork, copy-on-write, move, mirror set-up and copy-back) copies the scales with
+the page, and ``read`` dequantizes. ``page_bytes`` counts the scales.
 """
 
 from __future__ import annotations
@@ -68,12 +81,14 @@ import torch
 
 from directkv_cute._pinned import PinnedHostBuffer
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from directkv_cute.fp8 import FP8_DTYPES, SCALE_DTYPE, dequantize, quantize
 
 Tier = Literal["host", "hbm"]
 TIERS: tuple[Tier, ...] = ("host", "hbm")
 PLACEMENTS = ("recent", "strided")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 CPU_ONLY_DTYPES = (torch.float32,)  # the reference path only (no kernel reads float32 pages)
+PAGE_DTYPES = SUPPORTED_DTYPES + FP8_DTYPES  # page storage; FP8 pages take compute_dtype K/V
 _MAX_PAGES = 2**31 - 1  # page ids must fit int32 entries
 
 
@@ -235,6 +250,12 @@ def _locked(method):
     return run
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes (uint8, same shape): torch's indexed copies and stores do not
+    all take float8 dtypes, and a byte copy is exact."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 def _check_int(value: object, name: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -252,7 +273,11 @@ class PagedKVCache:
         page_size: tokens per page, one of 16, 32, 64, 128.
         num_host_pages: capacity of the host tier (>= 1); allocated and pinned once, exactly.
         num_hbm_pages: capacity of the HBM tier (may be 0).
-        dtype: torch.bfloat16 or torch.float16.
+        dtype: the page dtype: torch.bfloat16 or torch.float16, or torch.float8_e4m3fn /
+            torch.float8_e5m2 (FP8 pages with per-token scales; see "FP8 pages" above).
+        compute_dtype: the dtype of the K/V that ``write``/``append``/``write_slots`` take and
+            ``read`` returns: ``dtype`` for bf16/fp16 pages (the default; nothing else is
+            accepted), bf16 (default) or fp16 (float32 on device='cpu' too) for FP8 pages.
         device: "cuda" / "cuda:N" (pinned, GPU-mapped host pool; HBM pool on that GPU) or "cpu"
             (everything in ordinary CPU tensors).
     """
@@ -268,6 +293,7 @@ class PagedKVCache:
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cuda",
         num_window_pages: int = 0,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers = _check_int(num_layers, "num_layers", 1)
         self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", 1)
@@ -286,10 +312,21 @@ class PagedKVCache:
             if n + (window if tier == "hbm" else 0) > _MAX_PAGES:
                 raise ValueError(f"{tier} tier: {n} pages do not fit int32 page-table entries")
         device = torch.device(device)
-        if dtype not in SUPPORTED_DTYPES and not (dtype in CPU_ONLY_DTYPES and device.type == "cpu"):
+        if dtype not in PAGE_DTYPES and not (dtype in CPU_ONLY_DTYPES and device.type == "cpu"):
             extra = f" ({', '.join(map(str, CPU_ONLY_DTYPES))} on device='cpu' too)"
-            raise TypeError(f"dtype must be one of {SUPPORTED_DTYPES}{extra}, got {dtype}")
+            raise TypeError(f"dtype must be one of {PAGE_DTYPES}{extra}, got {dtype}")
+        self.fp8 = dtype in FP8_DTYPES
+        if self.fp8:
+            compute_dtype = torch.bfloat16 if compute_dtype is None else compute_dtype
+            if compute_dtype not in SUPPORTED_DTYPES and not (compute_dtype in CPU_ONLY_DTYPES and
+                                                              device.type == "cpu"):
+                raise TypeError(f"compute_dtype of FP8 pages must be one of {SUPPORTED_DTYPES} (float32 on "
+                                f"device='cpu' too), got {compute_dtype}")
+        elif compute_dtype is not None and compute_dtype != dtype:
+            raise TypeError(f"compute_dtype {compute_dtype} differs from the page dtype {dtype}: only FP8 pages "
+                            f"({', '.join(map(str, FP8_DTYPES))}) take K/V of another dtype")
         self.dtype = dtype
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype
         if device.type == "cuda":
             if self.head_dim not in SUPPORTED_HEAD_DIMS:
                 raise ValueError(f"head_dim {self.head_dim}: the GPU kernels support head dims {SUPPORTED_HEAD_DIMS} "
@@ -303,8 +340,12 @@ class PagedKVCache:
 
         # One page: (num_layers, num_kv_heads, 2, page_size, head_dim).
         self.page_shape = (self.num_layers, self.num_kv_heads, 2, self.page_size, self.head_dim)
-        self.page_bytes = math.prod(self.page_shape) * dtype.itemsize
-        host_bytes = capacity["host"] * self.page_bytes
+        # FP8: one float32 scale per token per KV head per K/V, (num_layers, num_kv_heads, 2, page_size).
+        self.scale_shape = self.page_shape[:-1] if self.fp8 else None
+        self.page_data_bytes = math.prod(self.page_shape) * dtype.itemsize
+        self.page_scale_bytes = math.prod(self.scale_shape) * SCALE_DTYPE.itemsize if self.fp8 else 0
+        self.page_bytes = self.page_data_bytes + self.page_scale_bytes  # what one page costs, scales included
+        host_bytes = capacity["host"] * self.page_data_bytes
         try:
             self._host_buffer = PinnedHostBuffer(host_bytes, device if device.type == "cuda" else None)
         except (OSError, MemoryError, RuntimeError) as exc:
@@ -322,6 +363,21 @@ class PagedKVCache:
         # (num_hbm_pages + num_window_pages, L, Hkv, 2, page_size, d) on the cache device: the HBM
         # tier, then the window that mirrors pages being written.
         self.hbm_pool = torch.zeros((capacity["hbm"] + window, *self.page_shape), dtype=dtype, device=device)
+        # FP8 scales (num_pages, L, Hkv, 2, page_size) float32: host (pinned, mapped) and HBM + window.
+        self._scale_buffer = self.host_scales = self.host_scales_cuda = self.hbm_scales = None
+        if self.fp8:
+            scale_bytes = capacity["host"] * self.page_scale_bytes
+            try:
+                self._scale_buffer = PinnedHostBuffer(scale_bytes, device if device.type == "cuda" else None)
+            except (OSError, MemoryError, RuntimeError) as exc:
+                self._host_buffer.close()
+                raise MemoryError(f"cannot allocate and pin {scale_bytes} bytes of host memory for the FP8 "
+                                  f"scales of {capacity['host']} pages: {exc}") from exc
+            self.host_scales = self._scale_buffer.tensor.view(SCALE_DTYPE).view(capacity["host"], *self.scale_shape)
+            self.host_scales_cuda = (self._scale_buffer.cuda_view(SCALE_DTYPE).view(capacity["host"], *self.scale_shape)
+                                     if device.type == "cuda" else None)
+            self.hbm_scales = torch.zeros((capacity["hbm"] + window, *self.scale_shape), dtype=SCALE_DTYPE,
+                                          device=device)
         self.num_window_pages = window
 
         self._capacity = capacity
@@ -339,21 +395,26 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, config, *, host_bytes: int, hbm_bytes: int = 0, page_size: int = 64,
-                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda") -> "PagedKVCache":
+                  dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+                  compute_dtype: torch.dtype | None = None) -> "PagedKVCache":
         """A cache sized by bytes for a model config (a transformers config or anything with
         ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` /
-        ``hidden_size``): ``host_bytes`` of pinned host pages, ``hbm_bytes`` of HBM pages."""
+        ``hidden_size``): ``host_bytes`` of pinned host pages, ``hbm_bytes`` of HBM pages (FP8
+        pages: their scales counted in)."""
         get = getattr(config, "get_text_config", None)
         config = get() if get is not None else config
         layers, hq = config.num_hidden_layers, config.num_attention_heads
         hkv = getattr(config, "num_key_value_heads", None) or hq
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
         page_bytes = 2 * layers * hkv * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+        if dtype in FP8_DTYPES:
+            page_bytes += 2 * layers * hkv * page_size * SCALE_DTYPE.itemsize
         host = _check_int(host_bytes, "host_bytes") // page_bytes
         if host < 1:
             raise ValueError(f"host_bytes={host_bytes} holds no page of {page_bytes} bytes ({page_size} tokens)")
         return cls(layers, hkv, head_dim, page_size, num_host_pages=host,
-                   num_hbm_pages=_check_int(hbm_bytes, "hbm_bytes") // page_bytes, dtype=dtype, device=device)
+                   num_hbm_pages=_check_int(hbm_bytes, "hbm_bytes") // page_bytes, dtype=dtype, device=device,
+                   compute_dtype=compute_dtype)
 
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -362,8 +423,10 @@ class PagedKVCache:
             self._copy_done.synchronize()
             self._copy_pending = False
         self._closed = True
-        self.host_pool_cuda = None
+        self.host_pool_cuda = self.host_scales_cuda = None
         self._host_buffer.close()
+        if self._scale_buffer is not None:
+            self._scale_buffer.close()
 
     def __enter__(self) -> "PagedKVCache":
         return self
@@ -374,7 +437,8 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (
             f"PagedKVCache(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"page_size={self.page_size}, dtype={self.dtype}, device={self.device}, "
+            f"page_size={self.page_size}, dtype={self.dtype}, "
+            f"{f'compute_dtype={self.compute_dtype}, ' if self.fp8 else ''}device={self.device}, "
             f"host {self.free_pages('host')}/{self._capacity['host']} free, "
             f"hbm {self.free_pages('hbm')}/{self._capacity['hbm']} free, {len(self._seqs)} sequences)"
         )
@@ -452,6 +516,43 @@ class PagedKVCache:
         if self._check_tier(tier) == "hbm":
             return self.hbm_pool
         return self.host_pool if self.host_pool_cuda is None else self.host_pool_cuda
+
+    def device_scales(self, tier: Tier) -> torch.Tensor | None:
+        """The tier's FP8 scale pool on the cache device (None for bf16/fp16 pages).
+
+        Shape (num_pages, num_layers, num_kv_heads, 2, page_size), float32.
+        """
+        self._check_open()
+        if self._check_tier(tier) == "hbm" or not self.fp8:
+            return self.hbm_scales
+        return self.host_scales if self.host_scales_cuda is None else self.host_scales_cuda
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor):
+        """(k, v, k scales, v scales) as the pages store them: FP8 with per-row scales, else as
+        given (scales None)."""
+        k, v = k.detach(), v.detach()  # the pools never join an autograd graph
+        if not self.fp8:
+            return k, v, None, None
+        (qk, sk), (qv, sv) = quantize(k, self.dtype), quantize(v, self.dtype)
+        return qk, qv, sk, sv
+
+    def _put(self, tier: Tier, pidx, lsel, off, tok, enc) -> None:
+        """Store encoded rows (``_encode``; ``tok`` selects them, None: all) at pages ``pidx``,
+        rows ``off`` of layer(s) ``lsel`` of ``tier`` (and their scales)."""
+        pool, scales = _raw(self.device_pool(tier)), self.device_scales(tier)
+        for kv, (data, scale) in enumerate(((_raw(enc[0]), enc[2]), (_raw(enc[1]), enc[3]))):
+            pool[pidx, lsel, :, kv, off] = data if tok is None else data[tok]
+            if scale is not None:
+                scales[pidx, lsel, :, kv, off] = scale if tok is None else scale[tok]
+
+    def _gather(self, tier: Tier, pidx, lsel, off) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V rows at pages ``pidx``, rows ``off`` of ``tier``, in the compute dtype."""
+        pool = self.device_pool(tier)
+        if not self.fp8:
+            return pool[pidx, lsel, :, 0, off], pool[pidx, lsel, :, 1, off]
+        raw, scales = _raw(pool), self.device_scales(tier)
+        return tuple(dequantize(raw[pidx, lsel, :, kv, off].view(self.dtype), scales[pidx, lsel, :, kv, off],
+                                self.compute_dtype) for kv in (0, 1))
 
     # ---- sequence operations ---------------------------------------------------------------
     @_locked
@@ -628,11 +729,9 @@ class PagedKVCache:
         n = self._check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
             raise ValueError(f"{n} K/V rows for {slots.total} slots")
-        k, v = k.detach(), v.detach()  # the pools never join an autograd graph
+        enc = self._encode(k, v)
         for tier, tok, pidx, off in slots.parts + (() if defer_host else slots.mirrored):
-            pool = self.device_pool(tier)
-            pool[pidx, layer, :, 0, off] = k if tok is None else k[tok]
-            pool[pidx, layer, :, 1, off] = v if tok is None else v[tok]
+            self._put(tier, pidx, layer, off, tok, enc)
         if defer_host:
             self._copy_back(layer, slots.runs)
 
@@ -665,14 +764,11 @@ class PagedKVCache:
         slots = list(self._slots(seq, start, stop - start))
         if len(slots) == 1:  # one tier: the gathers are the result
             tier, _, pidx, off = slots[0]
-            pool = self.device_pool(tier)
-            return pool[pidx, lsel, :, 0, off], pool[pidx, lsel, :, 1, off]
-        k = torch.empty((stop - start, *token_shape), dtype=self.dtype, device=self.device)  # (n, [L,] Hkv, d)
+            return self._gather(tier, pidx, lsel, off)
+        k = torch.empty((stop - start, *token_shape), dtype=self.compute_dtype, device=self.device)  # (n, [L,] Hkv, d)
         v = torch.empty_like(k)
         for tier, tok, pidx, off in slots:
-            pool = self.device_pool(tier)
-            k[tok] = pool[pidx, lsel, :, 0, off]
-            v[tok] = pool[pidx, lsel, :, 1, off]
+            k[tok], v[tok] = self._gather(tier, pidx, lsel, off)
         return k, v
 
     @_locked
@@ -879,7 +975,10 @@ class PagedKVCache:
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if t.layout != torch.strided:
                 raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
-            if t.dtype != self.dtype:
+            if t.dtype != self.compute_dtype:
+                if self.fp8:
+                    raise TypeError(f"{name} has dtype {t.dtype}, the cache takes {self.compute_dtype} K/V "
+                                    f"({self.dtype} pages)")
                 raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the cache is on {self.device}")
@@ -931,8 +1030,10 @@ class PagedKVCache:
         """
         (src_tier, si), (dst_tier, di) = decode_page(src), decode_page(dst)
         zero = torch.zeros(1, dtype=torch.long, device=self.device)  # (1,)
-        dst_page = self.device_pool(dst_tier)[di : di + 1]  # (1, L, Hkv, 2, page_size, d)
-        dst_page.index_copy_(0, zero, self.device_pool(src_tier)[si : si + 1])
+        dst_page = _raw(self.device_pool(dst_tier))[di : di + 1]  # (1, L, Hkv, 2, page_size, d)
+        dst_page.index_copy_(0, zero, _raw(self.device_pool(src_tier))[si : si + 1])
+        if self.fp8:
+            self.device_scales(dst_tier)[di : di + 1].index_copy_(0, zero, self.device_scales(src_tier)[si : si + 1])
 
     def _copy_back(self, layer: int, runs) -> None:
         """Copy one layer of mirrored pages into their host pages: (window page, host page, pages)
@@ -940,11 +1041,11 @@ class PagedKVCache:
         CPU cache: now)."""
         if not runs:
             return
-        width = math.prod(self.page_shape[1:]) * self.dtype.itemsize  # one layer of one page
-        pitch = self.page_bytes
         if self.device.type != "cuda":
             for w, h, count in runs:
-                self.host_pool[h : h + count, layer] = self.hbm_pool[w : w + count, layer]
+                _raw(self.host_pool)[h : h + count, layer] = _raw(self.hbm_pool)[w : w + count, layer]
+                if self.fp8:
+                    self.host_scales[h : h + count, layer] = self.hbm_scales[w : w + count, layer]
             return
         import cuda.bindings.runtime as rt
 
@@ -953,13 +1054,18 @@ class PagedKVCache:
         cur = torch.cuda.current_stream(self.device)
         self._copy_stream.wait_stream(cur)
         kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-        host = self.host_pool.data_ptr() + layer * width
-        dev = self.hbm_pool.data_ptr() + layer * width
-        for w, h, count in runs:
-            err, = rt.cudaMemcpy2DAsync(host + h * pitch, pitch, dev + w * pitch, pitch, width, count, kind,
-                                        self._copy_stream.cuda_stream)
-            if err != rt.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaMemcpy2DAsync of mirrored pages to the host failed: {err}")
+        pools = [(self.host_pool, self.hbm_pool, self.page_data_bytes)]
+        if self.fp8:
+            pools.append((self.host_scales, self.hbm_scales, self.page_scale_bytes))
+        for host_pool, hbm_pool, pitch in pools:
+            width = pitch // self.num_layers  # one layer of one page
+            host = host_pool.data_ptr() + layer * width
+            dev = hbm_pool.data_ptr() + layer * width
+            for w, h, count in runs:
+                err, = rt.cudaMemcpy2DAsync(host + h * pitch, pitch, dev + w * pitch, pitch, width, count, kind,
+                                            self._copy_stream.cuda_stream)
+                if err != rt.cudaError_t.cudaSuccess:
+                    raise RuntimeError(f"cudaMemcpy2DAsync of mirrored pages to the host failed: {err}")
         if self._copy_done is None:
             self._copy_done = torch.cuda.Event()
         self._copy_done.record(self._copy_stream)
@@ -1048,16 +1154,13 @@ class PagedKVCache:
     def _store(self, seq: _Sequence, layer: int | None, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their pages."""
         lsel = slice(None) if layer is None else layer
-        k, v = k.detach(), v.detach()  # the pools never join an autograd graph
+        enc = self._encode(k, v)
         for tier, tok, pidx, off in self._slots(seq, start, k.shape[0]):
-            pool = self.device_pool(tier)
-            pool[pidx, lsel, :, 0, off] = k if tok is None else k[tok]
-            pool[pidx, lsel, :, 1, off] = v if tok is None else v[tok]
+            self._put(tier, pidx, lsel, off, tok, enc)
         w = self._mirror_of(seq, start, k.shape[0])  # (n,)
         tok = np.flatnonzero(w >= 0)
         if len(tok):  # write-through into the mirrors
             m = len(tok)
             dev = torch.from_numpy(np.concatenate([tok, w[tok], (start + tok) % self.page_size])).to(self.device)
             t, pidx, off = dev[:m], dev[m : 2 * m], dev[2 * m :]
-            self.hbm_pool[pidx, lsel, :, 0, off] = k[t]
-            self.hbm_pool[pidx, lsel, :, 1, off] = v[t]
+            self._put("hbm", pidx, lsel, off, t, enc)

@@ -315,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"prompt tokens per prefill forward (default {DEFAULT_PREFILL_CHUNK}; 0: the whole prompt)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="model and cache dtype (default bf16 on CUDA, fp32 on the CPU; fp32 only on the CPU)")
+    p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp16", "fp8"), default="auto",
+                   help="K/V page dtype (default auto: the model dtype); fp8: float8_e4m3fn pages with per-token "
+                        "scales, half the bytes (CPU only until the FP8 GPU kernels exist)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default cuda if available, else cpu)")
     p.add_argument("--sample", action="store_true", help="sample (default greedy)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -326,11 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+FP8_ON_CUDA = ("--kv-dtype fp8 runs only on the CPU for now (the GPU kernels reading FP8 pages are not built "
+               "yet); use --device cpu, or --kv-dtype auto")
+
+
 @dataclass
 class _Args:
     device: torch.device
     dtype: torch.dtype
     hbm_budget: int
+    kv_dtype: torch.dtype | None = None  # None: the model dtype
 
 
 def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
@@ -349,6 +357,8 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
         p.error(f"--device {ns.device!r}: only cuda and cpu are supported")
     if ns.dtype == "fp32" and device is not None and device.type == "cuda":
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
+    if getattr(ns, "kv_dtype", "auto") == "fp8" and device is not None and device.type == "cuda":
+        p.error(FP8_ON_CUDA)
     for name in ("max_new_tokens", "page_size"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -371,7 +381,17 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
     if ns.dtype == "fp32" and device.type == "cuda":
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
     dtype = DTYPES[ns.dtype] if ns.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return _Args(device=device, dtype=dtype, hbm_budget=budget)
+    kv = getattr(ns, "kv_dtype", "auto") or "auto"
+    kv_dtype = None
+    if kv == "fp8":
+        if device.type == "cuda":
+            p.error(FP8_ON_CUDA)
+        kv_dtype = torch.float8_e4m3fn
+    elif kv != "auto":
+        if DTYPES[kv] != dtype:
+            p.error(f"--kv-dtype {kv} differs from the model dtype {str(dtype).removeprefix('torch.')}: pages hold "
+                    "the model dtype (auto) or fp8")
+    return _Args(device=device, dtype=dtype, hbm_budget=budget, kv_dtype=kv_dtype)
 
 
 def _load(ns, a: _Args):
@@ -456,13 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cache = DirectKVCache(model, max_tokens=batch * (prompt_len + ns.max_new_tokens), max_batch_size=batch,
                               page_size=ns.page_size, hbm_budget=a.hbm_budget, sink_pages=ns.sink_pages,
-                              dtype=a.dtype, device=a.device)
+                              dtype=a.dtype, device=a.device, kv_dtype=a.kv_dtype)
         cache.check_request(lengths, ns.max_new_tokens)
     except (CacheCapacityError, UnsupportedModelError, ValueError, TypeError) as e:
         print(f"directkv-generate: {e}", file=sys.stderr)
         return 1
     print(f"prompt: {batch} x {prompt_len} tokens ({'text' if ns.prompt else 'random ids'}); cache: "
           f"{'host only' if not a.hbm_budget else 'HBM budget ' + format_bytes(a.hbm_budget)}, page {ns.page_size}, "
+          f"{str(cache.kv_dtype).removeprefix('torch.')} pages, "
           f"{format_bytes(cache.kv.num_pages('host') * cache.kv.page_bytes)} of {host_kind} reserved", flush=True)
     if cuda:
         torch.cuda.reset_peak_memory_stats(a.device)
@@ -504,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
             "spec": {"layers": spec.num_layers, "q_heads": spec.num_q_heads, "kv_heads": spec.num_kv_heads,
                      "head_dim": spec.head_dim},
             "device": str(a.device), "gpu": torch.cuda.get_device_name(a.device) if cuda else "cpu",
-            "dtype": str(a.dtype).removeprefix("torch."), "versions": versions(),
+            "dtype": str(a.dtype).removeprefix("torch."), "kv_dtype": str(cache.kv_dtype).removeprefix("torch."),
+            "versions": versions(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "batch": int(batch), "prompt_len": int(prompt_len), "prompt_lens": [int(x) for x in lengths],
             "prompt_ids": input_ids.cpu().tolist() if input_ids.numel() <= PROMPT_IDS_IN_JSON else None,

@@ -54,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
 from directkv_cute.cache import CacheCapacityError, PagedKVCache, TokenSlots
+from directkv_cute.fp8 import fp8_dtype, is_fp8
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 ATTN_IMPLEMENTATION = "directkv"
@@ -297,12 +298,17 @@ class DirectKVCache(Cache):
             The window holds ``ceil(window_tokens / page_size) + 2 * max_batch_size`` pages (a
             partial page and a boundary page per sequence); a step larger than the window
             mirrors its first pages. 0: no window (every new token is read back from the host).
+        kv_dtype: the dtype of the K/V pages: None or "auto" (the model's dtype), "fp8" (=
+            ``torch.float8_e4m3fn``) or "e5m2" (``torch.float8_e5m2``), or a torch dtype. FP8 pages
+            hold the K/V quantized with per-token scales (``directkv_cute.fp8``) and the model
+            computes in its own dtype; half the bytes of bf16 per token over the link. FP8 runs on
+            device "cpu" for now: the GPU kernels that read FP8 pages are not built yet.
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, share_prompts: bool = True,
-                 window_tokens: int = 8192):
+                 window_tokens: int = 8192, kv_dtype: str | torch.dtype | None = None):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
         # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
@@ -326,8 +332,15 @@ class DirectKVCache(Cache):
         if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
             raise UnsupportedModelError(
                 f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
+        page_dtype = resolve_kv_dtype(kv_dtype, dtype)
+        if is_fp8(page_dtype) and device.type == "cuda":
+            raise NotImplementedError(
+                f"kv_dtype {page_dtype} on {device}: the GPU attention kernels for FP8 KV pages are not built yet "
+                "(FP8 KV runs on device='cpu'; on the GPU use kv_dtype=None for pages in the model's dtype)")
         page_bytes = 2 * self.spec.num_layers * self.spec.num_kv_heads * page_size * self.spec.head_dim * \
-            torch.empty((), dtype=dtype).element_size()
+            torch.empty((), dtype=page_dtype).element_size()
+        if is_fp8(page_dtype):
+            page_bytes += 2 * self.spec.num_layers * self.spec.num_kv_heads * page_size * 4  # float32 token scales
         hbm_pages = hbm_budget // page_bytes
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
         host_pages = math.ceil(max_tokens / page_size) + max_batch_size
@@ -335,10 +348,12 @@ class DirectKVCache(Cache):
         # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
         with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
             self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
-                                   num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=dtype, device=device,
-                                   num_window_pages=window_pages)
+                                   num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=page_dtype,
+                                   device=device, num_window_pages=window_pages,
+                                   compute_dtype=dtype if is_fp8(page_dtype) else None)
         self.device = self.kv.device
         self.dtype = dtype
+        self.kv_dtype = page_dtype
         self.sink_pages = sink_pages
         self.share_prompts = bool(share_prompts)
         self.processed = 0
@@ -663,6 +678,18 @@ class DirectKVCache(Cache):
             _check_module(module, self.spec)
             self._checked_modules.add(id(module))
         batch, hq, q_len, d = query.shape
+        if self.kv.fp8:
+            # kv_project stores bf16/fp16 rows only: FP8 pages take the projection's dense K/V and
+            # quantize them as ``attend`` stores them.
+            x = hidden_states.reshape(batch * q_len, -1)
+            kd = torch.empty(batch * q_len, self.spec.num_kv_heads, d, dtype=query.dtype, device=query.device)
+            vd = torch.empty_like(kd)
+            kv_project(x.contiguous(), module.k_proj.weight, module.v_proj.weight, module.k_proj.bias,
+                       module.v_proj.bias, cos=cos.reshape(-1, d).contiguous(), sin=sin.reshape(-1, d).contiguous(),
+                       out_k=kd, out_v=vd, check_slots=False)
+            key = kd.view(batch, q_len, -1, d).transpose(1, 2)
+            value = vd.view(batch, q_len, -1, d).transpose(1, 2)
+            return self.attend(module, query, key, value, attention_mask, scaling, layer_idx)
         if hidden_states.shape[:2] != (batch, q_len):
             raise ValueError(f"hidden_states {tuple(hidden_states.shape)} do not match query {tuple(query.shape)}")
         w_k, w_v = module.k_proj.weight, module.v_proj.weight
@@ -749,16 +776,42 @@ class DirectKVCache(Cache):
             o = paged_attention_tables(q, self.kv, layer_idx, step.tables, step.q_lens, scaling,
                                        max_seq_len=step.max_seq_len)  # (total, Hq, d)
         else:
-            from directkv_cute.reference import tables_attention_ref
+            from directkv_cute.reference import cache_scales, tables_attention_ref
 
             o, _ = tables_attention_ref(q, self.kv.device_pool("host"), self.kv.device_pool("hbm"),
                                         step.tables.page_table, step.tables.seq_lens, layer_idx, step.q_lens,
-                                        scaling)
+                                        scaling, **cache_scales(self.kv))
         if step.tok_idx is None:
             return o.view(batch, q_len, hq, d)
         out = query.new_zeros(batch * q_len, hq, d)
         out[step.tok_idx] = o
         return out.view(batch, q_len, hq, d)
+
+
+def resolve_kv_dtype(kv_dtype, dtype: torch.dtype) -> torch.dtype:
+    """The page dtype of ``DirectKVCache(kv_dtype=...)`` for a model computing in ``dtype``."""
+    if kv_dtype is None or kv_dtype == "auto":
+        return dtype
+    if isinstance(kv_dtype, str):
+        key = kv_dtype.lower().removeprefix("torch.")
+        named = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+                 "fp32": torch.float32, "float32": torch.float32}
+        if key in named:
+            kv_dtype = named[key]
+        else:
+            try:
+                kv_dtype = fp8_dtype(key)
+            except ValueError:
+                raise ValueError(f"kv_dtype must be None, 'auto', 'fp8', 'e5m2', 'bf16', 'fp16' or a torch dtype, "
+                                 f"got {kv_dtype!r}") from None
+    if not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"kv_dtype must be a str or a torch.dtype, got {type(kv_dtype).__name__}")
+    if is_fp8(kv_dtype):
+        return kv_dtype
+    if kv_dtype != dtype:
+        raise ValueError(f"kv_dtype {kv_dtype} differs from the model's {dtype}: pages hold the model's dtype, or FP8 "
+                         "(kv_dtype='fp8')")
+    return kv_dtype
 
 
 def cache_kwargs(model, cache) -> dict:

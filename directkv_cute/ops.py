@@ -14,7 +14,9 @@ in-place paths only allocate their fp32 split workspace from torch's caching all
 can be captured in a CUDA graph (the captured graph pins the pools' base addresses, which never
 move); the staged path is not taken inside a capture.
 
-On a CPU-only machine the same call runs the float32 reference.
+On a CPU-only machine the same call runs the float32 reference. FP8 pages (``directkv_cute.fp8``)
+run there too; on a GPU they raise ``NotImplementedError`` (``validate.check_kernel_pages``) until
+the kernels that read them exist.
 """
 
 from __future__ import annotations
@@ -343,8 +345,9 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
     runs = [r for piece in plan.pieces for r in piece]
     hbm_calls = sum(r.hbm for r in runs)
-    # What the Q-tiled kernel reads from the buffer: each query tile its sequence's pages.
-    kv_read = sum(q_tiles(q, group, cfg.rows) * n for q, n in zip(q_lens, n_pages)) * page_bytes
+    # What the Q-tiled kernel reads from the buffer beyond its compute: each sequence's pages
+    # (its query tiles read them together, through the L2), however many sequences share them.
+    kv_read = used.size * page_bytes
     choice = choose_staged(host_b, need - host_b, flops,
                            partial_bytes(sum(q_lens), num_q_heads, head_dim), 1 if cfg.order == 2 else cfg.splits,
                            tiles, host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls,

@@ -10,6 +10,9 @@ Semantics (docs/CONTRACT.md): q is packed by sequence, ``q_lens[i]`` rows each; 
 sequence of length L sits at position ``L - q_len + j`` and sees keys ``[0, L - q_len + j]``.
 Query head h uses KV head ``h // (Hq // Hkv)``. LSE is the natural log of the sum of
 ``exp(scale * q . k)`` over the visible keys.
+
+FP8 pages (``directkv_cute.fp8``) are dequantized with their per-token scales to float32 before
+the float32 attention: the reference reads what the cache stored, not what was written.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from directkv_cute.cache import PagedKVCache
+from directkv_cute.fp8 import dequantize, is_fp8
 
 _SCORES_PER_CHUNK = 1 << 26  # float32 scores per query chunk in paged_attention_ref (256 MB)
 
@@ -59,8 +63,9 @@ def paged_attention_ref(
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor (total_q, Hq, head_dim), got {getattr(q, 'shape', q)!r}")
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype}, the cache holds {cache.dtype}")
+    compute = getattr(cache, "compute_dtype", cache.dtype)
+    if q.dtype != compute:
+        raise TypeError(f"q has dtype {q.dtype}, the cache holds {compute}")
     total_q, num_q_heads, head_dim = q.shape
     if head_dim != cache.head_dim:
         raise ValueError(f"q has head_dim {head_dim}, the cache has {cache.head_dim}")
@@ -69,7 +74,15 @@ def paged_attention_ref(
     _check_heads(num_q_heads, cache.num_kv_heads)
     tables = cache.kernel_tables(seq_ids)
     return tables_attention_ref(q, cache.device_pool("host"), cache.device_pool("hbm"), tables.page_table,
-                                tables.seq_lens, layer, q_lens, softmax_scale)
+                                tables.seq_lens, layer, q_lens, softmax_scale, **cache_scales(cache))
+
+
+def cache_scales(cache) -> dict:
+    """``host_scales`` / ``hbm_scales`` keywords of ``tables_attention_ref`` for a cache (empty for
+    bf16/fp16 pages)."""
+    if not getattr(cache, "fp8", False):
+        return {}
+    return {"host_scales": cache.device_scales("host"), "hbm_scales": cache.device_scales("hbm")}
 
 
 def tables_attention_ref(
@@ -81,10 +94,13 @@ def tables_attention_ref(
     layer: int,
     q_lens: Sequence[int] | None = None,
     softmax_scale: float | None = None,
+    host_scales: torch.Tensor | None = None,
+    hbm_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_attention_ref`` on the raw pieces the kernels see: the two page pools
     (num_pages, L, Hkv, 2, page_size, d), an encoded int32 page table (B, max_pages) and the
-    sequence lengths (B,). Used by the CPU path of the ``directkv_cute::paged_attention`` op."""
+    sequence lengths (B,). Used by the CPU path of the ``directkv_cute::paged_attention`` op.
+    FP8 pools need their scale pools (num_pages, L, Hkv, 2, page_size) float32 (``cache_scales``)."""
     total_q, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = host_pool.shape[2], host_pool.shape[4]
     group = _check_heads(num_q_heads, num_kv_heads)
@@ -92,6 +108,11 @@ def tables_attention_ref(
     seq_lens = seq_lens.tolist()
     q_lens = _check_q_lens(q_lens, len(seq_lens), total_q, seq_lens)
     scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+    fp8 = is_fp8(host_pool.dtype)
+    if fp8 and (host_scales is None or hbm_scales is None):
+        raise ValueError(f"{host_pool.dtype} pages need their scale pools (host_scales, hbm_scales)")
+    if is_fp8(host_pool.dtype) != is_fp8(hbm_pool.dtype):
+        raise TypeError(f"host pool {host_pool.dtype} and HBM pool {hbm_pool.dtype} differ")
 
     out = torch.empty_like(q)  # (total_q, Hq, d)
     lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device)
@@ -101,10 +122,19 @@ def tables_attention_ref(
         entries = page_table[b, : -(-seq_len // page_size)].long()  # (n_pages,)
         in_hbm = entries < 0
         # pages: (n_pages, Hkv, 2, page_size, d), this layer only.
-        pages = torch.empty((len(entries), *host_pool.shape[2:]), dtype=q.dtype, device=q.device)
         at_hbm = in_hbm.to(q.device)
-        pages[~at_hbm] = host_pool[entries[~in_hbm].to(host_pool.device), layer].to(q.device)
-        pages[at_hbm] = hbm_pool[(-entries[in_hbm] - 1).to(hbm_pool.device), layer].to(q.device)
+        if fp8:  # dequantized: float32 (n_pages, Hkv, 2, page_size, d)
+            pages = torch.empty((len(entries), *host_pool.shape[2:]), dtype=torch.float32, device=q.device)
+            for sel, pool, scales, idx in ((~at_hbm, host_pool, host_scales, entries[~in_hbm]),
+                                           (at_hbm, hbm_pool, hbm_scales, -entries[in_hbm] - 1)):
+                idx = idx.to(pool.device)
+                raw = pool.view(torch.uint8)[idx, layer].view(pool.dtype)  # (n, Hkv, 2, page_size, d)
+                pages[sel] = dequantize(raw, scales[idx.to(scales.device), layer].to(pool.device),
+                                        torch.float32).to(q.device)
+        else:
+            pages = torch.empty((len(entries), *host_pool.shape[2:]), dtype=q.dtype, device=q.device)
+            pages[~at_hbm] = host_pool[entries[~in_hbm].to(host_pool.device), layer].to(q.device)
+            pages[at_hbm] = hbm_pool[(-entries[in_hbm] - 1).to(hbm_pool.device), layer].to(q.device)
         # -> (2, n_pages * page_size, Hkv, d)
         kv = pages.permute(2, 0, 3, 1, 4).reshape(2, -1, num_kv_heads, head_dim)
         k = kv[0, :seq_len].float()  # (seq_len, Hkv, d)

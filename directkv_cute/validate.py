@@ -70,6 +70,17 @@ def check_q_lens(q_lens, batch: int, total_q: int, seq_lens: Sequence[int] | Non
     return lens
 
 
+FP8_KERNELS_BUILT = False  # the GPU kernels read bf16/fp16 pages only, for now
+
+
+def check_kernel_pages(cache) -> None:
+    """Raise ``NotImplementedError`` for pages the GPU kernels cannot read yet (FP8)."""
+    if not FP8_KERNELS_BUILT and str(getattr(cache, "dtype", "")).startswith("torch.float8"):
+        raise NotImplementedError(
+            f"the GPU attention kernels for FP8 KV pages ({cache.dtype}) are not built yet; FP8 caches run on "
+            "device='cpu' (the reference path), or use bf16/fp16 pages on the GPU")
+
+
 def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, config=None, softmax_scale=None,
                     seq_lens: Sequence[int] | None = None, cuda: bool | None = None) -> tuple[int, tuple[int, ...]]:
     """Validate one attention call; returns (layer, q_lens). ``cuda`` True: the kernels' extra
@@ -78,8 +89,9 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 3 or q.layout != torch.strided:
         raise ValueError(f"q must be a dense (total_q, Hq, head_dim) tensor, got shape {tuple(q.shape)}")
-    if q.dtype != cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype}, the cache holds {cache.dtype}")
+    compute = getattr(cache, "compute_dtype", None) or cache.dtype
+    if q.dtype != compute:
+        raise TypeError(f"q has dtype {q.dtype}, the cache holds {compute}")
     total_q, hq, d = q.shape
     if d != cache.head_dim:
         raise ValueError(f"q has head_dim {d}, the cache has {cache.head_dim}")
@@ -104,6 +116,7 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
             raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
         check_config(config, d, cache.page_size)
     if cuda:
+        check_kernel_pages(cache)
         if not q.is_cuda:
             raise ValueError("the GPU kernels need q on a CUDA device (paged_attention runs the reference on CPU)")
         if not q.is_contiguous() or q.data_ptr() % ALIGN:

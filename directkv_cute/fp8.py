@@ -1,0 +1,158 @@
+"""FP8 KV pages: the one statement of the format (plain torch, CPU and CUDA tensors alike).
+
+Format
+------
+A value ``x`` (a K or V element, bf16/fp16/fp32) is stored as ``q = fp8(clamp(x / s, -M, M))`` with
+
+* ``M``: the format's largest finite value, 448 for ``float8_e4m3fn`` (4 exponent, 3 mantissa bits,
+  no infinities), 57344 for ``float8_e5m2`` (5 exponent, 2 mantissa bits);
+* ``s``: a float32 scale, ``s = amax / M`` over the values that share it (``amax`` = their largest
+  magnitude, NaN counted as 0, +inf as the float32 maximum), floored at ``SCALE_FLOOR`` so it is
+  never 0 (an all-zero group stores zeros) and never inf;
+* the cast rounding to nearest, ties to even (torch's float8 conversion); the clamp first, because
+  an out-of-range cast to e4m3fn gives NaN, not the maximum.
+
+It reads back as ``x' = float32(q) * s``, cast to the compute dtype. With ``m`` mantissa bits the
+scale-normalised value ``y = x / s`` (``|y| <= M``) is rounded with an error of at most
+``2^-(m+1) * |y|`` while ``|y|`` is at least the smallest normal (``2^-6`` for e4m3, ``2^-14``
+for e5m2), and at most half the smallest subnormal (``2^-10``, ``2^-17``) below it; so
+``|x - x'| <= s * max(2^-(m+1) * |y|, 2^-(subnormal exponent + 1))``, i.e. a relative error of
+``2^-4`` (e4m3) or ``2^-3`` (e5m2) plus a tiny absolute term (``round_trip_bound``).
+
+Scale granularity (measured by ``bench/fp8_accuracy.py``; docs/FP8.md has the table)
+-------------------------------------------------------------------------------------
+``"token"`` -- one scale per token per KV head per K/V (a row of ``head_dim`` values): the chosen
+one, and the one ``PagedKVCache`` stores. ``"page"`` -- one per page per layer per KV head per
+K/V. ``"tensor"`` -- one fixed (calibrated) scale for everything.
+
+Measured (GQA 8/2, head_dim 128, 1k and 8k contexts; output error vs float64): on random inputs
+e4m3 with token, full-page or calibrated tensor scales are alike (RMS relative error 3.6-3.9e-2,
+against 2.4e-3 for bf16 pages); on heavy-tailed K (a few channels 20-100x larger) token scales
+are ~2x better than the best page scale and 2-4x better than a tensor scale (RMS 0.09-0.11 vs
+0.20-0.21 vs 0.25-0.49): with one scale per row, the row's largest element -- the outlier channel
+that dominates ``q . k`` -- maps to ``M`` exactly. A page scale fixed at the first write clamps
+later outliers (error > 1). The write path and the kernel decide the rest:
+
+* token scales are final when a token is written -- an append, a write-through to a window
+  mirror, the fused K/V projection's store: every token is quantized once, on the GPU, as it is
+  stored, and is never read back or requantized (DirectKV writes each new token to the host once);
+* page scales must cover tokens not yet seen: either the partial page is requantized whenever its
+  amax grows (a read of up to ``page_size - 1`` rows back over the link, a second rounding of
+  them, and writers racing on one scale), or the scale is fixed at the first write and later
+  larger tokens clamp (the "page-first" rows of the bench);
+* in the kernels a token scale costs one multiply per score (K's scale on the columns of S) and
+  one per probability (V's scale on the columns of P) -- no per-element rescale of the K/V tiles,
+  which are cast fp8 -> bf16 as they go from SMEM to the MMA either way.
+
+Bytes per token per KV head per K/V at ``head_dim`` 128: bf16 256 B; FP8 128 B plus 4 B of token
+scale (+3.1%, 0.516x bf16); page scales 4 B per (page, layer, KV head, K/V) (+0.05% at page 64);
+a tensor scale none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+MIN_NORMAL = {torch.float8_e4m3fn: 2.0**-6, torch.float8_e5m2: 2.0**-14}
+MIN_SUBNORMAL = {torch.float8_e4m3fn: 2.0**-9, torch.float8_e5m2: 2.0**-16}
+SCALE_DTYPE = torch.float32
+SCALE_FLOOR = 2.0**-120  # the smallest scale: finite, a normal float32, and 1/scale too
+GRANULARITIES = ("token", "page", "tensor")
+GRANULARITY = "token"  # what PagedKVCache stores
+NAMES = {"fp8": torch.float8_e4m3fn, "e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+         "e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2}
+
+
+def is_fp8(dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def fp8_dtype(value) -> torch.dtype:
+    """An FP8 dtype from a torch dtype or a name ("fp8" = e4m3fn, "e4m3", "e5m2", torch's names)."""
+    if isinstance(value, str):
+        key = value.lower().removeprefix("torch.")
+        if key in NAMES:
+            return NAMES[key]
+    elif value in FP8_DTYPES:
+        return value
+    raise ValueError(f"FP8 dtype must be one of {FP8_DTYPES} or a name in {sorted(NAMES)}, got {value!r}")
+
+
+def _dims(x: torch.Tensor, dims: Sequence[int] | int) -> tuple[int, ...]:
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return tuple(sorted(d % x.dim() for d in dims))
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """float32 ``amax / M``, with NaN as 0 and inf as the float32 maximum, floored at SCALE_FLOOR."""
+    amax = amax.float().nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max)
+    return (amax / FP8_MAX[fp8_dtype(dtype)]).clamp_min(SCALE_FLOOR)
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, dims: Sequence[int] | int = -1,
+             scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale): ``x`` in ``dtype`` with one float32 scale per slice over ``dims`` (default the
+    last dim: one per row). ``scale`` given (shape of x without ``dims``, or a number): used as
+    is (a calibrated scale; values beyond it clamp). The scale has x's shape without ``dims``."""
+    dtype = fp8_dtype(dtype)
+    dims = _dims(x, dims)
+    xf = x.float()
+    if scale is None:
+        scale = scale_from_amax(xf.abs().amax(dim=dims) if xf.numel() else xf.sum(dim=dims), dtype)
+    elif not isinstance(scale, torch.Tensor):
+        scale = torch.full([s for i, s in enumerate(x.shape) if i not in dims], float(scale), dtype=SCALE_DTYPE,
+                           device=x.device)
+    s = scale.to(SCALE_DTYPE)
+    m = FP8_MAX[dtype]
+    q = (xf / _expand(s, dims)).clamp(-m, m).to(dtype)
+    return q, s
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+               dims: Sequence[int] | int = -1) -> torch.Tensor:
+    """``float32(q) * scale`` (the scale broadcast over ``dims``) cast to ``dtype``."""
+    dims = _dims(q, dims)
+    return (q.float() * _expand(scale.float(), dims)).to(dtype)
+
+
+def _expand(s: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    for d in dims:
+        s = s.unsqueeze(d)
+    return s
+
+
+def round_trip_bound(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn,
+                     dims: Sequence[int] | int = -1) -> torch.Tensor:
+    """The largest ``|x - dequantize(quantize(x))|`` the format allows, per element (float32), for
+    values within the scale's range (no clamping); see the module docstring."""
+    dtype = fp8_dtype(dtype)
+    dims = _dims(x, dims)
+    s = _expand(scale.float(), dims)
+    y = (x.float() / s).abs()
+    rel = 2.0 ** -(MANTISSA_BITS[dtype] + 1)
+    return s * torch.maximum(rel * y, torch.full_like(y, MIN_SUBNORMAL[dtype] / 2))
+
+
+def relative_error(dtype) -> float:
+    """Half an ulp relative to the value: the format's relative rounding error for normals
+    (bf16 2^-8, fp16 2^-11, e4m3 2^-4, e5m2 2^-3)."""
+    bits = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, **MANTISSA_BITS}[dtype]
+    return 2.0 ** -(bits + 1)
+
+
+def bytes_per_row(head_dim: int, dtype: torch.dtype, granularity: str = GRANULARITY, page_size: int = 64) -> float:
+    """Bytes one token's K (or V) row of one KV head costs, its share of the scales included."""
+    if not is_fp8(dtype):
+        return head_dim * dtype.itemsize
+    scale = {"token": 4.0, "page": 4.0 / page_size, "tensor": 0.0}[granularity]
+    return head_dim + scale
+
+
+__all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "GRANULARITY", "MANTISSA_BITS", "MIN_NORMAL", "MIN_SUBNORMAL",
+           "SCALE_DTYPE", "SCALE_FLOOR", "bytes_per_row", "dequantize", "fp8_dtype", "is_fp8", "quantize",
+           "relative_error", "round_trip_bound", "scale_from_amax"]
