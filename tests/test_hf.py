@@ -27,9 +27,9 @@ def _llama(layers=2, hq=8, hkv=2, head_dim=16, seed=0):
     return LlamaForCausalLM(cfg).eval().float()
 
 
-def _qwen2(seed=1, hidden=96, layers=3, hq=6, hkv=2):
+def _qwen2(seed=1, hidden=96, layers=3, hq=6, hkv=2, inter=192):
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=192, num_hidden_layers=layers,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=hq, num_key_value_heads=hkv, max_position_embeddings=4096,
                       use_sliding_window=False)
     return Qwen2ForCausalLM(cfg).eval().float()
@@ -457,7 +457,7 @@ def _llama128(seed=31):
 
 
 def _qwen2_128(seed=32):
-    return _qwen2(seed, hidden=512, layers=2, hq=4, hkv=1)  # head_dim 128
+    return _qwen2(seed, hidden=512, layers=2, hq=4, hkv=1, inter=256)  # head_dim 128
 
 
 @pytest.mark.parametrize("make", [_llama128, _qwen2_128], ids=["llama", "qwen2-bias"])
