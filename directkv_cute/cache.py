@@ -165,41 +165,31 @@ class TokenSlots:
         total = len(entry)
         in_hbm = entry < 0
         mirrored = np.zeros(total, bool) if mirror is None else mirror >= 0
-        groups = [(t, idx) for t, idx in (("host", np.flatnonzero(~in_hbm & ~mirrored)),
-                                          ("hbm", np.flatnonzero(in_hbm)),
-                                          ("hbm", np.flatnonzero(mirrored)),
-                                          ("host", np.flatnonzero(mirrored)))
-                  if len(idx)]
-        pieces = []
-        for i, (tier, tok) in enumerate(groups):
-            if tier == "host":
-                pidx = entry[tok]
-            else:
-                pidx = mirror[tok] if mirrored[tok[0]] else -entry[tok] - 1
-            pieces += [tok, pidx, off[tok]]
-        if not pieces:
+        plain, mir = np.flatnonzero(~in_hbm & ~mirrored), np.flatnonzero(mirrored)
+        hbm = np.flatnonzero(in_hbm)
+        # (tier, tokens, their pages): host pages, HBM pages, window mirrors, then the mirrored
+        # tokens' host pages (the part ``defer_host`` leaves to the copy engine).
+        groups = [g for g in (("host", plain, entry[plain]), ("hbm", hbm, -entry[hbm] - 1),
+                              ("hbm", mir, mirror[mir] if len(mir) else mir), ("host", mir, entry[mir])) if len(g[1])]
+        if not groups:
             return TokenSlots(0, ())
-        dev = torch.from_numpy(np.concatenate(pieces)).to(device)
+        dev = torch.from_numpy(np.concatenate([a for _, tok, pidx in groups for a in (tok, pidx, off[tok])]))
+        dev = dev.to(device)
         parts, at = [], 0
-        for tier, tok in groups:
+        for tier, tok, _ in groups:
             m = len(tok)
-            whole = m == total
-            parts.append((tier, None if whole else dev[at : at + m], dev[at + m : at + 2 * m],
+            parts.append((tier, None if m == total else dev[at : at + m], dev[at + m : at + 2 * m],
                           dev[at + 2 * m : at + 3 * m]))
             at += 3 * m
-        runs = ()
-        if mirrored.any():
-            tok = np.flatnonzero(mirrored)
-            pairs = list(dict.fromkeys(zip(mirror[tok].tolist(), entry[tok].tolist())))  # (window, host), in order
-            out = []
-            for w, h in pairs:
-                if out and out[-1][0] + out[-1][2] == w and out[-1][1] + out[-1][2] == h:
-                    out[-1][2] += 1
-                else:
-                    out.append([w, h, 1])
-            runs = tuple(tuple(r) for r in out)
-            return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), runs)
-        return TokenSlots(total, tuple(parts))
+        if not len(mir):
+            return TokenSlots(total, tuple(parts))
+        runs: list[list[int]] = []  # (window page, host page, pages) over the distinct pairs, in order
+        for w, h in dict.fromkeys(zip(mirror[mir].tolist(), entry[mir].tolist())):
+            if runs and runs[-1][0] + runs[-1][2] == w and runs[-1][1] + runs[-1][2] == h:
+                runs[-1][2] += 1
+            else:
+                runs.append([w, h, 1])
+        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)))
 
 
 @dataclass(frozen=True)
@@ -254,6 +244,13 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     """FP8 tensors as their bytes (uint8, same shape): torch's indexed copies and stores do not
     all take float8 dtypes, and a byte copy is exact."""
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def page_bytes(num_layers: int, num_kv_heads: int, page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one page of every layer costs: K and V rows, plus FP8 pages' float32 token scales."""
+    rows = num_layers * num_kv_heads * 2 * page_size
+    return rows * head_dim * torch.empty((), dtype=dtype).element_size() + (rows * SCALE_DTYPE.itemsize
+                                                                           if dtype in FP8_DTYPES else 0)
 
 
 def _check_int(value: object, name: str, minimum: int = 0) -> int:
@@ -344,7 +341,7 @@ class PagedKVCache:
         self.scale_shape = self.page_shape[:-1] if self.fp8 else None
         self.page_data_bytes = math.prod(self.page_shape) * dtype.itemsize
         self.page_scale_bytes = math.prod(self.scale_shape) * SCALE_DTYPE.itemsize if self.fp8 else 0
-        self.page_bytes = self.page_data_bytes + self.page_scale_bytes  # what one page costs, scales included
+        self.page_bytes = page_bytes(self.num_layers, self.num_kv_heads, self.page_size, self.head_dim, dtype)
         host_bytes = capacity["host"] * self.page_data_bytes
         try:
             self._host_buffer = PinnedHostBuffer(host_bytes, device if device.type == "cuda" else None)
@@ -406,14 +403,12 @@ class PagedKVCache:
         layers, hq = config.num_hidden_layers, config.num_attention_heads
         hkv = getattr(config, "num_key_value_heads", None) or hq
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
-        page_bytes = 2 * layers * hkv * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
-        if dtype in FP8_DTYPES:
-            page_bytes += 2 * layers * hkv * page_size * SCALE_DTYPE.itemsize
-        host = _check_int(host_bytes, "host_bytes") // page_bytes
+        one = page_bytes(layers, hkv, page_size, head_dim, dtype)
+        host = _check_int(host_bytes, "host_bytes") // one
         if host < 1:
-            raise ValueError(f"host_bytes={host_bytes} holds no page of {page_bytes} bytes ({page_size} tokens)")
+            raise ValueError(f"host_bytes={host_bytes} holds no page of {one} bytes ({page_size} tokens)")
         return cls(layers, hkv, head_dim, page_size, num_host_pages=host,
-                   num_hbm_pages=_check_int(hbm_bytes, "hbm_bytes") // page_bytes, dtype=dtype, device=device,
+                   num_hbm_pages=_check_int(hbm_bytes, "hbm_bytes") // one, dtype=dtype, device=device,
                    compute_dtype=compute_dtype)
 
     # ---- lifetime --------------------------------------------------------------------------
@@ -706,13 +701,9 @@ class PagedKVCache:
         self._require(needs, "copy-on-write of shared pages before a batched write")
         for seq, lps in shared:
             self._unshare(seq, lps)
-        entries, offsets = [], []
-        for seq, start, n in spans:
-            pos = np.arange(start, start + n)  # (n,)
-            entries.append(seq.table()[pos // self.page_size].astype(np.int64))
-            offsets.append(pos % self.page_size)
-        entry = np.concatenate(entries) if entries else np.zeros(0, np.int64)  # (total,)
-        off = np.concatenate(offsets) if offsets else np.zeros(0, np.int64)  # (total,)
+        got = [self._entries(seq, start, n) for seq, start, n in spans]
+        entry = np.concatenate([e for e, _ in got]) if got else np.zeros(0, np.int64)  # (total,)
+        off = np.concatenate([o for _, o in got]) if got else np.zeros(0, np.int64)  # (total,)
         return entry, off
 
     @_locked
@@ -761,7 +752,7 @@ class PagedKVCache:
         token_shape = (self.num_kv_heads, self.head_dim)
         if layer is None:
             token_shape = (self.num_layers, *token_shape)
-        slots = list(self._slots(seq, start, stop - start))
+        slots = self._seq_slots(seq, start, stop - start).parts
         if len(slots) == 1:  # one tier: the gathers are the result
             tier, _, pidx, off = slots[0]
             return self._gather(tier, pidx, lsel, off)
@@ -1118,49 +1109,21 @@ class PagedKVCache:
             seq.set_entry(lp, new)
             self._generation += 1
 
-    def _slots(self, seq: _Sequence, start: int, n: int):
-        """Where tokens [start, start + n) live, grouped by tier (one host-to-device copy).
-
-        Yields (tier, tok, pidx, off): ``tok`` int64 (m,) the tokens (relative to start) in this
-        tier, or None when all n are; ``pidx`` int64 (m,) their pages; ``off`` int64 (m,) their
-        rows within the page. Index tensors are on the cache device.
-        """
-        if n == 0:
-            return
+    def _entries(self, seq: _Sequence, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(page entry, row in page) int64 (n,) of tokens [start, start + n) of the sequence."""
         pos = np.arange(start, start + n)  # (n,)
-        first = start // self.page_size
-        entries = seq.table()[first : (start + n - 1) // self.page_size + 1].astype(np.int64)
-        entries = entries[pos // self.page_size - first]  # (n,)
-        off = pos % self.page_size  # (n,)
-        in_hbm = entries < 0
-        if not in_hbm.any() or in_hbm.all():
-            tier: Tier = "hbm" if in_hbm[0] else "host"
-            pidx = -entries - 1 if in_hbm[0] else entries
-            dev = torch.from_numpy(np.concatenate([pidx, off])).to(self.device)
-            yield tier, None, dev[:n], dev[n:]
-            return
-        groups = [("host", np.flatnonzero(~in_hbm)), ("hbm", np.flatnonzero(in_hbm))]
-        parts = []
-        for tier, tok in groups:
-            pidx = entries[tok] if tier == "host" else -entries[tok] - 1
-            parts += [tok, pidx, off[tok]]
-        dev = torch.from_numpy(np.concatenate(parts)).to(self.device)
-        at = 0
-        for tier, tok in groups:
-            m = len(tok)
-            yield tier, dev[at : at + m], dev[at + m : at + 2 * m], dev[at + 2 * m : at + 3 * m]
-            at += 3 * m
+        return seq.table()[pos // self.page_size].astype(np.int64), pos % self.page_size
+
+    def _seq_slots(self, seq: _Sequence, start: int, n: int, mirrors: bool = False) -> TokenSlots:
+        """Where tokens [start, start + n) live (``TokenSlots``, one host-to-device copy); with
+        ``mirrors`` their window mirrors too."""
+        entry, off = self._entries(seq, start, n)
+        return TokenSlots.build(entry, off, self.device, self._mirror_of(seq, start, n) if mirrors else None)
 
     def _store(self, seq: _Sequence, layer: int | None, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their pages."""
         lsel = slice(None) if layer is None else layer
         enc = self._encode(k, v)
-        for tier, tok, pidx, off in self._slots(seq, start, k.shape[0]):
+        slots = self._seq_slots(seq, start, k.shape[0], mirrors=True)
+        for tier, tok, pidx, off in slots.parts + slots.mirrored:  # mirrors written through
             self._put(tier, pidx, lsel, off, tok, enc)
-        w = self._mirror_of(seq, start, k.shape[0])  # (n,)
-        tok = np.flatnonzero(w >= 0)
-        if len(tok):  # write-through into the mirrors
-            m = len(tok)
-            dev = torch.from_numpy(np.concatenate([tok, w[tok], (start + tok) % self.page_size])).to(self.device)
-            t, pidx, off = dev[:m], dev[m : 2 * m], dev[2 * m :]
-            self._put("hbm", pidx, lsel, off, t, enc)

@@ -261,8 +261,8 @@ def _stage_whole_batch(cache, tables, plan: CascadePlan, num_q_heads: int, devic
     got = staging_choice(cache, tables, plan.q_lens, num_q_heads, cache.head_dim, cache.dtype.itemsize,
                          torch.device(device).index or 0)
     choice = got[0] if isinstance(got, tuple) else None
-    page_bytes = 2 * cache.num_kv_heads * cache.page_size * cache.head_dim * cache.dtype.itemsize
-    return stage_instead_of_cascade(plan.host_pages_read * page_bytes, 1 + len(plan.spans), choice)
+    layer_page_bytes = cache.page_bytes // cache.num_layers
+    return stage_instead_of_cascade(plan.host_pages_read * layer_page_bytes, 1 + len(plan.spans), choice)
 
 
 def cascade_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,

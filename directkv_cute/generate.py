@@ -357,8 +357,6 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
         p.error(f"--device {ns.device!r}: only cuda and cpu are supported")
     if ns.dtype == "fp32" and device is not None and device.type == "cuda":
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
-    if getattr(ns, "kv_dtype", "auto") == "fp8" and device is not None and device.type == "cuda":
-        p.error(FP8_ON_CUDA)
     for name in ("max_new_tokens", "page_size"):
         if getattr(ns, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -376,16 +374,16 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
         p.error(f"--hbm-budget: {e}")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kv = getattr(ns, "kv_dtype", "auto") or "auto"
+    if kv == "fp8" and device.type == "cuda":
+        p.error(FP8_ON_CUDA)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch.cuda.is_available() is False (use --device cpu)")
     if ns.dtype == "fp32" and device.type == "cuda":
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
     dtype = DTYPES[ns.dtype] if ns.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    kv = getattr(ns, "kv_dtype", "auto") or "auto"
     kv_dtype = None
     if kv == "fp8":
-        if device.type == "cuda":
-            p.error(FP8_ON_CUDA)
         kv_dtype = torch.float8_e4m3fn
     elif kv != "auto":
         if DTYPES[kv] != dtype:

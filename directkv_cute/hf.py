@@ -53,7 +53,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
-from directkv_cute.cache import CacheCapacityError, PagedKVCache, TokenSlots
+from directkv_cute.cache import CacheCapacityError, PagedKVCache, TokenSlots, page_bytes
 from directkv_cute.fp8 import fp8_dtype, is_fp8
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
@@ -337,11 +337,8 @@ class DirectKVCache(Cache):
             raise NotImplementedError(
                 f"kv_dtype {page_dtype} on {device}: the GPU attention kernels for FP8 KV pages are not built yet "
                 "(FP8 KV runs on device='cpu'; on the GPU use kv_dtype=None for pages in the model's dtype)")
-        page_bytes = 2 * self.spec.num_layers * self.spec.num_kv_heads * page_size * self.spec.head_dim * \
-            torch.empty((), dtype=page_dtype).element_size()
-        if is_fp8(page_dtype):
-            page_bytes += 2 * self.spec.num_layers * self.spec.num_kv_heads * page_size * 4  # float32 token scales
-        hbm_pages = hbm_budget // page_bytes
+        hbm_pages = hbm_budget // page_bytes(self.spec.num_layers, self.spec.num_kv_heads, page_size,
+                                             self.spec.head_dim, page_dtype)
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
         host_pages = math.ceil(max_tokens / page_size) + max_batch_size
         window_pages = math.ceil(window_tokens / page_size) + 2 * max_batch_size if window_tokens else 0
@@ -678,36 +675,26 @@ class DirectKVCache(Cache):
             _check_module(module, self.spec)
             self._checked_modules.add(id(module))
         batch, hq, q_len, d = query.shape
-        if self.kv.fp8:
-            # kv_project stores bf16/fp16 rows only: FP8 pages take the projection's dense K/V and
-            # quantize them as ``attend`` stores them.
-            x = hidden_states.reshape(batch * q_len, -1)
-            kd = torch.empty(batch * q_len, self.spec.num_kv_heads, d, dtype=query.dtype, device=query.device)
-            vd = torch.empty_like(kd)
-            kv_project(x.contiguous(), module.k_proj.weight, module.v_proj.weight, module.k_proj.bias,
-                       module.v_proj.bias, cos=cos.reshape(-1, d).contiguous(), sin=sin.reshape(-1, d).contiguous(),
-                       out_k=kd, out_v=vd, check_slots=False)
-            key = kd.view(batch, q_len, -1, d).transpose(1, 2)
-            value = vd.view(batch, q_len, -1, d).transpose(1, 2)
-            return self.attend(module, query, key, value, attention_mask, scaling, layer_idx)
         if hidden_states.shape[:2] != (batch, q_len):
             raise ValueError(f"hidden_states {tuple(hidden_states.shape)} do not match query {tuple(query.shape)}")
         w_k, w_v = module.k_proj.weight, module.v_proj.weight
         b_k, b_v = module.k_proj.bias, module.v_proj.bias
         x = hidden_states.reshape(batch * q_len, -1)  # (B * S, hidden)
-        if layer_idx == 0 or self._step is None:
+        planning = layer_idx == 0 or self._step is None
+        # kv_project stores bf16/fp16 rows only, so FP8 pages take its dense K/V and quantize them
+        # as ``attend`` stores them; and sharing is found from the first layer's K/V
+        # (share_prompts), so that layer too projects densely and stores the unfused way.
+        if self.kv.fp8 or (planning and self.share_prompts and batch > 1):
+            kd = torch.empty(batch * q_len, self.spec.num_kv_heads, d, dtype=query.dtype, device=query.device)
+            vd = torch.empty_like(kd)
+            kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=cos.reshape(-1, d).contiguous(),
+                       sin=sin.reshape(-1, d).contiguous(), out_k=kd, out_v=vd, check_slots=False)
+            key = kd.view(batch, q_len, -1, d).transpose(1, 2)  # (B, Hkv, S, d)
+            value = vd.view(batch, q_len, -1, d).transpose(1, 2)
+            return self.attend(module, query, key, value, attention_mask, scaling, layer_idx)
+        if planning:
             if layer_idx != 0:
                 raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
-            if self.share_prompts and batch > 1:
-                # Sharing is found from the first layer's K/V: project them densely once, and store
-                # this layer the unfused way.
-                kd = torch.empty(batch * q_len, self.spec.num_kv_heads, d, dtype=query.dtype, device=query.device)
-                vd = torch.empty_like(kd)
-                kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=cos.reshape(-1, d).contiguous(),
-                           sin=sin.reshape(-1, d).contiguous(), out_k=kd, out_v=vd, check_slots=False)
-                key = kd.view(batch, q_len, -1, d).transpose(1, 2)
-                value = vd.view(batch, q_len, -1, d).transpose(1, 2)
-                return self.attend(module, query, key, value, attention_mask, scaling, layer_idx)
             _check_query(query, self)
             self._step = self._plan(query, None, None, attention_mask)
         step = self._step

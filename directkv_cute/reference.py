@@ -111,7 +111,7 @@ def tables_attention_ref(
     fp8 = is_fp8(host_pool.dtype)
     if fp8 and (host_scales is None or hbm_scales is None):
         raise ValueError(f"{host_pool.dtype} pages need their scale pools (host_scales, hbm_scales)")
-    if is_fp8(host_pool.dtype) != is_fp8(hbm_pool.dtype):
+    if fp8 != is_fp8(hbm_pool.dtype):
         raise TypeError(f"host pool {host_pool.dtype} and HBM pool {hbm_pool.dtype} differ")
 
     out = torch.empty_like(q)  # (total_q, Hq, d)

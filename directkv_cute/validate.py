@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig
+from directkv_cute.fp8 import is_fp8
 
 ALIGN = 16
 
@@ -75,7 +76,7 @@ FP8_KERNELS_BUILT = False  # the GPU kernels read bf16/fp16 pages only, for now
 
 def check_kernel_pages(cache) -> None:
     """Raise ``NotImplementedError`` for pages the GPU kernels cannot read yet (FP8)."""
-    if not FP8_KERNELS_BUILT and str(getattr(cache, "dtype", "")).startswith("torch.float8"):
+    if not FP8_KERNELS_BUILT and is_fp8(getattr(cache, "dtype", None)):
         raise NotImplementedError(
             f"the GPU attention kernels for FP8 KV pages ({cache.dtype}) are not built yet; FP8 caches run on "
             "device='cpu' (the reference path), or use bf16/fp16 pages on the GPU")
