@@ -6,6 +6,8 @@ part; the rest of the matrix is marked ``full``)."""
 
 from __future__ import annotations
 
+import re
+
 import dataclasses
 
 import pytest
@@ -451,4 +453,9 @@ def test_the_kernel_compiles_for_sm90a(keep_ptx, dtype, hidden, page, bias, host
     partial = rows // 4  # a thread's rows x 128 / 128 fp32 accumulators, 4 a store
     assert ptx.count("st.global.v4.b32") == 2 * 2 * dests * steps + partial
     assert ptx.count("st.global.b32") == 1 and "st.global.b16" not in ptx and "st.global.v2" not in ptx
+    # RoPE rounds each product to the model dtype as torch does: 4 x 8 explicitly rounded fp32
+    # products per step, and no model-dtype multiply (ptxas may fuse one without a rounding
+    # modifier into an FMA with the following add).
+    assert ptx.count("mul.rn.f32") == 4 * 8 * steps
+    assert not re.search(rf"\b(mul|fma)(\.[a-z]+)*\.{name}(x2)?\b", ptx)
     assert jit.compile_kv_proj(cfg, dtype, hidden, 8, 128, page, bias, host, hbm, out) is fn  # cached
