@@ -93,7 +93,7 @@ GiB = 1 << 30
 BASE_METHODS = ("dynamic", "hf-offloaded", "ours")
 DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
 METHOD_ORDER = {"dynamic": 0, "hf-offloaded": 1, "ours[readback]": 2, "ours[host]": 3, "ours[fused]": 4,
-                "ours[hbm]": 5}
+                "ours[fp8]": 5, "ours[hbm]": 6}
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 ROW_FIELDS = (
@@ -109,6 +109,7 @@ OFFLOAD_SPEEDUP = {32768: 5.0, 131072: 7.0}
 PHYSICS_FACTOR = 1.15
 PREFILL_FACTOR = 1.3
 MIN_TOKENS_PER_S = {"llama3-70b": 1.0}
+FP8_MIN_TOKENS_PER_S = {"llama3-70b": 2.0}  # with FP8 KV pages (ours[fp8])
 
 # The CPU smoke run (and ``--device cpu`` defaults): the tiny preset, seconds on a laptop.
 CPU_DEFAULTS = dict(preset="tiny", contexts=[128], batches=[1], new_tokens=2, warmup_tokens=1, offloaded_tokens=1,
@@ -130,6 +131,7 @@ class Method:
     budget: int | None = None
     window: bool = True  # ours: each step's new K/V read from the HBM window
     fused: bool = False  # ours: fuse_kv_projection (the K/V projection kernel)
+    kv_dtype: str | None = None  # ours: "fp8" pages (DirectKVCache(kv_dtype=...)), None the model's dtype
 
     @property
     def name(self) -> str:
@@ -139,6 +141,8 @@ class Method:
             return self.base
         if self.fused:
             return "ours[fused]"
+        if self.kv_dtype:
+            return f"ours[{self.kv_dtype}]"
         return f"ours[{self.tier}]" if self.window else "ours[readback]"
 
     def label(self, budget: int | None = None) -> str:
@@ -164,12 +168,15 @@ def parse_methods(text: str) -> list[Method]:
             out.append(Method("ours", "host", window=False))
         elif item == "ours[fused]":
             out.append(Method("ours", "host", fused=True))
+        elif item == "ours[fp8]":
+            out.append(Method("ours", "host", kv_dtype="fp8"))
         elif item == "ours[hbm]":
             out.append(Method("ours", "hbm"))
         elif item.startswith("ours[hbm=") and item.endswith("]"):
             out.append(Method("ours", "hbm", parse_size(item[len("ours[hbm="):-1])))
         else:
-            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[readback], ours[host], ours[fused], ours[hbm] "
+            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[readback], ours[host], ours[fused], "
+                             "ours[fp8], ours[hbm] "
                              "or ours[hbm=<bytes>]")
     if not out:
         raise ValueError("no methods given")
@@ -291,6 +298,17 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
         off = _one(rows, method="hf-offloaded", role="measured", **m)
         dyn = _one(rows, method="dynamic", role="measured", **m)
         phys = next((r for r in rows if r["method"] == "physics" and r["context"] == ctx and r["batch"] == batch), None)
+        f8 = _one(rows, method="ours[fp8]", role="measured", **m)
+        if f8 is not None and f8.get("decode_ms"):
+            need_tps = FP8_MIN_TOKENS_PER_S.get(preset)
+            per_seq = 1e3 / f8["decode_ms"]
+            if need_tps is not None:
+                add(f"ours[fp8] decode >= {need_tps:g} token/s per sequence", ctx, batch, per_seq, need_tps,
+                    per_seq >= need_tps, f"{per_seq:.2f} token/s ({f8['decode_ms']:.1f} ms per token)")
+            if host is not None and host.get("decode_ms"):
+                add("ours[fp8] decode faster than ours[host] (bf16 pages)", ctx, batch, f8["decode_ms"],
+                    host["decode_ms"], f8["decode_ms"] < host["decode_ms"],
+                    f"{f8['decode_ms']:.1f} vs {host['decode_ms']:.1f} ms ({host['decode_ms'] / f8['decode_ms']:.2f}x)")
         if host is None:
             continue
         rb = _one(rows, method="ours[readback]", role="measured", **m)
@@ -639,7 +657,8 @@ class Runner:
             _set_attn(models, dkhf.ATTN_IMPLEMENTATION)
             cache = dkhf.DirectKVCache(model, max_tokens=batch * (ctx + n_new), max_batch_size=batch,
                                        page_size=o.page_size, hbm_budget=int(budget or 0), dtype=o.dtype,
-                                       device=o.device, **({} if method.window else {"window_tokens": 0}))
+                                       device=o.device, kv_dtype=method.kv_dtype,
+                                       **({} if method.window else {"window_tokens": 0}))
             try:
                 cache.check_request([ctx] * batch, n_new)
                 if method.fused:

@@ -65,6 +65,7 @@ class BenchOptions:
     hbm_read_kernel: str = "sum_f32"
     peers: bool = True  # FlashAttention-4's methods (bench.peers) where it is installed
     window: bool = False  # ours[window]: the query tokens' pages mirrored in HBM (multi-token, host only)
+    kv_dtype: str | None = None  # "fp8" / "e5m2": also ours[fp8] / ours[e5m2] over FP8 host pages
 
     def timing(self) -> dict:
         return {"warmup": self.warmup, "reps": self.reps, "max_total_s": self.max_rep_s,
@@ -466,6 +467,8 @@ class ShapeBench:
                     self._ours_unmeasured(fractions[n:])
                     break
                 self._ours_fraction(api, cache, seq_ids, placed, f)
+            if self.opts.kv_dtype and 0.0 in fractions:
+                self._ours_fp8(api, cache, seq_ids, placed)
         finally:
             self.timer.sync()
             if hasattr(cache, "close"):
@@ -590,11 +593,66 @@ class ShapeBench:
                 for sid in ids:
                     cache.release_mirrors(sid, keep_partial=False)
 
+    def _ours_fp8(self, api: OursApi, cache, seq_ids, placed) -> None:
+        """ours[fp8] (or ours[e5m2]): the same K/V written into a cache of FP8 host pages (quantized
+        on the way in, one scale per token), host only, with the op's own choices. Its check
+        compares with the float32 anchor over the K/V the FP8 pages give back, so the tolerance is
+        the op's, not the format's; its host bytes are the FP8 pages and their scales."""
+        from directkv_cute.fp8 import SCALE_DTYPE, fp8_dtype
+
+        s, opts = self.shape, self.opts
+        method = f"ours[{opts.kv_dtype}]"
+        if any(placed[0][0]):
+            self._place(cache, seq_ids, placed, 0.0)
+        kv_dtype = fp8_dtype(opts.kv_dtype)
+        n_pages = self._pages_per_seq()
+        try:
+            c8 = api.cache_cls(opts.num_layers, s.hkv, s.head_dim, opts.page_size,
+                               num_host_pages=self.sets * s.batch * n_pages, num_hbm_pages=0, dtype=kv_dtype,
+                               compute_dtype=self.dtype, device=opts.device)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            self._ours_missing([0.0], _short_error(e), method)
+            return
+        try:
+            ids8 = []
+            for ids in seq_ids:
+                row = []
+                for sid in ids:
+                    sid8 = c8.add_sequence()
+                    c8.extend(sid8, s.context)
+                    for layer in range(opts.num_layers):
+                        c8.write(sid8, layer, 0, *cache.read(sid, layer, 0, s.context))
+                    row.append(sid8)
+                ids8.append(row)
+            self.timer.sync()
+            # The anchor over what the FP8 pages hold: (B, Hkv, S, d) K and V, dequantized.
+            batches, rows = self.anchor_at
+            k = torch.stack([c8.read(ids8[0][b], 0)[0].transpose(0, 1) for b in range(s.batch)])
+            v = torch.stack([c8.read(ids8[0][b], 0)[1].transpose(0, 1) for b in range(s.batch)])
+            anchor, pivot = self.anchor, self.pivot
+            self.anchor, self.pivot = anchor_reference(self._q4(0), k, v, batches, rows), None
+            del k, v
+            row_bytes = s.head_dim * kv_dtype.itemsize + SCALE_DTYPE.itemsize
+            host_b = s.batch * s.context * s.hkv * 2 * row_bytes
+            placed8 = [[set() for _ in ids] for ids in ids8]
+            try:
+                self._ours_config(api, c8, ids8, placed8, 0.0, None, method, bytes_kw={"host_bytes": host_b},
+                                  page_bytes=c8.page_bytes)
+            finally:
+                self.anchor, self.pivot = anchor, pivot
+        finally:
+            self.timer.sync()
+            if hasattr(c8, "close"):
+                c8.close()
+            del c8
+            gc.collect()
+
     def _ours_config(self, api: OursApi, cache, seq_ids, placed, fraction: float, cfg: dict | None,
-                     method: str, bytes_kw: dict | None = None) -> None:
+                     method: str, bytes_kw: dict | None = None, page_bytes: int | None = None) -> None:
         s = self.shape
         host_b, hbm_b = self._tier_bytes(fraction)
-        page_bytes = 2 * s.hkv * self.opts.page_size * s.head_dim * s.elem_bytes * self.opts.num_layers
+        if page_bytes is None:
+            page_bytes = 2 * s.hkv * self.opts.page_size * s.head_dim * s.elem_bytes * self.opts.num_layers
         resident = len(placed[0][0]) * s.batch * page_bytes
         q_lens = None if s.q_len == 1 else [s.q_len] * s.batch
         kw = {"host_bytes": host_b, "hbm_bytes": hbm_b, **(bytes_kw or {}), "hbm_fraction": fraction}

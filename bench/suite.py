@@ -71,7 +71,8 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         seed=ns.seed, max_gb=ns.max_gb, config=ns.config, compare_configs=tuple(ns.compare_configs),
         host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"),
-        peers=not getattr(ns, "no_peers", False), window=getattr(ns, "window", False))
+        peers=not getattr(ns, "no_peers", False), window=getattr(ns, "window", False),
+        kv_dtype=getattr(ns, "kv_dtype", None))
 
 
 def bench_shapes(ns: argparse.Namespace, bench: str, device: str = "cuda"):
@@ -158,7 +159,45 @@ def summarize(doc: dict) -> str:
     for m in doc["missing"]:
         parts.append(f"missing: ours on {m['shape']} (hbm {m['hbm_fractions']}): {m['reason']}")
     parts += problem_lines(doc)
+    parts += fp8_target_lines(doc)
     return "\n".join(parts)
+
+
+# Issue targets of FP8 pages (bench --kv-dtype): decode from FP8_MIN_CONTEXT up at least
+# FP8_MIN_SPEEDUP x faster than ours over bf16 pages, at FP8_MIN_CEILING of the host-read ceiling
+# in FP8 bytes; multi-token shapes no slower than bf16 where compute-bound.
+FP8_MIN_CONTEXT = 32768
+FP8_MIN_SPEEDUP = 1.9
+FP8_MIN_CEILING = 0.98
+
+
+def fp8_target_lines(doc: dict) -> list[str]:
+    """MET / MISS lines of ours[fp8] (or ours[e5m2]) against ours over bf16 pages, host only."""
+    key = lambda r: (r["batch"], r["context"], r["q_len"], r["hq"], r["hkv"])  # noqa: E731
+    base = {key(r): r for r in doc["records"] if r["method"] == "ours" and r["hbm_fraction"] == 0.0 and r["ms"]}
+    out = []
+    for r in doc["records"]:
+        if not (r["method"].startswith("ours[") and r["method"] in ("ours[fp8]", "ours[e5m2]") and r["ms"]):
+            continue
+        b = base.get(key(r))
+        if b is None:
+            continue
+        label = f"B{r['batch']} ctx{r['context']} q{r['q_len']} {r['hq']}/{r['hkv']}"
+        speed = b["ms"] / r["ms"]
+        ceil = r["frac_of_ceiling"] or 0.0
+        if r["q_len"] == 1 and r["context"] >= FP8_MIN_CONTEXT:
+            for ok, what in ((speed >= FP8_MIN_SPEEDUP, f"{speed:.2f}x faster than bf16 pages "
+                              f"({r['ms']:.3f} vs {b['ms']:.3f} ms; limit {FP8_MIN_SPEEDUP}x)"),
+                             (ceil >= FP8_MIN_CEILING, f"{ceil:.1%} of the host-read ceiling in FP8 bytes "
+                              f"(limit {FP8_MIN_CEILING:.0%})")):
+                out.append(f"{'MET ' if ok else 'MISS'} {r['method']} decode {label}: {what}")
+        elif r["q_len"] > 1:
+            ok = speed >= 1.0
+            out.append(f"{'MET ' if ok else 'MISS'} {r['method']} {label}: {speed:.2f}x bf16 pages, no slower "
+                       f"({r['ms']:.3f} vs {b['ms']:.3f} ms; bf16 at {b['frac_of_ceiling'] or 0:.0%} of the floor)")
+        else:
+            out.append(f"info {r['method']} decode {label}: {speed:.2f}x bf16 pages, {ceil:.1%} of the ceiling")
+    return (["fp8 targets:"] + out) if out else []
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -198,6 +237,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ceiling-gb", type=float, default=2.0, help="host buffer for the ceilings (HBM: twice)")
     g.add_argument("--no-plot", action="store_true")
+    g.add_argument("--kv-dtype", default=None, choices=("fp8", "e5m2"),
+                   help="also ours[fp8] / ours[e5m2]: the same K/V in FP8 host pages (with per-token scales)")
     g.add_argument("--window", action="store_true",
                    help="also ours[window]: multi-token shapes with the query tokens' own pages mirrored in "
                         "HBM (the HBM window of a model step), host only")

@@ -153,6 +153,57 @@ def bytes_per_row(head_dim: int, dtype: torch.dtype, granularity: str = GRANULAR
     return head_dim + scale
 
 
+# ---- the FP8 decode kernel's SMEM rule (kernels/decode_fp8.py: one statement of its legality) ----
+def decode_smem_bytes(cfg, head_dim: int, page_size: int | None = None, q_bytes: int = 2) -> int:
+    """Dynamic SMEM of the streaming kernel over FP8 pages for a DecodeConfig: the FP8 ring
+    (K and V boxes plus their fp32 token scales per stage, each copy's scales padded to the 128
+    bytes a TMA destination needs), one K and one V operand tile and the Q tile in the q dtype,
+    the mbarriers and the tiles' 1 KB alignment."""
+    n = cfg.tile_n
+    rows = min(n, page_size) if page_size else n
+    scale_row = max(rows, 32) * (n // rows)  # each copy's scale box padded to 128 bytes
+    ring = cfg.stages * (2 * n * head_dim + 2 * scale_row * SCALE_DTYPE.itemsize)
+    operands = 2 * n * head_dim * q_bytes
+    q_tile = cfg.rows * head_dim * q_bytes
+    return ring + operands + q_tile + 2 * 1024
+
+
+def decode_problems(cfg, head_dim: int, page_size: int | None = None, kv_dtype=torch.float8_e4m3fn) -> list[str]:
+    """Why ``cfg`` cannot run the streaming kernel over ``kv_dtype`` pages: the config's rules
+    (at one byte per KV element) and the kernel's SMEM (``decode_smem_bytes``)."""
+    from directkv_cute.config import SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
+
+    out = [] if is_fp8(kv_dtype) else [f"kv_dtype must be one of {FP8_DTYPES}, got {kv_dtype}"]
+    out += cfg.problems(head_dim, page_size, 1)
+    smem = decode_smem_bytes(cfg, head_dim, page_size)
+    if smem > SM90_SMEM_PER_BLOCK_OPTIN:
+        out.append(f"FP8 pages: needs {smem} B of SMEM, over the {SM90_SMEM_PER_BLOCK_OPTIN} B per-block limit")
+    elif cfg.smem_budget() < smem + SMEM_RESERVED_PER_BLOCK:
+        out.append(f"FP8 pages: needs {smem} B of SMEM, over the carveout budget {cfg.smem_budget()} B "
+                   f"({cfg.carveout}% of {SM90_SMEM_PER_SM} B)")
+    return out
+
+
+def decode_config(cfg, head_dim: int, page_size: int | None = None):
+    """A decode config (the tuned profile's or the default, chosen for 16-bit pages) as the FP8
+    kernel runs it: its ring as deep as FP8 stages allow within the same SMEM (an FP8 stage is half
+    the bytes), at most 12 stages, fewer where the operand tiles leave no room."""
+    import dataclasses
+
+    budget = cfg.smem_bytes(head_dim)
+    best = None
+    for stages in range(12, 1, -1):
+        c = dataclasses.replace(cfg, stages=stages, max_inflight=min(cfg.max_inflight, stages - 1))
+        fits = decode_smem_bytes(c, head_dim, page_size) <= budget or stages <= cfg.stages
+        if fits and not decode_problems(c, head_dim, page_size):
+            best = c
+            break
+    if best is None:
+        raise ValueError(f"{cfg}: no stage count runs the FP8 decode kernel at head_dim {head_dim}, page {page_size}")
+    return best
+
+
 __all__ = ["FP8_DTYPES", "FP8_MAX", "GRANULARITIES", "GRANULARITY", "MANTISSA_BITS", "MIN_NORMAL", "MIN_SUBNORMAL",
-           "SCALE_DTYPE", "SCALE_FLOOR", "bytes_per_row", "dequantize", "fp8_dtype", "is_fp8", "quantize",
+           "SCALE_DTYPE", "SCALE_FLOOR", "bytes_per_row", "decode_config", "decode_problems", "decode_smem_bytes",
+           "dequantize", "fp8_dtype", "is_fp8", "quantize",
            "relative_error", "round_trip_bound", "scale_from_amax"]

@@ -329,10 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-FP8_ON_CUDA = ("--kv-dtype fp8 runs only on the CPU for now (the GPU kernels reading FP8 pages are not built "
-               "yet); use --device cpu, or --kv-dtype auto")
-
-
 @dataclass
 class _Args:
     device: torch.device
@@ -375,8 +371,6 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kv = getattr(ns, "kv_dtype", "auto") or "auto"
-    if kv == "fp8" and device.type == "cuda":
-        p.error(FP8_ON_CUDA)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch.cuda.is_available() is False (use --device cpu)")
     if ns.dtype == "fp32" and device.type == "cuda":

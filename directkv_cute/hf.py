@@ -301,8 +301,9 @@ class DirectKVCache(Cache):
         kv_dtype: the dtype of the K/V pages: None or "auto" (the model's dtype), "fp8" (=
             ``torch.float8_e4m3fn``) or "e5m2" (``torch.float8_e5m2``), or a torch dtype. FP8 pages
             hold the K/V quantized with per-token scales (``directkv_cute.fp8``) and the model
-            computes in its own dtype; half the bytes of bf16 per token over the link. FP8 runs on
-            device "cpu" for now: the GPU kernels that read FP8 pages are not built yet.
+            computes in its own dtype; half the bytes of bf16 per token over the link (on a GPU:
+            decode reads FP8 pages in place, ``kernels/decode_fp8.py``; prefill chunks dequantize
+            the pages they read once into HBM).
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
@@ -333,10 +334,10 @@ class DirectKVCache(Cache):
             raise UnsupportedModelError(
                 f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
         page_dtype = resolve_kv_dtype(kv_dtype, dtype)
-        if is_fp8(page_dtype) and device.type == "cuda":
-            raise NotImplementedError(
-                f"kv_dtype {page_dtype} on {device}: the GPU attention kernels for FP8 KV pages are not built yet "
-                "(FP8 KV runs on device='cpu'; on the GPU use kv_dtype=None for pages in the model's dtype)")
+        if is_fp8(page_dtype) and device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+            raise UnsupportedModelError(
+                f"kv_dtype {page_dtype} on {device} with a {dtype} model: the GPU kernels compute in bfloat16 or "
+                "float16 (load the model in one of those)")
         hbm_pages = hbm_budget // page_bytes(self.spec.num_layers, self.spec.num_kv_heads, page_size,
                                              self.spec.head_dim, page_dtype)
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.

@@ -15,8 +15,8 @@ can be captured in a CUDA graph (the captured graph pins the pools' base address
 move); the staged path is not taken inside a capture.
 
 On a CPU-only machine the same call runs the float32 reference. FP8 pages (``directkv_cute.fp8``)
-run there too; on a GPU they raise ``NotImplementedError`` (``validate.check_kernel_pages``) until
-the kernels that read them exist.
+run there too; on a GPU the streaming kernel reads them in place (``kernels/decode_fp8.py``) and
+multi-token calls dequantize the pages they read into an HBM buffer first (``_launch_fp8``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
 from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
+from directkv_cute.fp8 import is_fp8
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
 
 
@@ -106,7 +107,8 @@ def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int
 
     cfg, _source = lookup_profile(
         kernel, gpu_name=_gpu_name(torch.cuda.current_device()), kernel_hash=current_kernel_hash(kernel),
-        dtype=cache.dtype, head_dim=cache.head_dim, group=group, page_size=cache.page_size,
+        dtype=getattr(cache, "compute_dtype", None) or cache.dtype, head_dim=cache.head_dim, group=group,
+        page_size=cache.page_size,
         batch=batch, context=context, q_len=q_len, rows=rows,
     )
     return cfg
@@ -197,6 +199,9 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
     cu_q, max_q_len = _cu_seqlens(q_lens, q.device)
     if max_seq_len is None:
         max_seq_len = max_pages * cache.page_size
+    if is_fp8(cache.dtype):
+        return _launch_fp8(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, config, out, return_lse,
+                           max_seq_len)
 
     if isinstance(config, QTiledConfig) or config is None:
         route = _q_tiled_route(q, cache, tables, q_lens, group, config)
@@ -227,6 +232,98 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
         launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
         launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
+
+
+def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, softmax_scale, config, out,
+                return_lse: bool, max_seq_len: int):
+    """FP8 pages: the streaming kernel over them in place (decode, short windows: every query row of
+    a KV head in one CTA), else the call's pages dequantized once into an HBM buffer in the q dtype
+    and the 16-bit kernels over it (``_dequantized``)."""
+    total_q, hq, d = q.shape
+    batch = tables.page_table.shape[0]
+    group = hq // cache.num_kv_heads
+    explicit = isinstance(config, DecodeConfig)
+    kernel = config_kernel(config, group, max_q_len) if explicit else op_kernel(group, max_q_len)
+    if isinstance(config, QTiledConfig) or kernel != "decode":
+        return _dequantized(q, cache, layer, tables, q_lens, softmax_scale, config, out, return_lse, max_seq_len)
+    from directkv_cute.fp8 import decode_config
+    from directkv_cute.kernels.jit import compile_decode_fp8
+    from directkv_cute.kernels.launch import launch_combine, launch_decode_fp8, link_counters
+
+    if explicit:
+        cfg = config  # compile_decode_fp8 raises if the FP8 kernel cannot run it
+    else:
+        cfg = decode_config(_lookup("decode", cache, group, batch, max_seq_len, max_q_len, group * max_q_len), d,
+                            cache.page_size)
+    splits = cfg.splits_for(batch, cache.num_kv_heads, max_seq_len, _num_sms(q.device.index))
+    counters = link_counters(q.device)
+    fn = _compiled_fp8(cfg, q.dtype, cache.dtype, d, cache.page_size, group, max_q_len, splits > 1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    args = (cache, layer, tables.page_table, tables.seq_lens, cu_q)
+    if splits == 1:
+        launch_decode_fp8(fn, q, out, lse, *args, 1, scale, counters)
+    else:
+        o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
+        launch_decode_fp8(fn, q, o_part, lse_part, *args, splits, scale, counters)
+        launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
+    return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_fp8(cfg: DecodeConfig, dtype, kv_dtype, head_dim, page_size, group, max_q_len, split_out):
+    from directkv_cute.kernels.jit import compile_decode_fp8
+
+    return compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, max_q_len, split_out)
+
+
+def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, out, return_lse: bool,
+                 max_seq_len: int):
+    """Multi-token calls over FP8 pages: every page the batch reads (once, however many sequences
+    share it) is copied by the copy engine into a staging buffer (``staging``: the FP8 bytes, at
+    memcpy speed), its scales gathered beside it, and the buffer dequantized into a
+    (pages, 1, Hkv, 2, P, d) one in the q dtype, as ``PagedKVCache.read`` dequantizes; the call
+    then runs over that as an all-HBM cache (the Q-tiled or the multi-token kernel, as for 16-bit
+    pages). The link carries each page's FP8 bytes and scales once: 0.516x the bytes of bf16
+    pages at d 128."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("paged_attention: multi-token calls over FP8 pages dequantize into a buffer planned per "
+                           "call and cannot be captured in a CUDA graph (decode-sized calls can)")
+    host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
+    if host_table is None or lens is None:  # bare tables (the dispatcher's op): read them back once
+        host_table, lens = tables.page_table.cpu().numpy(), tuple(tables.seq_lens.tolist())
+    from directkv_cute.cache import KernelTables
+    from directkv_cute.fp8 import dequantize
+
+    P = cache.page_size
+    n_pages = [math.ceil(n / P) for n in lens]
+    cfg = QTiledConfig()
+    plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages))
+    device = q.device
+    runs = [r for piece in plan.pieces for r in piece]
+    scales = torch.empty((plan.pages, *cache.host_scales.shape[2:]), dtype=torch.float32, device=device)
+    for hbm_tier, pool in ((False, cache.host_scales_cuda), (True, cache.hbm_scales)):
+        mine = [r for r in runs if r.hbm == hbm_tier]
+        if mine:
+            src = np.concatenate([np.arange(r.src, r.src + r.count) for r in mine])
+            dst = np.concatenate([np.arange(r.dst, r.dst + r.count) for r in mine])
+            src_t, dst_t = (torch.from_numpy(a).to(device, non_blocking=True) for a in (src, dst))
+            scales[dst_t] = pool[src_t, layer]  # (n, Hkv, 2, P) fp32: 4 B per row, gathered
+    st = stager(device, torch.cuda.current_stream(device))
+    with st.lock:
+        raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
+        st.finish()  # the current stream waits for the copies
+        buf = dequantize(raw, scales[:, None], q.dtype)  # before a later call's copies reuse ``raw``
+    table = plan.table.copy()
+    for b, n in enumerate(n_pages):
+        table[b, n:] = table[b, n - 1]  # past a sequence's pages its last one repeats, as in kernel_tables
+    view_tables = KernelTables(torch.from_numpy(table).to(device, non_blocking=True), tables.seq_lens,
+                               host_seq_lens=tuple(lens), host_table=table)
+    return _launch(q, _PoolView(buf, buf), 0, view_tables, q_lens, softmax_scale, config, out, return_lse,
+                   max_seq_len)
 
 
 def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, max_seq_len: int, config):
@@ -412,10 +509,13 @@ class _PoolView:
     """The few cache attributes the kernels read, rebuilt from the pool tensors (the op below
     takes tensors only, so that torch.compile and the dispatcher can see them)."""
 
-    def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor, compute_dtype: torch.dtype | None = None):
+    def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor, compute_dtype: torch.dtype | None = None,
+                 host_scales: torch.Tensor | None = None, hbm_scales: torch.Tensor | None = None):
         _, self.num_layers, self.num_kv_heads, _, self.page_size, self.head_dim = host_pool.shape
         self.host_pool = self.host_pool_cuda = host_pool
         self.hbm_pool = hbm_pool
+        self.host_scales = self.host_scales_cuda = host_scales
+        self.hbm_scales = hbm_scales
         self.dtype = host_pool.dtype
         self.compute_dtype = compute_dtype or host_pool.dtype
 
@@ -432,7 +532,7 @@ def attention_op(q: torch.Tensor, host_pool: torch.Tensor, hbm_pool: torch.Tenso
     ``cache.host_pool`` on a CPU; hbm_pool is ``cache.hbm_pool``; page_table / seq_lens come from
     ``cache.kernel_tables``; config lists the DecodeConfig fields in order (None: profile lookup).
     FP8 pools come with their scale pools (``cache.device_scales``) and take q's dtype for compute
-    (the CPU reference only: the GPU kernels for FP8 pages are not built yet).
+    (the q dtype: bf16 or fp16 on a GPU).
     Direct Python calls of ``paged_attention_tables`` skip the dispatcher's overhead; this entry
     is for torch.compile'd models and other dispatcher users.
     """
@@ -443,7 +543,10 @@ def attention_op(q: torch.Tensor, host_pool: torch.Tensor, hbm_pool: torch.Tenso
         from directkv_cute.cache import KernelTables
 
         cfg = DecodeConfig(*config) if config else None
-        out, lse = paged_attention_tables(q, _PoolView(host_pool, hbm_pool, compute), layer, KernelTables(page_table, seq_lens),
+        if compute is not None and host_scales is None:
+            raise ValueError("FP8 pools need their scale pools (host_scales, hbm_scales: cache.device_scales)")
+        view = _PoolView(host_pool, hbm_pool, compute, host_scales, hbm_scales)
+        out, lse = paged_attention_tables(q, view, layer, KernelTables(page_table, seq_lens),
                                           q_lens, softmax_scale, config=cfg, return_lse=True, max_seq_len=max_seq_len)
         return out, lse
     from directkv_cute.reference import tables_attention_ref

@@ -71,15 +71,13 @@ def check_q_lens(q_lens, batch: int, total_q: int, seq_lens: Sequence[int] | Non
     return lens
 
 
-FP8_KERNELS_BUILT = False  # the GPU kernels read bf16/fp16 pages only, for now
-
-
 def check_kernel_pages(cache) -> None:
-    """Raise ``NotImplementedError`` for pages the GPU kernels cannot read yet (FP8)."""
-    if not FP8_KERNELS_BUILT and is_fp8(getattr(cache, "dtype", None)):
-        raise NotImplementedError(
-            f"the GPU attention kernels for FP8 KV pages ({cache.dtype}) are not built yet; FP8 caches run on "
-            "device='cpu' (the reference path), or use bf16/fp16 pages on the GPU")
+    """The GPU kernels compute in bf16 or fp16: 16-bit pages, or FP8 pages whose compute dtype is
+    one of those (a TypeError otherwise)."""
+    compute = getattr(cache, "compute_dtype", None) or cache.dtype
+    if compute not in (torch.bfloat16, torch.float16):
+        kind = f"FP8 pages ({cache.dtype}) computed" if is_fp8(cache.dtype) else "pages"
+        raise TypeError(f"the GPU attention kernels compute in bfloat16 or float16; these {kind} in {compute}")
 
 
 def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, config=None, softmax_scale=None,
@@ -115,7 +113,13 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
     if config is not None:
         if not isinstance(config, (DecodeConfig, QTiledConfig)):
             raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
-        check_config(config, d, cache.page_size)
+        if is_fp8(cache.dtype) and isinstance(config, DecodeConfig):
+            # Over FP8 pages a decode-sized call runs the FP8 kernel (its own SMEM rule, checked
+            # when it compiles) and a multi-token one the 16-bit kernels over the dequantized
+            # pages (checked there): both before anything is written.
+            pass
+        else:
+            check_config(config, d, cache.page_size)
     if cuda:
         check_kernel_pages(cache)
         if not q.is_cuda:

@@ -360,16 +360,18 @@ def test_op_and_torch_op_on_cpu_read_fp8_pages():
         attention_op(q, c.device_pool("host"), c.device_pool("hbm"), t.page_table, t.seq_lens, 0)
 
 
-def test_cuda_fp8_attention_is_refused_clearly():
+def test_the_gpu_kernels_take_fp8_pages_computed_in_16_bits():
     from directkv_cute.validate import check_attention, check_kernel_pages
 
-    c = make(compute=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="FP8 KV pages .* not built yet"):
+    check_kernel_pages(make(compute=torch.bfloat16))
+    check_kernel_pages(make(compute=torch.float16))
+    check_kernel_pages(PagedKVCache(L, H, D, P, 2, dtype=torch.bfloat16, device="cpu"))
+    c = make(compute=torch.float32)
+    with pytest.raises(TypeError, match=r"compute in bfloat16 or float16; these FP8 pages .* in torch.float32"):
         check_kernel_pages(c)
-    q = torch.zeros(1, 2 * H, D, dtype=torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="not built yet"):
+    q = torch.zeros(1, 2 * H, D, dtype=torch.float32)
+    with pytest.raises(TypeError, match="compute in bfloat16 or float16"):
         check_attention(q, c, 0, batch=1, cuda=True)
-    check_kernel_pages(PagedKVCache(L, H, D, P, 2, dtype=torch.bfloat16, device="cpu"))  # bf16: fine
 
 
 # ---- HF -----------------------------------------------------------------------------------
@@ -398,8 +400,8 @@ def test_hf_kv_dtype_validation(monkeypatch):
     cache = dkhf.DirectKVCache(model, max_tokens=64, device="cpu", kv_dtype="fp8", page_size=16)
     assert cache.kv.dtype is E4M3 and cache.kv.compute_dtype is torch.float32 and cache.dtype is torch.float32
     assert cache.kv_dtype is E4M3
-    with pytest.raises(NotImplementedError, match="FP8 KV pages are not built yet"):
-        dkhf.DirectKVCache(model.config, max_tokens=64, device="cuda", dtype=torch.bfloat16, kv_dtype="fp8")
+    with pytest.raises(dkhf.UnsupportedModelError, match="GPU kernels compute in bfloat16 or float16"):
+        dkhf.DirectKVCache(model.config, max_tokens=64, device="cuda", dtype=torch.float32, kv_dtype="fp8")
 
 
 def test_hf_generate_with_fp8_kv_agrees_with_bf16_kv():
@@ -457,7 +459,7 @@ def test_generate_cli_kv_dtype(tmp_path, capsys):
     assert gen.main(argv + ["--kv-dtype", "auto", "--json", str(out)]) == 0
     assert json.loads(out.read_text())["kv_dtype"] == "float32"
     for bad, words in ((["--kv-dtype", "bf16"], "differs from the model dtype"),
-                       (["--device", "cuda", "--kv-dtype", "fp8"], "not built"),
+                       (["--device", "cuda", "--kv-dtype", "fp8"], "is_available"),
                        (["--kv-dtype", "int8"], "invalid choice")):
         with pytest.raises(SystemExit) as e:
             gen.main(argv + bad)

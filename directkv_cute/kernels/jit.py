@@ -77,7 +77,8 @@ def cutlass_dtype(dtype: torch.dtype):
     if not _TORCH_TO_CUTLASS:
         _TORCH_TO_CUTLASS.update(
             {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: cutlass.Float32,
-             torch.int32: cutlass.Int32}
+             torch.int32: cutlass.Int32, torch.float8_e4m3fn: cutlass.Float8E4M3FN,
+             torch.float8_e5m2: cutlass.Float8E5M2}
         )
     try:
         return _TORCH_TO_CUTLASS[dtype]
@@ -172,6 +173,52 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, multi_tok
     o_dt = cutlass.Float32 if split_out else dt
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
+        _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
+        *(Int32(1) for _ in range(9)), Float32(1.0), cuda.CUstream(0),
+    )
+    return cute.compile(kernel, *args)
+
+
+def decode_fp8_key(cfg: DecodeConfig, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, page_size: int,
+                   group: int, split_out: bool):
+    # The config as the streaming kernel's spec keeps it; the page format adds the FP8 dtype.
+    code = specs.get("decode_fp8").key_values(cfg, head_dim)
+    return ("decode_fp8", arch(), str(dtype), str(kv_dtype), head_dim, page_size, group, bool(split_out), *code)
+
+
+def compile_decode_fp8(cfg: DecodeConfig, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, page_size: int,
+                       group: int, max_q_len: int = 1, split_out: bool = True):
+    """Compile (once per key) the streaming kernel over FP8 pages (``kernels/decode_fp8.py``):
+    ``kv_dtype`` float8_e4m3fn or float8_e5m2 pages with their fp32 token scales, queries and
+    outputs in ``dtype``."""
+    from directkv_cute.fp8 import decode_problems
+
+    problems = decode_problems(cfg, head_dim, page_size, kv_dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        problems.insert(0, f"dtype must be bfloat16 or float16, got {dtype}")
+    problems += specs.get("decode_fp8").shape_problems(cfg, group, max_q_len)
+    if problems:
+        raise ValueError(problems[0])
+    key = decode_fp8_key(cfg, dtype, kv_dtype, head_dim, page_size, group, split_out)
+    return _cached_compile(key, lambda: _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group,
+                                                            split_out))
+
+
+def _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, split_out):
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from directkv_cute.kernels.decode_fp8 import DecodeFP8Attention
+
+    dt = cutlass_dtype(dtype)
+    kv_dt = {torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.float8_e5m2: cutlass.Float8E5M2}[kv_dtype]
+    kernel = DecodeFP8Attention(dt, kv_dt, head_dim, page_size, group, cfg, split_out)
+    o_dt = cutlass.Float32 if split_out else dt
+    f32 = cutlass.Float32
+    args = (
+        _ptr(dt), _ptr(o_dt), _ptr(f32, 4), _ptr(kv_dt), _ptr(kv_dt), _ptr(f32), _ptr(f32),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
         *(Int32(1) for _ in range(9)), Float32(1.0), cuda.CUstream(0),
     )

@@ -67,6 +67,26 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     )
 
 
+def launch_decode_fp8(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale, counters):
+    """Run the compiled FP8-page decode kernel: ``launch_decode`` plus the scale pools beside the
+    page pools (``cache.device_scales``)."""
+    from cutlass import Float32, Int32
+
+    host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+    host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+    hbm, hbm_s = cache.hbm_pool, cache.hbm_scales
+    if hbm is None or hbm.numel() == 0:  # no HBM tier: valid stand-ins the kernel never reads
+        hbm, hbm_s = host, host_s
+    batch, max_pages = page_table.shape
+    fn(
+        _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm), _ptr(host_s), _ptr(hbm_s),
+        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(counters, 4),
+        Int32(batch), Int32(q.shape[0]), Int32(cache.num_kv_heads), Int32(cache.num_layers), Int32(layer),
+        Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(num_splits),
+        Float32(scale * LOG2_E), _stream(),
+    )
+
+
 def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, page_table, seq_lens, cu_q, ready,
                    n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False):
     """Run the compiled Q-tiled kernel over ``hbm`` (the HBM pool, or a staging buffer with one

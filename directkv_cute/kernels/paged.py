@@ -129,6 +129,8 @@ class PagedAttention:
         assert self.q_per_cta >= 1, "a GQA group larger than the CTA's query rows"
         # Multi-token: each consumer warpgroup works through its own blocks of 64 rows.
         self.q_per_wg = 64 // group
+        # Stages of the K/V operand tiles the MMAs read: the ring itself (pages in the q dtype).
+        self.operand_stages = cfg.stages
         self.producer = KVProducer(head_dim, page_size, cfg.tile_n, cfg.stages, copy_rows, cfg.cluster,
                                    cfg.max_inflight, cfg.link_credits, self.cluster_admit, tail)
         self.qio = QIO(dtype, head_dim, group, self.q_per_wg, split_out)
@@ -207,8 +209,9 @@ class PagedAttention:
             mLSE = cute.make_tensor(lse_ptr, cute.make_layout((1, total_q, hq), stride=(0, hq, 1)))
 
         sQ_layout = kv_smem_layout(dt, self.rows, d)
-        sKV_layout = kv_smem_layout(dt, self.tile_n, d, self.stages)
-        sCopy_layout = kv_smem_layout(dt, self.copy_rows, d)
+        sKV_layout = kv_smem_layout(dt, self.tile_n, d, self.operand_stages)
+        # A TMA box in the pools' element type (the q dtype, or FP8 pages).
+        sCopy_layout = kv_smem_layout(mKVh.element_type, self.copy_rows, d)
         C = self.cluster
         op = cpasync.CopyBulkTensorTileG2SMulticastOp() if const_expr(C > 1) else cpasync.CopyBulkTensorTileG2SOp()
         # Whole boxes (not 1/C slices of each, which would split their rows): a CTA of a cluster
@@ -225,15 +228,18 @@ class PagedAttention:
             dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM,
         )
-        stage_bytes = 2 * cute.size_in_bytes(dt, cute.select(sKV_layout, mode=[0, 1]))
-
-        n_mbar = 2 * self.stages + (1 if self.cluster_admit else 0)
-
-        SharedStorage = shared_storage(dt, n_mbar, 0 if self.q_regs else cute.cosize(sQ_layout), cute.cosize(sKV_layout))  # noqa: N806
-        self.shared_storage = SharedStorage
-        self.stage_bytes = stage_bytes
+        self.shared_storage, self.stage_bytes = self.storage(sQ_layout, sKV_layout)
         return HostSetup(mQ, mO, mLSE, mKVh_tma, mKVd_tma, mPT, mSeqLen, mCuQ, tma_h, tma_d, sQ_layout, sKV_layout,
                          tiled_mma_qk, tiled_mma_pv)
+
+    def storage(self, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout):
+        """(the shared storage struct, the bytes one ring stage receives): the ring's mbarriers,
+        the Q tile (none with q_regs), the K and V rings."""
+        dt = self.dtype
+        stage_bytes = 2 * cute.size_in_bytes(dt, cute.select(sKV_layout, mode=[0, 1]))
+        n_mbar = 2 * self.stages + (1 if self.cluster_admit else 0)
+        q_elems = 0 if self.q_regs else cute.cosize(sQ_layout)
+        return shared_storage(dt, n_mbar, q_elems, cute.cosize(sKV_layout)), stage_bytes
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -259,20 +265,22 @@ class PagedAttention:
 
     @cute.jit
     def ring(self, warp_idx, tidx, tma_h: cute.CopyAtom, tma_d: cute.CopyAtom, sQ_layout: cute.ComposedLayout,
-             sKV_layout: cute.ComposedLayout):
-        """Prefetch the TMA descriptors, allocate the shared storage and set up the KV ring's
-        pipeline; returns (sQ (rows, d) or None with q_regs, sK (tile_n, d, stages), sV, the
-        pipeline, the cluster admit mbarrier or None)."""
+             sKV_layout: cute.ComposedLayout, storage=None):
+        """Prefetch the TMA descriptors, allocate the shared storage (unless the caller passes
+        the one it allocated) and set up the KV ring's pipeline; returns (sQ (rows, d) or None
+        with q_regs, sK (tile_n, d, operand_stages), sV, the pipeline, the cluster admit mbarrier
+        or None)."""
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_h)
             cpasync.prefetch_descriptor(tma_d)
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        if const_expr(storage is None):
+            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         sQ = None
         if const_expr(not self.q_regs):
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, stages)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, operand_stages)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, operand_stages)
         # A stage is free once every consumer warp of every CTA of the cluster has released it
         # (each producer multicasts into all of them): one arrive per warp and cluster CTA.
         cta_layout_vmnk = None

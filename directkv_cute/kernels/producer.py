@@ -51,14 +51,16 @@ class KVProducer:
 
     @cute.jit
     def load(self, kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, mLink, cta, num_kv_heads, num_layers, layer,
-             admit, mReady=None, epoch=None, piece_tiles=None):
+             admit, mReady=None, epoch=None, piece_tiles=None, scales=None):
         """Producer: warp 0 walks the CTA's tiles (the pipeline and each TMA copy elect one lane).
         With q_cluster the CTAs of the cluster take turns over a tile's boxes (K and V of each
         page piece): each box is issued by one of them and multicast to all, so every row of
         the tile crosses the link once. ``cta``: the CTA's :class:`walk.CtaWork`; mKVh/mKVd (P, d, X)
         TMA coordinate views of the pools, sK/sV (tile_n, d, stages), mPT (B, max_pages). With
         ``wait_ready``: mReady (pieces,) int32 flags, tile t reads piece t // piece_tiles, ready
-        once its flag has reached ``epoch``."""
+        once its flag has reached ``epoch``. With ``scales`` (FP8 pages, no cluster): (tma_hs, mSh,
+        tma_ds, mSd, sKs, sVs), the scale pools' TMA atoms and (P, X) coordinate views and the
+        (tile_n, stages) fp32 scale rings: each K/V box brings its rows' scales along."""
         b, kvh, rank, n_pages, t_begin, t_end = cta.b, cta.kvh, cta.rank, cta.n_pages, cta.t_begin, cta.t_end
         rows, d = self.copy_rows, self.head_dim
         gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
@@ -74,6 +76,17 @@ class KVProducer:
         _, tGd = cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVd, 0, 2)
         )
+        if const_expr(scales is not None):
+            tma_hs, mSh, tma_ds, mSd, sKs, sVs = scales
+            gSh = cute.local_tile(mSh, (rows,), (None, None))  # (rows, P/rows, Xh)
+            gSd = cute.local_tile(mSd, (rows,), (None, None))  # (rows, P/rows, Xd)
+            sKs_cp = cute.local_tile(sKs, (rows,), (None, None))  # (rows, copies, stages)
+            sVs_cp = cute.local_tile(sVs, (rows,), (None, None))  # (rows, copies, stages)
+            one = cute.make_layout(1)
+            tKsh, tGsh = cpasync.tma_partition(tma_hs, 0, one, cute.group_modes(sKs_cp, 0, 1),
+                                               cute.group_modes(gSh, 0, 1))
+            tVsh, _ = cpasync.tma_partition(tma_hs, 0, one, cute.group_modes(sVs_cp, 0, 1), cute.group_modes(gSh, 0, 1))
+            _, tGsd = cpasync.tma_partition(tma_ds, 0, one, cute.group_modes(sKs_cp, 0, 1), cute.group_modes(gSd, 0, 1))
         # The whole warp walks the tiles: the pipeline's arrive and every TMA copy elect their own
         # lane. (An elect.sync from inside an already elected lane waits for lanes that never
         # come: the first cluster kernel hung there on the H200.)
@@ -135,13 +148,22 @@ class KVProducer:
                     # Past the last page: an out-of-bounds box, zero-filled, no memory read.
                     self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], bar, rank, 2 * c)
                     self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                    if const_expr(scales is not None):
+                        cute.copy(tma_hs, tGsh[None, blocks_per_page, 0], tKsh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_hs, tGsh[None, blocks_per_page, 0], tVsh[None, c, stage], tma_bar_ptr=bar)
                 elif entry >= 0:
                     self.tma_box(tma_h, tGh[None, blk, piece], tSh[None, c, stage], bar, rank, 2 * c)
                     self.tma_box(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                    if const_expr(scales is not None):
+                        cute.copy(tma_hs, tGsh[None, blk, piece], tKsh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_hs, tGsh[None, blk, piece + 1], tVsh[None, c, stage], tma_bar_ptr=bar)
                 else:
                     hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
                     self.tma_box(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], bar, rank, 2 * c)
                     self.tma_box(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                    if const_expr(scales is not None):
+                        cute.copy(tma_ds, tGsd[None, blk, hpiece], tKsh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_ds, tGsd[None, blk, hpiece + 1], tVsh[None, c, stage], tma_bar_ptr=bar)
             prod_state.advance()
         if const_expr(self.link_credits > 0):
             # The last tile's ticket: every ticket taken is reported exactly once, so the

@@ -199,6 +199,20 @@ SPECS: tuple[KernelSpec, ...] = (
         max_rows=STREAM_MAX_ROWS,
     ),
     KernelSpec(
+        name="decode_fp8",
+        summary="the streaming decode kernel over FP8 pages: FP8 K/V boxes and their token scales stream "
+                "through the ring, dequantized in SMEM into q-dtype operand tiles",
+        files=("kernels/decode_fp8.py", "kernels/decode.py", "fp8.py", *SHARED_FILES),
+        compile="directkv_cute.kernels.jit.compile_decode_fp8",
+        key="directkv_cute.kernels.jit.decode_fp8_key",
+        launch="directkv_cute.kernels.launch.launch_decode_fp8",
+        config="directkv_cute.config.DecodeConfig",
+        codegen_fields=_RING,
+        launch_fields=(("num_splits", 0), ("ctas_per_sm", 1), *((f, 0) for f in _CHUNK_WALK)),
+        shape_rules=_streaming_rules,
+        max_rows=STREAM_MAX_ROWS,
+    ),
+    KernelSpec(
         name="multi_token",
         summary="multi-token KV-outer chunk walk: each CTA holds a chunk of KV tiles in SMEM and applies "
                 "it to every block of query rows while the next chunk loads (prefill, chunked prefill, "
