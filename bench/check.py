@@ -336,6 +336,49 @@ def compile_q_tiled_targets(progress: bool = True) -> tuple[int, list[str]]:
     return len(targets), problems
 
 
+# ---- (b3) the streaming kernel over FP8 pages -------------------------------------------------
+def fp8_targets(loaded) -> list[tuple]:
+    """(config, dtype, kv dtype, head_dim, page, group, q_len, source) of every FP8 decode kernel the
+    op can build: the heuristic default of every (head_dim, rows, page size) and every decode entry
+    of the shipped profiles, each as the op adapts it (``fp8.decode_config``), e4m3 pages; an e5m2
+    spot check."""
+    from directkv_cute.fp8 import decode_config
+
+    out = []
+    for d in SUPPORTED_HEAD_DIMS:
+        for rows, (group, q_len) in ROWS.items():
+            for page in SUPPORTED_PAGE_SIZES:
+                cfg = decode_config(default_decode_config(d, rows, page), d, page)
+                out.append((cfg, "bfloat16", "float8_e4m3fn", d, page, group, q_len, "default"))
+    out.append((decode_config(default_decode_config(128, 8, 64), 128, 64), "bfloat16", "float8_e5m2", 128, 64, 8, 1,
+                "default"))
+    for t in profile_targets(loaded):
+        if t.kernel == "decode":
+            out.append((decode_config(t.cfg, t.head_dim, t.page_size), t.dtype, "float8_e4m3fn", t.head_dim,
+                        t.page_size, t.group, t.max_q_len, t.source))
+    return out
+
+
+def compile_fp8_targets(loaded, progress: bool = True) -> tuple[int, list[str]]:
+    """Compile every distinct FP8 decode kernel of ``fp8_targets`` (split partials); returns
+    (kernels, problems)."""
+    spec = specs.get("decode_fp8")
+    seen, jobs, problems = set(), [], []
+    for cfg, dtype, kv, d, page, group, q_len, source in fp8_targets(loaded):
+        key = spec.key_fn(cfg, torch_dtype(dtype), getattr(torch, kv), d, page, group, True)
+        if key not in seen:
+            seen.add(key)
+            jobs.append((cfg, dtype, kv, d, page, group, q_len, source))
+    for cfg, dtype, kv, d, page, group, q_len, source in _progress(jobs, progress):
+        try:
+            spec.compile_fn(cfg, torch_dtype(dtype), getattr(torch, kv), d, page, group, q_len, True)
+        except Exception as e:  # noqa: BLE001 - a kernel that stops compiling is what CI must catch
+            text = str(e).strip()
+            problems.append(f"decode_fp8 {kv} {dtype} d{d} page{page} group{group} q{q_len} ({source}) {cfg}: "
+                            f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+    return len(jobs), problems
+
+
 def format_compile_table(jobs: list[CompileJob]) -> str:
     width = max([len(j.label) for j in jobs] + [6])
     lines = [f"{'kernel':<{width}} {'sec':>6}  result"]
@@ -350,7 +393,8 @@ def _count(items, what: str) -> str:
 
 # ---- driver --------------------------------------------------------------------------------
 def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = True, profile_dir=None,
-              fp16: bool = True, progress: bool = True, verbose: bool = False, q_tiled: bool = True) -> int:
+              fp16: bool = True, progress: bool = True, verbose: bool = False, q_tiled: bool = True,
+              fp8: bool = True) -> int:
     """Run the selected parts, print a summary of each (every failure in full; ``verbose``: the
     long lists too); 0 if all pass, else 1."""
     results: list[PartResult] = []
@@ -398,6 +442,14 @@ def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = Tr
         for p in problems:
             print(f"FAIL {p}")
         results.append(PartResult("q_tiled", not problems, summary))
+    if compile and fp8:
+        t0 = time.perf_counter()
+        n, problems = compile_fp8_targets(loaded, progress)
+        summary = f"{_count(n, 'kernel')} in {time.perf_counter() - t0:.0f} s, {len(problems)} failed"
+        print(f"== (b3) FP8 pages, the streaming kernel (defaults and profile entries as the op adapts them): {summary}")
+        for p in problems:
+            print(f"FAIL {p}")
+        results.append(PartResult("fp8", not problems, summary))
     if traffic:
         from bench.traffic import format_traffic_table, run_step_traffic_check, run_traffic_check
 

@@ -40,9 +40,9 @@ later outliers (error > 1). The write path and the kernel decide the rest:
   amax grows (a read of up to ``page_size - 1`` rows back over the link, a second rounding of
   them, and writers racing on one scale), or the scale is fixed at the first write and later
   larger tokens clamp (the "page-first" rows of the bench);
-* in the kernels a token scale costs one multiply per score (K's scale on the columns of S) and
-  one per probability (V's scale on the columns of P) -- no per-element rescale of the K/V tiles,
-  which are cast fp8 -> bf16 as they go from SMEM to the MMA either way.
+* in the kernel (``kernels/decode_fp8.py``) a token scale costs one multiply per element of the
+  pass that casts each FP8 tile in SMEM to the MMA's dtype anyway, so the operands equal the
+  reference's dequantized rows bit for bit; no second pass, no rescale of S or P.
 
 Bytes per token per KV head per K/V at ``head_dim`` 128: bf16 256 B; FP8 128 B plus 4 B of token
 scale (+3.1%, 0.516x bf16); page scales 4 B per (page, layer, KV head, K/V) (+0.05% at page 64);

@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 import bench.check as check
 import directkv_cute.plan as plan
@@ -47,6 +48,7 @@ def fake(monkeypatch):
 
 def _check(capsys, **kw) -> tuple[int, str]:
     kw.setdefault("q_tiled", False)
+    kw.setdefault("fp8", False)
     rc = run_check(traffic=False, progress=False, **kw)
     return rc, capsys.readouterr().out
 
@@ -106,7 +108,7 @@ def test_verbose_lists_every_kernel(fake, capsys):
 def test_a_log_gets_a_few_progress_lines_not_a_bar(fake, capsys):
     """Not a terminal (CI): a line at each quarter, no carriage returns."""
     fake()
-    run_check(traffic=False, profiles=False, progress=True, q_tiled=False)
+    run_check(traffic=False, profiles=False, progress=True, q_tiled=False, fp8=False)
     captured = capsys.readouterr()
     assert "\r" not in captured.out + captured.err
     lines = [ln for ln in captured.out.splitlines() if re.fullmatch(r"  \d+/\d+ kernels, \d+ s", ln)]
@@ -162,3 +164,25 @@ def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, mon
     assert "FAIL q_tiled bfloat16 d64 page16 group8 wait_ready=True split_out=True: RuntimeError: ptxas: boom" in out
     assert "second line" not in out
     assert re.search(r"^FAIL  q_tiled ", out, re.M)
+
+
+def test_the_fp8_part_compiles_each_distinct_kernel_once_and_names_failures(fake, monkeypatch, capsys):
+    """Part (b3): the FP8 decode kernel of every default and every profiled decode entry, as the op
+    adapts it; a kernel that fails to compile is named with its config."""
+    fake()
+    calls = []
+
+    def compile_fp8(cfg, dtype, kv, d, page, group, q_len, split_out):
+        calls.append(jit.decode_fp8_key(cfg, dtype, kv, d, page, group, split_out))
+        if kv is torch.float8_e5m2:
+            raise RuntimeError("ptxas: fp8 boom")
+        return object()
+
+    monkeypatch.setattr(jit, "compile_decode_fp8", compile_fp8)
+    rc, out = _check(capsys, fp8=True)
+    assert rc == 1 and len(calls) == len(set(calls)) > 2 * len(SUPPORTED_HEAD_DIMS)
+    targets = check.fp8_targets(check.load_shipped_profiles(None)[1])
+    assert any(t[-1] != "default" for t in targets)  # the shipped profile's decode entries are covered
+    fails = [ln for ln in out.splitlines() if ln.startswith("FAIL decode_fp8 float8_e5m2")]
+    assert len(fails) == 1 and fails[0].endswith("RuntimeError: ptxas: fp8 boom")
+    assert re.search(rf"^FAIL  fp8 +{len(calls)} kernels in \d+ s, 1 failed$", out, re.M)

@@ -161,6 +161,8 @@ def _key(spec, cfg, head_dim=128):
         return jit.kv_proj_key(cfg, torch.bfloat16, 4096, 8, head_dim, 64, True, True, True, False)
     if spec.name == "q_tiled":
         return jit.q_tiled_key(cfg, torch.bfloat16, head_dim, 64, 4, True, True)
+    if spec.name == "decode_fp8":
+        return jit.decode_fp8_key(cfg, torch.bfloat16, torch.float8_e4m3fn, head_dim, 64, 4, True)
     return jit.decode_key(cfg, torch.bfloat16, head_dim, 64, 4, True, multi_token=spec.name == "multi_token")
 
 
@@ -171,7 +173,8 @@ def _other(value, field):
 
 @pytest.mark.parametrize("spec", CONFIGURED, ids=lambda s: s.name)
 def test_codegen_fields_are_exactly_those_that_change_the_compile_key(spec):
-    base = {"decode": default_decode_config(128, 8, 64), "multi_token": default_multi_token_config(128),
+    base = {"decode": default_decode_config(128, 8, 64), "decode_fp8": default_decode_config(128, 8, 64),
+            "multi_token": default_multi_token_config(128),
             "q_tiled": QTiledConfig(), "kv_proj": KVProjConfig()}[spec.name]
     resolved = dict(spec.resolved_fields)
     for f in dataclasses.fields(base):
