@@ -91,16 +91,13 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
         raise ValueError(f"sequence lengths {list(seq_lens)[:8]} do not fit the table's {table.shape[1]} pages")
     n_pieces = math.ceil(max(n_pages) / piece_pages)
     # Every (row, logical page) in copy order: piece by piece, row by row within a piece.
-    rows, cols, piece_of = [], [], []
-    for p in range(n_pieces):
-        lo = p * piece_pages
-        for b, n in enumerate(n_pages):
-            hi = min(n, lo + piece_pages)
-            if lo < hi:
-                rows.append(np.full(hi - lo, b, dtype=np.int64))
-                cols.append(np.arange(lo, hi, dtype=np.int64))
-                piece_of.append(np.full(hi - lo, p, dtype=np.int64))
-    rows, cols, piece_of = np.concatenate(rows), np.concatenate(cols), np.concatenate(piece_of)
+    counts = np.asarray(n_pages, dtype=np.int64)
+    rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    cols = np.arange(len(rows), dtype=np.int64) - starts
+    piece_of = cols // piece_pages
+    order = np.lexsort((cols, rows, piece_of))  # by piece, then row, then page
+    rows, cols, piece_of = rows[order], cols[order], piece_of[order]
     flat = table[rows, cols]
     uniq, first, inv = np.unique(flat, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")  # distinct entries by first use
@@ -108,8 +105,11 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     dst_of[order] = np.arange(len(uniq))
     staged = np.empty_like(table)
     staged[rows, cols] = -dst_of[inv.reshape(-1)] - 1
-    for b, n in enumerate(n_pages):
-        staged[b, n:] = staged[b, n - 1]
+    # Past a sequence's pages, its last one repeats.
+    width = table.shape[1]
+    past = np.arange(width)[None, :] >= counts[:, None]  # (B, width)
+    last = staged[np.arange(len(counts)), counts - 1]
+    staged = np.where(past, last[:, None], staged)
     new_entries = flat[first[order]]  # in staging order
     new_piece = piece_of[first[order]]
     bounds = np.searchsorted(new_piece, np.arange(n_pieces + 1))
