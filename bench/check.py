@@ -156,13 +156,18 @@ def profile_legality_problems(prof) -> list[str]:
     problems = []
     for class_key, bucket, rec in prof.records():
         kernel, dtype, head_dim, group, page_size = class_key
-        if kernel not in PAGED_KERNELS:
+        if kernel not in (*PAGED_KERNELS, "decode_fp8"):
             continue
         spec = specs.get(kernel)
         cfg = spec.config_class.from_dict(rec["config"])
         q_len = bucket[2] if len(bucket) > 2 else 1
         issues = spec.problems(cfg, int(head_dim), int(page_size), group=int(group),
                                q_len=1 if kernel == "multi_token" else int(q_len))
+        if kernel == "decode_fp8":
+            from directkv_cute.fp8 import decode_problems
+
+            issues = decode_problems(cfg, int(head_dim), int(page_size)) + spec.shape_problems(cfg, int(group),
+                                                                                                int(q_len))
         if issues:
             problems.append(f"{class_key} {bucket}: " + "; ".join(issues))
     return problems
@@ -356,6 +361,13 @@ def fp8_targets(loaded) -> list[tuple]:
         if t.kernel == "decode":
             out.append((decode_config(t.cfg, t.head_dim, t.page_size), t.dtype, "float8_e4m3fn", t.head_dim,
                         t.page_size, t.group, t.max_q_len, t.source))
+    for path, prof in loaded:  # the FP8 kernel's own tuned entries, as they are
+        for (kernel, dtype, head_dim, group, page_size), bucket, rec in prof.records():
+            if kernel == "decode_fp8":
+                cfg = specs.get(kernel).config_class.from_dict(rec["config"])
+                q_len = bucket[2] if len(bucket) > 2 else 1
+                out.append((cfg, dtype_name(str(dtype)), "float8_e4m3fn", int(head_dim), int(page_size), int(group),
+                            int(q_len), path.name))
     return out
 
 

@@ -102,16 +102,20 @@ def _gpu_name(index: int) -> str:
 
 def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int, rows: int) -> DecodeConfig:
     """The tuned profile entry for this GPU (exact, else nearest bucket), else the default."""
+    return _lookup_source(kernel, cache, group, batch, context, q_len, rows)[0]
+
+
+def _lookup_source(kernel: str, cache, group: int, batch: int, context: int, q_len: int, rows: int):
+    """(config, source) of the profile lookup: source "exact", "nearest" or "default"."""
     from directkv_cute.tuning.lookup import select_config as lookup_profile
     from directkv_cute.tuning.profiles import current_kernel_hash
 
-    cfg, _source = lookup_profile(
+    return lookup_profile(
         kernel, gpu_name=_gpu_name(torch.cuda.current_device()), kernel_hash=current_kernel_hash(kernel),
         dtype=getattr(cache, "compute_dtype", None) or cache.dtype, head_dim=cache.head_dim, group=group,
         page_size=cache.page_size,
         batch=batch, context=context, q_len=q_len, rows=rows,
     )
-    return cfg
 
 
 @functools.lru_cache(maxsize=1024)
@@ -253,8 +257,11 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
     if explicit:
         cfg = config  # compile_decode_fp8 raises if the FP8 kernel cannot run it
     else:
-        cfg = decode_config(_lookup("decode", cache, group, batch, max_seq_len, max_q_len, group * max_q_len), d,
-                            cache.page_size)
+        rows = group * max_q_len
+        cfg, source = _lookup_source("decode_fp8", cache, group, batch, max_seq_len, max_q_len, rows)
+        if source == "default":  # no FP8 entry: the decode kernel's tuned config, adapted
+            cfg = decode_config(_lookup("decode", cache, group, batch, max_seq_len, max_q_len, rows), d,
+                                cache.page_size)
     splits = cfg.splits_for(batch, cache.num_kv_heads, max_seq_len, _num_sms(q.device.index))
     counters = link_counters(q.device)
     fn = _compiled_fp8(cfg, q.dtype, cache.dtype, d, cache.page_size, group, max_q_len, splits > 1)

@@ -28,7 +28,7 @@ def test_one_spec_per_compiled_kernel():
     assert specs.KERNELS == {s.name: s for s in specs.SPECS} and specs.get("q_tiled") is specs.KERNELS["q_tiled"]
     with pytest.raises(KeyError, match="no kernel 'prefill'"):
         specs.get("prefill")
-    assert specs.tuned() == sources.tuned_kernels() == ("decode", "multi_token")
+    assert specs.tuned() == sources.tuned_kernels() == ("decode", "decode_fp8", "multi_token")
     assert specs.get("decode").config_class is specs.get("multi_token").config_class is DecodeConfig
     assert specs.get("q_tiled").config_class is QTiledConfig and specs.get("combine").config_class is None
 

@@ -203,3 +203,33 @@ def test_no_gpu_no_cuda_objective():
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         GpuObjective(op=good_op)
+
+
+def test_the_fp8_kernel_objective_builds_fp8_pages_and_checks_against_the_reference():
+    """kernel="decode_fp8": the objective's cache holds e4m3 pages (random bytes of either sign,
+    never NaN) with a scale per row, and a correct op over them passes its check (the real cache
+    and reference on the CPU)."""
+    from directkv_cute.reference import tables_attention_ref
+
+    def fp8_op(q, cache, layer, tables, q_lens=None, softmax_scale=None, *, config=None, out=None,
+               return_lse=False):
+        assert isinstance(config, DecodeConfig)
+        res, _ = tables_attention_ref(q, cache.host_pool, cache.hbm_pool, tables.page_table, tables.seq_lens, layer,
+                                      list(q_lens) if q_lens else None, softmax_scale,
+                                      host_scales=cache.host_scales, hbm_scales=cache.hbm_scales)
+        out.copy_(res)
+        return out
+
+    space = get_space("decode_fp8")
+    shape = TuneShape(8, 2, 128, batch=2, context=200, page_size=16)
+    cfg = space.default_for(shape)
+    assert space.is_legal(cfg, shape)
+    obj = objective(fp8_op, kernel="decode_fp8")
+    res = obj(cfg, shape)
+    assert res["ok"], res
+    cache = obj._setup.cache
+    assert cache.dtype is torch.float8_e4m3fn and cache.compute_dtype is torch.bfloat16
+    raw = cache.host_pool.view(torch.uint8)
+    assert not torch.isnan(cache.host_pool.float()).any() and (raw >= 0x80).any() and (raw < 0x80).any()
+    assert bool((cache.host_scales > 0).all())
+    obj.close()

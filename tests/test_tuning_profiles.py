@@ -347,17 +347,19 @@ def test_a_code_generating_config_rule_changes_the_kernel_hashes(tmp_path):
 
 
 @pytest.mark.parametrize("rel, changes", [
-    ("kernels/decode.py", {"decode"}),
+    ("kernels/decode.py", {"decode", "decode_fp8"}),  # the FP8 kernel is a subclass of it
+    ("kernels/decode_fp8.py", {"decode_fp8"}),
+    ("fp8.py", {"decode_fp8"}),
     ("kernels/multi_token.py", {"multi_token"}),
-    ("kernels/helpers.py", {"decode", "multi_token"}),
-    ("kernels/paged.py", {"decode", "multi_token"}),
-    ("kernels/producer.py", {"decode", "multi_token"}),
-    ("kernels/qio.py", {"decode", "multi_token"}),
-    ("kernels/walk.py", {"decode", "multi_token"}),
-    ("kernels/masks.py", {"decode", "multi_token"}),
-    ("kernels/softmax.py", {"decode", "multi_token"}),
-    ("kernels/jit.py", {"decode", "multi_token"}),
-    ("kernels/combine.py", {"decode", "multi_token"}),  # both launches run the combine after split partials
+    ("kernels/helpers.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/paged.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/producer.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/qio.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/walk.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/masks.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/softmax.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/jit.py", {"decode", "decode_fp8", "multi_token"}),
+    ("kernels/combine.py", {"decode", "decode_fp8", "multi_token"}),  # every launch run the combine after split partials
     ("kernels/launch.py", set()),  # host-side launch glue: no code generation
     ("kernels/disk_cache.py", set()),
     ("kernels/specs.py", set()),  # adding a kernel's spec voids no profile

@@ -1,5 +1,6 @@
 """Search space, static legality filter, space hash, registry and model presets (CPU only)."""
 
+import dataclasses
 import hashlib
 import json
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 
 from directkv_cute.config import SM90_SMEM_PER_BLOCK_OPTIN, DecodeConfig
 from directkv_cute.tuning import presets
-from directkv_cute.tuning.space import DecodeSpace, KernelSpace, Param, TuneShape, get_space, register_space
+from directkv_cute.tuning.space import DecodeSpace, KernelSpace, Param, TuneShape, get_space, kernels, register_space
 
 SHAPE = TuneShape(num_q_heads=64, num_kv_heads=8, head_dim=128, batch=4, context=16384)
 
@@ -236,3 +237,21 @@ def test_multi_token_launch_key_merges_only_unresolved_occupancy():
     assert space.launch_key(two, shape) != space.launch_key(dataclasses.replace(two, ctas_per_sm=2), shape)
     for field, value in (("chunk_tiles", 4), ("max_inflight", 1), ("edge_tiles", 1), ("carveout", 90)):
         assert space.launch_key(wide, shape) != space.launch_key(dataclasses.replace(wide, **{field: value}), shape)
+
+
+def test_the_fp8_decode_space_is_the_decode_space_under_the_fp8_smem_rule():
+    from directkv_cute import fp8
+
+    space, dec = get_space("decode_fp8"), get_space("decode")
+    assert "decode_fp8" in kernels() and space.kernel == "decode_fp8"
+    shape = TuneShape(32, 8, 128, batch=1, context=131072, page_size=64)
+    legal = space.legal_configs(shape)
+    assert legal and all(not fp8.decode_problems(c, 128, 64) for c in legal)
+    # deeper rings than bf16 pages allow: FP8 stages are half the bytes
+    assert max(c.stages for c in legal) > max(c.stages for c in dec.legal_configs(shape))
+    assert space.default_for(shape) == fp8.decode_config(dec.default_for(shape), 128, 64)
+    for s in (shape, TuneShape(64, 8, 128, batch=4, context=32768, page_size=16)):
+        picks = space.portfolio(s)
+        assert picks and all(space.is_legal(c, s) for c in picks)
+    too_deep = dataclasses.replace(space.default_for(shape), tile_n=128, stages=12, carveout=100)
+    assert any("FP8 pages: needs" in p for p in space.problems(too_deep, shape))

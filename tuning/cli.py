@@ -216,17 +216,18 @@ def _shapes_from_args(a) -> list[TuneShape]:
 
 def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
     """The buckets the op runs with ``kernel`` (space.op_kernel, the op's rule); says which were left out."""
-    kept = [s for s in shapes if op_kernel(s.group, s.q_len) == kernel]
-    left = [s for s in shapes if op_kernel(s.group, s.q_len) != kernel]
+    runs = "decode" if kernel == "decode_fp8" else kernel  # over FP8 pages decode-sized calls run decode_fp8
+    kept = [s for s in shapes if op_kernel(s.group, s.q_len) == runs]
+    left = [s for s in shapes if op_kernel(s.group, s.q_len) != runs]
     if left:
         qs = sorted({s.q_len for s in left})
-        other = "multi_token" if kernel == "decode" else "decode"
+        other = "multi_token" if runs == "decode" else "decode"
         print(f"directkv-tune: left out {len(left)} bucket(s) with q_len {_listing(qs)}: the op runs them with the "
               f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token); "
               f"tune them with --kernel {other}", file=sys.stderr)
     if not kept:
         print(f"directkv-tune: no bucket left for the {kernel} kernel; pick --q-lens (or --shape QLEN) with "
-              f"group x q_len {'<=' if kernel == 'decode' else '>'} {STREAM_MAX_ROWS}", file=sys.stderr)
+              f"group x q_len {'<=' if runs == 'decode' else '>'} {STREAM_MAX_ROWS}", file=sys.stderr)
     return kept
 
 
@@ -462,6 +463,13 @@ def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> Non
     from .space import torch_dtype
 
     kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)
+    if kernel == "decode_fp8":  # its own compile, over e4m3 pages
+        import torch
+
+        from directkv_cute.kernels.jit import compile_decode_fp8
+
+        compile_decode_fp8(cfg, kv_dtype=torch.float8_e4m3fn, split_out=True, **kw)
+        return
     if kernel == "multi_token":
         kw["multi_token"] = True
     compile_fn(cfg, **kw)

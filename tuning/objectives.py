@@ -362,8 +362,10 @@ class GpuObjective:
             seq_bytes = pages_per_seq * page_bytes_layer
             distinct = max(1, min(shape.batch, self.max_host_bytes // seq_bytes))
 
-        cache = PagedKVCache(layers, hkv, d, ps, distinct * pages_per_seq, num_hbm_pages=0, dtype=dt,
-                             device=str(self.device))
+        fp8 = self.kernel == "decode_fp8"
+        page_dt = {"dtype": torch.float8_e4m3fn, "compute_dtype": dt} if fp8 else {"dtype": dt}
+        cache = PagedKVCache(layers, hkv, d, ps, distinct * pages_per_seq, num_hbm_pages=0, device=str(self.device),
+                             **page_dt)
         seq_ids = []
         for _ in range(distinct):
             s = cache.add_sequence()
@@ -375,7 +377,16 @@ class GpuObjective:
         gen.manual_seed(self.seed)
         chunk = max(1, (256 << 20) // max(1, pool[0].numel() * elem))
         for i in range(0, pool.shape[0], chunk):
-            pool[i:i + chunk].normal_(generator=gen)
+            if fp8:
+                # e4m3 bytes of either sign, no NaN (0x7f / 0xff), and a scale per row
+                raw = pool[i:i + chunk].view(torch.uint8)
+                raw.random_(0, 254, generator=gen)
+                raw.masked_fill_(raw == 0x7F, 0x7E)
+            else:
+                pool[i:i + chunk].normal_(generator=gen)
+        if fp8:
+            scales = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+            scales.uniform_(0.5 / 448, 2.0 / 448, generator=gen)
         self._sync()
 
         tables = cache.kernel_tables(seq_ids)

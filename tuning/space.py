@@ -426,6 +426,48 @@ class MultiTokenSpace(KernelSpace):
         return [DecodeConfig(**{**base, **p}) for p in picks]
 
 
+class DecodeFP8Space(DecodeSpace):
+    """The streaming kernel over FP8 pages (``kernels/decode_fp8.py``): the decode kernel's knobs,
+    its ring of FP8 stages (half the bytes of a bf16 stage, so up to 12 deep) and its own SMEM rule
+    (``fp8.decode_problems``: the FP8 ring, the q-dtype operand tiles and Q). Without a profile
+    entry the op adapts the decode kernel's tuned config (``fp8.decode_config``)."""
+
+    kernel = "decode_fp8"
+    source_kernel = "decode_fp8"
+    config_cls = specs.get("decode_fp8").config_class
+    params = (
+        Param("tile_n", (32, 64, 128), "KV tokens per pipeline stage"),
+        Param("stages", (2, 3, 4, 5, 6, 7, 8, 9, 10, 12), "depth of the SMEM ring of FP8 stages"),
+        Param("num_splits", (0, 1, 2, 4, 8, 16, 32, 64), "CTAs along the context (0 = automatic)"),
+        Param("ctas_per_sm", (1, 2, 3, 4), "target CTAs per SM of the automatic split count"),
+        Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
+    )
+
+    def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
+        from directkv_cute.fp8 import decode_problems
+
+        out = decode_problems(cfg, head_dim, page_size)
+        want = consumer_wgs_for(rows)
+        if cfg.consumer_wgs != want:
+            out.append(f"consumer_wgs {cfg.consumer_wgs} does not fit {rows} query rows (needs {want})")
+        if rows > STREAM_MAX_ROWS:
+            out.append(f"{rows} query rows (group x q_len) exceed the {STREAM_MAX_ROWS} rows of one CTA")
+        return out
+
+    def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
+        from directkv_cute.fp8 import decode_config
+
+        return decode_config(default_decode_config(head_dim, rows, page_size), head_dim, page_size)
+
+    def portfolio(self, shape: TuneShape) -> list:
+        # The one-script A/B of session 14 (bench/results/NVIDIA_H200-2026-12-01-s14-fp8-ab.txt):
+        # 6 stages at carveout 100 beat the adapted default (7 at 80) at B1 and B4 over 128k.
+        wgs = consumer_wgs_for(shape.rows)
+        picks = (dict(tile_n=64, stages=6, carveout=100), dict(tile_n=64, stages=9, carveout=100),
+                 dict(tile_n=128, stages=4, carveout=100), dict(tile_n=32, stages=12, carveout=100))
+        return [DecodeConfig(consumer_wgs=wgs, **p) for p in picks]
+
+
 _SPACES: dict[str, KernelSpace] = {}
 
 
@@ -464,6 +506,7 @@ def config_problems(kernel: str, cfg, shape: TuneShape) -> list[str]:
 
 register_space(DecodeSpace())
 register_space(MultiTokenSpace())
+register_space(DecodeFP8Space())
 
 __all__ = [
     "ConfigError",

@@ -210,6 +210,7 @@ SPECS: tuple[KernelSpec, ...] = (
         codegen_fields=_RING,
         launch_fields=(("num_splits", 0), ("ctas_per_sm", 1), *((f, 0) for f in _CHUNK_WALK)),
         shape_rules=_streaming_rules,
+        launches=("decode_fp8", "combine"),
         max_rows=STREAM_MAX_ROWS,
     ),
     KernelSpec(
