@@ -44,7 +44,8 @@ def test_decode_config_deepens_the_ring_within_the_same_smem(rows, page):
 
 def test_the_spec_and_its_key():
     spec = specs.get("decode_fp8")
-    assert spec.compile_fn is jit.compile_decode_fp8 and not spec.tuned and spec.max_rows == specs.STREAM_MAX_ROWS
+    assert spec.compile_fn is jit.compile_decode_fp8 and spec.tuned and spec.max_rows == specs.STREAM_MAX_ROWS
+    assert spec.launches == ("decode_fp8", "combine")
     cfg = DecodeConfig(tile_n=64, stages=7)
     k1 = jit.decode_fp8_key(cfg, torch.bfloat16, E4M3, 128, 64, 4, True)
     assert k1 == jit.decode_fp8_key(dataclasses.replace(cfg, num_splits=5, ctas_per_sm=3), torch.bfloat16, E4M3,

@@ -322,8 +322,12 @@ class DecodeSpace(KernelSpace):
             cfg, head_dim=shape.head_dim, page_size=shape.page_size, rows=shape.rows, dtype=shape.dtype
         )
 
+    def config_problems(self, cfg: DecodeConfig, head_dim: int, page_size: int, dtype="bf16") -> list[str]:
+        """The config's own rules for the kernel (its SMEM at the page dtype among them)."""
+        return specs.get(self.source_kernel).problems(cfg, head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)])
+
     def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
-        out = specs.get(self.source_kernel).problems(cfg, head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)])
+        out = self.config_problems(cfg, head_dim, page_size, dtype)
         want = consumer_wgs_for(rows)
         if cfg.consumer_wgs != want:
             out.append(f"consumer_wgs {cfg.consumer_wgs} does not fit {rows} query rows (needs {want})")
@@ -443,16 +447,10 @@ class DecodeFP8Space(DecodeSpace):
         Param("carveout", (50, 60, 70, 80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
     )
 
-    def static_problems(self, cfg: DecodeConfig, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
+    def config_problems(self, cfg: DecodeConfig, head_dim: int, page_size: int, dtype="bf16") -> list[str]:
         from directkv_cute.fp8 import decode_problems
 
-        out = decode_problems(cfg, head_dim, page_size)
-        want = consumer_wgs_for(rows)
-        if cfg.consumer_wgs != want:
-            out.append(f"consumer_wgs {cfg.consumer_wgs} does not fit {rows} query rows (needs {want})")
-        if rows > STREAM_MAX_ROWS:
-            out.append(f"{rows} query rows (group x q_len) exceed the {STREAM_MAX_ROWS} rows of one CTA")
-        return out
+        return decode_problems(cfg, head_dim, page_size)
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
         from directkv_cute.fp8 import decode_config

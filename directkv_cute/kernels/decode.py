@@ -74,26 +74,39 @@ class DecodeAttention(PagedAttention):
         else:
             # ---------------- consumer warpgroups -------------------------------------------
             cute.arch.setmaxregister_increase(REGS[self.wgs, self.occupancy][1])
-            w = self.consumer_regs(tidx, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv)
-            # Streaming: every query row fits one block; tiles flow through the ring.
-            self.qio.load_q(mQ, sQ, cta.q_start, cta.q_len, cta.kvh, w.ctidx, 0, w.n_cons, self.q_per_cta)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=w.n_cons)
-            softmax_reset(w.acc_O, w.row_max, w.row_sum)
-            cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for t in cutlass.range(cta.t_begin, cta.t_end, unroll=1):
-                kv_pipe.consumer_wait(cons_state, kv_pipe.consumer_try_wait(cons_state))
-                self.attend_tile(w, cta, t, cons_state.index, scale_log2)
-                kv_pipe.consumer_release(cons_state)
-                cons_state.advance()
-            softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
-            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0, 0,
-                           self.q_per_cta)
+            self.consume(tidx, mQ, mO, mLSE, sQ, sK, sV, kv_pipe, cta, tiled_mma_qk, tiled_mma_pv, scale_log2)
         if const_expr(self.cluster > 1):
             # No CTA leaves while a peer may still multicast into its SMEM or arrive on its
             # barriers.
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def consume(self, tidx, mQ, mO, mLSE, sQ, sK, sV, kv_pipe, cta, tiled_mma_qk, tiled_mma_pv, scale_log2,
+                ring=None):
+        """The consumer warpgroups: Q into SMEM, the CTA's tiles streamed through ``step`` as they
+        land (every query row fits one block), then O and LSE out. ``ring``: what ``step`` needs
+        beyond the K/V operand tiles (a subclass's own SMEM), passed through."""
+        w = self.consumer_regs(tidx, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv)
+        self.qio.load_q(mQ, sQ, cta.q_start, cta.q_len, cta.kvh, w.ctidx, 0, w.n_cons, self.q_per_cta)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=w.n_cons)
+        softmax_reset(w.acc_O, w.row_max, w.row_sum)
+        cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for t in cutlass.range(cta.t_begin, cta.t_end, unroll=1):
+            kv_pipe.consumer_wait(cons_state, kv_pipe.consumer_try_wait(cons_state))
+            self.step(w, cta, t, kv_pipe, cons_state, scale_log2, ring)
+            cons_state.advance()
+        softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
+        self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0, 0,
+                       self.q_per_cta)
+
+    @cute.jit
+    def step(self, w, cta, t, kv_pipe, state, scale_log2, ring):
+        """Tile t, landed in ring stage ``state``: attend to it in place, then free the stage
+        (the caller moves ``state`` on: the loop carries it only through its own call)."""
+        self.attend_tile(w, cta, t, state.index, scale_log2)
+        kv_pipe.consumer_release(state)
 
     @cute.jit
     def attend_tile(self, w, cta, t, stage, scale_log2):

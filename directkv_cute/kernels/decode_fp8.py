@@ -25,15 +25,13 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync
 
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels.decode import DecodeAttention
 from directkv_cute.kernels.helpers import kv_smem_layout
 from directkv_cute.kernels.paged import REGS
-from directkv_cute.kernels.softmax import softmax_finalize, softmax_reset
 from directkv_cute.kernels.walk import NamedBarrier
 
 VEC = 8  # elements per dequantization step: 8 FP8 bytes in, one 16-byte store of the q dtype out
@@ -182,27 +180,22 @@ class DecodeFP8Attention(DecodeAttention):
         else:
             # ---------------- consumer warpgroups -------------------------------------------
             cute.arch.setmaxregister_increase(REGS[self.wgs, self.occupancy][1])
-            w = self.consumer_regs(tidx, sQ, sK, sV, tiled_mma_qk, tiled_mma_pv)
-            self.qio.load_q(mQ, sQ, cta.q_start, cta.q_len, cta.kvh, w.ctidx, 0, w.n_cons, self.q_per_cta)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=w.n_cons)
-            softmax_reset(w.acc_O, w.row_max, w.row_sum)
-            cons_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for t in cutlass.range(cta.t_begin, cta.t_end, unroll=1):
-                kv_pipe.consumer_wait(cons_state, kv_pipe.consumer_try_wait(cons_state))
-                self.dequantize(sK8, sKs, sK, cons_state.index, w.ctidx)
-                self.dequantize(sV8, sVs, sV, cons_state.index, w.ctidx)
-                # The operand tiles are written (generic proxy) before any WGMMA reads them (async).
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=w.n_cons)
-                kv_pipe.consumer_release(cons_state)
-                cons_state.advance()
-                self.attend_tile(w, cta, t, 0, scale_log2)
-                # Every warpgroup's WGMMAs are done with the operand tiles before the next tile's.
-                cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=w.n_cons)
-            softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
-            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0, 0,
-                           self.q_per_cta)
+            self.consume(tidx, mQ, mO, mLSE, sQ, sK, sV, kv_pipe, cta, tiled_mma_qk, tiled_mma_pv, scale_log2,
+                         ring=(sK8, sV8, sKs, sVs, sK, sV))
+
+    @cute.jit
+    def step(self, w, cta, t, kv_pipe, state, scale_log2, ring):
+        """Tile t, landed in FP8 stage ``state``: dequantize it into the operand tiles, free the
+        stage, attend to the operands; every warpgroup is done with them before the next tile's."""
+        sK8, sV8, sKs, sVs, sK, sV = ring
+        self.dequantize(sK8, sKs, sK, state.index, w.ctidx)
+        self.dequantize(sV8, sVs, sV, state.index, w.ctidx)
+        # The operand tiles are written (generic proxy) before any WGMMA reads them (async).
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=128 * self.wgs)
+        kv_pipe.consumer_release(state)
+        self.attend_tile(w, cta, t, 0, scale_log2)
+        cute.arch.barrier(barrier_id=int(NamedBarrier.Q_STORED), number_of_threads=128 * self.wgs)
 
     @cute.jit
     def dequantize(self, s8: cute.Tensor, sScale: cute.Tensor, s16: cute.Tensor, stage, ctidx):
