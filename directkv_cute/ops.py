@@ -26,6 +26,7 @@ import functools
 import itertools
 import math
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,20 +103,43 @@ def _gpu_name(index: int) -> str:
 
 def _lookup(kernel: str, cache, group: int, batch: int, context: int, q_len: int, rows: int) -> DecodeConfig:
     """The tuned profile entry for this GPU (exact, else nearest bucket), else the default."""
-    return _lookup_source(kernel, cache, group, batch, context, q_len, rows)[0]
+    return _profile_config(kernel, _gpu_name(torch.cuda.current_device()), cache, group, batch, context, q_len,
+                           rows)[0]
 
 
-def _lookup_source(kernel: str, cache, group: int, batch: int, context: int, q_len: int, rows: int):
-    """(config, source) of the profile lookup: source "exact", "nearest" or "default"."""
+def _profile_config(kernel: str, gpu_name: str, cache, group: int, batch: int, context: int, q_len: int, rows: int,
+                    quiet_miss: bool = False):
+    """(config, source) of the profile lookup: source "exact", "nearest" or "default".
+    ``quiet_miss``: no warning for a missing entry (the caller falls back to another kernel's)."""
     from directkv_cute.tuning.lookup import select_config as lookup_profile
-    from directkv_cute.tuning.profiles import current_kernel_hash
+    from directkv_cute.tuning.profiles import ProfileWarning, current_kernel_hash
 
-    return lookup_profile(
-        kernel, gpu_name=_gpu_name(torch.cuda.current_device()), kernel_hash=current_kernel_hash(kernel),
-        dtype=getattr(cache, "compute_dtype", None) or cache.dtype, head_dim=cache.head_dim, group=group,
-        page_size=cache.page_size,
-        batch=batch, context=context, q_len=q_len, rows=rows,
-    )
+    def look():
+        return lookup_profile(
+            kernel, gpu_name=gpu_name, kernel_hash=current_kernel_hash(kernel),
+            dtype=getattr(cache, "compute_dtype", None) or cache.dtype, head_dim=cache.head_dim, group=group,
+            page_size=cache.page_size, batch=batch, context=context, q_len=q_len, rows=rows,
+        )
+
+    if not quiet_miss:
+        return look()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=f"directkv-cute: no tuned {kernel} config", category=ProfileWarning)
+        return look()
+
+
+def fp8_decode_config(gpu_name: str, cache, group: int, batch: int, context: int, q_len: int) -> DecodeConfig:
+    """The config of a decode-sized call over FP8 pages: the profile's decode_fp8 entry, else
+    (silently) the decode entry for 16-bit pages adapted to FP8 stages (``fp8.decode_config``),
+    which warns as the decode lookup does where that is missing too. Plain host work."""
+    from directkv_cute.fp8 import decode_config
+
+    rows = group * q_len
+    cfg, source = _profile_config("decode_fp8", gpu_name, cache, group, batch, context, q_len, rows, quiet_miss=True)
+    if source == "default":
+        cfg = decode_config(_profile_config("decode", gpu_name, cache, group, batch, context, q_len, rows)[0],
+                            cache.head_dim, cache.page_size)
+    return cfg
 
 
 @functools.lru_cache(maxsize=1024)
@@ -250,18 +274,12 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
     kernel = config_kernel(config, group, max_q_len) if explicit else op_kernel(group, max_q_len)
     if isinstance(config, QTiledConfig) or kernel != "decode":
         return _dequantized(q, cache, layer, tables, q_lens, softmax_scale, config, out, return_lse, max_seq_len)
-    from directkv_cute.fp8 import decode_config
-    from directkv_cute.kernels.jit import compile_decode_fp8
     from directkv_cute.kernels.launch import launch_combine, launch_decode_fp8, link_counters
 
     if explicit:
         cfg = config  # compile_decode_fp8 raises if the FP8 kernel cannot run it
     else:
-        rows = group * max_q_len
-        cfg, source = _lookup_source("decode_fp8", cache, group, batch, max_seq_len, max_q_len, rows)
-        if source == "default":  # no FP8 entry: the decode kernel's tuned config, adapted
-            cfg = decode_config(_lookup("decode", cache, group, batch, max_seq_len, max_q_len, rows), d,
-                                cache.page_size)
+        cfg = fp8_decode_config(_gpu_name(torch.cuda.current_device()), cache, group, batch, max_seq_len, max_q_len)
     splits = cfg.splits_for(batch, cache.num_kv_heads, max_seq_len, _num_sms(q.device.index))
     counters = link_counters(q.device)
     fn = _compiled_fp8(cfg, q.dtype, cache.dtype, d, cache.page_size, group, max_q_len, splits > 1)

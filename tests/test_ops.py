@@ -401,3 +401,18 @@ def test_stale_tables_are_refused_before_any_work(randn):
     cache.free(b)  # its pages may now be handed to another sequence
     with pytest.raises(StaleTablesError, match="stale"):
         dk.paged_attention_tables(randn(1, 4, 64), cache, 0, tables)
+
+
+def test_fp8_decode_takes_the_decode_entry_adapted_without_a_warning_where_it_has_none(recwarn):
+    """No decode_fp8 entry in the shipped H200 profile: the op uses its decode entry, adapted to
+    FP8 stages, and says nothing about the missing FP8 entry."""
+    from directkv_cute import fp8
+    from directkv_cute.cache import PagedKVCache
+    from directkv_cute.ops import _profile_config, fp8_decode_config
+
+    c = PagedKVCache(1, 8, 128, 64, 4, 0, dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, device="cpu")
+    cfg = fp8_decode_config("NVIDIA H200", c, 4, 1, 131072, 1)
+    decode, source = _profile_config("decode", "NVIDIA H200", c, 4, 1, 131072, 1, 4)
+    assert source == "exact" and cfg == fp8.decode_config(decode, 128, 64)
+    assert not fp8.decode_problems(cfg, 128, 64)
+    assert not [w for w in recwarn if "decode_fp8" in str(w.message)]
