@@ -135,13 +135,13 @@ def _stale_count(prof) -> int:
 PAGED_KERNELS = ("decode", "multi_token")
 
 
-def profile_targets(loaded) -> list[CompileTarget]:
-    """Compile targets for the decode and multi_token entries of loaded profiles."""
+def profile_targets(loaded, kernels=PAGED_KERNELS) -> list[CompileTarget]:
+    """Compile targets for the ``kernels`` entries (decode and multi_token) of loaded profiles."""
     out = []
     for path, prof in loaded:
         for class_key, bucket, rec in prof.records():
             kernel, dtype, head_dim, group, page_size = class_key
-            if kernel not in PAGED_KERNELS:
+            if kernel not in kernels:
                 continue
             q_len = bucket[2] if len(bucket) > 2 else 1
             cfg = specs.get(kernel).config_class.from_dict(rec["config"])
@@ -161,13 +161,14 @@ def profile_legality_problems(prof) -> list[str]:
         spec = specs.get(kernel)
         cfg = spec.config_class.from_dict(rec["config"])
         q_len = bucket[2] if len(bucket) > 2 else 1
-        issues = spec.problems(cfg, int(head_dim), int(page_size), group=int(group),
-                               q_len=1 if kernel == "multi_token" else int(q_len))
-        if kernel == "decode_fp8":
+        if kernel == "decode_fp8":  # its config rule is the FP8 one (fp8.decode_problems)
             from directkv_cute.fp8 import decode_problems
 
             issues = decode_problems(cfg, int(head_dim), int(page_size)) + spec.shape_problems(cfg, int(group),
                                                                                                 int(q_len))
+        else:
+            issues = spec.problems(cfg, int(head_dim), int(page_size), group=int(group),
+                                   q_len=1 if kernel == "multi_token" else int(q_len))
         if issues:
             problems.append(f"{class_key} {bucket}: " + "; ".join(issues))
     return problems
@@ -357,17 +358,9 @@ def fp8_targets(loaded) -> list[tuple]:
                 out.append((cfg, "bfloat16", "float8_e4m3fn", d, page, group, q_len, "default"))
     out.append((decode_config(default_decode_config(128, 8, 64), 128, 64), "bfloat16", "float8_e5m2", 128, 64, 8, 1,
                 "default"))
-    for t in profile_targets(loaded):
-        if t.kernel == "decode":
-            out.append((decode_config(t.cfg, t.head_dim, t.page_size), t.dtype, "float8_e4m3fn", t.head_dim,
-                        t.page_size, t.group, t.max_q_len, t.source))
-    for path, prof in loaded:  # the FP8 kernel's own tuned entries, as they are
-        for (kernel, dtype, head_dim, group, page_size), bucket, rec in prof.records():
-            if kernel == "decode_fp8":
-                cfg = specs.get(kernel).config_class.from_dict(rec["config"])
-                q_len = bucket[2] if len(bucket) > 2 else 1
-                out.append((cfg, dtype_name(str(dtype)), "float8_e4m3fn", int(head_dim), int(page_size), int(group),
-                            int(q_len), path.name))
+    for t in profile_targets(loaded, ("decode", "decode_fp8")):  # the FP8 kernel's own entries as they are
+        cfg = decode_config(t.cfg, t.head_dim, t.page_size) if t.kernel == "decode" else t.cfg
+        out.append((cfg, t.dtype, "float8_e4m3fn", t.head_dim, t.page_size, t.group, t.max_q_len, t.source))
     return out
 
 

@@ -220,9 +220,8 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
 def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale, config, out, return_lse: bool,
             max_seq_len: int | None):
     """Pick the kernel and config and launch, on validated arguments."""
-    page_table, seq_lens = tables.page_table, tables.seq_lens
-    total_q, hq, d = q.shape
-    batch, max_pages = page_table.shape
+    hq = q.shape[1]
+    batch, max_pages = tables.page_table.shape
     group = hq // cache.num_kv_heads
     cu_q, max_q_len = _cu_seqlens(q_lens, q.device)
     if max_seq_len is None:
@@ -245,19 +244,28 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
                                    *route)
 
     _, multi_token, splits, fn, counters = _in_place(q, cache, group, max_q_len, batch, max_pages, max_seq_len, config)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    return _run_paged(fn, q, cache, layer, tables, cu_q, splits, splits > 1 or multi_token, softmax_scale, counters,
+                      out, return_lse)
 
+
+def _run_paged(fn, q, cache, layer: int, tables, cu_q, splits: int, partials: bool, softmax_scale, counters, out,
+               return_lse: bool):
+    """Launch a compiled kernel over the pages in place: straight into ``out`` and the LSE, or
+    (``partials``) into fp32 split partials merged by the combine kernel."""
     from directkv_cute.kernels.launch import launch_combine, launch_decode
 
+    total_q, hq, d = q.shape
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    args = (cache, layer, tables.page_table, tables.seq_lens, cu_q)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    if splits == 1 and not multi_token:
-        launch_decode(fn, q, out, lse, cache, layer, page_table, seq_lens, cu_q, 1, scale, counters)
+    if not partials:
+        launch_decode(fn, q, out, lse, *args, 1, scale, counters)
     else:
         o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        launch_decode(fn, q, o_part, lse_part, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters)
+        launch_decode(fn, q, o_part, lse_part, *args, splits, scale, counters)
         launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
     return (out, lse) if return_lse else out
 
@@ -267,14 +275,14 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
     """FP8 pages: the streaming kernel over them in place (decode, short windows: every query row of
     a KV head in one CTA), else the call's pages dequantized once into an HBM buffer in the q dtype
     and the 16-bit kernels over it (``_dequantized``)."""
-    total_q, hq, d = q.shape
+    _, hq, d = q.shape
     batch = tables.page_table.shape[0]
     group = hq // cache.num_kv_heads
     explicit = isinstance(config, DecodeConfig)
     kernel = config_kernel(config, group, max_q_len) if explicit else op_kernel(group, max_q_len)
     if isinstance(config, QTiledConfig) or kernel != "decode":
         return _dequantized(q, cache, layer, tables, q_lens, softmax_scale, config, out, return_lse, max_seq_len)
-    from directkv_cute.kernels.launch import launch_combine, launch_decode_fp8, link_counters
+    from directkv_cute.kernels.launch import link_counters
 
     if explicit:
         cfg = config  # compile_decode_fp8 raises if the FP8 kernel cannot run it
@@ -283,19 +291,7 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
     splits = cfg.splits_for(batch, cache.num_kv_heads, max_seq_len, _num_sms(q.device.index))
     counters = link_counters(q.device)
     fn = _compiled_fp8(cfg, q.dtype, cache.dtype, d, cache.page_size, group, max_q_len, splits > 1)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    args = (cache, layer, tables.page_table, tables.seq_lens, cu_q)
-    if splits == 1:
-        launch_decode_fp8(fn, q, out, lse, *args, 1, scale, counters)
-    else:
-        o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        launch_decode_fp8(fn, q, o_part, lse_part, *args, splits, scale, counters)
-        launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
-    return (out, lse) if return_lse else out
+    return _run_paged(fn, q, cache, layer, tables, cu_q, splits, splits > 1, softmax_scale, counters, out, return_lse)
 
 
 @functools.lru_cache(maxsize=256)
@@ -342,11 +338,8 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
         raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
         st.finish()  # the current stream waits for the copies
         buf = dequantize(raw, scales[:, None], q.dtype)  # before a later call's copies reuse ``raw``
-    table = plan.table.copy()
-    for b, n in enumerate(n_pages):
-        table[b, n:] = table[b, n - 1]  # past a sequence's pages its last one repeats, as in kernel_tables
-    view_tables = KernelTables(torch.from_numpy(table).to(device, non_blocking=True), tables.seq_lens,
-                               host_seq_lens=tuple(lens), host_table=table)
+    view_tables = KernelTables(torch.from_numpy(plan.table).to(device, non_blocking=True), tables.seq_lens,
+                               host_seq_lens=tuple(lens), host_table=plan.table)
     return _launch(q, _PoolView(buf, buf), 0, view_tables, q_lens, softmax_scale, config, out, return_lse,
                    max_seq_len)
 

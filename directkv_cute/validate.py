@@ -113,12 +113,10 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
     if config is not None:
         if not isinstance(config, (DecodeConfig, QTiledConfig)):
             raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
-        if is_fp8(cache.dtype) and isinstance(config, DecodeConfig):
-            # Over FP8 pages a decode-sized call runs the FP8 kernel (its own SMEM rule, checked
-            # when it compiles) and a multi-token one the 16-bit kernels over the dequantized
-            # pages (checked there): both before anything is written.
-            pass
-        else:
+        # Over FP8 pages a DecodeConfig runs the FP8 kernel (its own SMEM rule, checked when it
+        # compiles) or the 16-bit kernels over the dequantized pages (checked there): both before
+        # anything is written.
+        if not (is_fp8(cache.dtype) and isinstance(config, DecodeConfig)):
             check_config(config, d, cache.page_size)
     if cuda:
         check_kernel_pages(cache)

@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels.decode import DecodeAttention
 from directkv_cute.kernels.helpers import kv_smem_layout
-from directkv_cute.kernels.paged import REGS
+from directkv_cute.kernels.paged import REGS, shared_storage
 from directkv_cute.kernels.walk import NamedBarrier
 
 VEC = 8  # elements per dequantization step: 8 FP8 bytes in, one 16-byte store of the q dtype out
@@ -60,17 +60,13 @@ class DecodeFP8Attention(DecodeAttention):
         self.sS_layout = cute.make_layout(((rows, copies), stages), stride=((1, pad), copies * pad))  # (tile_n, stages)
         scale_elems = copies * pad * stages
         align = cute.struct.Align
-        fields = {
-            "mbar": cute.struct.MemRange[cutlass.Int64, 2 * stages],
-            "sQ": align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024],
-            "sK": align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024],
-            "sV": align[cute.struct.MemRange[dt, cute.cosize(sKV_layout)], 1024],
+        extra = {
             "sK8": align[cute.struct.MemRange[kv_dt, cute.cosize(self.sKV8_layout)], 1024],
             "sV8": align[cute.struct.MemRange[kv_dt, cute.cosize(self.sKV8_layout)], 1024],
             "sKs": align[cute.struct.MemRange[Float32, scale_elems], SCALE_ALIGN],
             "sVs": align[cute.struct.MemRange[Float32, scale_elems], SCALE_ALIGN],
         }
-        storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        storage = shared_storage(dt, 2 * stages, cute.cosize(sQ_layout), cute.cosize(sKV_layout), extra)
         stage_bytes = 2 * n * d * (kv_dt.width // 8) + 2 * n * 4
         return storage, stage_bytes
 

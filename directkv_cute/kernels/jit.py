@@ -213,7 +213,7 @@ def _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, split_
     from directkv_cute.kernels.decode_fp8 import DecodeFP8Attention
 
     dt = cutlass_dtype(dtype)
-    kv_dt = {torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.float8_e5m2: cutlass.Float8E5M2}[kv_dtype]
+    kv_dt = cutlass_dtype(kv_dtype)
     kernel = DecodeFP8Attention(dt, kv_dt, head_dim, page_size, group, cfg, split_out)
     o_dt = cutlass.Float32 if split_out else dt
     f32 = cutlass.Float32

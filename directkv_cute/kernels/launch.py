@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from directkv_cute.fp8 import is_fp8
 from directkv_cute.kernels.jit import cutlass_dtype
 
 LOG2_E = math.log2(math.e)
@@ -47,7 +48,8 @@ def link_counters(device: torch.device) -> torch.Tensor:
 
 
 def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale, counters):
-    """Run the compiled decode kernel. o/lse are the final (q dtype / fp32) outputs when
+    """Run a compiled streaming / multi-token kernel (or the FP8-page one, which also takes the
+    scale pools beside the page pools). o/lse are the final (q dtype / fp32) outputs when
     num_splits == 1, else the fp32 split partials (splits, ...); ``counters`` is
     ``link_counters(q.device)``."""
     from cutlass import Float32, Int32
@@ -55,31 +57,16 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     # The device-side alias of the pinned pool (its UVA/device address), not the host tensor.
     host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
     hbm = cache.hbm_pool
-    if hbm is None or hbm.numel() == 0:  # no HBM tier: a valid stand-in the kernel never reads
+    no_hbm = hbm is None or hbm.numel() == 0
+    if no_hbm:  # no HBM tier: a valid stand-in the kernel never reads
         hbm = host
+    scales = ()
+    if is_fp8(cache.dtype):
+        host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+        scales = (_ptr(host_s), _ptr(host_s if no_hbm else cache.hbm_scales))
     batch, max_pages = page_table.shape
     fn(
-        _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm),
-        _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(counters, 4),
-        Int32(batch), Int32(q.shape[0]), Int32(cache.num_kv_heads), Int32(cache.num_layers), Int32(layer),
-        Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(num_splits),
-        Float32(scale * LOG2_E), _stream(),
-    )
-
-
-def launch_decode_fp8(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_splits, scale, counters):
-    """Run the compiled FP8-page decode kernel: ``launch_decode`` plus the scale pools beside the
-    page pools (``cache.device_scales``)."""
-    from cutlass import Float32, Int32
-
-    host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
-    host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
-    hbm, hbm_s = cache.hbm_pool, cache.hbm_scales
-    if hbm is None or hbm.numel() == 0:  # no HBM tier: valid stand-ins the kernel never reads
-        hbm, hbm_s = host, host_s
-    batch, max_pages = page_table.shape
-    fn(
-        _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm), _ptr(host_s), _ptr(hbm_s),
+        _ptr(q), _ptr(o), _ptr(lse, 4), _ptr(host), _ptr(hbm), *scales,
         _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(counters, 4),
         Int32(batch), Int32(q.shape[0]), Int32(cache.num_kv_heads), Int32(cache.num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(num_splits),

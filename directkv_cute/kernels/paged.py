@@ -33,15 +33,16 @@ from directkv_cute.kernels.walk import CtaWork
 REGS = {(1, 1): (40, 232), (2, 1): (40, 232), (3, 1): (32, 160), (1, 2): (40, 216)}
 
 
-def shared_storage(dt, n_mbar: int, q_elems: int, kv_elems: int):
+def shared_storage(dt, n_mbar: int, q_elems: int, kv_elems: int, extra: dict | None = None):
     """The CTA's shared storage: the ring's mbarriers, the Q tile (none when ``q_elems`` is 0)
-    and the K and V rings, each tile 1 KB aligned (built with evaluated annotations, so a plain
-    host function can make it)."""
+    and the K and V rings, each tile 1 KB aligned, then a kernel's ``extra`` fields (built with
+    evaluated annotations, so a plain host function can make it)."""
     fields = {"mbar": cute.struct.MemRange[cutlass.Int64, n_mbar]}
     if q_elems:
         fields["sQ"] = cute.struct.Align[cute.struct.MemRange[dt, q_elems], 1024]
     fields["sK"] = cute.struct.Align[cute.struct.MemRange[dt, kv_elems], 1024]
     fields["sV"] = cute.struct.Align[cute.struct.MemRange[dt, kv_elems], 1024]
+    fields.update(extra or {})
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
