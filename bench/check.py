@@ -7,7 +7,8 @@
     16..128, a float16 spot check), the multi-token defaults, the multi_token tuner's portfolio and
     every profile entry compiles for sm_90a through ``compile_decode`` (with and without split
     outputs when the compiler takes ``split_out``), plus the combine kernels; each distinct kernel
-    (the compiler's cache key) is compiled once and counted once;
+    (the compiler's cache key) is compiled once and counted once; (b2) the Q-tiled kernel's default
+    and every q_tiled profile entry in each variant the op launches; (b3) the FP8 decode kernel;
 (c) traffic: the host-traffic model reads every host KV byte exactly once (bench.traffic), and a
     model's steps through the HBM window read only the history's full pages from the host.
 
@@ -156,7 +157,7 @@ def profile_legality_problems(prof) -> list[str]:
     problems = []
     for class_key, bucket, rec in prof.records():
         kernel, dtype, head_dim, group, page_size = class_key
-        if kernel not in (*PAGED_KERNELS, "decode_fp8"):
+        if kernel not in (*PAGED_KERNELS, "decode_fp8", "q_tiled"):
             continue
         spec = specs.get(kernel)
         cfg = spec.config_class.from_dict(rec["config"])
@@ -166,9 +167,9 @@ def profile_legality_problems(prof) -> list[str]:
 
             issues = decode_problems(cfg, int(head_dim), int(page_size)) + spec.shape_problems(cfg, int(group),
                                                                                                 int(q_len))
-        else:
+        else:  # the multi-token and Q-tiled kernels hold any number of query tokens
             issues = spec.problems(cfg, int(head_dim), int(page_size), group=int(group),
-                                   q_len=1 if kernel == "multi_token" else int(q_len))
+                                   q_len=int(q_len) if kernel == "decode" else 1)
         if issues:
             problems.append(f"{class_key} {bucket}: " + "; ".join(issues))
     return problems
@@ -307,39 +308,58 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
 
 
 # ---- (b2) the Q-tiled kernel -------------------------------------------------------------------
-# The op builds QTiledConfig() itself (no profile yet): every variant it can route to, for the
-# presets' page sizes and GQA groups. (wait_ready, split_out): all-HBM (no, no); staged in KV
-# splits (yes, yes) or in one split (yes, no).
+# The op's untuned QTiledConfig() (where no profile entry serves a call): every variant it can route
+# to, for the presets' page sizes and GQA groups; then every q_tiled profile entry's config for its
+# own class, in every variant. (wait_ready, split_out): all-HBM (no, no); staged in KV splits
+# (yes, yes) or in one split (yes, no).
 Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
 Q_TILED_PAGES = (16, 64)
 Q_TILED_GROUPS = (1, 4, 8)
 
 
-def q_tiled_targets() -> list[tuple]:
-    """(dtype, head_dim, page, group, wait_ready, split_out) of every Q-tiled kernel to compile."""
-    return [("bfloat16", d, page, g, wr, so) for d in SUPPORTED_HEAD_DIMS for page in Q_TILED_PAGES
-            for g in Q_TILED_GROUPS for wr, so in Q_TILED_VARIANTS]
+def q_tiled_targets(loaded=()) -> list[tuple]:
+    """(config, dtype, head_dim, page, group, wait_ready, split_out, source) of every Q-tiled kernel
+    to compile: the default's (source "default"), then the q_tiled entries of the ``loaded``
+    profiles (source: the file's name)."""
+    QTiledConfig = specs.get("q_tiled").config_class
+    out = [(QTiledConfig(), "bfloat16", d, page, g, wr, so, "default") for d in SUPPORTED_HEAD_DIMS
+           for page in Q_TILED_PAGES for g in Q_TILED_GROUPS for wr, so in Q_TILED_VARIANTS]
+    for path, prof in loaded:
+        for (kernel, dtype, head_dim, group, page_size), _bucket, rec in prof.records():
+            if kernel != "q_tiled":
+                continue
+            cfg = QTiledConfig.from_dict(rec["config"])
+            out += [(cfg, dtype_name(str(dtype)), int(head_dim), int(page_size), int(group), wr, so, path.name)
+                    for wr, so in Q_TILED_VARIANTS]
+    return out
 
 
 def resolve_q_tiled() -> Callable:
     return specs.get("q_tiled").compile_fn
 
 
-def compile_q_tiled_targets(progress: bool = True) -> tuple[int, list[str]]:
-    """Compile the op's default QTiledConfig for every target; returns (kernels, problems)."""
-    QTiledConfig = specs.get("q_tiled").config_class
-
+def compile_q_tiled_targets(progress: bool = True, loaded=()) -> tuple[int, list[str]]:
+    """Compile every distinct Q-tiled kernel of ``q_tiled_targets(loaded)`` (the compiler's key:
+    profile entries that are the default, or one another, once); returns (kernels, problems)."""
+    spec = specs.get("q_tiled")
     compile_q_tiled = resolve_q_tiled()
-    targets = q_tiled_targets()
+    seen, jobs = set(), []
+    for t in q_tiled_targets(loaded):
+        cfg, dtype, d, page, g, wr, so, _source = t
+        key = spec.key_fn(cfg, torch_dtype(dtype), d, page, g, wr, so)
+        if key not in seen:
+            seen.add(key)
+            jobs.append(t)
     problems = []
-    for dtype, d, page, g, wr, so in _progress(targets, progress):
+    for cfg, dtype, d, page, g, wr, so, source in _progress(jobs, progress):
         try:
-            compile_q_tiled(QTiledConfig(), torch_dtype(dtype), d, page, g, wr, so)
+            compile_q_tiled(cfg, torch_dtype(dtype), d, page, g, wr, so)
         except Exception as e:  # noqa: BLE001 - a kernel that stops compiling is what CI must catch
             text = str(e).strip()
-            problems.append(f"q_tiled {dtype} d{d} page{page} group{g} wait_ready={wr} split_out={so}: "
+            where = "" if source == "default" else f" ({source}) {cfg}"
+            problems.append(f"q_tiled {dtype} d{d} page{page} group{g} wait_ready={wr} split_out={so}{where}: "
                             f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
-    return len(targets), problems
+    return len(jobs), problems
 
 
 # ---- (b3) the streaming kernel over FP8 pages -------------------------------------------------
@@ -441,9 +461,12 @@ def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = Tr
             results.append(PartResult("compile", not problems, summary))
     if compile and q_tiled:
         t0 = time.perf_counter()
-        n, problems = compile_q_tiled_targets(progress)
+        n, problems = compile_q_tiled_targets(progress, loaded)
         summary = f"{_count(n, 'kernel')} in {time.perf_counter() - t0:.0f} s, {len(problems)} failed"
-        print(f"== (b2) Q-tiled kernel, the op's default config: {summary}")
+        entries = sum(1 for _, prof in loaded for ck, _, _ in prof.records() if ck[0] == "q_tiled")
+        what = "the op's default config" + (
+            f" and {entries} profile entr{'y' if entries == 1 else 'ies'}" if entries else "")
+        print(f"== (b2) Q-tiled kernel, {what}: {summary}")
         for p in problems:
             print(f"FAIL {p}")
         results.append(PartResult("q_tiled", not problems, summary))

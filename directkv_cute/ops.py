@@ -378,6 +378,18 @@ def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, 
     return cfg, multi_token, splits, fn, counters
 
 
+def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q_len: int) -> QTiledConfig:
+    """The config of an automatic (no explicit config) Q-tiled launch: the profile's q_tiled entry
+    for this GPU (exact bucket, else the nearest), else ``QTiledConfig()``. Its launch fields
+    (``piece_pages``, ``splits``, ``order``; 0 in tuned entries) are left for the op's cost model.
+    A miss warns as the other kernels' lookups do, except for decode-sized calls (their profile
+    buckets are prefill chunks, and the Q-tiled kernel runs them only staged, paced by the copy).
+    Plain host work (``cache``: its ``dtype`` / ``compute_dtype``, ``head_dim``, ``page_size``)."""
+    quiet = op_kernel(group, q_len) == "decode"
+    return _profile_config("q_tiled", gpu_name, cache, group, batch, context, q_len, group * q_len,
+                           quiet_miss=quiet)[0]
+
+
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     """(QTiledConfig, StagePlan or None) when the Q-tiled kernel runs this call, else None.
 
@@ -385,7 +397,8 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     into HBM when the cost model (``plan.choose_staged``) says the copy plus its compute beats
     reading in place: compute-bound chunks, and long link-bound reads (decode included), where the
     copy engine outruns the SMs' reads of host memory. An explicit QTiledConfig always runs it, or
-    raises where it cannot."""
+    raises where it cannot; without one the config is the tuned profile's (``q_tiled_config``),
+    looked up once the call is one the kernel may run."""
     explicit = isinstance(config, QTiledConfig)
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
 
@@ -400,7 +413,10 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
         return refuse("the staged Q-tiled path cannot be captured in a CUDA graph (its copies are planned per call)")
     if group > 128:
         return refuse(f"GQA group {group} exceeds the kernel's 128 query rows")
-    cfg = config if explicit else QTiledConfig()
+
+    def looked_up() -> QTiledConfig:
+        return q_tiled_config(_gpu_name(q.device.index or 0), cache, group, len(lens), max(lens), max(q_lens))
+
     _, hq, d = q.shape
     P = cache.page_size
     n_pages = [math.ceil(n / P) for n in lens]
@@ -412,10 +428,11 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
         # split chunk kernel is faster. Streaming launches (decode) keep their kernel.
         if not explicit and op_kernel(group, max(q_lens)) == "decode":
             return None
-        ctas = q_tiles(max(q_lens), group, cfg.rows) * cache.num_kv_heads * len(lens)
+        ctas = q_tiles(max(q_lens), group, QTiledConfig().rows) * cache.num_kv_heads * len(lens)
         if explicit or 2 * ctas >= _num_sms(q.device.index):
-            return cfg, None
+            return (config if explicit else looked_up()), None
         return None
+    cfg = config if explicit else looked_up()
     got = staging_choice(cache, tables, q_lens, hq, d, q.element_size(), q.device.index, cfg, explicit)
     if isinstance(got, str):
         return refuse(got)

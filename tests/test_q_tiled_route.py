@@ -1,9 +1,12 @@
 """CPU tests of the op's routing of multi-token calls to the Q-tiled kernel (directly over HBM
-pages, or over host pages staged into HBM), with the GPU's properties stood in."""
+pages, or over host pages staged into HBM), with the GPU's properties stood in, and of its
+config: an explicit QTiledConfig, else the tuned profile's q_tiled entry, else QTiledConfig()."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,13 +16,26 @@ import torch
 from directkv_cute import ops
 from directkv_cute.cache import KernelTables
 from directkv_cute.config import QTiledConfig
+from directkv_cute.tuning import lookup as L
+from directkv_cute.tuning import profiles as P
+
+GPU = "Test GPU without a profile"  # the routing tests see the default config, whatever is shipped
 
 
 @pytest.fixture(autouse=True)
-def h200(monkeypatch):
+def h200(monkeypatch, tmp_path):
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
     monkeypatch.setattr(ops, "_total_memory", lambda index: 140 * 2**30)
+    monkeypatch.setattr(ops, "_gpu_name", lambda index: GPU)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "profiles"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv(L.REQUIRE_ENV, raising=False)
+    L.clear_cache()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="directkv-cute: no tuned q_tiled config", category=P.ProfileWarning)
+        yield
+    L.clear_cache()
 
 
 def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True):
@@ -34,7 +50,7 @@ def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True
         k += n
     tables = KernelTables(torch.from_numpy(table), torch.tensor(lens, dtype=torch.int32), 0, -1, tuple(lens),
                           table if host_table else None)
-    cache = SimpleNamespace(page_size=page, num_kv_heads=hkv)
+    cache = SimpleNamespace(page_size=page, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16)
     q = torch.empty(sum(q_lens), hq, d, dtype=torch.bfloat16, device="meta")
     return q, cache, tables, tuple(q_lens), hq // hkv
 
@@ -92,3 +108,94 @@ def test_explicit_order_and_splits_are_kept():
     assert cfg.order == 2 and cfg.splits == 1
     cfg, plan = ops._q_tiled_route(*_call([8192, 3000], [8192, 100]), QTiledConfig(splits=3, piece_pages=4))
     assert cfg.splits == 3 and plan.piece_pages == 4 and plan.pages == 128 + 47
+
+
+# ---- the config of an automatic call: the tuned profile's q_tiled entry ----------------------------
+
+MODEL_GPU = "Modelled H200 PCIe5"  # the CPU model objective's GPU name
+Q_CLASS = ("q_tiled", "bf16", 128, 4, 64)
+
+
+def _tune_on_the_model(out_dir, shapes, **opts):
+    """Tune the q_tiled kernel on the CPU cost model with a slow HBM round trip (3 us: the ring's
+    depth and the split K/V pipelines matter), writing the profile into ``out_dir``."""
+    from directkv_cute.tuning.objectives import ModelledObjective, QTiledModel
+    from directkv_cute.tuning.tuner import TuneOptions, Tuner
+
+    measure = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=QTiledModel(load_latency_us=3.0))
+    options = TuneOptions(**{"n_trials": 8, "seed": 0, "progress": False, **opts})
+    return Tuner("q_tiled", measure, output_dir=out_dir, options=options).tune(shapes)
+
+
+def test_a_model_tuned_profile_is_what_the_op_runs(tmp_path, monkeypatch):
+    """End to end on the CPU: the tuner writes q_tiled entries, and the op's automatic calls run
+    them (exact and nearest bucket, all-HBM and staged); an explicit config still wins."""
+    from directkv_cute.tuning.space import TuneShape
+
+    monkeypatch.setattr(ops, "_gpu_name", lambda index: MODEL_GPU)
+    shapes = [TuneShape(32, 8, 128, 1, 32768, q) for q in (2048, 8192)]
+    results = _tune_on_the_model(tmp_path / "profiles", shapes)
+    assert [r.status for r in results] == ["tuned", "tuned"]
+    prof = P.load_profile(tmp_path / "profiles" / "Modelled_H200_PCIe5.yaml")
+    entries = {bk: QTiledConfig.from_dict(rec["config"]) for ck, bk, rec in prof.records() if ck == Q_CLASS}
+    assert set(entries) == {(1, 32768, 2048), (1, 32768, 8192)} and not prof.stale()
+    tuned = entries[1, 32768, 2048]
+    assert tuned != QTiledConfig() and (tuned.piece_pages, tuned.splits, tuned.order) == (0, 0, 0)
+    assert tuned.kv_pipes == 2  # the model's slow loads favour K loading a step earlier
+
+    L.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an exact, current entry: no warning
+        cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
+    assert plan is None and cfg == tuned
+    # over host pages, staged: the entry's kernel, the launch fields from the op's cost model
+    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), None)
+    assert plan is not None and cfg.splits >= 1 and cfg.order == 1
+    assert dataclasses.replace(cfg, splits=0, order=0) == entries[1, 32768, 8192]
+    # the nearest bucket: q_len 3000 is nearer 2048 than 8192 in log2, context 20000 has one bucket
+    cfg, plan = ops._q_tiled_route(*_call([20000], [3000], hbm=True), None)
+    assert plan is None and cfg == tuned
+    # another class (page 16, GQA 8) is not borrowed: the default
+    cfg, _ = ops._q_tiled_route(*_call([32768], [2048], hbm=True, page=16), None)
+    assert cfg == QTiledConfig()
+    cfg, _ = ops._q_tiled_route(*_call([32768], [2048], hbm=True, hq=64), None)
+    assert cfg == QTiledConfig()
+    # an explicit config wins over the profile, launch fields included
+    mine = QTiledConfig(tile_n=64, stages=4)
+    assert ops._q_tiled_route(*_call([32768], [2048], hbm=True), mine) == (mine, None)
+    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig(order=2))
+    assert cfg == QTiledConfig(order=2, splits=1) and plan is not None
+
+
+def test_a_missing_entry_warns_only_for_calls_the_kernel_may_run_as_a_chunk(tmp_path):
+    """Without a q_tiled entry the default runs, and the miss is said once, for a multi-token call;
+    decode-sized calls (staged long reads) and calls the kernel does not take say nothing."""
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cfg, plan = ops._q_tiled_route(*_call([32768], [1]), None)  # staged decode: quiet
+        assert plan is not None and dataclasses.replace(cfg, order=0, splits=0) == QTiledConfig()
+        assert ops._q_tiled_route(*_call([32768], [64], hbm=True), None) is None  # 16 CTAs: not looked up
+        assert ops._q_tiled_route(*_call([4096], [1]), None) is None  # short decode in place
+        for _ in range(2):
+            cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
+            assert (cfg, plan) == (QTiledConfig(), None)
+    msgs = [str(x.message) for x in w if issubclass(x.category, P.ProfileWarning)]
+    assert len(msgs) == 1, msgs
+    assert "no tuned q_tiled config" in msgs[0] and "--kernel q_tiled" in msgs[0] and "q_len=2048" in msgs[0]
+
+
+def test_a_foreign_q_tiled_entry_is_refused_and_the_default_runs(tmp_path, monkeypatch):
+    """A q_tiled entry with another kernel's config (decode fields) makes the file invalid: the
+    lookup says why (the unknown fields) and the op runs the default."""
+    from directkv_cute.config import DecodeConfig
+
+    d = tmp_path / "profiles"
+    prof = P.Profile(metadata=P.make_metadata({"gpu_name": GPU, "sm_count": 132, "smem_optin_bytes": 232448},
+                                              objective="gpu"))
+    prof.set(Q_CLASS, (1, 32768, 2048), {"config": DecodeConfig().to_dict(), "p50_us": 1.0, "trials": 1,
+                                          "kernel_hash": P.current_kernel_hash("q_tiled")})
+    d.mkdir()
+    (d / P.profile_filename(GPU)).write_text(prof.to_yaml())
+    with pytest.warns(P.ProfileWarning, match=r"unknown QTiledConfig fields: \[.*'consumer_wgs'"):
+        cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
+    assert (cfg, plan) == (QTiledConfig(), None)

@@ -236,9 +236,10 @@ def test_show_and_check_empty_dir(capsys, tmp_path):
 def test_presets_listing(capsys):
     rc, out, _ = run(capsys, "presets")
     assert rc == 0
-    for name in ("llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large"):
+    for name in ("llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large", "qwen2.5-7b"):
         assert name in out
-    assert "12288" in out and "Mistral-Large-Instruct-2407" in out
+    assert "12288" in out and "Mistral-Large-Instruct-2407" in out and "Qwen/Qwen2.5-7B" in out
+    assert "--kernel q_tiled: every preset with batches 1, contexts 8192,32768,131072, q_lens 512,2048,8192" in out
 
 
 def test_gpu_objective_needs_a_gpu(capsys):
@@ -248,3 +249,123 @@ def test_gpu_objective_needs_a_gpu(capsys):
         pytest.skip("a GPU is present")
     rc, _, err = run(capsys, "run", "--shape", "32,8,128,1,4096,1", "--trials", "2", "-q")
     assert rc == 2 and "needs a CUDA GPU" in err
+
+
+# ---- the Q-tiled kernel ------------------------------------------------------------------------
+
+
+def test_dry_run_q_tiled_takes_its_own_buckets(capsys):
+    rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "q_tiled", "--preset", "llama3-8b", "--preset", "qwen2.5-7b",
+                     "--page-size", "16")
+    assert rc == 0 and "kernel q_tiled" in out and "144 points" in out and "kv_pipes" in out and "pingpong" in out
+    assert "18 bucket(s)" in out and "104 legal of 144" in out and "page=16" in out
+    assert "piece_pages = splits = order = 0" in out
+    # q_len 1 buckets are decode steps: left out, said so
+    rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "q_tiled", "--preset", "llama3-70b", "--q-lens", "1,512",
+                       "--contexts", "32768")
+    assert rc == 0 and "1 bucket(s)" in out and "left out 1 bucket(s) with q_len 1" in err and "--kernel decode" in err
+
+
+def test_q_tiled_model_run_check_and_lookup(capsys, tmp_path, monkeypatch):
+    """directkv-tune run --kernel q_tiled --objective model writes q_tiled entries; check validates
+    them (and compiles each in the three variants the op launches), lookup serves them."""
+    out_dir = tmp_path / "profiles"
+    rc, out, _ = run(capsys, "run", "--kernel", "q_tiled", "--preset", "llama3-8b", "--objective", "model",
+                     "--contexts", "8192,32768", "--q-lens", "512,2048", "--trials", "3", "--exhaustive-threshold", "0",
+                     "--output", str(out_dir), "-q")
+    assert rc == 0, out
+    assert "4 bucket(s) of q_tiled" in out and "kv1" in out
+    prof = P.load_profile(out_dir / MODEL_GPU_FILE)
+    assert {ck for ck, _, _ in prof.records()} == {("q_tiled", "bf16", 128, 4, 64)}
+    assert {bk for _, bk, _ in prof.records()} == {(1, c, q) for c in (8192, 32768) for q in (512, 2048)}
+    assert {r["trials"] for _, _, r in prof.records()} == {3} and not prof.stale()
+
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    assert rc == 0 and out.startswith("OK") and "4 bucket(s)" in out
+    from directkv_cute.kernels import jit
+
+    calls = []
+    monkeypatch.setattr(cli, "_resolve_compile", lambda: (lambda *a, **k: pytest.fail("compile_decode"), ""))
+    monkeypatch.setattr(jit, "compile_q_tiled", lambda cfg, dtype, d, page, group, wr, so: calls.append(
+        (type(cfg).__name__, str(dtype), d, page, group, wr, so)))
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir), "--compile")
+    assert rc == 0 and "4 compiled" in out
+    assert len(calls) == 12 and {c[:5] for c in calls} == {("QTiledConfig", "torch.bfloat16", 128, 64, 4)}
+    assert {c[5:] for c in calls} == {(False, False), (True, True), (True, False)}
+
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(out_dir))
+    L.clear_cache()
+    rc, out, _ = run(capsys, "lookup", "--gpu", "Modelled H200 PCIe5", "--kernel", "q_tiled",
+                     "--shape", "32,8,128,1,32768,2048")
+    assert rc == 0 and "kernel:  q_tiled (the op runs it for multi-token calls" in out and "source:  exact" in out
+    rc, out, _ = run(capsys, "lookup", "--gpu", "Modelled H200 PCIe5", "--kernel", "q_tiled",
+                     "--shape", "32,8,128,1,100000,4096")
+    assert rc == 0 and "source:  nearest" in out and "context=32768 q_len=2048" in out
+
+
+def test_check_refuses_a_foreign_q_tiled_entry(capsys, tmp_path):
+    """A q_tiled entry holding another kernel's config (decode fields) is INVALID, with the fields."""
+    out_dir = tmp_path / "profiles"
+    assert model_run(capsys, out_dir)[0] == 0
+    path = out_dir / MODEL_GPU_FILE
+    doc = yaml.safe_load(path.read_text())
+    doc["entries"][0]["kernel"] = "q_tiled"
+    path.write_text(P.dump_yaml(doc))
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    assert rc == 1 and "INVALID" in out and "unknown QTiledConfig fields" in out and "num_splits" in out
+    # an illegal q_tiled config (a ring beyond SMEM) is ILLEGAL, named
+    doc["entries"][0]["buckets"] = doc["entries"][0]["buckets"][:1]
+    doc["entries"][0]["buckets"][0]["config"] = {"tile_n": 128, "stages": 4}
+    path.write_text(P.dump_yaml(doc))
+    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    assert rc == 1 and "ILLEGAL" in out and "q_tiled" in out and "per-block limit" in out
+
+
+def test_bench_check_compiles_and_validates_q_tiled_profile_entries(capsys, tmp_path, monkeypatch):
+    """``python -m bench check`` (b2): the q_tiled entries of the shipped profiles compile in every
+    variant the op launches, next to the default (an entry that is the default is compiled once);
+    (a): an entry the kernel cannot run fails the profile part."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    import bench.check as check
+    from directkv_cute.config import QTiledConfig
+
+    prof = P.Profile(metadata={"gpu_name": "X", "tune_version": P.TUNE_VERSION})
+    rec = lambda cfg: {"config": cfg.to_dict(), "p50_us": 1.0, "trials": 1, "kernel_hash": "a" * 64}  # noqa: E731
+    tuned = QTiledConfig(kv_pipes=2, stages=2)
+    prof.set(("q_tiled", "bf16", 128, 4, 64), (1, 32768, 2048), rec(tuned))
+    prof.set(("q_tiled", "bf16", 128, 4, 64), (1, 8192, 512), rec(QTiledConfig()))  # the default's kernels
+    prof.set(("q_tiled", "bf16", 128, 7, 16), (1, 8192, 512), rec(tuned))
+    loaded = [(Path("NVIDIA_H200.yaml"), prof)]
+    assert check.profile_legality_problems(prof) == []
+    targets = check.q_tiled_targets(loaded)
+    n_default = sum(t[-1] == "default" for t in targets)
+    assert len(targets) == n_default + 9
+    calls = []
+
+    def fake(cfg, dtype, d, page, group, wait_ready, split_out):
+        calls.append((cfg, d, page, group, wait_ready, split_out))
+        if group == 7 and wait_ready and split_out:
+            raise RuntimeError("ptxas: boom\nsecond line")
+
+    monkeypatch.setattr(check, "resolve_q_tiled", lambda: fake)
+    n, problems = check.compile_q_tiled_targets(False, loaded)
+    assert n == len(calls) == len(set(calls)) == n_default + 6  # the default entry's kernels once
+    assert {c[1:] for c in calls if c[0] == tuned} == {(128, 64, 4, wr, so) for wr, so in check.Q_TILED_VARIANTS} | {
+        (128, 16, 7, wr, so) for wr, so in check.Q_TILED_VARIANTS}
+    assert problems == [f"q_tiled bfloat16 d128 page16 group7 wait_ready=True split_out=True (NVIDIA_H200.yaml) "
+                        f"{tuned}: RuntimeError: ptxas: boom"]
+
+    # through run_check: the part's line counts the entries
+    monkeypatch.setattr(check, "load_shipped_profiles", lambda d=None: ([], loaded, []))
+    monkeypatch.setattr(check, "compile_targets", lambda targets, progress=True: ([], []))
+    calls.clear()
+    assert check.run_check(traffic=False, progress=False, fp8=False) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"== \(b2\) Q-tiled kernel, the op's default config and 3 profile entries: {n} kernels", out)
+    # a q_tiled entry the kernel cannot run fails the profile part
+    prof.set(("q_tiled", "bf16", 128, 4, 64), (1, 131072, 8192), rec(dataclasses.replace(tuned, stages=4, tile_n=128)))
+    problems = check.profile_legality_problems(prof)
+    assert len(problems) == 1 and "('q_tiled', 'bf16', 128, 4, 64) (1, 131072, 8192)" in problems[0]

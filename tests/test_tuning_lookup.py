@@ -326,3 +326,58 @@ def test_a_bucket_that_kept_the_default_lends_the_default_for_the_launchs_rows(t
                            page_size=64, batch=1, context=32768, q_len=8192, rows=group * 8192)
     assert dec.bucket == (1, 32768, 2048) and "kept the default" in dec.reason
     assert pre(8192, context=131072) == (tuned, "nearest")  # the tuned bucket's config, borrowed as is
+
+
+def test_q_tiled_kernel_lookup(tmp_path):
+    """The Q-tiled kernel's entries: exact, nearest (q_len, then batch, then context), a bucket that
+    kept the default lends the default, other classes are never borrowed, the default otherwise;
+    stale entries are used with the q_tiled re-tune command."""
+    from directkv_cute.config import QTiledConfig
+
+    kh = P.current_kernel_hash("q_tiled")
+    assert kh not in (KH, P.current_kernel_hash("multi_token"))
+
+    def q_tiled(q_len, context=32768, batch=1, group=4, page_size=64, kh=kh):
+        return L.select_config("q_tiled", gpu_name=GPU, kernel_hash=kh, dtype=torch.bfloat16, head_dim=128,
+                               group=group, page_size=page_size, batch=batch, context=context, q_len=q_len,
+                               rows=group * q_len)
+
+    with pytest.warns(P.ProfileWarning, match="no tuned q_tiled config"):
+        assert q_tiled(2048) == (QTiledConfig(), "default")
+    L.clear_cache()
+    two_pipes = QTiledConfig(kv_pipes=2, stages=2)
+    small = QTiledConfig(tile_n=64, stages=4, pingpong=0)
+    write_profile(tmp_path, cls=("q_tiled", "bf16", 128, 4, 64), kh=kh,
+                  entries={(1, 32768, 2048): two_pipes, (1, 8192, 512): small, (1, 131072, 8192): QTiledConfig()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert q_tiled(2048) == (two_pipes, "exact")
+        assert q_tiled(512, 8192) == (small, "exact")
+        assert q_tiled(3000, 20000) == (two_pipes, "nearest")
+        assert q_tiled(600, 131072, batch=2) == (small, "nearest")  # q_len first: the 512 bucket
+        assert q_tiled(8192, 8192) == (QTiledConfig(), "nearest")  # kept the default: the default
+    for kw in ({"group": 8}, {"page_size": 16}):
+        with pytest.warns(P.ProfileWarning, match="no q_tiled entry"):
+            assert q_tiled(2048, **kw) == (QTiledConfig(), "default")
+    L.clear_cache()
+    write_profile(tmp_path, cls=("q_tiled", "bf16", 128, 4, 64), kh=STALE, entries={(1, 32768, 2048): two_pipes})
+    with pytest.warns(P.ProfileWarning, match="tuned for other q_tiled kernel sources.*--kernel q_tiled"):
+        assert q_tiled(2048) == (two_pipes, "exact")
+
+
+def test_a_q_tiled_entry_the_kernel_cannot_run_is_never_used(tmp_path, monkeypatch):
+    """Entries are checked against the kernel's current rules (its spec): a legal one in the file
+    that the rules now refuse (a smaller SMEM limit) falls through to the nearest legal, then the
+    default."""
+    import directkv_cute.config as C
+    from directkv_cute.config import QTiledConfig
+
+    kh = P.current_kernel_hash("q_tiled")
+    deep, shallow = QTiledConfig(), QTiledConfig(tile_n=64, stages=2)
+    write_profile(tmp_path, cls=("q_tiled", "bf16", 128, 4, 64), kh=kh,
+                  entries={(1, 32768, 2048): deep, (1, 32768, 512): shallow})
+    monkeypatch.setattr(C, "SM90_SMEM_PER_BLOCK_OPTIN", 160 * 1024)
+    assert deep.problems(128, 64) and not shallow.problems(128, 64)
+    got = L.select_config("q_tiled", gpu_name=GPU, kernel_hash=kh, dtype="bf16", head_dim=128, group=4, page_size=64,
+                          batch=1, context=32768, q_len=2048, rows=4 * 2048)
+    assert got == (shallow, "nearest")

@@ -233,3 +233,47 @@ def test_the_fp8_kernel_objective_builds_fp8_pages_and_checks_against_the_refere
     assert not torch.isnan(cache.host_pool.float()).any() and (raw >= 0x80).any() and (raw < 0x80).any()
     assert bool((cache.host_scales > 0).all())
     obj.close()
+
+
+def test_the_q_tiled_objective_puts_every_page_in_hbm_and_forces_the_config():
+    """kernel="q_tiled": the objective's cache holds every page in the HBM tier (the kernel reads
+    HBM; staged host calls run it over copied pages), the tables the op gets carry their host copy
+    (the route reads it), the config given is passed as is, and a correct op passes the check
+    (the real cache and reference on the CPU); a wrong one fails it."""
+    from directkv_cute.config import QTiledConfig
+    from directkv_cute.reference import tables_attention_ref
+
+    seen = []
+
+    def q_tiled_op(q, cache, layer, tables, q_lens=None, softmax_scale=None, *, config=None, out=None,
+                   return_lse=False):
+        assert isinstance(config, QTiledConfig)
+        assert bool((tables.page_table < 0).all()) and (tables.host_table < 0).all()
+        assert tables.host_table.shape == tuple(tables.page_table.shape)
+        assert tables.host_seq_lens == tuple(tables.seq_lens.tolist())
+        seen.append(config)
+        res, _ = tables_attention_ref(q, cache.host_pool, cache.hbm_pool, tables.page_table, tables.seq_lens, layer,
+                                      list(q_lens) if q_lens else None, softmax_scale)
+        out.copy_(res)
+        return out
+
+    space = get_space("q_tiled")
+    shape = TuneShape(8, 2, 64, batch=3, context=200, q_len=96, page_size=16)
+    cfg = QTiledConfig(kv_pipes=2, stages=2)
+    assert space.is_legal(cfg, shape)
+    page_bytes = 2 * 2 * 16 * 64 * 2  # hkv x (K, V) x page x d x bf16, one layer
+    obj = objective(q_tiled_op, kernel="q_tiled", max_layers=1, max_hbm_bytes=2 * math.ceil(200 / 16) * page_bytes)
+    res = obj(cfg, shape)
+    assert res["ok"], res
+    assert seen and all(c == cfg for c in seen)
+    st = obj._setup
+    cache = st.cache
+    assert st.distinct == 2 and cache.num_pages("hbm") == 2 * math.ceil(200 / 16)  # two sequences fit, three rows
+    assert all(cache.page_counts(s) == {"host": 0, "hbm": math.ceil(200 / 16)} for s in st.seq_ids)
+    assert float(cache.hbm_pool.float().abs().sum()) > 0 and st.tables.page_table.shape[0] == 3
+    assert not get_space("q_tiled").problems(cfg, shape)
+    bad = objective(lambda *a, **k: q_tiled_op(*a, **k).add_(0.5), kernel="q_tiled")(cfg, shape)
+    assert not bad["ok"] and "relative error" in bad["err"]
+    illegal = obj(QTiledConfig(tile_n=32), shape)
+    assert not illegal["ok"] and "tile_n 32 must be 64 or 128" in illegal["err"]
+    obj.close()

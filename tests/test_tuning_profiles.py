@@ -344,6 +344,7 @@ def test_a_code_generating_config_rule_changes_the_kernel_hashes(tmp_path):
     edit(root / "config.py", "MULTI_TOKEN_CHUNK4_ROWS = 8192", "MULTI_TOKEN_CHUNK4_ROWS = 4096")
     after = hashes(root)
     assert after["decode"] != before["decode"] and after["multi_token"] != before["multi_token"]
+    assert after["q_tiled"] != before["q_tiled"]  # config.py holds its rules too
 
 
 @pytest.mark.parametrize("rel, changes", [
@@ -351,15 +352,17 @@ def test_a_code_generating_config_rule_changes_the_kernel_hashes(tmp_path):
     ("kernels/decode_fp8.py", {"decode_fp8"}),
     ("fp8.py", {"decode_fp8"}),
     ("kernels/multi_token.py", {"multi_token"}),
-    ("kernels/helpers.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/paged.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/producer.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/qio.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/walk.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/masks.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/softmax.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/jit.py", {"decode", "decode_fp8", "multi_token"}),
-    ("kernels/combine.py", {"decode", "decode_fp8", "multi_token"}),  # every launch run the combine after split partials
+    ("kernels/q_tiled.py", {"q_tiled"}),
+    ("kernels/helpers.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/paged.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/producer.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/qio.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/walk.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/masks.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/softmax.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    ("kernels/jit.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
+    # every launch runs the combine after split partials (the Q-tiled kernel's staged ones in KV splits)
+    ("kernels/combine.py", {"decode", "decode_fp8", "multi_token", "q_tiled"}),
     ("kernels/launch.py", set()),  # host-side launch glue: no code generation
     ("kernels/disk_cache.py", set()),
     ("kernels/specs.py", set()),  # adding a kernel's spec voids no profile

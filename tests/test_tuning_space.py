@@ -10,7 +10,8 @@ import pytest
 
 from directkv_cute.config import SM90_SMEM_PER_BLOCK_OPTIN, DecodeConfig
 from directkv_cute.tuning import presets
-from directkv_cute.tuning.space import DecodeSpace, KernelSpace, Param, TuneShape, get_space, kernels, register_space
+from directkv_cute.tuning.space import DecodeSpace, KernelSpace, Param, TuneShape, get_space, kernels, register_space, \
+    torch_dtype
 
 SHAPE = TuneShape(num_q_heads=64, num_kv_heads=8, head_dim=128, batch=4, context=16384)
 
@@ -184,7 +185,7 @@ def test_registry_accepts_a_second_kernel():
 
 def test_presets_match_public_configs():
     p = presets.PRESETS
-    assert set(p) == {"llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large"}
+    assert set(p) == {"llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large", "qwen2.5-7b"}
     assert (p["llama3-8b"].num_q_heads, p["llama3-8b"].num_kv_heads, p["llama3-8b"].head_dim,
             p["llama3-8b"].hidden_size, p["llama3-8b"].num_layers) == (32, 8, 128, 4096, 32)
     assert (p["llama3-70b"].num_q_heads, p["llama3-70b"].num_kv_heads, p["llama3-70b"].hidden_size,
@@ -193,6 +194,9 @@ def test_presets_match_public_configs():
             p["qwen2.5-72b"].num_layers) == (64, 8, 8192, 80)
     m = p["mistral-large"]
     assert (m.num_q_heads, m.num_kv_heads, m.head_dim, m.hidden_size, m.num_layers) == (96, 8, 128, 12288, 88)
+    q = p["qwen2.5-7b"]
+    assert (q.num_q_heads, q.num_kv_heads, q.head_dim, q.hidden_size, q.num_layers) == (28, 4, 128, 3584, 28)
+    assert q.group == 7
     for preset in p.values():
         assert preset.page_size == 64 and preset.dtype == "bf16"
         shapes = preset.shapes()
@@ -206,12 +210,13 @@ def test_preset_names_and_dedupe():
     assert presets.get_preset("Llama-3-8B").name == "llama3-8b"
     assert presets.get_preset("Mistral-Large-Instruct-2407").name == "mistral-large"
     assert presets.get_preset("QWEN2.5-72B").name == "qwen2.5-72b"
+    assert presets.get_preset("Qwen2.5-7B-Instruct").name == "qwen2.5-7b"
     with pytest.raises(KeyError, match="unknown preset"):
         presets.get_preset("gpt-5")
     both = presets.resolve_presets(["llama3-70b", "qwen2.5-72b"])
     shapes = presets.unique_shapes(s for pr in both for s in pr.shapes())
     assert len(shapes) == 16  # identical attention geometry
-    assert len(presets.resolve_presets(["all"])) == 4
+    assert len(presets.resolve_presets(["all"])) == 5
     custom = presets.get_preset("llama3-8b").shapes(batches=[2], contexts=[1000, 2000], page_size=16, dtype="fp16")
     assert [(s.batch, s.context, s.page_size, s.dtype) for s in custom] == [(2, 1000, 16, "fp16"), (2, 2000, 16, "fp16")]
 
@@ -255,3 +260,111 @@ def test_the_fp8_decode_space_is_the_decode_space_under_the_fp8_smem_rule():
         assert picks and all(space.is_legal(c, s) for c in picks)
     too_deep = dataclasses.replace(space.default_for(shape), tile_n=128, stages=12, carveout=100)
     assert any("FP8 pages: needs" in p for p in space.problems(too_deep, shape))
+
+
+# ---- the Q-tiled kernel ------------------------------------------------------------------------
+
+Q_SHAPE = TuneShape(32, 8, 128, batch=1, context=32768, q_len=2048)
+
+
+@pytest.mark.parametrize("head_dim, page_size, group", [(128, 64, 4), (128, 16, 7), (64, 64, 8), (128, 128, 12)])
+def test_q_tiled_space_is_the_specs_legality_over_the_codegen_fields(head_dim, page_size, group):
+    """Every point of the q_tiled space is judged by the kernel's spec (the config's rules and its
+    GQA group), the legal ones are distinct kernels (distinct compile keys: only code-generating
+    fields are tuned) and leave the launch fields to the op (0)."""
+    from directkv_cute.config import QTiledConfig
+    from directkv_cute.kernels import jit, specs
+
+    space = get_space("q_tiled")
+    assert space.kernel == space.source_kernel == "q_tiled" and space.config_cls is QTiledConfig
+    spec = specs.get("q_tiled")
+    assert {p.name for p in space.params} <= set(spec.codegen_fields)
+    assert {p.name for p in space.params} >= {"tile_n", "stages", "pingpong", "kv_pipes", "cluster"}
+    shape = TuneShape(group * 8, 8, head_dim, batch=1, context=8192, q_len=512, page_size=page_size)
+    rep = space.legality(shape)
+    assert rep.total == space.cardinality() == 2 * 3 * 3 * 2 * 2 * 2
+    assert 0 < rep.legal_count <= rep.total and (rep.legal_count < rep.total) == (head_dim == 128)
+    for cfg in rep.legal:
+        assert spec.problems(cfg, head_dim, page_size, group=group) == []
+        assert (cfg.piece_pages, cfg.splits, cfg.order) == (0, 0, 0)
+        assert space.in_space(cfg)
+    for cfg, reasons in rep.illegal:
+        assert reasons == spec.problems(cfg, head_dim, page_size, group=group) and reasons
+    keys = {jit.q_tiled_key(c, torch_dtype(shape.dtype), head_dim, page_size, group, False) for c in rep.legal}
+    assert len(keys) == rep.legal_count
+    assert space.launch_classes(shape) == rep.legal_count
+    # both pipelines, both pingpong modes and both cluster sizes at both tile sizes are searched
+    assert {(c.tile_n, c.kv_pipes, c.pingpong, c.cluster) for c in rep.legal} == {
+        (t, k, p, cl) for t in (64, 128) for k in (1, 2) for p in (0, 1) for cl in (1, 2)}
+
+
+def test_q_tiled_space_excludes_what_smem_cannot_hold():
+    from directkv_cute.config import QTiledConfig
+
+    space = get_space("q_tiled")
+    rep = space.legality(Q_SHAPE)
+    assert not any(c.tile_n == 128 and c.stages == 4 for c in rep.legal)  # 4 x 64 KB + Q: over 227 KB
+    assert any(c.tile_n == 128 and c.stages == 3 and c.carveout == 100 for c in rep.legal)
+    assert not any(c.tile_n == 128 and c.stages == 3 and c.carveout < 100 for c in rep.legal)
+    assert {c.stages for c in rep.legal if c.tile_n == 64} == {2, 3, 4}
+    assert rep.reason_counts()["SMEM over the per-block opt-in limit"] > 0
+    wide = TuneShape(129 * 2, 2, 128, batch=1, context=8192, q_len=512)  # GQA group 129
+    assert space.legality(wide).legal_count == 0
+    assert any("GQA group 129" in r for r in space.problems(QTiledConfig(), wide))
+
+
+def test_q_tiled_default_portfolio_and_hash():
+    from directkv_cute.config import QTiledConfig
+
+    space = get_space("q_tiled")
+    for shape in (Q_SHAPE, TuneShape(28, 4, 128, batch=1, context=131072, q_len=8192, page_size=16),
+                  TuneShape(96, 8, 128, batch=1, context=8192, q_len=512)):
+        d = space.default_for(shape)
+        assert d == QTiledConfig() and space.is_legal(d, shape) and space.in_space(d)
+        picks = space.portfolio(shape)
+        assert picks[:3] == [QTiledConfig(), QTiledConfig(cluster=1), QTiledConfig(tile_n=64, stages=4)]
+        assert all(space.is_legal(c, shape) and space.in_space(c) for c in picks)
+    assert space.static_problems(QTiledConfig(), head_dim=128, page_size=64, rows=4 * 8192) == []
+    assert space.static_problems(QTiledConfig(stages=4), head_dim=128, page_size=64, rows=8)
+    hashes = {get_space(k).space_hash() for k in kernels()}
+    assert "q_tiled" in kernels() and len(hashes) == len(kernels())
+
+
+def test_q_tiled_buckets_are_prefill_chunks():
+    shapes = presets.get_preset("llama3-8b").shapes(kernel="q_tiled")
+    assert {s.bucket for s in shapes} == {(1, c, q) for c in (8192, 32768, 131072) for q in (512, 2048, 8192)}
+    assert all(s.q_len <= s.context for s in shapes)
+    # bucket lists given win, each on its own
+    mine = presets.get_preset("llama3-8b").shapes(kernel="q_tiled", contexts=[16384], page_size=16)
+    assert {s.bucket for s in mine} == {(1, 16384, q) for q in (512, 2048, 8192)} and {s.page_size for s in mine} == {16}
+    assert {s.q_len for s in presets.get_preset("llama3-8b").shapes(kernel="decode")} == {1}
+
+
+def test_each_spaces_compile_hook_is_the_ops_compile(monkeypatch):
+    """compile_for (the tuner's precompile) builds the kernel the GPU objective's launch runs: the
+    streaming kernel with split partials when the H200 launch splits, the multi-token kernel, the
+    FP8 kernel over e4m3 pages, the Q-tiled kernel over HBM pages (no ready flags, one split)."""
+    import torch
+
+    from directkv_cute.config import QTiledConfig
+    from directkv_cute.kernels import jit
+
+    calls = []
+    rec = lambda name: lambda *a, **k: calls.append((name, a, k))  # noqa: E731
+    for name in ("compile_decode", "compile_multi_token", "compile_decode_fp8", "compile_q_tiled"):
+        monkeypatch.setattr(jit, name, rec(name))
+    one = TuneShape(32, 8, 128, batch=64, context=4096)  # 64 x 8 CTAs fill the SMs: one split
+    dec = get_space("decode").default_for(one)
+    get_space("decode").compile_for(dec, one)
+    get_space("decode").compile_for(dec, TuneShape(32, 8, 128, batch=1, context=32768, q_len=4))
+    mt = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512, page_size=16)
+    get_space("multi_token").compile_for(get_space("multi_token").default_for(mt), mt)
+    get_space("decode_fp8").compile_for(get_space("decode_fp8").default_for(one), one)
+    get_space("q_tiled").compile_for(QTiledConfig(kv_pipes=2), TuneShape(28, 4, 128, 1, 8192, 512, page_size=16))
+    assert [c[0] for c in calls] == ["compile_decode", "compile_decode", "compile_multi_token", "compile_decode_fp8",
+                                     "compile_q_tiled"]
+    assert calls[0][1][1:] == (torch.bfloat16, 128, 64, 4, 1) and calls[0][2] == {"split_out": False}
+    assert calls[1][1][5] == 4 and calls[1][2] == {"split_out": True}
+    assert calls[2][1][1:] == (torch.bfloat16, 128, 16, 4)
+    assert calls[3][1][1:] == (torch.bfloat16, torch.float8_e4m3fn, 128, 64, 4, 1, False)
+    assert calls[4][1] == (QTiledConfig(kv_pipes=2), torch.bfloat16, 128, 16, 7, False, False)

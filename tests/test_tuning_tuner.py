@@ -320,3 +320,90 @@ def test_time_budget_skips_buckets():
     assert all(isinstance(r, BucketResult) for r in results)
     assert [r.status for r in results] == ["skipped"] * 3
     assert "skipped" in format_results(results)
+
+
+def test_q_tiled_search_starts_with_default_then_portfolio_and_finds_the_models_best():
+    """The q_tiled tuner measures QTiledConfig() first, then the space's portfolio (one CTA per
+    query tile, 64-token tiles), then TPE; searched exhaustively on the model it finds the model's
+    optimum."""
+    from directkv_cute.config import QTiledConfig
+    from directkv_cute.tuning.objectives import QTiledModel
+
+    space = get_space("q_tiled")
+    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=2048)
+    model = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=QTiledModel(load_latency_us=3.0))
+    t = Tuner("q_tiled", model, options=opts(n_trials=5, exhaustive_threshold=0))
+    r = t.tune_bucket(shape)
+    study = optuna.load_study(study_name=r.study_name, storage=t.storage)
+    first = [tr.user_attrs["config"] for tr in study.get_trials(deepcopy=False)[:3]]
+    assert first == [QTiledConfig().to_dict(), QTiledConfig(cluster=1).to_dict(),
+                     QTiledConfig(tile_n=64, stages=4).to_dict()]
+    assert r.mode == "tpe" and r.trials == 5 and r.status in ("tuned", "default") and r.speedup >= 1.0
+
+    full = Tuner("q_tiled", model, options=opts()).tune_bucket(shape)
+    legal = space.legal_configs(shape)
+    assert full.mode == "exhaustive" and full.trials == len(legal)
+    best = min(model.model_us(c, shape) for c in legal)
+    assert model.model_us(full.config, shape) <= best * 1.05
+    assert full.config.kv_pipes == 2 and "kv2" in format_results([full], kernel="q_tiled")
+
+
+def test_the_q_tiled_model_is_a_documented_roofline():
+    """The model's time is at least the FLOPs at the tensor-core rate of every SM, grows with the
+    context and the query rows, and shows each knob's mechanism (tile overhead, ring depth, split
+    K/V pipelines, pingpong) deterministically."""
+    from directkv_cute.config import QTiledConfig
+
+    m = ModelledObjective(seed=0, kernel="q_tiled")
+    shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=8192)
+    t = m.model_us(QTiledConfig(), shape)
+    keys = sum(shape.context - shape.q_len + j + 1 for j in range(shape.q_len))
+    flops = 4 * shape.num_q_heads * shape.head_dim * keys
+    assert t >= flops / (m.hw.sm_count * m.hw.sm_tflops * 1e6)
+    assert t == m.model_us(QTiledConfig(), shape) and m(QTiledConfig(), shape) == m(QTiledConfig(), shape)
+    assert m.model_us(QTiledConfig(), TuneShape(32, 8, 128, 1, 131072, 8192)) > 3 * t
+    assert m.model_us(QTiledConfig(), TuneShape(96, 8, 128, 1, 32768, 8192)) > 2.5 * t
+    assert m.model_us(QTiledConfig(pingpong=0), shape) > t
+    assert m.model_us(QTiledConfig(tile_n=64, stages=4), shape) > t  # twice the per-tile overhead
+    assert m.model_us(QTiledConfig(stages=2), shape) > m.model_us(QTiledConfig(stages=2, kv_pipes=2), shape)
+    slow_feed = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=m.q_tiled.__class__(sm_feed_gbps=20.0))
+    assert slow_feed.model_us(QTiledConfig(cluster=1), shape) > slow_feed.model_us(QTiledConfig(), shape)
+    assert m.model_us(QTiledConfig(carveout=100), shape) == m.model_us(QTiledConfig(tile_n=128, stages=3), shape)
+    bad = m(QTiledConfig(stages=4), shape)
+    assert not bad["ok"] and "per-block" in bad["err"]
+
+
+def test_precompile_compiles_what_the_run_measures_first_once_per_class(monkeypatch):
+    """Tuner.precompile: per compile class (dtype, head dim, GQA group, page size) the first
+    n_trials legal seeds of a TPE bucket, every legal config of an exhaustive one; each once."""
+    from directkv_cute.config import QTiledConfig
+
+    space = get_space("q_tiled")
+    calls = []
+    monkeypatch.setattr(space, "compile_for", lambda cfg, shape: calls.append((cfg, shape.class_key)))
+    shapes = [TuneShape(32, 8, 128, 1, c, q) for c in (8192, 32768) for q in (512, 2048)]
+    shapes.append(TuneShape(64, 8, 128, 1, 8192, 512, page_size=16))
+    t = Tuner("q_tiled", ModelledObjective(seed=0, kernel="q_tiled"), options=opts(n_trials=2, exhaustive_threshold=0))
+    n, fails = t.precompile(shapes, 1)
+    assert (n, fails) == (4, [])
+    assert calls == [(QTiledConfig(), ("bf16", 128, 4, 64)), (QTiledConfig(cluster=1), ("bf16", 128, 4, 64)),
+                     (QTiledConfig(), ("bf16", 128, 8, 16)), (QTiledConfig(cluster=1), ("bf16", 128, 8, 16))]
+    calls.clear()
+    t = Tuner("q_tiled", ModelledObjective(seed=0, kernel="q_tiled"), options=opts())  # exhaustive: 104 legal
+    assert t.precompile(shapes[:2], 1) == (len(space.legal_configs(shapes[0])), [])
+    assert len(calls) == len(set(calls)) == len(space.legal_configs(shapes[0]))
+
+
+def test_precompile_in_worker_processes_reports_failures(monkeypatch):
+    """With jobs > 1 the compiles run in spawned processes; a config that does not compile is
+    reported (its trial fails later as usual), the others are not."""
+    from directkv_cute.config import QTiledConfig
+
+    shape = TuneShape(32, 8, 128, 1, 8192, 512)
+    t = Tuner("q_tiled", ModelledObjective(seed=0, kernel="q_tiled"), options=opts())
+    monkeypatch.setattr(t, "precompile_plan", lambda shapes: [(QTiledConfig(tile_n=32), shape),
+                                                              (QTiledConfig(stages=4), shape)])
+    n, fails = t.precompile([shape], 2)
+    assert n == 2 and len(fails) == 2
+    assert "tile_n 32 must be 64 or 128" in fails[0] and "per-block limit" in fails[1] and "q_len=512" in fails[0]
+    assert "no compile hook" not in " ".join(fails)

@@ -39,6 +39,7 @@ _LAZY = {
     "ModelledObjective": "objectives",
     "GpuObjective": "objectives",
     "HardwareModel": "objectives",
+    "QTiledModel": "objectives",
 }
 
 
@@ -53,7 +54,7 @@ def __getattr__(name):
 
 __all__ = [
     "PRESETS", "BucketResult", "Decision", "DecodeSpace", "GpuObjective", "HardwareModel", "KernelSpace",
-    "ModelPreset", "ModelledObjective", "Profile", "ProfileError", "ProfileMissError", "ProfileWarning",
+    "ModelPreset", "ModelledObjective", "Profile", "QTiledModel", "ProfileError", "ProfileMissError", "ProfileWarning",
     "TuneOptions", "TuneShape", "Tuner", "TunerAbort", "clear_cache", "current_kernel_hash", "default_output_dir",
     "explain_config", "find_profile", "find_profiles", "format_results", "get_preset", "get_space", "load_profile", "profile_dirs",
     "profile_filename", "register_space", "sanitize_gpu_name", "save_profile", "select_config", "space_hash",

@@ -136,14 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     src = r.add_argument_group("what to tune")
     src.add_argument("--kernel", default="decode", type=_kernel_arg, choices=kernels(),
                      help=f"kernel to tune (default decode); buckets the op runs with the other kernel are left "
-                          f"out (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token). {KERNEL_ALIAS_HELP}")
+                          f"out (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token; q_tiled takes "
+                          f"the multi-token buckets, by default batch 1 x context 8k-128k x q_len 512-8192). "
+                          f"{KERNEL_ALIAS_HELP}")
     src.add_argument("--preset", action="append", default=[], metavar="NAME",
                      help=f"model preset ({', '.join(_presets.PRESETS)} or 'all'); repeatable")
     src.add_argument("--shape", action="append", default=[], type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN",
                      help="an explicit shape bucket; repeatable")
-    src.add_argument("--batches", type=_int_list, help="override the presets' batch buckets, e.g. 1,4,16,64")
-    src.add_argument("--contexts", type=_int_list, help="override the presets' context buckets, e.g. 4096,32768")
-    src.add_argument("--q-lens", type=_int_list, help="override the presets' q_len buckets")
+    src.add_argument("--batches", type=_int_list,
+                     help="override the presets' (or the kernel's, for q_tiled) batch buckets, e.g. 1,4,16,64")
+    src.add_argument("--contexts", type=_int_list,
+                     help="override the presets' (or the kernel's) context buckets, e.g. 4096,32768")
+    src.add_argument("--q-lens", type=_int_list, help="override the presets' (or the kernel's) q_len buckets")
     src.add_argument("--dtype", default="bf16", type=_dtype_arg, help="bf16 (default) or fp16")
     src.add_argument("--page-size", type=_page_size_arg, default=_presets.DEFAULT_PAGE_SIZE,
                      help=PAGE_SIZE_HELP)
@@ -160,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="search every legal config when there are at most this many (default 128)")
     how.add_argument("--max-host-gib", type=_positive_float, default=40.0,
                      help="pinned host memory the gpu objective may use")
+    how.add_argument("--precompile-jobs", type=_nonnegative_int, default=0, metavar="N",
+                     help="before measuring, compile in N processes the kernels the run measures first (every "
+                          "legal config of a bucket searched exhaustively, else its first --trials seeds: the "
+                          "default, the profile's entry, the portfolio) into the compiled-kernel disk cache; "
+                          "0 (default): each compiles when first measured")
     store = r.add_argument_group("storage")
     store.add_argument("--output", type=Path, default=None,
                        help=f"profile folder (default: the first ${PROFILE_DIR_ENV} folder, else a source "
@@ -205,7 +214,8 @@ def _shapes_from_args(a) -> list[TuneShape]:
     dtype = normalize_dtype(a.dtype)
     shapes = []
     for p in _presets.resolve_presets(a.preset):
-        shapes += p.shapes(batches=a.batches, contexts=a.contexts, q_lens=a.q_lens, page_size=a.page_size, dtype=dtype)
+        shapes += p.shapes(batches=a.batches, contexts=a.contexts, q_lens=a.q_lens, page_size=a.page_size, dtype=dtype,
+                           kernel=a.kernel)
     for hq, hkv, d, b, ctx, q in a.shape:
         shapes.append(TuneShape(hq, hkv, d, b, ctx, q, page_size=a.page_size, dtype=dtype))
     # buckets that differ only in query heads (Llama-3-8B / -70B / Mistral-Large) next to each other,
@@ -214,9 +224,15 @@ def _shapes_from_args(a) -> list[TuneShape]:
         s.dtype, s.head_dim, s.num_kv_heads, s.page_size, s.q_len, s.batch, s.context, s.num_q_heads))
 
 
+# The op_kernel result (the op's rule for a launch's query rows) of the buckets each kernel is tuned
+# on: over FP8 pages decode-sized calls run decode_fp8; the Q-tiled kernel runs multi-token calls
+# (compute-bound chunks over HBM or staged pages).
+RUNS_ON = {"decode_fp8": "decode", "q_tiled": "multi_token"}
+
+
 def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
     """The buckets the op runs with ``kernel`` (space.op_kernel, the op's rule); says which were left out."""
-    runs = "decode" if kernel == "decode_fp8" else kernel  # over FP8 pages decode-sized calls run decode_fp8
+    runs = RUNS_ON.get(kernel, kernel)
     kept = [s for s in shapes if op_kernel(s.group, s.q_len) == runs]
     left = [s for s in shapes if op_kernel(s.group, s.q_len) != runs]
     if left:
@@ -286,7 +302,7 @@ def _make_objective(a):
     from .objectives import GpuObjective, ModelledObjective
 
     if a.objective == "model":
-        return ModelledObjective(seed=a.seed)
+        return ModelledObjective(seed=a.seed, kernel=a.kernel)
     return GpuObjective(seed=a.seed, max_host_bytes=int(a.max_host_gib * (1 << 30)), kernel=a.kernel)
 
 
@@ -336,6 +352,15 @@ def _cmd_run(a, out) -> int:
     tuner = Tuner(a.kernel, objective, storage=journal, options=opts, output_dir=output, environment=env)
     print(f"directkv-tune: {len(shapes)} bucket(s) of {a.kernel} on {gpu} ({a.objective} objective), "
           f"journal {journal}", file=out)
+    if a.precompile_jobs:
+        import time
+
+        t0 = time.perf_counter()
+        n, fails = tuner.precompile(shapes, a.precompile_jobs)
+        print(f"directkv-tune: precompiled {n} kernel(s) in {a.precompile_jobs} process(es), "
+              f"{time.perf_counter() - t0:.0f} s, {len(fails)} failed", file=out)
+        for f in fails:
+            print(f"  precompile failed (its trial will fail too): {f}", file=sys.stderr)
     rc = 0
     try:
         results = tuner.tune(shapes)
@@ -458,10 +483,23 @@ def _resolve_compile():
     return fn, ""
 
 
+# (wait_ready, split_out) of the Q-tiled kernels the op launches: over HBM pages; over staged pages
+# in several KV splits (fp32 partials, combined) or in one.
+Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
+
+
 def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> None:
-    """Compile one entry as the op launches it: multi_token entries with the multi-token kernel."""
+    """Compile one entry as the op launches it: multi_token entries with the multi-token kernel,
+    q_tiled entries in each variant the op launches (``Q_TILED_VARIANTS``)."""
     from .space import torch_dtype
 
+    if kernel == "q_tiled":
+        from directkv_cute.kernels import specs
+
+        compile_q_tiled = specs.get("q_tiled").compile_fn
+        for wait_ready, split_out in Q_TILED_VARIANTS:
+            compile_q_tiled(cfg, torch_dtype(dtype), d, page, group, wait_ready, split_out)
+        return
     kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)
     if kernel == "decode_fp8":  # its own compile, over e4m3 pages
         import torch
@@ -582,7 +620,11 @@ def _cmd_lookup(a, out) -> int:
     except (ConfigError, ValueError) as e:
         print(f"directkv-tune lookup: no {kernel} config for this launch: {e}", file=sys.stderr)
         return 2
-    note = "" if kernel == op else f" (the op runs {op} for group x q_len = {group * q}; asked with --kernel)"
+    if kernel == "q_tiled":
+        note = (" (the op runs it for multi-token calls over HBM pages, or over host pages it stages, when its "
+                "cost model says so)")
+    else:
+        note = "" if kernel == op else f" (the op runs {op} for group x q_len = {group * q}; asked with --kernel)"
     print(f"kernel:  {kernel}{note}", file=out)
     if gpu != a.gpu:
         print(f"gpu:     {gpu}", file=out)
@@ -604,6 +646,10 @@ def _cmd_presets(_a, out) -> int:
              ",".join(map(str, p.q_lens)), str(p.page_size), p.dtype, p.source] for p in _presets.PRESETS.values()]
     print(plain_table(["preset", "hq", "hkv", "group", "d", "hidden", "layers", "batches", "contexts", "q_lens",
                        "page", "dtype", "source"], rows), file=out)
+    for kernel, kb in sorted(_presets.KERNEL_BUCKETS.items()):
+        print(f"--kernel {kernel}: every preset with batches {','.join(map(str, kb['batches']))}, contexts "
+              f"{','.join(map(str, kb['contexts']))}, q_lens {','.join(map(str, kb['q_lens']))} "
+              "(unless --batches / --contexts / --q-lens say otherwise)", file=out)
     return 0
 
 

@@ -6,10 +6,14 @@ and ``err`` (a message when not ok); optionally ``p20_us``, ``p80_us``, ``reps``
 the failure and stops so that the run can be resumed in a fresh process).
 
 * :class:`ModelledObjective` -- a deterministic cost model of the decode kernel over a PCIe
-  link plus seeded noise. For CPU tests and ``--objective model`` demos; its numbers are not
-  measurements and its profiles carry ``objective: model`` and a GPU name of their own.
-* :class:`GpuObjective` -- builds a PagedKVCache filled with random data, checks the config's
-  numerics against ``directkv_cute.reference.paged_attention_ref``, then times
+  link (and, for ``kernel="q_tiled"``, a roofline of the Q-tiled kernel over HBM pages:
+  :class:`QTiledModel`) plus seeded noise. For CPU tests and ``--objective model`` demos; its
+  numbers are not measurements and its profiles carry ``objective: model`` and a GPU name of
+  their own.
+* :class:`GpuObjective` -- builds a PagedKVCache filled with random data (host pages; all pages
+  in HBM for the Q-tiled kernel, which reads HBM: staged calls run the same kernel over a
+  buffer of copied pages), checks the config's numerics against
+  ``directkv_cute.reference.paged_attention_ref``, then times
   ``directkv_cute.paged_attention_tables(..., config=cfg)`` with CUDA events.
 """
 
@@ -64,6 +68,57 @@ class HardwareModel:
     max_threads_per_sm: int = 2048
 
 
+@dataclass(frozen=True)
+class QTiledModel:
+    """Constants of the Q-tiled kernel's cost model (``ModelledObjective`` with kernel "q_tiled").
+
+    Not measurements: round numbers of the right order for an H200 (dense bf16 WGMMA of
+    ``HardwareModel.sm_tflops`` per SM), chosen so that each tuned field has the effect its
+    mechanism suggests:
+
+    * a KV tile of ``tile_n`` keys costs the 128 query rows' two GEMMs (4 x 128 x tile_n x d FLOPs
+      at the SM's rate), the part of the softmax (``softmax_share`` of the GEMMs) not hidden behind
+      the other warpgroup's GEMMs (``pingpong_hidden`` with pingpong, ``overlap_hidden`` without),
+      the pingpong handshake and a fixed ``tile_overhead_us`` (barriers, bookkeeping): larger
+      tiles amortise the overhead;
+    * the ring keeps ``stages - 1`` tiles loading while one is consumed (half a tile more with
+      separate K and V pipelines: K(t) is freed after S(t)); a tile's load takes
+      ``load_latency_us`` plus its bytes at ``sm_feed_gbps`` (the query tiles of a KV head share
+      its tiles through the L2; a cluster of two pulls each tile once for both), so a step takes the longest of the compute, the transfer, and
+      the load spread over the tiles in flight;
+    * each CTA adds ``cta_setup_us`` (Q load, first tile, epilogue) and its first tile's load;
+    * CTAs (one per SM: 128 query rows, O in registers) are placed heaviest first (the kernel's
+      launch order) on the SM that frees first; the call is the last SM's finish, at least the
+      KV bytes at the HBM rate, plus the launch;
+    * the carveout has no modelled effect beyond legality (the kernel's loads are TMA into SMEM).
+    """
+
+    softmax_share: float = 0.45
+    pingpong_hidden: float = 0.85
+    overlap_hidden: float = 0.5
+    pingpong_sync_us: float = 0.03
+    tile_overhead_us: float = 0.06
+    load_latency_us: float = 1.0
+    sm_feed_gbps: float = 80.0
+    cta_setup_us: float = 2.0
+    rows: int = 128  # query rows per CTA (two consumer warpgroups of 64)
+
+    def tile_us(self, cfg, head_dim: int, sm_tflops: float) -> float:
+        """Compute time of one KV tile of one CTA (microseconds)."""
+        gemm = 4 * self.rows * cfg.tile_n * head_dim / (sm_tflops * 1e6)
+        hidden = self.pingpong_hidden if cfg.pingpong else self.overlap_hidden
+        exposed = self.softmax_share * gemm * (1.0 - hidden) + (self.pingpong_sync_us if cfg.pingpong else 0.0)
+        return gemm + exposed + self.tile_overhead_us
+
+    def step_us(self, cfg, head_dim: int, elem_bytes: int, sm_tflops: float) -> tuple[float, float]:
+        """(time per KV tile in steady state, time of the first tile's load), microseconds."""
+        compute = self.tile_us(cfg, head_dim, sm_tflops)
+        # A cluster's CTAs pull each tile from L2 once between them (TMA multicast).
+        xfer = 2 * cfg.tile_n * head_dim * elem_bytes / (self.sm_feed_gbps * 1e3) / cfg.cluster
+        inflight = max(1.0, cfg.stages - 1 + (0.5 if cfg.kv_pipes == 2 else 0.0))
+        return max(compute, xfer, (self.load_latency_us + xfer) / inflight), self.load_latency_us + xfer
+
+
 _CHUNK_EFF = ((256, 0.24), (1024, 0.96), (4096, 1.0))  # gathered host pages: 12.4 / 49.3 / 51 GB/s
 
 
@@ -87,15 +142,18 @@ class ModelledObjective:
     where a wave's bandwidth is the least of the link (scaled by the page-chunk efficiency),
     the active SMs x a per-SM cap, and Little's law on the bytes in flight (active CTAs x
     (stages - 1) x K+V tile bytes / link latency); the per-CTA serial time is the latency plus
-    per-tile overhead and WGMMA work.
+    per-tile overhead and WGMMA work. ``kernel="q_tiled"`` models the Q-tiled kernel over HBM
+    pages instead (:meth:`q_tiled_us`, constants in :class:`QTiledModel`); the other kernels use
+    the model above, each judged legal by its own space.
     ``fail`` (optional) maps (config, shape) to an error message to inject failures.
     """
 
     name = "model"
 
     def __init__(self, hw: HardwareModel | None = None, *, seed: int = 0, noise: float = 0.02, reps: int = 10,
-                 fail=None, kernel: str = "decode"):
+                 fail=None, kernel: str = "decode", q_tiled: QTiledModel | None = None):
         self.hw = hw or HardwareModel()
+        self.q_tiled = q_tiled or QTiledModel()
         self.seed = seed
         self.noise = noise
         self.reps = reps
@@ -116,6 +174,8 @@ class ModelledObjective:
 
     def model_us(self, cfg, shape: TuneShape) -> float:
         """Noise-free modelled time of one call (microseconds)."""
+        if self.kernel == "q_tiled":
+            return self.q_tiled_us(cfg, shape)
         hw = self.hw
         d, elem = shape.head_dim, shape.elem_bytes
         splits = cfg.splits_for(shape.batch, shape.num_kv_heads, shape.context, hw.sm_count)
@@ -151,6 +211,29 @@ class ModelledObjective:
             t += hw.combine_launch_us + 2 * partial / (hw.hbm_gbps * 1e3)
         return t
 
+    def q_tiled_us(self, cfg, shape: TuneShape) -> float:
+        """Noise-free modelled time of one Q-tiled call over HBM pages (:class:`QTiledModel`):
+        each sequence's last ``q_len`` tokens of ``context``, every sequence alike."""
+        import heapq
+
+        hw, m = self.hw, self.q_tiled
+        d, elem = shape.head_dim, shape.elem_bytes
+        per_tile = max(1, m.rows // shape.group)  # query tokens of one CTA
+        q_len = min(shape.q_len, shape.context)
+        step, first = m.step_us(cfg, d, elem, hw.sm_tflops)
+        cta_us = []
+        for j in range(math.ceil(q_len / per_tile)):
+            keys = shape.context - q_len + min(q_len, (j + 1) * per_tile)  # seen by the tile's last token
+            cta_us.append(m.cta_setup_us + first + math.ceil(keys / cfg.tile_n) * step)
+        cta_us.sort(reverse=True)  # heaviest first, as the kernel launches them
+        copies = shape.num_kv_heads * shape.batch
+        free = [0.0] * hw.sm_count
+        for t in cta_us:
+            for _ in range(copies):
+                heapq.heapreplace(free, free[0] + t)
+        kv_bytes = shape.kv_bytes()
+        return hw.launch_us + max(max(free), kv_bytes / (hw.hbm_gbps * 1e3))
+
     def _rng(self, cfg, shape, reps) -> random.Random:
         key = f"{self.seed}|{sorted(cfg.to_dict().items())}|{shape}|{reps}".encode()
         return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
@@ -177,11 +260,18 @@ class ModelledObjective:
 
 
 def _replace_tables(tables, page_table, seq_lens):
-    """A KernelTables like ``tables`` with other page_table / seq_lens (dataclass, namedtuple or plain)."""
+    """A KernelTables like ``tables`` with other page_table / seq_lens (dataclass, namedtuple or
+    plain); where it has host copies of them (``host_table``, ``host_seq_lens``: the staging plan
+    and the Q-tiled route read those), they are replaced too."""
+    extra = {}
+    if getattr(tables, "host_table", None) is not None:
+        extra["host_table"] = page_table.cpu().numpy()
+    if getattr(tables, "host_seq_lens", None) is not None:
+        extra["host_seq_lens"] = tuple(int(n) for n in seq_lens.tolist())
     if dataclasses.is_dataclass(tables):
-        return dataclasses.replace(tables, page_table=page_table, seq_lens=seq_lens)
+        return dataclasses.replace(tables, page_table=page_table, seq_lens=seq_lens, **extra)
     if hasattr(tables, "_replace"):
-        return tables._replace(page_table=page_table, seq_lens=seq_lens)
+        return tables._replace(page_table=page_table, seq_lens=seq_lens, **extra)
     return type(tables)(page_table, seq_lens)
 
 
@@ -225,6 +315,12 @@ class GpuObjective:
     launch overhead out of the events. p50/p20/p80 of the per-call times are returned; ``reps``
     given (the tuner's re-benchmark) fixes the number of timed calls.
 
+    ``kernel="q_tiled"``: every page is in the HBM tier (the kernel reads HBM; over host pages
+    the op stages them into an HBM buffer and runs the same kernel), as many distinct sequences
+    as fit ``max_hbm_bytes`` (default: a quarter of the GPU's memory), and the config is forced
+    (an explicit ``QTiledConfig`` always runs the Q-tiled kernel; its launch fields left 0 are the
+    op's choice, which over HBM pages is one split).
+
     ``device="cpu"`` runs the same steps on the CPU with wall-clock timing (a smoke test of the
     harness: the op runs its reference path there); ``op`` replaces
     ``directkv_cute.paged_attention_tables``.
@@ -235,7 +331,8 @@ class GpuObjective:
 
     def __init__(self, *, device=None, op=None, warmup: int = 2, min_reps: int = 3, max_reps: int = 100,
                  target_ms: float = 150.0, max_host_bytes: int = 40 << 30, l2_factor: float = 2.0, max_layers: int = 8,
-                 check: bool = True, rtol: float | None = None, seed: int = 0, kernel: str = "decode"):
+                 check: bool = True, rtol: float | None = None, seed: int = 0, kernel: str = "decode",
+                 max_hbm_bytes: int | None = None):
         import torch
 
         self.torch = torch
@@ -246,6 +343,7 @@ class GpuObjective:
         self.warmup, self.min_reps, self.max_reps = warmup, min_reps, max_reps
         self.target_ms = target_ms
         self.max_host_bytes = max_host_bytes
+        self.max_hbm_bytes = max_hbm_bytes
         self.l2_factor, self.max_layers = l2_factor, max_layers
         self.check, self.rtol, self.seed, self.kernel = check, rtol, seed, kernel
         self._setup = _Setup()
@@ -355,24 +453,33 @@ class GpuObjective:
         page_bytes_layer = hkv * 2 * ps * d * elem
         layer_bytes = shape.batch * pages_per_seq * page_bytes_layer
         layers = max(1, min(self.max_layers, math.ceil(self.l2_factor * env["l2_bytes"] / layer_bytes)))
+        hbm = self.kernel == "q_tiled"  # the Q-tiled kernel reads HBM pages
+        budget = self._hbm_budget() if hbm else self.max_host_bytes
         seq_bytes = pages_per_seq * page_bytes_layer * layers
-        distinct = max(1, min(shape.batch, self.max_host_bytes // seq_bytes))
+        distinct = max(1, min(shape.batch, budget // seq_bytes))
         if distinct < shape.batch and layers > 1:
             layers = 1
             seq_bytes = pages_per_seq * page_bytes_layer
-            distinct = max(1, min(shape.batch, self.max_host_bytes // seq_bytes))
+            distinct = max(1, min(shape.batch, budget // seq_bytes))
 
         fp8 = self.kernel == "decode_fp8"
         page_dt = {"dtype": torch.float8_e4m3fn, "compute_dtype": dt} if fp8 else {"dtype": dt}
-        cache = PagedKVCache(layers, hkv, d, ps, distinct * pages_per_seq, num_hbm_pages=0, device=str(self.device),
-                             **page_dt)
+        n_pages = distinct * pages_per_seq
+        cache = PagedKVCache(layers, hkv, d, ps, 1 if hbm else n_pages, num_hbm_pages=n_pages if hbm else 0,
+                             device=str(self.device), **page_dt)
         seq_ids = []
         for _ in range(distinct):
             s = cache.add_sequence()
-            cache.extend(s, shape.context)
+            if hbm:
+                cache.extend(s, shape.context, tier="hbm")
+            else:
+                cache.extend(s, shape.context)
             seq_ids.append(s)
         # random K/V everywhere (never zeros); from the GPU through the UVA view when there is one
-        pool = cache.host_pool_cuda if getattr(cache, "host_pool_cuda", None) is not None else cache.host_pool
+        if hbm:
+            pool = cache.hbm_pool
+        else:
+            pool = cache.host_pool_cuda if getattr(cache, "host_pool_cuda", None) is not None else cache.host_pool
         gen = torch.Generator(device=pool.device)
         gen.manual_seed(self.seed)
         chunk = max(1, (256 << 20) // max(1, pool[0].numel() * elem))
@@ -408,6 +515,14 @@ class GpuObjective:
         st.layers, st.distinct = layers, distinct
         st.check_rows = sorted({0, distinct - 1})
         return st
+
+    def _hbm_budget(self) -> int:
+        """Bytes of HBM pages the Q-tiled objective may allocate."""
+        if self.max_hbm_bytes is not None:
+            return int(self.max_hbm_bytes)
+        if self.cuda:
+            return self.torch.cuda.get_device_properties(self.device).total_memory // 4
+        return self.max_host_bytes
 
     def _build_inputs(self, st: _Setup, shape: TuneShape) -> None:
         torch = self.torch
@@ -522,4 +637,4 @@ class GpuObjective:
         return out
 
 
-__all__ = ["GpuObjective", "HardwareModel", "ModelledObjective", "summarize"]
+__all__ = ["GpuObjective", "HardwareModel", "ModelledObjective", "QTiledModel", "summarize"]

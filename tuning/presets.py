@@ -19,6 +19,20 @@ DEFAULT_Q_LENS = (1,)
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_DTYPE = "bf16"
 
+# Shape buckets of kernels whose calls are not decode steps, used where a run gives no bucket
+# lists of its own (--batches / --contexts / --q-lens): the Q-tiled kernel runs compute-bound
+# chunks (long prefills, large chunked-prefill steps), so its buckets are one sequence's chunk of
+# 512..8192 query tokens at the end of an 8k..128k context (the multi_token profile's buckets).
+KERNEL_BUCKETS: dict[str, dict[str, tuple[int, ...]]] = {
+    "q_tiled": {"batches": (1,), "contexts": (8192, 32768, 131072), "q_lens": (512, 2048, 8192)},
+}
+
+
+def kernel_buckets(kernel: str | None) -> dict[str, tuple[int, ...]]:
+    """The bucket lists (batches, contexts, q_lens) ``kernel`` is tuned on by default; empty for
+    the decode kernels (the presets' own lists)."""
+    return dict(KERNEL_BUCKETS.get(kernel or "", {}))
+
 
 @dataclass(frozen=True)
 class ModelPreset:
@@ -39,8 +53,13 @@ class ModelPreset:
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
-    def shapes(self, *, batches=None, contexts=None, q_lens=None, page_size=None, dtype=None) -> list[TuneShape]:
-        """The preset's shape buckets (optionally with other bucket lists / page size / dtype)."""
+    def shapes(self, *, batches=None, contexts=None, q_lens=None, page_size=None, dtype=None,
+               kernel: str | None = None) -> list[TuneShape]:
+        """The preset's shape buckets (optionally with other bucket lists / page size / dtype);
+        ``kernel``: that kernel's default bucket lists (``KERNEL_BUCKETS``) where none are given."""
+        kb = kernel_buckets(kernel)
+        batches, contexts, q_lens = (batches or kb.get("batches"), contexts or kb.get("contexts"),
+                                     q_lens or kb.get("q_lens"))
         out = []
         for q_len in q_lens or self.q_lens:
             for batch in batches or self.batches:
@@ -80,6 +99,10 @@ PRESETS: dict[str, ModelPreset] = {
             num_q_heads=64, num_kv_heads=8, head_dim=128, hidden_size=8192, num_layers=80,
         ),
         ModelPreset(
+            "qwen2.5-7b", "Qwen/Qwen2.5-7B config.json",
+            num_q_heads=28, num_kv_heads=4, head_dim=128, hidden_size=3584, num_layers=28,
+        ),
+        ModelPreset(
             "mistral-large", "mistralai/Mistral-Large-Instruct-2407 config.json",
             num_q_heads=96, num_kv_heads=8, head_dim=128, hidden_size=12288, num_layers=88,
         ),
@@ -99,6 +122,8 @@ _ALIASES.update({
     _norm("Meta-Llama-3-70B"): "llama3-70b",
     _norm("Qwen2.5-72B"): "qwen2.5-72b",
     _norm("Qwen2.5-72B-Instruct"): "qwen2.5-72b",
+    _norm("Qwen2.5-7B"): "qwen2.5-7b",
+    _norm("Qwen2.5-7B-Instruct"): "qwen2.5-7b",
     _norm("Mistral-Large-Instruct-2407"): "mistral-large",
     _norm("Mistral-Large-2407"): "mistral-large",
 })
@@ -132,5 +157,5 @@ def unique_shapes(shapes) -> list[TuneShape]:
     return out
 
 
-__all__ = ["DEFAULT_BATCHES", "DEFAULT_CONTEXTS", "DEFAULT_Q_LENS", "ModelPreset", "PRESETS",
-           "get_preset", "resolve_presets", "unique_shapes"]
+__all__ = ["DEFAULT_BATCHES", "DEFAULT_CONTEXTS", "DEFAULT_Q_LENS", "KERNEL_BUCKETS", "ModelPreset", "PRESETS",
+           "get_preset", "kernel_buckets", "resolve_presets", "unique_shapes"]

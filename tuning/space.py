@@ -244,6 +244,12 @@ class KernelSpace:
         random TPE start-up trials. The tuner skips the ones illegal for ``shape``."""
         return []
 
+    def compile_for(self, cfg, shape: TuneShape) -> None:
+        """Compile the kernel the GPU objective launches for ``cfg`` on ``shape`` (the op's compile,
+        so its memory and disk caches serve the measurement; ``Tuner.precompile`` runs this in
+        worker processes to fill the disk cache before measuring)."""
+        raise NotImplementedError(f"no compile hook for kernel {self.kernel!r}")
+
     # ---- enumeration ----------------------------------------------------------------------
     def cardinality(self) -> int:
         return math.prod(len(p.choices) for p in self.params)
@@ -345,6 +351,12 @@ class DecodeSpace(KernelSpace):
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
         return default_decode_config(head_dim, rows, page_size)
 
+    def compile_for(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS) -> None:
+        # split partials when the launch splits the context (the split count of an H200's SMs)
+        split = cfg.splits_for(shape.batch, shape.num_kv_heads, shape.context, num_sms) > 1
+        specs.get("decode").compile_fn(cfg, torch_dtype(shape.dtype), shape.head_dim, shape.page_size, shape.group,
+                                       shape.q_len, split_out=split)
+
 
 class MultiTokenSpace(KernelSpace):
     """The multi-token KV-outer chunk kernel (the op's path over host pages for rows > 128).
@@ -397,6 +409,10 @@ class MultiTokenSpace(KernelSpace):
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
         return default_multi_token_config(head_dim, rows)
+
+    def compile_for(self, cfg: DecodeConfig, shape: TuneShape) -> None:
+        specs.get("multi_token").compile_fn(cfg, torch_dtype(shape.dtype), shape.head_dim, shape.page_size,
+                                            shape.group)
 
     def portfolio(self, shape: TuneShape) -> list:
         # The runners-up and the tuner's winners of the H200 A/B runs G-N and the tunes of sessions
@@ -457,6 +473,13 @@ class DecodeFP8Space(DecodeSpace):
 
         return decode_config(default_decode_config(head_dim, rows, page_size), head_dim, page_size)
 
+    def compile_for(self, cfg: DecodeConfig, shape: TuneShape, num_sms: int = SM90_NUM_SMS) -> None:
+        import torch
+
+        split = cfg.splits_for(shape.batch, shape.num_kv_heads, shape.context, num_sms) > 1
+        specs.get("decode_fp8").compile_fn(cfg, torch_dtype(shape.dtype), torch.float8_e4m3fn, shape.head_dim,
+                                           shape.page_size, shape.group, shape.q_len, split)
+
     def portfolio(self, shape: TuneShape) -> list:
         # The one-script A/B of session 14 (bench/results/NVIDIA_H200-2026-12-01-s14-fp8-ab.txt):
         # 6 stages at carveout 100 beat the adapted default (7 at 80) at B1 and B4 over 128k.
@@ -464,6 +487,62 @@ class DecodeFP8Space(DecodeSpace):
         picks = (dict(tile_n=64, stages=6, carveout=100), dict(tile_n=64, stages=9, carveout=100),
                  dict(tile_n=128, stages=4, carveout=100), dict(tile_n=32, stages=12, carveout=100))
         return [DecodeConfig(consumer_wgs=wgs, **p) for p in picks]
+
+
+class QTiledSpace(KernelSpace):
+    """The Q-tiled kernel (``QTiledConfig``, ``kernels/q_tiled.py``): the op's kernel for
+    compute-bound multi-token calls, over HBM pages or host pages it staged into HBM.
+
+    Only the fields that generate code are tuned (the spec's ``codegen_fields``): the KV tile,
+    the ring depth, the carveout, the consumers' pingpong, one or two KV pipelines and the cluster. The launch
+    fields (``piece_pages``, ``splits``, ``order``) stay 0: the op's cost model picks them per call
+    from the call's tiers and lengths (``ops._q_tiled_route``), and the measured launch (all pages
+    in HBM: no staging, one split) does not read them. Legality is the spec's: the config's rules
+    (tile_n 64/128, the ring and the Q tile within SMEM under the carveout) and the GQA group.
+    """
+
+    kernel = "q_tiled"
+    source_kernel = "q_tiled"
+    config_cls = specs.get("q_tiled").config_class
+    params = (
+        Param("tile_n", (64, 128), "KV tokens per ring stage"),
+        Param("stages", (2, 3, 4), "depth of the SMEM ring (of each of the K and V pipelines with kv_pipes 2)"),
+        Param("carveout", (80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
+        Param("pingpong", (0, 1), "the two consumer warpgroups take turns at the tensor cores (1) or not (0)"),
+        Param("kv_pipes", (1, 2), "1: one K+V ring pipeline; 2: separate K and V pipelines (K freed after S)"),
+        Param("cluster", (1, 2), "CTAs per cluster sharing each KV tile by TMA multicast (2: adjacent query tiles)"),
+    )
+    fixed_doc = ("piece_pages = splits = order = 0 (the op's cost model picks the staging pieces, KV splits "
+                 "and launch order per call)")
+
+    def fixed(self, shape: TuneShape) -> dict:
+        return {"piece_pages": 0, "splits": 0, "order": 0}
+
+    def problems(self, cfg, shape: TuneShape) -> list[str]:
+        return specs.get(self.source_kernel).problems(cfg, shape.head_dim, shape.page_size, shape.elem_bytes,
+                                                      group=shape.group, q_len=shape.q_len)
+
+    def static_problems(self, cfg, *, head_dim: int, page_size: int, rows: int, dtype="bf16") -> list[str]:
+        # The kernel tiles the query rows (any number of them); its GQA-group rule is checked by
+        # the op (and a profile class never changes group), so the config's rules are all.
+        return specs.get(self.source_kernel).problems(cfg, head_dim, page_size, ELEM_BYTES[normalize_dtype(dtype)])
+
+    def default_config(self, head_dim: int, rows: int, page_size: int):
+        """The op's untuned config (``QTiledConfig()``: 128-token tiles, 3 stages, pingpong, one
+        K+V pipeline), whatever the rows."""
+        return self.config_cls()
+
+    def portfolio(self, shape: TuneShape) -> list:
+        # The default (clusters of two sharing each tile), one CTA per query tile, and 64-token
+        # tiles over a deeper ring: the variants that came closest in the same-run A/B of
+        # 2026-12-02 (separate K and V pipelines lost 5-12% on every shape), tried first.
+        cls = self.config_cls
+        return [cls(), cls(cluster=1), cls(tile_n=64, stages=4)]
+
+    def compile_for(self, cfg, shape: TuneShape) -> None:
+        # the GPU objective's launch: every page in HBM, no ready flags, one split
+        specs.get("q_tiled").compile_fn(cfg, torch_dtype(shape.dtype), shape.head_dim, shape.page_size, shape.group,
+                                        False, False)
 
 
 _SPACES: dict[str, KernelSpace] = {}
@@ -505,12 +584,14 @@ def config_problems(kernel: str, cfg, shape: TuneShape) -> list[str]:
 register_space(DecodeSpace())
 register_space(MultiTokenSpace())
 register_space(DecodeFP8Space())
+register_space(QTiledSpace())
 
 __all__ = [
     "ConfigError",
     "DecodeSpace",
     "KernelSpace",
     "MultiTokenSpace",
+    "QTiledSpace",
     "LegalityReport",
     "STREAM_MAX_ROWS",
     "Param",

@@ -197,6 +197,66 @@ class Tuner:
             f"|k{self.kernel_hash[:12]}|s{self.space_hash[:12]}"
         )
 
+    def seed_configs(self, shape: TuneShape) -> list:
+        """The configs a bucket's search starts with, in order: the heuristic default, the existing
+        profile's entry for the bucket, the space's portfolio (illegal ones included: the search
+        skips them)."""
+        seeds = [self.space.default_for(shape)]
+        if self._old_profile is not None:
+            rec = self._old_profile.get((self.kernel, *shape.class_key), shape.bucket)
+            if rec is not None:
+                try:
+                    seeds.append(self.space.config_from_dict(rec["config"]))
+                except Exception:
+                    pass
+        return seeds + self.space.portfolio(shape)
+
+    def precompile_plan(self, shapes) -> list[tuple]:
+        """(config, shape) of each distinct kernel the search of ``shapes`` measures first: every
+        legal config of a bucket searched exhaustively, else its first ``n_trials`` distinct legal
+        seeds (what a short run measures); one per config and compile class (kernel, dtype,
+        head_dim, GQA group, page size)."""
+        space, opt = self.space, self.opt
+        seen, out = set(), []
+        for shape in shapes:
+            legal = space.legality(shape).legal
+            if len(legal) <= opt.exhaustive_threshold:
+                picks = legal
+            else:
+                picks, keys = [], set()
+                for cfg in self.seed_configs(shape):
+                    key = space.config_key(cfg)
+                    if key not in keys and space.in_space(cfg) and not space.problems(cfg, shape):
+                        keys.add(key)
+                        picks.append(cfg)
+                picks = picks[:opt.n_trials]
+            for cfg in picks:
+                key = (shape.class_key, space.config_key(cfg))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((cfg, shape))
+        return out
+
+    def precompile(self, shapes, jobs: int) -> tuple[int, list[str]]:
+        """Compile ``precompile_plan(shapes)`` before measuring, in ``jobs`` worker processes (spawned:
+        each imports the compiler afresh) or, with ``jobs`` 1, here: the compiled-kernel disk cache
+        (``directkv_cute.kernels.jit``) then serves the measurements, which otherwise compile one
+        kernel at a time. Returns (kernels, failures); a failure is only reported (the trial of that
+        config fails and is recorded as usual)."""
+        plan = self.precompile_plan(shapes)
+        tasks = [(self.kernel, cfg.to_dict(), shape.to_dict()) for cfg, shape in plan]
+        if jobs <= 1:
+            errors = [_compile_one(*t) for t in tasks]
+        else:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(max_workers=min(jobs, max(1, len(tasks))),
+                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+                errors = list(pool.map(_compile_one, *zip(*tasks))) if tasks else []
+        fails = [f"{TuneShape(**t[2]).describe()} {t[1]}: {e}" for t, e in zip(tasks, errors) if e]
+        return len(tasks), fails
+
     def _params_of(self, cfg) -> dict | None:
         pt = self.space.point(cfg)
         try:
@@ -306,15 +366,7 @@ class Tuner:
         evaluated0 = len(measured) + len(failed)
 
         # ---- seeds: heuristic default, the existing profile's entry, then the space's portfolio ------
-        seeds = [default]
-        if self._old_profile is not None:
-            rec = self._old_profile.get((self.kernel, *shape.class_key), shape.bucket)
-            if rec is not None:
-                try:
-                    seeds.append(space.config_from_dict(rec["config"]))
-                except Exception:
-                    pass
-        seeds += space.portfolio(shape)
+        seeds = self.seed_configs(shape)
         queued = set()
         for cfg in seeds:
             params, key = self._params_of(cfg), space.config_key(cfg)
@@ -557,6 +609,17 @@ class Tuner:
         return results
 
 
+def _compile_one(kernel: str, cfg: dict, shape: dict) -> str | None:
+    """Compile one config for one shape (``Tuner.precompile``'s worker); the error, or None."""
+    space = get_space(kernel)
+    try:
+        space.compile_for(space.config_from_dict(cfg), TuneShape(**shape))
+    except Exception as e:  # a config that does not compile fails its trial later
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+    return None
+
+
 def tune(kernel: str, shapes, measure, *, storage=None, output_dir=None, **options) -> list[BucketResult]:
     """Functional front end: ``tune("decode", shapes, ModelledObjective(), n_trials=30)``."""
     return Tuner(kernel, measure, storage=storage, output_dir=output_dir, options=TuneOptions(**options)).tune(shapes)
@@ -587,7 +650,8 @@ def _short_config(c) -> str:
     names = {"tile_n": "t", "stages": "s", "num_splits": "n", "ctas_per_sm": "c", "carveout": "a", "consumer_wgs": "w",
              "chunk_tiles": "k", "max_inflight": "f",
              "link_credits": "L", "edge_tiles": "e", "q_regs": "q",
-             "q_cluster": "m", "stagger": "g"}
+             "q_cluster": "m", "stagger": "g",
+             "piece_pages": "pp", "splits": "sp", "order": "o", "pingpong": "pg", "kv_pipes": "kv", "cluster": "cl"}
     return " ".join(f"{names.get(k, k)}{v}" for k, v in d.items())
 
 

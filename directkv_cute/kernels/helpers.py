@@ -8,7 +8,10 @@ import math
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T
 from cutlass.tensor_utils import LayoutEnum
 
 LOG2_E = math.log2(math.e)
@@ -64,6 +67,19 @@ def acc_as_operand_a(acc: cute.Tensor) -> cute.Tensor:
         ),
     )
     return cute.make_tensor(acc.iterator, frg)
+
+
+@cute.jit
+def pack_operand(src: cute.Tensor, dst: cute.Tensor):
+    """dst (bf16/fp16, compact) = src (fp32, the same shape) rounded to nearest even, two
+    elements per cvt. The cvts are inline asm with side effects, so the compiler keeps them where
+    they are written: LLVM otherwise sinks a plain conversion of P down to the next P V issue,
+    which keeps the fp32 P alive across the next S WGMMA (64 more registers per thread)."""
+    dst32 = cute.recast_tensor(dst, Int32)
+    op = "cvt.rn.bf16x2.f32" if dst.element_type is cutlass.BFloat16 else "cvt.rn.f16x2.f32"
+    for i in cutlass.range_constexpr(cute.size(dst32)):
+        dst32[i] = Int32(llvm.inline_asm(T.i32(), [Float32(src[2 * i]).ir_value(), Float32(src[2 * i + 1]).ir_value()],
+                                         f"{op} $0, $2, $1;", "=r,f,f", has_side_effects=True))
 
 
 @cute.jit

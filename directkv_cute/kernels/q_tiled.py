@@ -26,7 +26,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from directkv_cute.config import QTiledConfig
-from directkv_cute.kernels.helpers import acc_as_operand_a, gemm, gemm_issue
+from directkv_cute.kernels.helpers import acc_as_operand_a, gemm_issue, pack_operand
 from directkv_cute.kernels.masks import mask_tile
 from directkv_cute.kernels.paged import PagedAttention
 from directkv_cute.kernels.softmax import rescale_rows, softmax_finalize, softmax_reset, softmax_step, softmax_update
@@ -49,6 +49,7 @@ class QTiledAttention(PagedAttention):
         self.wait_ready = wait_ready
         self.producer.wait_ready = wait_ready
         self.pingpong = bool(cfg.pingpong)
+        self.kv_pipes = cfg.kv_pipes
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -83,13 +84,16 @@ class QTiledAttention(PagedAttention):
         h = self.host_setup(q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, batch,
                             total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, num_splits)
         mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages))  # (pieces <= max_pages,)
+        C = self.cluster
+        n_x = (n_q_tiles + C - 1) // C * C  # whole clusters of query tiles
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
             num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, scale_log2,
             h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
-            grid=[n_q_tiles, num_kv_heads, batch * num_splits],
+            grid=[n_x, num_kv_heads, batch * num_splits],
             block=[self.num_threads, 1, 1],
+            cluster=[C, 1, 1] if const_expr(C > 1) else None,
             smem=self.shared_storage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
@@ -133,10 +137,15 @@ class QTiledAttention(PagedAttention):
             # ---------------- producer warpgroup: warp 0 streams the KV tiles with TMA --------
             cute.arch.setmaxregister_decrease(Q_TILED_REGS[0])
             if warp_idx == 0:
-                self.producer.load(
-                    kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
-                    admit, mReady, epoch, piece_tiles,
-                )
+                if const_expr(self.kv_pipes == 1):
+                    self.producer.load(
+                        kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
+                        admit, mReady, epoch, piece_tiles,
+                    )
+                else:
+                    k_pipe, v_pipe = kv_pipe
+                    self.producer.load_split(k_pipe, v_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, cta,
+                                             num_kv_heads, num_layers, layer, mReady, epoch, piece_tiles)
         else:
             # ---------------- consumer warpgroups: 64 rows each, O in registers --------------
             cute.arch.setmaxregister_increase(Q_TILED_REGS[1])
@@ -149,6 +158,11 @@ class QTiledAttention(PagedAttention):
             softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
             self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0,
                            tok0, self.q_per_cta)
+        if const_expr(self.cluster > 1):
+            # No CTA leaves while its peer may still multicast into its SMEM or arrive on its
+            # barriers.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     @cute.jit
     def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, split_tiles, ascending):
@@ -156,9 +170,10 @@ class QTiledAttention(PagedAttention):
         (heaviest) down, or with ``ascending`` from the first (the lightest, whose keys a staged
         copy lands first), z over (split, sequence), split-major: split s owns KV tiles
         [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged pages
-        land first) run first. A tile past its sequence's queries or its split's keys walks no
-        KV tiles (with split_out it writes an empty partial, LSE -inf)."""
-        tile_n, qpc = self.tile_n, self.q_per_cta
+        land first) run first. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
+        causal range of the cluster's last query token. A cluster past its sequence's queries or
+        its split's keys walks no KV tiles (with split_out it writes an empty partial, LSE -inf)."""
+        tile_n, qpc, C = self.tile_n, self.q_per_cta, self.cluster
         mt, kvh, z = cute.arch.block_idx()
         n_mt, _, _ = cute.arch.grid_dim()
         split = z // batch
@@ -166,69 +181,119 @@ class QTiledAttention(PagedAttention):
         seq_len = mSeqLen[b]
         q_start = mCuQ[b]
         q_len = mCuQ[b + 1] - q_start
+        rank = mt % C
+        base = mt - rank  # the cluster's first x
         tok0 = (n_mt - 1 - mt) * qpc
+        tok_lo = (n_mt - base - C) * qpc  # the cluster's first and last tiles' first tokens
+        tok_hi = (n_mt - 1 - base) * qpc
         if ascending != 0:
             tok0 = mt * qpc
-        last_tok = cutlass.min(q_len, tok0 + qpc) - 1
-        key_end = seq_len - q_len + last_tok + 1  # keys the tile's last token sees
+            tok_lo = base * qpc
+            tok_hi = (base + C - 1) * qpc
+        last_tok = cutlass.min(q_len, tok_hi + qpc) - 1
+        key_end = seq_len - q_len + last_tok + 1  # keys the cluster's last token sees
         t_begin = split * split_tiles
         t_end = t_begin
-        if tok0 < q_len:
+        if tok_lo < q_len:
             t_end = cutlass.max(t_begin, cutlass.min(t_begin + split_tiles, (key_end + tile_n - 1) // tile_n))
         n_pages = (seq_len + self.page_size - 1) // self.page_size
-        return CtaWork(split, kvh, b, 0, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
+        if const_expr(C == 1):
+            rank = 0
+        return CtaWork(split, kvh, b, rank, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
 
     @cute.jit
     def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
         """Every KV tile [t_begin, t_end) as it lands, for this warpgroup's rows, software pipelined:
-        S(t) and P(t-1) V(t-1) are issued together; tile t-1 is released once both are done.
-        With pingpong the two warpgroups alternate their issues (turn_wait / turn_done): both
-        make the same n + 1 issues, warpgroup 1 first hands the first turn to warpgroup 0."""
-        tile_n, group = self.tile_n, self.group
+        S(t) and P(t-1) V(t-1) are issued together (``step``). With one pipeline tile t-1's stage
+        (its K and V) is released once both are done; with ``kv_pipes`` 2 K(t) is released as soon
+        as S(t) is done and V(t-1) is waited for only before its P V. The tiles before the first
+        one that reaches past the first row's causal limit run a step compiled without the mask,
+        the rest one with it. With pingpong the two warpgroups alternate their issues (turn_wait
+        / turn_done): both make the same n + 1 issues, warpgroup 1 first hands the first turn to
+        warpgroup 0."""
+        tile_n, group, split = self.tile_n, self.group, self.kv_pipes == 2
         seq_len, q_len, t0, n = cta.seq_len, cta.q_len, cta.t_begin, cta.t_end - cta.t_begin
         acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt = w.acc_S, w.acc_O, w.tOrP, w.tSrQ, w.tSrK, w.tOrVt
-        row_max, row_sum, row_scale, tScS = w.row_max, w.row_sum, w.row_scale, w.tScS
-        wait_state = RingState.consumer(self.stages)
-        free_state = RingState.consumer(self.stages)
+        row_max, row_sum, tScS = w.row_max, w.row_sum, w.tScS
+        k_pipe, v_pipe = kv_pipe, kv_pipe
+        if const_expr(split):
+            k_pipe, v_pipe = kv_pipe
+        k_wait = RingState.consumer(self.stages)  # K(t) (one pipeline: the stage of tile t)
+        v_state = RingState.consumer(self.stages)  # V(t-1): waited (kv_pipes 2) and released
+        k_free = RingState.consumer(self.stages)  # K(t), released after S(t) (kv_pipes 2)
         if n > 0:
             if const_expr(self.pingpong):
                 if w.wg == 1:  # warpgroup 0 issues first
                     self.turn_done(0)
-            kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
-            st = wait_state.index
+            k_pipe.consumer_wait(k_wait, k_pipe.consumer_try_wait(k_wait))
+            st = k_wait.index
             self.turn_wait(w.wg)
             warpgroup.fence()
             gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
             self.turn_done(1 - w.wg)
             warpgroup.wait_group(0)
+            if const_expr(split):
+                k_pipe.consumer_release(k_free)
+                k_free.advance()
             mask_tile(acc_S, t0, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
             softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
-            tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-            wait_state.advance()
-            for t in cutlass.range(1, n, unroll=1):
-                st_prev = st
-                kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
-                st = wait_state.index
-                self.turn_wait(w.wg)
-                warpgroup.fence()
-                gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
-                gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st_prev], False)
-                self.turn_done(1 - w.wg)
-                warpgroup.wait_group(1)  # S(t) is ready; P V of tile t-1 may still run
-                mask_tile(acc_S, t0 + t, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
-                softmax_step(acc_S, row_max, row_sum, row_scale, scale_log2)
-                warpgroup.wait_group(0)
-                kv_pipe.consumer_release(free_state)  # tile t-1: its K and V are read
-                free_state.advance()
-                rescale_rows(acc_O, row_scale)
-                tOrP.store(acc_as_operand_a(acc_S).load().to(self.dtype))
-                wait_state.advance()
+            pack_operand(acc_as_operand_a(acc_S), tOrP)
+            k_wait.advance()
+            # Tiles [t0, t0 + n_free) lie wholly at or below the first row's causal limit.
+            n_free = cutlass.max(cutlass.min((seq_len - q_len + tok0 + 1) // tile_n - t0, n), 1)
+            for t in cutlass.range(1, n_free, unroll=1):
+                st = self.step(w, k_pipe, v_pipe, k_wait, v_state, k_free, st, cta, t, tok0, scale_log2, False)
+                k_wait.advance()
+                v_state.advance()
+                if const_expr(split):
+                    k_free.advance()
+            for t in cutlass.range(n_free, n, unroll=1):
+                st = self.step(w, k_pipe, v_pipe, k_wait, v_state, k_free, st, cta, t, tok0, scale_log2, True)
+                k_wait.advance()
+                v_state.advance()
+                if const_expr(split):
+                    k_free.advance()
+            sv = st
+            if const_expr(split):
+                v_pipe.consumer_wait(v_state, v_pipe.consumer_try_wait(v_state))
+                sv = v_state.index
             self.turn_wait(w.wg)
             warpgroup.fence()
-            gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, st], False)
+            gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, sv], False)
             self.turn_done(1 - w.wg)
             warpgroup.wait_group(0)
-            kv_pipe.consumer_release(free_state)
+            v_pipe.consumer_release(v_state)
+
+    @cute.jit
+    def step(self, w, k_pipe, v_pipe, k_wait, v_state, k_free, st, cta, t, tok0, scale_log2,
+             masked: cutlass.Constexpr):
+        """One pipelined step at KV tile t (from the split's first): wait for K(t), issue S(t) =
+        Q K(t)^T and O += P(t-1) V(t-1), the online softmax of S(t) (masked with ``masked``) while
+        that P V runs, then O rescaled and P(t) converted. Releases K(t) (``kv_pipes`` 2) and V(t-1)
+        without advancing the states (the caller's loop does). Returns tile t's stage."""
+        acc_S, acc_O, tOrP = w.acc_S, w.acc_O, w.tOrP
+        sv = st  # the stage of tile t-1 (one pipeline)
+        k_pipe.consumer_wait(k_wait, k_pipe.consumer_try_wait(k_wait))
+        st = k_wait.index
+        self.turn_wait(w.wg)
+        warpgroup.fence()
+        gemm_issue(w.mma_qk, acc_S, w.tSrQ, w.tSrK[None, None, None, st], True)
+        if const_expr(self.kv_pipes == 2):
+            v_pipe.consumer_wait(v_state, v_pipe.consumer_try_wait(v_state))
+            sv = v_state.index
+        gemm_issue(w.mma_pv, acc_O, tOrP, w.tOrVt[None, None, None, sv], False)
+        self.turn_done(1 - w.wg)
+        warpgroup.wait_group(1)  # S(t) is ready; P V of tile t-1 may still run
+        if const_expr(self.kv_pipes == 2):
+            k_pipe.consumer_release(k_free)  # K(t) is read
+        if const_expr(masked):
+            mask_tile(acc_S, cta.t_begin + t, tok0, w.row0, w.tScS, cta.seq_len, cta.q_len, self.tile_n, self.group)
+        softmax_step(acc_S, w.row_max, w.row_sum, w.row_scale, scale_log2)
+        warpgroup.wait_group(0)
+        v_pipe.consumer_release(v_state)  # tile t-1: its V (and with one pipeline its K) is read
+        rescale_rows(acc_O, w.row_scale)
+        pack_operand(acc_as_operand_a(acc_S), tOrP)
+        return st
 
     @cute.jit
     def turn_wait(self, wg):

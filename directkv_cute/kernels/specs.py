@@ -237,9 +237,10 @@ SPECS: tuple[KernelSpec, ...] = (
         key="directkv_cute.kernels.jit.q_tiled_key",
         launch="directkv_cute.kernels.launch.launch_q_tiled",
         config="directkv_cute.config.QTiledConfig",
-        codegen_fields=("tile_n", "stages", "carveout", "pingpong"),
+        codegen_fields=("tile_n", "stages", "carveout", "pingpong", "kv_pipes", "cluster"),
         launch_fields=(("piece_pages", 0), ("splits", 0), ("order", 0)),
         shape_rules=_q_tiled_rules,
+        launches=("q_tiled", "combine"),  # staged calls in KV splits are combined
     ),
     KernelSpec(
         name="kv_proj",
