@@ -81,8 +81,11 @@ def decode_traffic(seq_lens, page_hbm, num_kv_heads, head_dim, page_size, tile_n
 LINK_GBPS = 51.0  # SM reads of pinned host memory (the zero-copy kernels' ceiling)
 MEMCPY_GBPS = 54.8  # the copy engine's H2D rate (the staging copies)
 D2D_GBPS = 1500.0  # HBM-to-HBM copies of pages already in HBM (read + write)
-CHUNKED_TFLOPS = 300.0  # the KV-outer chunk kernel's attention rate where it is compute-bound
-Q_TILED_TFLOPS = 640.0  # the Q-tiled kernel's (tile 128, 3 stages, pingpong)
+# The KV-outer chunk kernel's attention rate where it is compute-bound: measured in place over host
+# pages 221 TFLOP/s at 8k q2048 and 271 at 32k q2048 (2026-12-02, 2026-12-01); at 300 the model
+# kept 8k q2048 in place (1.087 ms) where the staged call takes 0.815 ms.
+CHUNKED_TFLOPS = 250.0
+Q_TILED_TFLOPS = 680.0  # the Q-tiled kernel's (tile 128, 3 stages, pingpong, clusters of 2): 2026-12-02
 # ... and its reads of the staging buffer where they bind (decode of many sequences that share
 # pages: each sequence's CTAs read all of its pages; fitted to batch 64 over a shared 32k prompt,
 # staged in 3.79 ms, measured 2026-12-01)

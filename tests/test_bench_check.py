@@ -148,7 +148,7 @@ def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, mon
     calls = []
 
     def fake_q_tiled(cfg, dtype, d, page, group, wait_ready, split_out):
-        calls.append((d, page, group, wait_ready, split_out))
+        calls.append((cfg, d, page, group, wait_ready, split_out))
         if (d, page, group, wait_ready, split_out) == (64, 16, 8, True, True):
             raise RuntimeError("ptxas: boom\nsecond line")
         return object()
@@ -157,10 +157,15 @@ def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, mon
     monkeypatch.setattr(check, "resolve_q_tiled", lambda: fake_q_tiled)
     rc, out = _check(capsys, q_tiled=True)
     assert rc == 1
-    n = len(SUPPORTED_HEAD_DIMS) * 2 * 3 * 3
-    assert len(calls) == len(set(calls)) == n
+    n = len(SUPPORTED_HEAD_DIMS) * 2 * 3 * 3  # the default's variants; then the shipped profile's entries
+    defaults = {(d, page, g, wr, so) for d in SUPPORTED_HEAD_DIMS for page in check.Q_TILED_PAGES
+                for g in check.Q_TILED_GROUPS for wr, so in check.Q_TILED_VARIANTS}
+    assert len(defaults) == n and {c[1:] for c in calls[:n]} == defaults
+    assert len(calls) == len(set(calls)) >= n  # an entry that is the default's kernel is not compiled again
     assert {(wr, so) for *_, wr, so in calls} == {(False, False), (True, True), (True, False)}
-    assert f"== (b2) Q-tiled kernel, the op's default config: {n} kernels" in out and "1 failed" in out
+    head = re.search(r"^== \(b2\) Q-tiled kernel, the op's default config( and \d+ profile entries)?: (\d+) kernels", out,
+                     re.M)
+    assert head and int(head.group(2)) == len(calls) and "1 failed" in out
     assert "FAIL q_tiled bfloat16 d64 page16 group8 wait_ready=True split_out=True: RuntimeError: ptxas: boom" in out
     assert "second line" not in out
     assert re.search(r"^FAIL  q_tiled ", out, re.M)
