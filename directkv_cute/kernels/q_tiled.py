@@ -6,15 +6,19 @@ the most keys). Its producer warp (``producer.KVProducer``) streams every KV til
 causally bounded, from the HBM pool into the SMEM ring; two consumer warpgroups of 64 rows each
 keep O in registers across the whole walk and pipeline it as S(t) = Q K(t)^T issued together
 with O += P(t-1) V(t-1), the softmax of tile t running while that P V WGMMA is in flight. Tiles
-wholly below the first row's causal limit skip the mask. The CTA writes the final O and LSE: no
-partials, no combine.
+wholly below the first row's causal limit run a step compiled without the mask, the rest one with
+it. With ``cluster`` 2 the CTAs of adjacent query tiles of a KV head form a cluster that walks the
+same KV tiles (the range of its last query token), each issuing half of every tile's TMA boxes
+multicast to both. With ``kv_pipes`` 2 K and V have separate pipelines (K freed after its S).
+The CTA writes the final O and LSE: no partials, no combine.
 
 The KV must sit in HBM: each CTA reads all of it, so host pages would cross the link once per
 query tile. The op stages host pages into an HBM buffer with the copy engine first
 (``directkv_cute.staging``), piece by piece; with ``wait_ready`` the producer issues a tile once
 its piece's flag says the copy landed, so compute overlaps the copy.
 
-Legality: ``QTiledConfig.problems`` (tile_n 64 or 128, the ring within SMEM), GQA group <= 128.
+Legality: ``QTiledConfig.problems`` (tile_n 64 or 128, the ring within SMEM, kv_pipes 1 or 2,
+cluster 1 or 2), GQA group <= 128.
 """
 
 from __future__ import annotations
