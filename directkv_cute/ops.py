@@ -384,10 +384,15 @@ def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q
     (``piece_pages``, ``splits``, ``order``; 0 in tuned entries) are left for the op's cost model.
     A miss warns as the other kernels' lookups do, except for decode-sized calls (their profile
     buckets are prefill chunks, and the Q-tiled kernel runs them only staged, paced by the copy).
-    Plain host work (``cache``: its ``dtype`` / ``compute_dtype``, ``head_dim``, ``page_size``)."""
+    Calls with one query tile per sequence and KV head run without clusters. Plain host work (``cache``: its ``dtype`` / ``compute_dtype``, ``head_dim``, ``page_size``)."""
     quiet = op_kernel(group, q_len) == "decode"
-    return _profile_config("q_tiled", gpu_name, cache, group, batch, context, q_len, group * q_len,
-                           quiet_miss=quiet)[0]
+    cfg = _profile_config("q_tiled", gpu_name, cache, group, batch, context, q_len, group * q_len,
+                          quiet_miss=quiet)[0]
+    if cfg.cluster > 1 and q_tiles(q_len, group, cfg.rows) == 1:
+        # One query tile per sequence and KV head (decode, short windows): a cluster's other CTA
+        # would hold no rows and only double the CTAs that walk the KV.
+        cfg = dataclasses.replace(cfg, cluster=1)
+    return cfg
 
 
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):

@@ -163,9 +163,11 @@ def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, mon
     assert len(defaults) == n and {c[1:] for c in calls[:n]} == defaults
     assert len(calls) == len(set(calls)) >= n  # an entry that is the default's kernel is not compiled again
     assert {(wr, so) for *_, wr, so in calls} == {(False, False), (True, True), (True, False)}
+    # staged calls of one query tile run without the cluster: those kernels too, staged only
+    assert {c[0].cluster for c in calls if c[4]} == {1, 2} and {c[0].cluster for c in calls if not c[4]} == {2}
     head = re.search(r"^== \(b2\) Q-tiled kernel, the op's default config( and \d+ profile entries)?: (\d+) kernels", out,
                      re.M)
-    assert head and int(head.group(2)) == len(calls) and "1 failed" in out
+    assert head and int(head.group(2)) == len(calls) and "2 failed" in out  # with and without the cluster
     assert "FAIL q_tiled bfloat16 d64 page16 group8 wait_ready=True split_out=True: RuntimeError: ptxas: boom" in out
     assert "second line" not in out
     assert re.search(r"^FAIL  q_tiled ", out, re.M)

@@ -67,6 +67,18 @@ def test_long_link_bound_reads_are_staged_decode_included():
     for lens, q_lens in (([32768], [1]), ([32768] * 16, [1] * 16), ([32768], [64])):
         cfg, plan = ops._q_tiled_route(*_call(lens, q_lens), None)
         assert plan is not None and plan.host_pages == sum(lens) // 64 and cfg.order == 1
+        # one query tile per sequence and KV head (32 tokens of a GQA group of 4): no cluster,
+        # whose other CTA would hold no rows
+        assert cfg.cluster == (1 if max(q_lens) <= 32 else 2)
+
+
+def test_clusters_run_from_two_query_tiles_on():
+    assert QTiledConfig().cluster == 2
+    for q, want in ((32, 1), (33, 2), (2048, 2)):
+        cfg, _ = ops._q_tiled_route(*_call([32768], [q]), None)
+        assert cfg.cluster == want, q
+    cfg, _ = ops._q_tiled_route(*_call([32768], [1]), QTiledConfig())
+    assert cfg.cluster == 2  # an explicit config is run as given
 
 
 def test_decode_over_hbm_pages_keeps_the_streaming_kernel():
@@ -173,7 +185,7 @@ def test_a_missing_entry_warns_only_for_calls_the_kernel_may_run_as_a_chunk(tmp_
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cfg, plan = ops._q_tiled_route(*_call([32768], [1]), None)  # staged decode: quiet
-        assert plan is not None and dataclasses.replace(cfg, order=0, splits=0) == QTiledConfig()
+        assert plan is not None and dataclasses.replace(cfg, order=0, splits=0) == QTiledConfig(cluster=1)
         assert ops._q_tiled_route(*_call([32768], [64], hbm=True), None) is None  # 16 CTAs: not looked up
         assert ops._q_tiled_route(*_call([4096], [1]), None) is None  # short decode in place
         for _ in range(2):
