@@ -342,7 +342,7 @@ def test_bench_check_compiles_and_validates_q_tiled_profile_entries(capsys, tmp_
     assert check.profile_legality_problems(prof) == []
     targets = check.q_tiled_targets(loaded)
     n_default = sum(t[-1] == "default" for t in targets)
-    assert len(targets) == n_default + 9
+    assert len(targets) == n_default + 3 * 5  # each entry's 3 variants, and its 2 staged ones without the cluster
     calls = []
 
     def fake(cfg, dtype, d, page, group, wait_ready, split_out):
@@ -352,11 +352,14 @@ def test_bench_check_compiles_and_validates_q_tiled_profile_entries(capsys, tmp_
 
     monkeypatch.setattr(check, "resolve_q_tiled", lambda: fake)
     n, problems = check.compile_q_tiled_targets(False, loaded)
-    assert n == len(calls) == len(set(calls)) == n_default + 6  # the default entry's kernels once
+    assert n == len(calls) == len(set(calls)) == n_default + 2 * 5  # the default entry's kernels once
     assert {c[1:] for c in calls if c[0] == tuned} == {(128, 64, 4, wr, so) for wr, so in check.Q_TILED_VARIANTS} | {
         (128, 16, 7, wr, so) for wr, so in check.Q_TILED_VARIANTS}
+    one_tile = dataclasses.replace(tuned, cluster=1)
+    assert {c[1:] for c in calls if c[0] == one_tile} == {(128, p, g, True, so) for p, g in ((64, 4), (16, 7))
+                                                          for so in (True, False)}
     assert problems == [f"q_tiled bfloat16 d128 page16 group7 wait_ready=True split_out=True (NVIDIA_H200.yaml) "
-                        f"{tuned}: RuntimeError: ptxas: boom"]
+                        f"{cfg}: RuntimeError: ptxas: boom" for cfg in (tuned, one_tile)]
 
     # through run_check: the part's line counts the entries
     monkeypatch.setattr(check, "load_shipped_profiles", lambda d=None: ([], loaded, []))
