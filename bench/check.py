@@ -19,12 +19,12 @@ part fails.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import sys
 import time
 import warnings
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -311,8 +311,8 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
 # The op's untuned QTiledConfig() (where no profile entry serves a call): every variant it can route
 # to, for the presets' page sizes and GQA groups; then every q_tiled profile entry's config for its
 # own class, in every variant. (wait_ready, split_out): all-HBM (no, no); staged in KV splits
-# (yes, yes) or in one split (yes, no); staged calls of one query tile (decode) also without the
-# cluster.
+# (yes, yes) or in one split (yes, no); staged calls of one query tile (decode) also as
+# ``QTiledConfig.for_query_tiles(1)`` runs them.
 Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
 Q_TILED_PAGES = (16, 64)
 Q_TILED_GROUPS = (1, 4, 8)
@@ -325,7 +325,8 @@ def q_tiled_targets(loaded=()) -> list[tuple]:
     QTiledConfig = specs.get("q_tiled").config_class
     out = [(QTiledConfig(), "bfloat16", d, page, g, wr, so, "default") for d in SUPPORTED_HEAD_DIMS
            for page in Q_TILED_PAGES for g in Q_TILED_GROUPS for wr, so in Q_TILED_VARIANTS]
-    out += [(_one_tile(QTiledConfig()), *t[1:]) for t in out if t[5] and _one_tile(t[0]) != t[0]]
+    one_tile = QTiledConfig().for_query_tiles(1)
+    out += [(one_tile, *t[1:]) for t in out if t[5] and one_tile != t[0]]
     for path, prof in loaded:
         for (kernel, dtype, head_dim, group, page_size), _bucket, rec in prof.records():
             if kernel != "q_tiled":
@@ -333,14 +334,9 @@ def q_tiled_targets(loaded=()) -> list[tuple]:
             cfg = QTiledConfig.from_dict(rec["config"])
             mine = [(cfg, dtype_name(str(dtype)), int(head_dim), int(page_size), int(group), wr, so, path.name)
                     for wr, so in Q_TILED_VARIANTS]
-            out += mine + [(_one_tile(cfg), *t[1:]) for t in mine if t[5] and _one_tile(cfg) != cfg]
+            one_tile = cfg.for_query_tiles(1)
+            out += mine + [(one_tile, *t[1:]) for t in mine if t[5] and one_tile != cfg]
     return out
-
-
-def _one_tile(cfg):
-    """The config the op runs for calls of one query tile per sequence and KV head (staged
-    decode): no cluster (``ops.q_tiled_config``)."""
-    return dataclasses.replace(cfg, cluster=1)
 
 
 def resolve_q_tiled() -> Callable:

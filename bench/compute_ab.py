@@ -1,95 +1,99 @@
 """Compute efficiency of the Q-tiled kernel against FlashAttention-4, same run: each shape's KV
-all in HBM pages (ours) and dense in HBM (fa4), bf16, Hq/Hkv 32/8, d 128, page 64, batch 1,
-causal; each config of ours timed back to back with CUDA events (medians of 7 samples, each
-behind a GPU sleep covering the host's enqueue time), checked against FA4's output, with TFLOP/s.
+all in HBM pages (ours) and dense in HBM (``fa4[hbm]``, as ``bench.peers`` calls it), bf16,
+Hq/Hkv 32/8, d 128, page 64, batch 1, causal; every config of ours timed as the benches time
+(``bench.common.time_calls``), checked against FA4's output, with TFLOP/s.
 
 usage: python -m bench.compute_ab SHAPES CONFIGS_JSON [out.json]
   SHAPES: CONTEXTxQ_LEN,... e.g. 8192x512,32768x8192; CONFIGS_JSON: a list of QTiledConfig dicts.
-A kernel-source A/B runs this twice in one command, once per copy of the package."""
-import json, math, statistics, sys, time
+A kernel-source A/B runs this twice in one command, once per copy of the package.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
 import torch
+
+from bench import peers
+from bench.common import Timer, time_calls
+from bench.hostmem import PinnedBuffer
+from bench.methods import rel_error
 from directkv_cute.cache import PagedKVCache
 from directkv_cute.config import QTiledConfig
 from directkv_cute.ops import paged_attention_tables
+from directkv_cute.plan import causal_flops
 
-shapes = [tuple(int(v) for v in s.split("x")) for s in sys.argv[1].split(",")]
-cfgs = [QTiledConfig.from_dict(d) for d in json.loads(sys.argv[2])]
-hq, hkv, d, P, dt = 32, 8, 128, 64, torch.bfloat16
-try:
-    from flash_attn.cute import flash_attn_func
-except Exception as e:  # noqa
-    flash_attn_func = None
-    print("no FA4:", e)
+HQ, HKV, HEAD_DIM, PAGE, DTYPE = 32, 8, 128, 64, torch.bfloat16
 
 
-def timeit(fn, inner=20, samples=7):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-    host_ms = (time.perf_counter() - t0) / 3 * 1e3  # the host's enqueue time per call
-    torch.cuda.synchronize()
-    lead = int((1.0 + 1.5 * inner * host_ms) * 2.0e6)  # GPU sleep cycles covering the sample's enqueue
-    out = []
-    for _ in range(samples):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(lead)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / inner)
-    return statistics.median(out), out
+def config_name(cfg: QTiledConfig) -> str:
+    """The fields that differ from the default, as JSON ("{}" for the default)."""
+    default = QTiledConfig()
+    return json.dumps({k: v for k, v in cfg.to_dict().items() if v != getattr(default, k)})
 
 
-rows = []
-for ctx, ql in shapes:
-    g = torch.Generator("cuda").manual_seed(ctx + ql)
-    pages = math.ceil(ctx / P)
-    cache = PagedKVCache(1, hkv, d, P, num_host_pages=pages + 1, num_hbm_pages=pages + 1, dtype=dt, device="cuda")
-    sid = cache.add_sequence()
-    k = torch.randn(ctx, 1, hkv, d, generator=g, device="cuda").to(dt)
-    v = torch.randn(ctx, 1, hkv, d, generator=g, device="cuda").to(dt)
-    cache.append(sid, k, v)
-    cache.set_hbm_fraction(sid, 1.0, "strided")
-    tables = cache.kernel_tables([sid])
-    q = torch.randn(ql, hq, d, generator=g, device="cuda").to(dt)
-    pairs = ql * (ctx - ql) + ql * (ql + 1) / 2
-    flops = 4 * d * hq * pairs
-    res = {"context": ctx, "q_len": ql, "tflop": flops / 1e12}
-    ref = None
-    if flash_attn_func is not None:
-        kd, vd = k[:, 0].unsqueeze(0).contiguous(), v[:, 0].unsqueeze(0).contiguous()
-        q4 = q.unsqueeze(0)
-        fa = lambda: flash_attn_func(q4, kd, vd, causal=True)
-        o = fa()
-        ref = (o[0] if isinstance(o, tuple) else o)[0].float()
-        ms, s = timeit(fa)
-        res["fa4"] = ms
-    for c in cfgs:
-        name = json.dumps({k2: v2 for k2, v2 in c.to_dict().items() if v2 != getattr(QTiledConfig(), k2)}) or "{}"
-        call = lambda: paged_attention_tables(q, cache, 0, tables, [ql], config=c, max_seq_len=ctx)
-        try:
-            o = call().float()
-            err = ((o - ref).norm() / ref.norm()).item() if ref is not None else float("nan")
-            ms, s = timeit(call)
-            res[name] = ms
-            res[name + ":err"] = err
-        except Exception as e:  # noqa
-            res[name] = None
-            res[name + ":error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    rows.append(res)
-    cache.close()
-    del k, v, q
-    torch.cuda.empty_cache()
-    line = f"{ctx // 1024}k q{ql}: " + "  ".join(
-        f"{kk}={vv:.3f}ms({res['tflop'] / vv * 1e3:.0f}TF)" if isinstance(vv, float) and not kk.endswith("err") and kk not in ("tflop",) else ""
-        for kk, vv in res.items() if kk not in ("context", "q_len", "tflop"))
-    print(" ".join(line.split()), flush=True)
-    errs = {kk: vv for kk, vv in res.items() if kk.endswith(":err") or kk.endswith(":error")}
-    print("   ", errs, flush=True)
-if len(sys.argv) > 3:
-    json.dump(rows, open(sys.argv[3], "w"), indent=1)
+def run_shape(context: int, q_len: int, cfgs, timer: Timer) -> dict:
+    """ms (and the error against FA4's output) of FA4 and of each config on one shape."""
+    g = torch.Generator("cuda").manual_seed(context + q_len)
+    pages = math.ceil(context / PAGE)
+    cache = PagedKVCache(1, HKV, HEAD_DIM, PAGE, num_host_pages=pages + 1, num_hbm_pages=pages + 1, dtype=DTYPE,
+                         device="cuda")
+    try:
+        sid = cache.add_sequence()
+        kv = torch.randn(2, 1, HKV, context, HEAD_DIM, generator=g, device="cuda").to(DTYPE)  # (2, B, Hkv, S, d)
+        cache.append(sid, *(kv[i, 0].transpose(0, 1).unsqueeze(1).contiguous() for i in (0, 1)))  # (S, 1, Hkv, d)
+        cache.set_hbm_fraction(sid, 1.0, "strided")
+        tables = cache.kernel_tables([sid])
+        q = torch.randn(q_len, HQ, HEAD_DIM, generator=g, device="cuda").to(DTYPE)
+        res = {"context": context, "q_len": q_len,
+               "tflop": causal_flops([context], [q_len], HQ, HEAD_DIM) / 1e12}
+        ref = None
+        if peers.unavailable("cuda") is None:
+            fa = peers.hbm_call(q, peers.fa4_layout(kv, PAGE, PinnedBuffer, False, q_len), 1, q_len)
+            ref = fa().float()
+            res["fa4"] = time_calls([fa], timer).ms
+        for cfg in cfgs:
+            name = config_name(cfg)
+            call = lambda cfg=cfg: paged_attention_tables(q, cache, 0, tables, [q_len], config=cfg,  # noqa: E731
+                                                          max_seq_len=context)
+            try:
+                out = call().float()
+                res[name + ":err"] = rel_error(out, ref) if ref is not None else float("nan")
+                res[name] = time_calls([call], timer).ms
+            except Exception as e:  # noqa: BLE001 - a config that cannot run is listed with its error
+                res[name] = None
+                res[name + ":error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return res
+    finally:
+        cache.close()
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not torch.cuda.is_available():
+        print("bench.compute_ab times kernels: it needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [tuple(int(v) for v in s.split("x")) for s in argv[0].split(",")]
+    cfgs = [QTiledConfig.from_dict(d) for d in json.loads(argv[1])]
+    why = peers.unavailable("cuda")
+    if why is not None:
+        print("no FA4:", why)
+    timer, rows = Timer("cuda"), []
+    for context, q_len in shapes:
+        res = run_shape(context, q_len, cfgs, timer)
+        rows.append(res)
+        timed = [f"{k}={v:.3f}ms({res['tflop'] / v * 1e3:.0f}TF)" for k, v in res.items()
+                 if isinstance(v, float) and k not in ("tflop",) and ":" not in k]
+        print(f"{context // 1024}k q{q_len}: " + " ".join(timed), flush=True)
+        print("   ", {k: v for k, v in res.items() if ":" in k}, flush=True)
+    if len(argv) > 2:
+        with open(argv[2], "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -405,10 +405,6 @@ class QTiledConfig:
     pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
                  handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
                  busy; 0 = each issues as soon as it is ready.
-    kv_pipes:    1 = one pipeline: a ring stage holds a tile's K and V, freed after its P V;
-                 2 = separate K and V pipelines (each ``stages`` deep): the producer issues K(t)
-                 before V(t - 1), as the consumers use them, and a K stage is freed as soon as
-                 its S = Q K^T is done, so the next K loads a whole step earlier.
     cluster:     CTAs of a thread-block cluster (1 = none, or 2) that share each KV tile: adjacent
                  query tiles of one KV head walk the same KV tiles (the cluster's longest causal
                  range), each CTA issues half of a tile's TMA boxes multicast to both, halving
@@ -423,7 +419,6 @@ class QTiledConfig:
     splits: int = 0
     order: int = 0
     pingpong: int = 1
-    kv_pipes: int = 1
     cluster: int = 2
 
     CONSUMER_WGS = 2
@@ -431,6 +426,12 @@ class QTiledConfig:
     @property
     def rows(self) -> int:
         return 64 * self.CONSUMER_WGS
+
+    def for_query_tiles(self, n_tiles: int) -> "QTiledConfig":
+        """The config a launch of ``n_tiles`` query tiles per sequence and KV head runs: with one
+        (decode, short windows) no cluster, whose other CTA would hold no rows and only double
+        the CTAs that walk the KV."""
+        return dataclasses.replace(self, cluster=1) if n_tiles == 1 and self.cluster > 1 else self
 
     def ring_config(self) -> DecodeConfig:
         """The fields the shared ring, producer and consumers read, as a DecodeConfig."""
@@ -452,8 +453,6 @@ class QTiledConfig:
             out.append(f"order 2 (lightest first) runs one split, got splits {self.splits}")
         if self.pingpong not in (0, 1):
             out.append(f"pingpong {self.pingpong} must be 0 or 1")
-        if self.kv_pipes not in (1, 2):
-            out.append(f"kv_pipes {self.kv_pipes} must be 1 (one K+V pipeline) or 2 (separate K and V pipelines)")
         if self.cluster not in (1, 2):
             out.append(f"cluster {self.cluster} must be 1 (none) or 2")
         return out or self.ring_config().problems(head_dim, page_size, elem_bytes)

@@ -388,11 +388,7 @@ def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q
     quiet = op_kernel(group, q_len) == "decode"
     cfg = _profile_config("q_tiled", gpu_name, cache, group, batch, context, q_len, group * q_len,
                           quiet_miss=quiet)[0]
-    if cfg.cluster > 1 and q_tiles(q_len, group, cfg.rows) == 1:
-        # One query tile per sequence and KV head (decode, short windows): a cluster's other CTA
-        # would hold no rows and only double the CTAs that walk the KV.
-        cfg = dataclasses.replace(cfg, cluster=1)
-    return cfg
+    return cfg.for_query_tiles(q_tiles(q_len, group, cfg.rows))
 
 
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):

@@ -514,3 +514,11 @@ def test_cpu_runs_are_sized_for_a_cpu():
         assert small and len(small) < len(full)
         assert all(s.context <= suite.CPU_MAX_CONTEXT and s.q_len <= suite.CPU_MAX_Q_LEN
                    and s.batch <= suite.CPU_MAX_BATCH for s in small)
+
+
+def test_compute_ab_names_configs_by_their_changes_from_the_default():
+    from bench.compute_ab import config_name
+    from directkv_cute.config import QTiledConfig
+
+    assert config_name(QTiledConfig()) == "{}"
+    assert config_name(QTiledConfig(cluster=1, stages=2)) == '{"stages": 2, "cluster": 1}'

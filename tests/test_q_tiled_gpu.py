@@ -32,16 +32,15 @@ CASES = [
     ([5000], [17], 32, 8, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=8, piece_pages=8)),
     ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(order=2, piece_pages=2)),
     ([4000, 2500], [4000, 1000], 16, 8, 64, 32, torch.float16, 0.5, QTiledConfig(order=1, splits=1)),
-    # separate K and V pipelines; clusters of two CTAs sharing each tile (the default; odd tile
-    # counts: a padded cluster with an empty CTA); both together, staged and direct
-    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 1.0, QTiledConfig(kv_pipes=2)),
-    ([1300], [1000], 32, 8, 128, 16, torch.float16, 0.5, QTiledConfig(kv_pipes=2, stages=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(kv_pipes=2, splits=3, piece_pages=2)),
+    # clusters of two CTAs sharing each tile (the default; odd tile counts: a padded cluster with
+    # an empty CTA), staged and direct
+    ([1300], [1000], 32, 8, 128, 16, torch.float16, 0.5, QTiledConfig(stages=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=3, piece_pages=2)),
     ([4099, 77], [300, 77], 64, 8, 128, 32, torch.bfloat16, 1.0, QTiledConfig(cluster=2, tile_n=64, stages=3)),
     ([5000, 77, 3001], [513, 1, 64], 32, 8, 128, 64, torch.float16, 0.0, QTiledConfig(cluster=2, piece_pages=2)),
     ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(cluster=2, order=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.3, QTiledConfig(cluster=2, kv_pipes=2, splits=3)),
-    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 1.0, QTiledConfig(cluster=2, kv_pipes=2, tile_n=64)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.3, QTiledConfig(cluster=2, splits=3)),
+    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 1.0, QTiledConfig(cluster=2, tile_n=64)),
 ]
 
 
@@ -59,7 +58,7 @@ def test_q_tiled_random_shapes(seed):
     lens = [r.randint(1, 4000) for _ in range(r.choice([1, 3, 5]))]
     q_lens = [r.randint(1, n) for n in lens]
     cfg = QTiledConfig(tile_n=r.choice([64, 128]), stages=2, piece_pages=r.choice([0, 1, 3]),
-                       kv_pipes=r.choice([1, 2]), cluster=r.choice([1, 2]))
+                       cluster=r.choice([1, 2]))
     _run(lens, q_lens, hkv * group, hkv, d, page, dtype, r.choice([0.0, 0.4, 1.0]), cfg, seed=seed)
 
 

@@ -129,12 +129,12 @@ Q_CLASS = ("q_tiled", "bf16", 128, 4, 64)
 
 
 def _tune_on_the_model(out_dir, shapes, **opts):
-    """Tune the q_tiled kernel on the CPU cost model with a slow HBM round trip (3 us: the ring's
-    depth and the split K/V pipelines matter), writing the profile into ``out_dir``."""
+    """Tune the q_tiled kernel on the CPU cost model with a slow pingpong handshake (0.5 us per
+    tile: issuing without turns wins), writing the profile into ``out_dir``."""
     from directkv_cute.tuning.objectives import ModelledObjective, QTiledModel
     from directkv_cute.tuning.tuner import TuneOptions, Tuner
 
-    measure = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=QTiledModel(load_latency_us=3.0))
+    measure = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=QTiledModel(pingpong_sync_us=0.5))
     options = TuneOptions(**{"n_trials": 8, "seed": 0, "progress": False, **opts})
     return Tuner("q_tiled", measure, output_dir=out_dir, options=options).tune(shapes)
 
@@ -153,7 +153,7 @@ def test_a_model_tuned_profile_is_what_the_op_runs(tmp_path, monkeypatch):
     assert set(entries) == {(1, 32768, 2048), (1, 32768, 8192)} and not prof.stale()
     tuned = entries[1, 32768, 2048]
     assert tuned != QTiledConfig() and (tuned.piece_pages, tuned.splits, tuned.order) == (0, 0, 0)
-    assert tuned.kv_pipes == 2  # the model's slow loads favour K loading a step earlier
+    assert tuned.pingpong == 0  # the model's slow handshake favours issuing without turns
 
     L.clear_cache()
     with warnings.catch_warnings():

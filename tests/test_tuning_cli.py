@@ -152,14 +152,20 @@ def test_check_reports_bad_files(capsys, tmp_path):
     assert rc == 1 and "Modelled H200 PCIe5" in out and "corrupt" in err
 
 
-def test_check_illegal_entry(capsys, tmp_path):
+def _check_after_editing(capsys, tmp_path, edit):
+    """``check`` of a model-run profile whose first entry ``edit(entry)`` changed: (rc, out)."""
     out_dir = tmp_path / "profiles"
     assert model_run(capsys, out_dir)[0] == 0
     path = out_dir / MODEL_GPU_FILE
     doc = yaml.safe_load(path.read_text())
-    doc["entries"][0]["buckets"][0]["config"].update(tile_n=128, stages=8)
+    edit(doc["entries"][0])
     path.write_text(P.dump_yaml(doc))
     rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    return rc, out
+
+
+def test_check_illegal_entry(capsys, tmp_path):
+    rc, out = _check_after_editing(capsys, tmp_path, lambda e: e["buckets"][0]["config"].update(tile_n=128, stages=8))
     assert rc == 1 and "ILLEGAL" in out and "per-block limit" in out
 
 
@@ -257,8 +263,8 @@ def test_gpu_objective_needs_a_gpu(capsys):
 def test_dry_run_q_tiled_takes_its_own_buckets(capsys):
     rc, out, _ = run(capsys, "run", "--dry-run", "--kernel", "q_tiled", "--preset", "llama3-8b", "--preset", "qwen2.5-7b",
                      "--page-size", "16")
-    assert rc == 0 and "kernel q_tiled" in out and "144 points" in out and "kv_pipes" in out and "pingpong" in out
-    assert "18 bucket(s)" in out and "104 legal of 144" in out and "page=16" in out
+    assert rc == 0 and "kernel q_tiled" in out and "72 points" in out and "cluster" in out and "pingpong" in out
+    assert "18 bucket(s)" in out and "52 legal of 72" in out and "page=16" in out
     assert "piece_pages = splits = order = 0" in out
     # q_len 1 buckets are decode steps: left out, said so
     rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "q_tiled", "--preset", "llama3-70b", "--q-lens", "1,512",
@@ -274,7 +280,7 @@ def test_q_tiled_model_run_check_and_lookup(capsys, tmp_path, monkeypatch):
                      "--contexts", "8192,32768", "--q-lens", "512,2048", "--trials", "3", "--exhaustive-threshold", "0",
                      "--output", str(out_dir), "-q")
     assert rc == 0, out
-    assert "4 bucket(s) of q_tiled" in out and "kv1" in out
+    assert "4 bucket(s) of q_tiled" in out and "cl2" in out
     prof = P.load_profile(out_dir / MODEL_GPU_FILE)
     assert {ck for ck, _, _ in prof.records()} == {("q_tiled", "bf16", 128, 4, 64)}
     assert {bk for _, bk, _ in prof.records()} == {(1, c, q) for c in (8192, 32768) for q in (512, 2048)}
@@ -305,19 +311,14 @@ def test_q_tiled_model_run_check_and_lookup(capsys, tmp_path, monkeypatch):
 
 def test_check_refuses_a_foreign_q_tiled_entry(capsys, tmp_path):
     """A q_tiled entry holding another kernel's config (decode fields) is INVALID, with the fields."""
-    out_dir = tmp_path / "profiles"
-    assert model_run(capsys, out_dir)[0] == 0
-    path = out_dir / MODEL_GPU_FILE
-    doc = yaml.safe_load(path.read_text())
-    doc["entries"][0]["kernel"] = "q_tiled"
-    path.write_text(P.dump_yaml(doc))
-    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    rc, out = _check_after_editing(capsys, tmp_path, lambda e: e.update(kernel="q_tiled"))
     assert rc == 1 and "INVALID" in out and "unknown QTiledConfig fields" in out and "num_splits" in out
     # an illegal q_tiled config (a ring beyond SMEM) is ILLEGAL, named
-    doc["entries"][0]["buckets"] = doc["entries"][0]["buckets"][:1]
-    doc["entries"][0]["buckets"][0]["config"] = {"tile_n": 128, "stages": 4}
-    path.write_text(P.dump_yaml(doc))
-    rc, out, _ = run(capsys, "check", "--dir", str(out_dir))
+    def illegal(entry):
+        entry.update(kernel="q_tiled", buckets=entry["buckets"][:1])
+        entry["buckets"][0]["config"] = {"tile_n": 128, "stages": 4}
+
+    rc, out = _check_after_editing(capsys, tmp_path / "illegal", illegal)
     assert rc == 1 and "ILLEGAL" in out and "q_tiled" in out and "per-block limit" in out
 
 
@@ -334,7 +335,7 @@ def test_bench_check_compiles_and_validates_q_tiled_profile_entries(capsys, tmp_
 
     prof = P.Profile(metadata={"gpu_name": "X", "tune_version": P.TUNE_VERSION})
     rec = lambda cfg: {"config": cfg.to_dict(), "p50_us": 1.0, "trials": 1, "kernel_hash": "a" * 64}  # noqa: E731
-    tuned = QTiledConfig(kv_pipes=2, stages=2)
+    tuned = QTiledConfig(tile_n=64, stages=2)
     prof.set(("q_tiled", "bf16", 128, 4, 64), (1, 32768, 2048), rec(tuned))
     prof.set(("q_tiled", "bf16", 128, 4, 64), (1, 8192, 512), rec(QTiledConfig()))  # the default's kernels
     prof.set(("q_tiled", "bf16", 128, 7, 16), (1, 8192, 512), rec(tuned))

@@ -345,24 +345,24 @@ def test_q_tiled_kernel_lookup(tmp_path):
     with pytest.warns(P.ProfileWarning, match="no tuned q_tiled config"):
         assert q_tiled(2048) == (QTiledConfig(), "default")
     L.clear_cache()
-    two_pipes = QTiledConfig(kv_pipes=2, stages=2)
+    small_tiles = QTiledConfig(tile_n=64, stages=2)
     small = QTiledConfig(tile_n=64, stages=4, pingpong=0)
     write_profile(tmp_path, cls=("q_tiled", "bf16", 128, 4, 64), kh=kh,
-                  entries={(1, 32768, 2048): two_pipes, (1, 8192, 512): small, (1, 131072, 8192): QTiledConfig()})
+                  entries={(1, 32768, 2048): small_tiles, (1, 8192, 512): small, (1, 131072, 8192): QTiledConfig()})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert q_tiled(2048) == (two_pipes, "exact")
+        assert q_tiled(2048) == (small_tiles, "exact")
         assert q_tiled(512, 8192) == (small, "exact")
-        assert q_tiled(3000, 20000) == (two_pipes, "nearest")
+        assert q_tiled(3000, 20000) == (small_tiles, "nearest")
         assert q_tiled(600, 131072, batch=2) == (small, "nearest")  # q_len first: the 512 bucket
         assert q_tiled(8192, 8192) == (QTiledConfig(), "nearest")  # kept the default: the default
     for kw in ({"group": 8}, {"page_size": 16}):
         with pytest.warns(P.ProfileWarning, match="no q_tiled entry"):
             assert q_tiled(2048, **kw) == (QTiledConfig(), "default")
     L.clear_cache()
-    write_profile(tmp_path, cls=("q_tiled", "bf16", 128, 4, 64), kh=STALE, entries={(1, 32768, 2048): two_pipes})
+    write_profile(tmp_path, cls=("q_tiled", "bf16", 128, 4, 64), kh=STALE, entries={(1, 32768, 2048): small_tiles})
     with pytest.warns(P.ProfileWarning, match="tuned for other q_tiled kernel sources.*--kernel q_tiled"):
-        assert q_tiled(2048) == (two_pipes, "exact")
+        assert q_tiled(2048) == (small_tiles, "exact")
 
 
 def test_a_q_tiled_entry_the_kernel_cannot_run_is_never_used(tmp_path, monkeypatch):

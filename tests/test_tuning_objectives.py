@@ -259,7 +259,7 @@ def test_the_q_tiled_objective_puts_every_page_in_hbm_and_forces_the_config():
 
     space = get_space("q_tiled")
     shape = TuneShape(8, 2, 64, batch=3, context=200, q_len=96, page_size=16)
-    cfg = QTiledConfig(kv_pipes=2, stages=2)
+    cfg = QTiledConfig(tile_n=64, stages=2)
     assert space.is_legal(cfg, shape)
     page_bytes = 2 * 2 * 16 * 64 * 2  # hkv x (K, V) x page x d x bf16, one layer
     obj = objective(q_tiled_op, kernel="q_tiled", max_layers=1, max_hbm_bytes=2 * math.ceil(200 / 16) * page_bytes)

@@ -279,10 +279,10 @@ def test_q_tiled_space_is_the_specs_legality_over_the_codegen_fields(head_dim, p
     assert space.kernel == space.source_kernel == "q_tiled" and space.config_cls is QTiledConfig
     spec = specs.get("q_tiled")
     assert {p.name for p in space.params} <= set(spec.codegen_fields)
-    assert {p.name for p in space.params} >= {"tile_n", "stages", "pingpong", "kv_pipes", "cluster"}
+    assert {p.name for p in space.params} >= {"tile_n", "stages", "pingpong", "cluster"}
     shape = TuneShape(group * 8, 8, head_dim, batch=1, context=8192, q_len=512, page_size=page_size)
     rep = space.legality(shape)
-    assert rep.total == space.cardinality() == 2 * 3 * 3 * 2 * 2 * 2
+    assert rep.total == space.cardinality() == 2 * 3 * 3 * 2 * 2
     assert 0 < rep.legal_count <= rep.total and (rep.legal_count < rep.total) == (head_dim == 128)
     for cfg in rep.legal:
         assert spec.problems(cfg, head_dim, page_size, group=group) == []
@@ -293,9 +293,9 @@ def test_q_tiled_space_is_the_specs_legality_over_the_codegen_fields(head_dim, p
     keys = {jit.q_tiled_key(c, torch_dtype(shape.dtype), head_dim, page_size, group, False) for c in rep.legal}
     assert len(keys) == rep.legal_count
     assert space.launch_classes(shape) == rep.legal_count
-    # both pipelines, both pingpong modes and both cluster sizes at both tile sizes are searched
-    assert {(c.tile_n, c.kv_pipes, c.pingpong, c.cluster) for c in rep.legal} == {
-        (t, k, p, cl) for t in (64, 128) for k in (1, 2) for p in (0, 1) for cl in (1, 2)}
+    # both pingpong modes and both cluster sizes at both tile sizes are searched
+    assert {(c.tile_n, c.pingpong, c.cluster) for c in rep.legal} == {
+        (t, p, cl) for t in (64, 128) for p in (0, 1) for cl in (1, 2)}
 
 
 def test_q_tiled_space_excludes_what_smem_cannot_hold():
@@ -360,11 +360,11 @@ def test_each_spaces_compile_hook_is_the_ops_compile(monkeypatch):
     mt = TuneShape(32, 8, 128, batch=1, context=32768, q_len=512, page_size=16)
     get_space("multi_token").compile_for(get_space("multi_token").default_for(mt), mt)
     get_space("decode_fp8").compile_for(get_space("decode_fp8").default_for(one), one)
-    get_space("q_tiled").compile_for(QTiledConfig(kv_pipes=2), TuneShape(28, 4, 128, 1, 8192, 512, page_size=16))
+    get_space("q_tiled").compile_for(QTiledConfig(tile_n=64, stages=2), TuneShape(28, 4, 128, 1, 8192, 512, page_size=16))
     assert [c[0] for c in calls] == ["compile_decode", "compile_decode", "compile_multi_token", "compile_decode_fp8",
                                      "compile_q_tiled"]
     assert calls[0][1][1:] == (torch.bfloat16, 128, 64, 4, 1) and calls[0][2] == {"split_out": False}
     assert calls[1][1][5] == 4 and calls[1][2] == {"split_out": True}
     assert calls[2][1][1:] == (torch.bfloat16, 128, 16, 4)
     assert calls[3][1][1:] == (torch.bfloat16, torch.float8_e4m3fn, 128, 64, 4, 1, False)
-    assert calls[4][1] == (QTiledConfig(kv_pipes=2), torch.bfloat16, 128, 16, 7, False, False)
+    assert calls[4][1] == (QTiledConfig(tile_n=64, stages=2), torch.bfloat16, 128, 16, 7, False, False)

@@ -331,7 +331,7 @@ def test_q_tiled_search_starts_with_default_then_portfolio_and_finds_the_models_
 
     space = get_space("q_tiled")
     shape = TuneShape(32, 8, 128, batch=1, context=32768, q_len=2048)
-    model = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=QTiledModel(load_latency_us=3.0))
+    model = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=QTiledModel(pingpong_sync_us=0.5))
     t = Tuner("q_tiled", model, options=opts(n_trials=5, exhaustive_threshold=0))
     r = t.tune_bucket(shape)
     study = optuna.load_study(study_name=r.study_name, storage=t.storage)
@@ -345,13 +345,13 @@ def test_q_tiled_search_starts_with_default_then_portfolio_and_finds_the_models_
     assert full.mode == "exhaustive" and full.trials == len(legal)
     best = min(model.model_us(c, shape) for c in legal)
     assert model.model_us(full.config, shape) <= best * 1.05
-    assert full.config.kv_pipes == 2 and "kv2" in format_results([full], kernel="q_tiled")
+    assert full.config.pingpong == 0 and "pg0" in format_results([full], kernel="q_tiled")
 
 
 def test_the_q_tiled_model_is_a_documented_roofline():
     """The model's time is at least the FLOPs at the tensor-core rate of every SM, grows with the
-    context and the query rows, and shows each knob's mechanism (tile overhead, ring depth, split
-    K/V pipelines, pingpong) deterministically."""
+    context and the query rows, and shows each knob's mechanism (tile overhead, ring depth,
+    pingpong, cluster) deterministically."""
     from directkv_cute.config import QTiledConfig
 
     m = ModelledObjective(seed=0, kernel="q_tiled")
@@ -365,7 +365,8 @@ def test_the_q_tiled_model_is_a_documented_roofline():
     assert m.model_us(QTiledConfig(), TuneShape(96, 8, 128, 1, 32768, 8192)) > 2.5 * t
     assert m.model_us(QTiledConfig(pingpong=0), shape) > t
     assert m.model_us(QTiledConfig(tile_n=64, stages=4), shape) > t  # twice the per-tile overhead
-    assert m.model_us(QTiledConfig(stages=2), shape) > m.model_us(QTiledConfig(stages=2, kv_pipes=2), shape)
+    slow_loads = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=m.q_tiled.__class__(load_latency_us=8.0))
+    assert slow_loads.model_us(QTiledConfig(stages=2), shape) > slow_loads.model_us(QTiledConfig(), shape)  # ring depth
     slow_feed = ModelledObjective(seed=0, kernel="q_tiled", q_tiled=m.q_tiled.__class__(sm_feed_gbps=20.0))
     assert slow_feed.model_us(QTiledConfig(cluster=1), shape) > slow_feed.model_us(QTiledConfig(), shape)
     assert m.model_us(QTiledConfig(carveout=100), shape) == m.model_us(QTiledConfig(tile_n=128, stages=3), shape)

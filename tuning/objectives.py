@@ -81,8 +81,7 @@ class QTiledModel:
       the other warpgroup's GEMMs (``pingpong_hidden`` with pingpong, ``overlap_hidden`` without),
       the pingpong handshake and a fixed ``tile_overhead_us`` (barriers, bookkeeping): larger
       tiles amortise the overhead;
-    * the ring keeps ``stages - 1`` tiles loading while one is consumed (half a tile more with
-      separate K and V pipelines: K(t) is freed after S(t)); a tile's load takes
+    * the ring keeps ``stages - 1`` tiles loading while one is consumed; a tile's load takes
       ``load_latency_us`` plus its bytes at ``sm_feed_gbps`` (the query tiles of a KV head share
       its tiles through the L2; a cluster of two pulls each tile once for both), so a step takes the longest of the compute, the transfer, and
       the load spread over the tiles in flight;
@@ -115,7 +114,7 @@ class QTiledModel:
         compute = self.tile_us(cfg, head_dim, sm_tflops)
         # A cluster's CTAs pull each tile from L2 once between them (TMA multicast).
         xfer = 2 * cfg.tile_n * head_dim * elem_bytes / (self.sm_feed_gbps * 1e3) / cfg.cluster
-        inflight = max(1.0, cfg.stages - 1 + (0.5 if cfg.kv_pipes == 2 else 0.0))
+        inflight = max(1.0, cfg.stages - 1)
         return max(compute, xfer, (self.load_latency_us + xfer) / inflight), self.load_latency_us + xfer
 
 

@@ -494,7 +494,7 @@ class QTiledSpace(KernelSpace):
     compute-bound multi-token calls, over HBM pages or host pages it staged into HBM.
 
     Only the fields that generate code are tuned (the spec's ``codegen_fields``): the KV tile,
-    the ring depth, the carveout, the consumers' pingpong, one or two KV pipelines and the cluster. The launch
+    the ring depth, the carveout, the consumers' pingpong and the cluster. The launch
     fields (``piece_pages``, ``splits``, ``order``) stay 0: the op's cost model picks them per call
     from the call's tiers and lengths (``ops._q_tiled_route``), and the measured launch (all pages
     in HBM: no staging, one split) does not read them. Legality is the spec's: the config's rules
@@ -506,10 +506,9 @@ class QTiledSpace(KernelSpace):
     config_cls = specs.get("q_tiled").config_class
     params = (
         Param("tile_n", (64, 128), "KV tokens per ring stage"),
-        Param("stages", (2, 3, 4), "depth of the SMEM ring (of each of the K and V pipelines with kv_pipes 2)"),
+        Param("stages", (2, 3, 4), "depth of the SMEM ring"),
         Param("carveout", (80, 90, 100), "percent of L1/SMEM reserved as SMEM (alpha)"),
         Param("pingpong", (0, 1), "the two consumer warpgroups take turns at the tensor cores (1) or not (0)"),
-        Param("kv_pipes", (1, 2), "1: one K+V ring pipeline; 2: separate K and V pipelines (K freed after S)"),
         Param("cluster", (1, 2), "CTAs per cluster sharing each KV tile by TMA multicast (2: adjacent query tiles)"),
     )
     fixed_doc = ("piece_pages = splits = order = 0 (the op's cost model picks the staging pieces, KV splits "
@@ -529,7 +528,7 @@ class QTiledSpace(KernelSpace):
 
     def default_config(self, head_dim: int, rows: int, page_size: int):
         """The op's untuned config (``QTiledConfig()``: 128-token tiles, 3 stages, pingpong, one
-        K+V pipeline), whatever the rows."""
+        K+V ring, clusters of two), whatever the rows."""
         return self.config_cls()
 
     def portfolio(self, shape: TuneShape) -> list:

@@ -122,9 +122,6 @@ class PagedAttention:
         # signals the peers through one more mbarrier (after the ring's 2 x stages).
         self.cluster_admit = self.cluster > 1 and cfg.link_credits > 0
         self.occupancy = occupancy  # 16-bit dtypes only
-        # Pipelines over the ring: 1 (a stage holds a tile's K and V) or 2 (the Q-tiled kernel's
-        # separate K and V pipelines, see QTiledConfig.kv_pipes).
-        self.kv_pipes = 1
         self.num_threads = cfg.num_threads
         self.carveout = cfg.carveout
         # Query tokens whose whole GQA group fits in the CTA's rows; rows past
@@ -238,10 +235,10 @@ class PagedAttention:
 
     def storage(self, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout):
         """(the shared storage struct, the bytes one ring stage receives): the ring's mbarriers,
-        the Q tile (none with q_regs), the K and V rings (``kv_pipes`` pipelines over them)."""
+        the Q tile (none with q_regs), the K and V rings."""
         dt = self.dtype
         stage_bytes = 2 * cute.size_in_bytes(dt, cute.select(sKV_layout, mode=[0, 1]))
-        n_mbar = 2 * self.stages * self.kv_pipes + (1 if self.cluster_admit else 0)
+        n_mbar = 2 * self.stages + (1 if self.cluster_admit else 0)
         q_elems = 0 if self.q_regs else cute.cosize(sQ_layout)
         return shared_storage(dt, n_mbar, q_elems, cute.cosize(sKV_layout)), stage_bytes
 
@@ -272,8 +269,8 @@ class PagedAttention:
              sKV_layout: cute.ComposedLayout, storage=None):
         """Prefetch the TMA descriptors, allocate the shared storage (unless the caller passes
         the one it allocated) and set up the KV ring's pipeline; returns (sQ (rows, d) or None
-        with q_regs, sK (tile_n, d, operand_stages), sV, the pipeline (a (K, V) pair of them with
-        ``kv_pipes`` 2), the cluster admit mbarrier or None)."""
+        with q_regs, sK (tile_n, d, operand_stages), sV, the pipeline, the cluster admit mbarrier
+        or None)."""
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_h)
             cpasync.prefetch_descriptor(tma_d)
@@ -285,39 +282,30 @@ class PagedAttention:
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, operand_stages)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)  # (tile_n, d, operand_stages)
+        # A stage is free once every consumer warp of every CTA of the cluster has released it
+        # (each producer multicasts into all of them): one arrive per warp and cluster CTA.
         cta_layout_vmnk = None
         if const_expr(self.cluster > 1):
             cta_layout_vmnk = cute.make_layout((1, self.cluster, 1, 1))
-        if const_expr(self.kv_pipes == 1):
-            kv_pipe = self.pipe(storage.mbar.data_ptr(), self.stage_bytes, cta_layout_vmnk)
-        else:
-            # Separate K and V pipelines, each over its own ring and 2 x stages mbarriers.
-            kv_pipe = (self.pipe(storage.mbar.data_ptr(), self.stage_bytes // 2, cta_layout_vmnk),
-                       self.pipe(storage.mbar.data_ptr() + 2 * self.stages, self.stage_bytes // 2, cta_layout_vmnk))
+        kv_pipe = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs * self.cluster),
+            tx_count=self.stage_bytes,
+            cta_layout_vmnk=cta_layout_vmnk,
+            mcast_mode_mn=(0, 1),
+            defer_sync=True,
+        )
         admit = None  # cluster_admit: rank 0's per-tile signal to this CTA's producer
         if const_expr(self.cluster_admit):
-            admit = storage.mbar.data_ptr() + 2 * self.stages * self.kv_pipes
+            admit = storage.mbar.data_ptr() + 2 * self.stages
             if tidx == 0:
                 cute.arch.mbarrier_init(admit, 1)
             cute.arch.mbarrier_init_fence()
         pipeline.pipeline_init_arrive(cluster_shape_mn=(self.cluster, 1), is_relaxed=True)
         pipeline.pipeline_init_wait(cluster_shape_mn=(self.cluster, 1))
         return sQ, sK, sV, kv_pipe, admit
-
-    def pipe(self, mbar_ptr, tx_count: int, cta_layout_vmnk):
-        """A TMA pipeline over ``stages`` ring stages (full and empty mbarriers from ``mbar_ptr``),
-        each stage receiving ``tx_count`` bytes. A stage is free once every consumer warp of every
-        CTA of the cluster has released it (each producer multicasts into all of them)."""
-        return pipeline.PipelineTmaAsync.create(
-            barrier_storage=mbar_ptr,
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.wgs * self.cluster),
-            tx_count=tx_count,
-            cta_layout_vmnk=cta_layout_vmnk,
-            mcast_mode_mn=(0, 1),
-            defer_sync=True,
-        )
 
     @cute.jit
     def consumer_regs(self, tidx, sQ, sK: cute.Tensor, sV: cute.Tensor, tiled_mma_qk: cute.TiledMma,

@@ -18,29 +18,12 @@ ever waits for another's.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
-
-# Which boxes of a tile ``KVProducer.issue_tile`` issues.
-KV_BOTH, KV_K, KV_V = 0, 1, 2
-
-
-class TileBoxes(NamedTuple):
-    """The TMA partitions the producer issues a tile's boxes from (``KVProducer.partition``)."""
-
-    tma_h: object  # TMA atom of the host pool
-    tGh: object  # host pool by (box, page block, piece)
-    tSh: object  # K ring by (box, copy, stage)
-    tSVh: object  # V ring by (box, copy, stage)
-    tma_d: object  # TMA atom of the HBM pool
-    tGd: object  # HBM pool by (box, page block, piece)
-    scales: object  # FP8 pages: (tma_hs, tGsh, tKsh, tVsh, tma_ds, tGsd), else None
 
 
 class KVProducer:
@@ -78,11 +61,36 @@ class KVProducer:
         once its flag has reached ``epoch``. With ``scales`` (FP8 pages, no cluster): (tma_hs, mSh,
         tma_ds, mSd, sKs, sVs), the scale pools' TMA atoms and (P, X) coordinate views and the
         (tile_n, stages) fp32 scale rings: each K/V box brings its rows' scales along."""
-        b, rank, t_begin, t_end = cta.b, cta.rank, cta.t_begin, cta.t_end
-        boxes = self.partition(tma_h, mKVh, tma_d, mKVd, sK, sV, scales)
+        b, kvh, rank, n_pages, t_begin, t_end = cta.b, cta.kvh, cta.rank, cta.n_pages, cta.t_begin, cta.t_end
+        rows, d = self.copy_rows, self.head_dim
+        gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
+        gKVd = cute.local_tile(mKVd, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xd)
+        sK_cp = cute.local_tile(sK, (rows, d), (None, 0, None))  # (rows, d, copies, stages)
+        sV_cp = cute.local_tile(sV, (rows, d), (None, 0, None))
+        tSh, tGh = cpasync.tma_partition(
+            tma_h, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVh, 0, 2)
+        )
+        tSVh, _ = cpasync.tma_partition(
+            tma_h, 0, cute.make_layout(1), cute.group_modes(sV_cp, 0, 2), cute.group_modes(gKVh, 0, 2)
+        )
+        _, tGd = cpasync.tma_partition(
+            tma_d, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVd, 0, 2)
+        )
+        if const_expr(scales is not None):
+            tma_hs, mSh, tma_ds, mSd, sKs, sVs = scales
+            gSh = cute.local_tile(mSh, (rows,), (None, None))  # (rows, P/rows, Xh)
+            gSd = cute.local_tile(mSd, (rows,), (None, None))  # (rows, P/rows, Xd)
+            sKs_cp = cute.local_tile(sKs, (rows,), (None, None))  # (rows, copies, stages)
+            sVs_cp = cute.local_tile(sVs, (rows,), (None, None))  # (rows, copies, stages)
+            one = cute.make_layout(1)
+            tKsh, tGsh = cpasync.tma_partition(tma_hs, 0, one, cute.group_modes(sKs_cp, 0, 1),
+                                               cute.group_modes(gSh, 0, 1))
+            tVsh, _ = cpasync.tma_partition(tma_hs, 0, one, cute.group_modes(sVs_cp, 0, 1), cute.group_modes(gSh, 0, 1))
+            _, tGsd = cpasync.tma_partition(tma_ds, 0, one, cute.group_modes(sKs_cp, 0, 1), cute.group_modes(gSd, 0, 1))
         # The whole warp walks the tiles: the pipeline's arrive and every TMA copy elect their own
         # lane. (An elect.sync from inside an already elected lane waits for lanes that never
         # come: the first cluster kernel hung there on the H200.)
+        blocks_per_page = self.page_size // rows
         prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         # With max_inflight, tile t is issued only once tile t - max_inflight has landed (its full
         # barrier); that stage is not re-armed before tile t - max_inflight + stages > t, so the
@@ -112,8 +120,8 @@ class KVProducer:
             if const_expr(self.link_credits > 0):
                 held = Int32(0)
                 for c in cutlass.range_constexpr(self.copies):
-                    slot = (t * self.tile_n + c * self.copy_rows) // self.page_size
-                    if slot < cta.n_pages:
+                    slot = (t * self.tile_n + c * rows) // self.page_size
+                    if slot < n_pages:
                         if mPT[b, slot] >= 0:
                             held = Int32(1)
                 if held != 0:
@@ -128,8 +136,34 @@ class KVProducer:
                             admit_phase = admit_phase ^ 1
                     else:
                         self.link_admit(mLink)
-            self.issue_tile(boxes, KV_BOTH, t, prod_state.index, kv_pipe.producer_get_barrier(prod_state), mPT, cta,
-                            num_kv_heads, num_layers, layer)
+            bar = kv_pipe.producer_get_barrier(prod_state)
+            stage = prod_state.index
+            for c in cutlass.range_constexpr(self.copies):
+                token = t * self.tile_n + c * rows
+                slot = token // self.page_size
+                blk = (token % self.page_size) // rows
+                entry = mPT[b, cutlass.min(slot, n_pages - 1)]
+                piece = ((entry * num_layers + layer) * num_kv_heads + kvh) * 2
+                if slot >= n_pages:
+                    # Past the last page: an out-of-bounds box, zero-filled, no memory read.
+                    self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], bar, rank, 2 * c)
+                    self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                    if const_expr(scales is not None):
+                        cute.copy(tma_hs, tGsh[None, blocks_per_page, 0], tKsh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_hs, tGsh[None, blocks_per_page, 0], tVsh[None, c, stage], tma_bar_ptr=bar)
+                elif entry >= 0:
+                    self.tma_box(tma_h, tGh[None, blk, piece], tSh[None, c, stage], bar, rank, 2 * c)
+                    self.tma_box(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                    if const_expr(scales is not None):
+                        cute.copy(tma_hs, tGsh[None, blk, piece], tKsh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_hs, tGsh[None, blk, piece + 1], tVsh[None, c, stage], tma_bar_ptr=bar)
+                else:
+                    hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
+                    self.tma_box(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], bar, rank, 2 * c)
+                    self.tma_box(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
+                    if const_expr(scales is not None):
+                        cute.copy(tma_ds, tGsd[None, blk, hpiece], tKsh[None, c, stage], tma_bar_ptr=bar)
+                        cute.copy(tma_ds, tGsd[None, blk, hpiece + 1], tVsh[None, c, stage], tma_bar_ptr=bar)
             prod_state.advance()
         if const_expr(self.link_credits > 0):
             # The last tile's ticket: every ticket taken is reported exactly once, so the
@@ -139,120 +173,6 @@ class KVProducer:
                 self.link_report(mLink, rank)
         if const_expr(self.tail):
             kv_pipe.producer_tail(prod_state)
-
-    @cute.jit
-    def load_split(self, k_pipe, v_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, cta, num_kv_heads, num_layers, layer,
-                   mReady=None, epoch=None, piece_tiles=None):
-        """Producer over separate K and V pipelines (no cluster, no link admission): K(t) is
-        issued before V(t - 1), the order in which the consumers' pipelined step uses them
-        (S(t) and P(t-1) V(t-1) issued together), and each into its own ring stage. Arguments as
-        ``load``."""
-        t_begin, t_end = cta.t_begin, cta.t_end
-        boxes = self.partition(tma_h, mKVh, tma_d, mKVd, sK, sV, None)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        ready = Int32(0)  # pieces [0, ready) seen ready (wait_ready)
-        for t in cutlass.range(t_begin, t_end + 1, unroll=1):
-            if t < t_end:
-                if const_expr(self.wait_ready):
-                    ready = self.wait_piece(mReady, epoch, t // piece_tiles, ready)
-                k_pipe.producer_acquire(k_state)
-                self.issue_tile(boxes, KV_K, t, k_state.index, k_pipe.producer_get_barrier(k_state), mPT, cta,
-                                num_kv_heads, num_layers, layer)
-                k_state.advance()
-            if t > t_begin:
-                v_pipe.producer_acquire(v_state)
-                self.issue_tile(boxes, KV_V, t - 1, v_state.index, v_pipe.producer_get_barrier(v_state), mPT, cta,
-                                num_kv_heads, num_layers, layer)
-                v_state.advance()
-        if const_expr(self.tail):
-            k_pipe.producer_tail(k_state)
-            v_pipe.producer_tail(v_state)
-
-    def partition(self, tma_h, mKVh, tma_d, mKVd, sK, sV, scales) -> "TileBoxes":
-        """The TMA partitions of the pools (by page piece) and of the K/V rings (by copy and stage),
-        and of the scale pools and rings with ``scales``."""
-        rows, d = self.copy_rows, self.head_dim
-        gKVh = cute.local_tile(mKVh, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xh)
-        gKVd = cute.local_tile(mKVd, (rows, d), (None, 0, None))  # (rows, d, P/rows, Xd)
-        sK_cp = cute.local_tile(sK, (rows, d), (None, 0, None))  # (rows, d, copies, stages)
-        sV_cp = cute.local_tile(sV, (rows, d), (None, 0, None))
-        tSh, tGh = cpasync.tma_partition(
-            tma_h, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVh, 0, 2)
-        )
-        tSVh, _ = cpasync.tma_partition(
-            tma_h, 0, cute.make_layout(1), cute.group_modes(sV_cp, 0, 2), cute.group_modes(gKVh, 0, 2)
-        )
-        _, tGd = cpasync.tma_partition(
-            tma_d, 0, cute.make_layout(1), cute.group_modes(sK_cp, 0, 2), cute.group_modes(gKVd, 0, 2)
-        )
-        sc = None
-        if const_expr(scales is not None):
-            tma_hs, mSh, tma_ds, mSd, sKs, sVs = scales
-            gSh = cute.local_tile(mSh, (rows,), (None, None))  # (rows, P/rows, Xh)
-            gSd = cute.local_tile(mSd, (rows,), (None, None))  # (rows, P/rows, Xd)
-            sKs_cp = cute.local_tile(sKs, (rows,), (None, None))  # (rows, copies, stages)
-            sVs_cp = cute.local_tile(sVs, (rows,), (None, None))  # (rows, copies, stages)
-            one = cute.make_layout(1)
-            tKsh, tGsh = cpasync.tma_partition(tma_hs, 0, one, cute.group_modes(sKs_cp, 0, 1),
-                                               cute.group_modes(gSh, 0, 1))
-            tVsh, _ = cpasync.tma_partition(tma_hs, 0, one, cute.group_modes(sVs_cp, 0, 1), cute.group_modes(gSh, 0, 1))
-            _, tGsd = cpasync.tma_partition(tma_ds, 0, one, cute.group_modes(sKs_cp, 0, 1), cute.group_modes(gSd, 0, 1))
-            sc = (tma_hs, tGsh, tKsh, tVsh, tma_ds, tGsd)
-        return TileBoxes(tma_h, tGh, tSh, tSVh, tma_d, tGd, sc)
-
-    @cute.jit
-    def issue_tile(self, boxes, kv: cutlass.Constexpr, t, stage, bar, mPT, cta, num_kv_heads, num_layers, layer):
-        """Issue the TMA boxes of KV tile ``t`` into ring stage ``stage`` on barrier ``bar``: each
-        page piece's K and V boxes (``kv`` KV_BOTH), or only K (KV_K) or only V (KV_V), with their
-        scale boxes where the pages carry scales. A piece past the sequence's last page is an
-        out-of-bounds box (zero-filled, no memory read); entries >= 0 are host pages, < 0 HBM."""
-        b, kvh, rank, n_pages = cta.b, cta.kvh, cta.rank, cta.n_pages
-        rows = self.copy_rows
-        blocks_per_page = self.page_size // rows
-        tma_h, tGh, tSh, tSVh, tma_d, tGd, sc = boxes
-        want_k = kv != KV_V
-        want_v = kv != KV_K
-        for c in cutlass.range_constexpr(self.copies):
-            token = t * self.tile_n + c * rows
-            slot = token // self.page_size
-            blk = (token % self.page_size) // rows
-            entry = mPT[b, cutlass.min(slot, n_pages - 1)]
-            piece = ((entry * num_layers + layer) * num_kv_heads + kvh) * 2
-            if slot >= n_pages:
-                if const_expr(want_k):
-                    self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSh[None, c, stage], bar, rank, 2 * c)
-                if const_expr(want_v):
-                    self.tma_box(tma_h, tGh[None, blocks_per_page, 0], tSVh[None, c, stage], bar, rank, 2 * c + 1)
-                if const_expr(sc is not None):
-                    tma_hs, tGsh, tKsh, tVsh, tma_ds, tGsd = sc
-                    if const_expr(want_k):
-                        cute.copy(tma_hs, tGsh[None, blocks_per_page, 0], tKsh[None, c, stage], tma_bar_ptr=bar)
-                    if const_expr(want_v):
-                        cute.copy(tma_hs, tGsh[None, blocks_per_page, 0], tVsh[None, c, stage], tma_bar_ptr=bar)
-            elif entry >= 0:
-                if const_expr(want_k):
-                    self.tma_box(tma_h, tGh[None, blk, piece], tSh[None, c, stage], bar, rank, 2 * c)
-                if const_expr(want_v):
-                    self.tma_box(tma_h, tGh[None, blk, piece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
-                if const_expr(sc is not None):
-                    tma_hs, tGsh, tKsh, tVsh, tma_ds, tGsd = sc
-                    if const_expr(want_k):
-                        cute.copy(tma_hs, tGsh[None, blk, piece], tKsh[None, c, stage], tma_bar_ptr=bar)
-                    if const_expr(want_v):
-                        cute.copy(tma_hs, tGsh[None, blk, piece + 1], tVsh[None, c, stage], tma_bar_ptr=bar)
-            else:
-                hpiece = (((-entry - 1) * num_layers + layer) * num_kv_heads + kvh) * 2
-                if const_expr(want_k):
-                    self.tma_box(tma_d, tGd[None, blk, hpiece], tSh[None, c, stage], bar, rank, 2 * c)
-                if const_expr(want_v):
-                    self.tma_box(tma_d, tGd[None, blk, hpiece + 1], tSVh[None, c, stage], bar, rank, 2 * c + 1)
-                if const_expr(sc is not None):
-                    tma_hs, tGsh, tKsh, tVsh, tma_ds, tGsd = sc
-                    if const_expr(want_k):
-                        cute.copy(tma_ds, tGsd[None, blk, hpiece], tKsh[None, c, stage], tma_bar_ptr=bar)
-                    if const_expr(want_v):
-                        cute.copy(tma_ds, tGsd[None, blk, hpiece + 1], tVsh[None, c, stage], tma_bar_ptr=bar)
 
     @cute.jit
     def wait_piece(self, mReady, epoch, piece, ready):

@@ -9,16 +9,15 @@ with O += P(t-1) V(t-1), the softmax of tile t running while that P V WGMMA is i
 wholly below the first row's causal limit run a step compiled without the mask, the rest one with
 it. With ``cluster`` 2 the CTAs of adjacent query tiles of a KV head form a cluster that walks the
 same KV tiles (the range of its last query token), each issuing half of every tile's TMA boxes
-multicast to both. With ``kv_pipes`` 2 K and V have separate pipelines (K freed after its S).
-The CTA writes the final O and LSE: no partials, no combine.
+multicast to both. The CTA writes the final O and LSE: no partials, no combine.
 
 The KV must sit in HBM: each CTA reads all of it, so host pages would cross the link once per
 query tile. The op stages host pages into an HBM buffer with the copy engine first
 (``directkv_cute.staging``), piece by piece; with ``wait_ready`` the producer issues a tile once
 its piece's flag says the copy landed, so compute overlaps the copy.
 
-Legality: ``QTiledConfig.problems`` (tile_n 64 or 128, the ring within SMEM, kv_pipes 1 or 2,
-cluster 1 or 2), GQA group <= 128.
+Legality: ``QTiledConfig.problems`` (tile_n 64 or 128, the ring within SMEM, cluster 1 or 2),
+GQA group <= 128.
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ class QTiledAttention(PagedAttention):
         self.wait_ready = wait_ready
         self.producer.wait_ready = wait_ready
         self.pingpong = bool(cfg.pingpong)
-        self.kv_pipes = cfg.kv_pipes
 
     # ------------------------------------------------------------------------------------
     @cute.jit
@@ -141,15 +139,10 @@ class QTiledAttention(PagedAttention):
             # ---------------- producer warpgroup: warp 0 streams the KV tiles with TMA --------
             cute.arch.setmaxregister_decrease(Q_TILED_REGS[0])
             if warp_idx == 0:
-                if const_expr(self.kv_pipes == 1):
-                    self.producer.load(
-                        kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
-                        admit, mReady, epoch, piece_tiles,
-                    )
-                else:
-                    k_pipe, v_pipe = kv_pipe
-                    self.producer.load_split(k_pipe, v_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, cta,
-                                             num_kv_heads, num_layers, layer, mReady, epoch, piece_tiles)
+                self.producer.load(
+                    kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
+                    admit, mReady, epoch, piece_tiles,
+                )
         else:
             # ---------------- consumer warpgroups: 64 rows each, O in registers --------------
             cute.arch.setmaxregister_increase(Q_TILED_REGS[1])
@@ -208,96 +201,71 @@ class QTiledAttention(PagedAttention):
     @cute.jit
     def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
         """Every KV tile [t_begin, t_end) as it lands, for this warpgroup's rows, software pipelined:
-        S(t) and P(t-1) V(t-1) are issued together (``step``). With one pipeline tile t-1's stage
-        (its K and V) is released once both are done; with ``kv_pipes`` 2 K(t) is released as soon
-        as S(t) is done and V(t-1) is waited for only before its P V. The tiles before the first
-        one that reaches past the first row's causal limit run a step compiled without the mask,
-        the rest one with it. With pingpong the two warpgroups alternate their issues (turn_wait
-        / turn_done): both make the same n + 1 issues, warpgroup 1 first hands the first turn to
-        warpgroup 0."""
-        tile_n, group, split = self.tile_n, self.group, self.kv_pipes == 2
+        S(t) and P(t-1) V(t-1) are issued together (``step``); tile t-1 is released once both are
+        done. The tiles before the first one that reaches past the first row's causal limit run a
+        step compiled without the mask, the rest one with it. With pingpong the two warpgroups
+        alternate their issues (turn_wait / turn_done): both make the same n + 1 issues,
+        warpgroup 1 first hands the first turn to warpgroup 0."""
+        tile_n = self.tile_n
         seq_len, q_len, t0, n = cta.seq_len, cta.q_len, cta.t_begin, cta.t_end - cta.t_begin
-        acc_S, acc_O, tOrP, tSrQ, tSrK, tOrVt = w.acc_S, w.acc_O, w.tOrP, w.tSrQ, w.tSrK, w.tOrVt
-        row_max, row_sum, tScS = w.row_max, w.row_sum, w.tScS
-        k_pipe, v_pipe = kv_pipe, kv_pipe
-        if const_expr(split):
-            k_pipe, v_pipe = kv_pipe
-        k_wait = RingState.consumer(self.stages)  # K(t) (one pipeline: the stage of tile t)
-        v_state = RingState.consumer(self.stages)  # V(t-1): waited (kv_pipes 2) and released
-        k_free = RingState.consumer(self.stages)  # K(t), released after S(t) (kv_pipes 2)
+        acc_S, acc_O, tOrP = w.acc_S, w.acc_O, w.tOrP
+        wait_state = RingState.consumer(self.stages)
+        free_state = RingState.consumer(self.stages)
         if n > 0:
             if const_expr(self.pingpong):
                 if w.wg == 1:  # warpgroup 0 issues first
                     self.turn_done(0)
-            k_pipe.consumer_wait(k_wait, k_pipe.consumer_try_wait(k_wait))
-            st = k_wait.index
+            kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+            st = wait_state.index
             self.turn_wait(w.wg)
             warpgroup.fence()
-            gemm_issue(w.mma_qk, acc_S, tSrQ, tSrK[None, None, None, st], True)
+            gemm_issue(w.mma_qk, acc_S, w.tSrQ, w.tSrK[None, None, None, st], True)
             self.turn_done(1 - w.wg)
             warpgroup.wait_group(0)
-            if const_expr(split):
-                k_pipe.consumer_release(k_free)
-                k_free.advance()
-            mask_tile(acc_S, t0, tok0, w.row0, tScS, seq_len, q_len, tile_n, group)
-            softmax_update(acc_S, acc_O, row_max, row_sum, scale_log2)
+            mask_tile(acc_S, t0, tok0, w.row0, w.tScS, seq_len, q_len, tile_n, self.group)
+            softmax_update(acc_S, acc_O, w.row_max, w.row_sum, scale_log2)
             pack_operand(acc_as_operand_a(acc_S), tOrP)
-            k_wait.advance()
+            wait_state.advance()
             # Tiles [t0, t0 + n_free) lie wholly at or below the first row's causal limit.
             n_free = cutlass.max(cutlass.min((seq_len - q_len + tok0 + 1) // tile_n - t0, n), 1)
             for t in cutlass.range(1, n_free, unroll=1):
-                st = self.step(w, k_pipe, v_pipe, k_wait, v_state, k_free, st, cta, t, tok0, scale_log2, False)
-                k_wait.advance()
-                v_state.advance()
-                if const_expr(split):
-                    k_free.advance()
+                st = self.step(w, kv_pipe, wait_state, free_state, st, cta, t, tok0, scale_log2, False)
+                wait_state.advance()
+                free_state.advance()
             for t in cutlass.range(n_free, n, unroll=1):
-                st = self.step(w, k_pipe, v_pipe, k_wait, v_state, k_free, st, cta, t, tok0, scale_log2, True)
-                k_wait.advance()
-                v_state.advance()
-                if const_expr(split):
-                    k_free.advance()
-            sv = st
-            if const_expr(split):
-                v_pipe.consumer_wait(v_state, v_pipe.consumer_try_wait(v_state))
-                sv = v_state.index
+                st = self.step(w, kv_pipe, wait_state, free_state, st, cta, t, tok0, scale_log2, True)
+                wait_state.advance()
+                free_state.advance()
             self.turn_wait(w.wg)
             warpgroup.fence()
-            gemm_issue(w.mma_pv, acc_O, tOrP, tOrVt[None, None, None, sv], False)
+            gemm_issue(w.mma_pv, acc_O, tOrP, w.tOrVt[None, None, None, st], False)
             self.turn_done(1 - w.wg)
             warpgroup.wait_group(0)
-            v_pipe.consumer_release(v_state)
+            kv_pipe.consumer_release(free_state)
 
     @cute.jit
-    def step(self, w, k_pipe, v_pipe, k_wait, v_state, k_free, st, cta, t, tok0, scale_log2,
-             masked: cutlass.Constexpr):
-        """One pipelined step at KV tile t (from the split's first): wait for K(t), issue S(t) =
-        Q K(t)^T and O += P(t-1) V(t-1), the online softmax of S(t) (masked with ``masked``) while
-        that P V runs, then O rescaled and P(t) converted. Releases K(t) (``kv_pipes`` 2) and V(t-1)
-        without advancing the states (the caller's loop does). Returns tile t's stage."""
+    def step(self, w, kv_pipe, wait_state, free_state, st, cta, t, tok0, scale_log2, masked: cutlass.Constexpr):
+        """One pipelined step at KV tile t (from the split's first): wait for tile t, issue S(t) =
+        Q K(t)^T and O += P(t-1) V(t-1) (tile t-1 in stage ``st``), the online softmax of S(t)
+        (masked with ``masked``) while that P V runs, then release tile t-1, rescale O and convert
+        P(t). The caller's loop advances the states. Returns tile t's stage."""
         acc_S, acc_O, tOrP = w.acc_S, w.acc_O, w.tOrP
-        sv = st  # the stage of tile t-1 (one pipeline)
-        k_pipe.consumer_wait(k_wait, k_pipe.consumer_try_wait(k_wait))
-        st = k_wait.index
+        kv_pipe.consumer_wait(wait_state, kv_pipe.consumer_try_wait(wait_state))
+        st_next = wait_state.index
         self.turn_wait(w.wg)
         warpgroup.fence()
-        gemm_issue(w.mma_qk, acc_S, w.tSrQ, w.tSrK[None, None, None, st], True)
-        if const_expr(self.kv_pipes == 2):
-            v_pipe.consumer_wait(v_state, v_pipe.consumer_try_wait(v_state))
-            sv = v_state.index
-        gemm_issue(w.mma_pv, acc_O, tOrP, w.tOrVt[None, None, None, sv], False)
+        gemm_issue(w.mma_qk, acc_S, w.tSrQ, w.tSrK[None, None, None, st_next], True)
+        gemm_issue(w.mma_pv, acc_O, tOrP, w.tOrVt[None, None, None, st], False)
         self.turn_done(1 - w.wg)
         warpgroup.wait_group(1)  # S(t) is ready; P V of tile t-1 may still run
-        if const_expr(self.kv_pipes == 2):
-            k_pipe.consumer_release(k_free)  # K(t) is read
         if const_expr(masked):
             mask_tile(acc_S, cta.t_begin + t, tok0, w.row0, w.tScS, cta.seq_len, cta.q_len, self.tile_n, self.group)
         softmax_step(acc_S, w.row_max, w.row_sum, w.row_scale, scale_log2)
         warpgroup.wait_group(0)
-        v_pipe.consumer_release(v_state)  # tile t-1: its V (and with one pipeline its K) is read
+        kv_pipe.consumer_release(free_state)  # tile t-1: its K and V are read
         rescale_rows(acc_O, w.row_scale)
         pack_operand(acc_as_operand_a(acc_S), tOrP)
-        return st
+        return st_next
 
     @cute.jit
     def turn_wait(self, wg):
