@@ -10,8 +10,13 @@ Methods (``--methods``), each through ``model.generate`` with greedy decoding on
 ``--contexts`` tokens, ``--batches`` rows, ``--prefill-chunk`` tokens per prefill forward:
 
 * ``dynamic``: transformers' default ``DynamicCache`` + SDPA, all KV in HBM;
+* ``fa4``: the same ``DynamicCache`` (all KV in HBM) with the attention computed by
+  FlashAttention-4 (``flash_attn.cute.flash_attn_func``, ``bench.fa4_attention``: registered with
+  transformers as ``attn_implementation="directkv_fa4"``, causal bottom-right, GQA native);
 * ``hf-offloaded``: ``generate(cache_implementation="offloaded")`` + SDPA, KV in host memory,
   each layer copied back to the GPU every step;
+* ``hf-offloaded+fa4``: the offloaded cache with FA4's attention: the "swap + FA4" peer end to end
+  (timed like hf-offloaded, ``--offloaded-tokens``);
 * ``ours[host]``: ``directkv_cute.hf.DirectKVCache``, host only: KV in pinned host pages, read in
   place by our kernels, each step's new K/V read from its HBM window (``window_tokens``);
 * ``ours[readback]``: the same without the window (``window_tokens=0``): each step's new K/V are
@@ -22,11 +27,18 @@ Methods (``--methods``), each through ``model.generate`` with greedy decoding on
   used beyond the weights at the same context and batch, i.e. its peak GPU memory minus the
   memory allocated before it); ``ours[hbm=8GiB]`` fixes one.
 
+The FA4 methods are not in the default set (each is one more full prefill per context and batch,
+and hf-offloaded+fa4 another seconds-per-token decode); ask for them with ``--methods``. Where
+FA4 cannot run (no CUDA, no SM90, flash-attn-4 not importable: ``bench.peers.unavailable``) their
+rows are ``skipped`` with the reason. FA4's attention refuses padding masks, dropout and other
+mask patterns (the prompts here are random, unpadded). The targets list ours[host]'s speedup over
+hf-offloaded+fa4 (reported; no target of the issue).
+
 The model (``--preset``, random weights from ``directkv_cute.presets.build_random_model``) is built
 once on the GPU and kept there; every method builds its cache, runs and frees it (then
 ``gc.collect`` and ``torch.cuda.empty_cache``) before the next, and the peak GPU memory counter is
-reset before each. Per (context, batch) the methods run in the order dynamic, hf-offloaded,
-ours[host], ours[hbm] (the last needs hf-offloaded's peak).
+reset before each. Per (context, batch) the methods run in the order dynamic, fa4, hf-offloaded,
+hf-offloaded+fa4, ours[...], ours[hbm] (the last needs hf-offloaded's peak).
 
 **Timing** (``directkv_cute.generate.timed_generate``): a ``LogitsProcessor`` is called once per
 generated token right after that token's forward; it records a CUDA event per call, and
@@ -39,7 +51,8 @@ decode_ms. hf-offloaded, whose steps take seconds at long contexts, times ``--of
 after one warm-up token. Before each ``ours`` row the same (context, batch) runs once on a
 one-layer view of the model (the same weights), so that the kernels the row needs (chosen per
 batch, context and query length, never per layer) are compiled and loaded before anything is
-timed; ``compiled`` in a row counts kernels compiled during its timed run anyway.
+timed; ``compiled`` in a row counts kernels compiled during its timed run anyway. The FA4 rows get
+the same warm-up (FA4 compiles its CuTe kernels on first use).
 
 **Failures are results.** ``torch.cuda.OutOfMemoryError`` (or a host allocation failure) is
 recorded as status ``OOM`` with its message, everything is freed, and the run goes on. Batch > 1
@@ -91,9 +104,11 @@ import torch
 E2E_SCHEMA = "directkv-bench-e2e/1"
 GiB = 1 << 30
 BASE_METHODS = ("dynamic", "hf-offloaded", "ours")
+ATTNS = ("sdpa", "fa4")  # dynamic / hf-offloaded: the attention function (bench.fa4_attention for fa4)
 DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
-METHOD_ORDER = {"dynamic": 0, "hf-offloaded": 1, "ours[readback]": 2, "ours[host]": 3, "ours[fused]": 4,
-                "ours[fp8]": 5, "ours[hbm]": 6}
+FA4_METHODS = ("fa4", "hf-offloaded+fa4")
+METHOD_ORDER = {"dynamic": 0, "fa4": 1, "hf-offloaded": 2, "hf-offloaded+fa4": 3, "ours[readback]": 4,
+                "ours[host]": 5, "ours[fused]": 6, "ours[fp8]": 7, "ours[hbm]": 8}
 DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 ROW_FIELDS = (
@@ -124,7 +139,8 @@ QUICK_GPU = dict(contexts=[32768], batches=[1], new_tokens=8, offloaded_tokens=2
 @dataclass(frozen=True)
 class Method:
     """A method of the bench: ``base`` in BASE_METHODS; for ours ``tier`` "host" or "hbm" and an
-    explicit ``budget`` (bytes) or None (the default budget)."""
+    explicit ``budget`` (bytes) or None (the default budget); for dynamic / hf-offloaded ``attn``,
+    the attention: "sdpa" or "fa4" (FlashAttention-4, ``bench.fa4_attention``)."""
 
     base: str
     tier: str = "host"
@@ -132,13 +148,16 @@ class Method:
     window: bool = True  # ours: each step's new K/V read from the HBM window
     fused: bool = False  # ours: fuse_kv_projection (the K/V projection kernel)
     kv_dtype: str | None = None  # ours: "fp8" pages (DirectKVCache(kv_dtype=...)), None the model's dtype
+    attn: str = "sdpa"  # dynamic / hf-offloaded: "sdpa" or "fa4"
 
     @property
     def name(self) -> str:
-        """The method's key in rows and plots: dynamic, hf-offloaded, ours[readback], ours[host],
-        ours[hbm]."""
+        """The method's key in rows and plots: dynamic, fa4, hf-offloaded, hf-offloaded+fa4,
+        ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm]."""
         if self.base != "ours":
-            return self.base
+            if self.attn == "sdpa":
+                return self.base
+            return self.attn if self.base == "dynamic" else f"{self.base}+{self.attn}"
         if self.fused:
             return "ours[fused]"
         if self.kv_dtype:
@@ -153,7 +172,8 @@ class Method:
 
 
 def parse_methods(text: str) -> list[Method]:
-    """``dynamic,hf-offloaded,ours[host],ours[hbm],ours[hbm=8GiB]`` -> Methods (bench order)."""
+    """``dynamic,fa4,hf-offloaded,hf-offloaded+fa4,ours[host],ours[hbm],ours[hbm=8GiB]`` -> Methods
+    (bench order)."""
     from directkv_cute.generate import parse_size
 
     out: list[Method] = []
@@ -162,6 +182,10 @@ def parse_methods(text: str) -> list[Method]:
             continue
         if item in ("dynamic", "hf-offloaded"):
             out.append(Method(item))
+        elif item == "fa4":
+            out.append(Method("dynamic", attn="fa4"))
+        elif item == "hf-offloaded+fa4":
+            out.append(Method("hf-offloaded", attn="fa4"))
         elif item in ("ours", "ours[host]"):
             out.append(Method("ours", "host"))
         elif item == "ours[readback]":
@@ -175,9 +199,8 @@ def parse_methods(text: str) -> list[Method]:
         elif item.startswith("ours[hbm=") and item.endswith("]"):
             out.append(Method("ours", "hbm", parse_size(item[len("ours[hbm="):-1])))
         else:
-            raise ValueError(f"unknown method {item!r}; use dynamic, hf-offloaded, ours[readback], ours[host], ours[fused], "
-                             "ours[fp8], ours[hbm] "
-                             "or ours[hbm=<bytes>]")
+            raise ValueError(f"unknown method {item!r}; use dynamic, fa4, hf-offloaded, hf-offloaded+fa4, "
+                             "ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm] or ours[hbm=<bytes>]")
     if not out:
         raise ValueError("no methods given")
     names = [m.name for m in out]
@@ -344,6 +367,11 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
                 add("ours[host] peak GPU memory < hf-offloaded", ctx, batch, host["peak_gpu_bytes"] / GiB,
                     off["peak_gpu_bytes"] / GiB, host["peak_gpu_bytes"] < off["peak_gpu_bytes"],
                     f"{host['peak_gpu_bytes'] / GiB:.2f} vs {off['peak_gpu_bytes'] / GiB:.2f} GiB")
+        off_fa4 = _one(rows, method="hf-offloaded+fa4", role="measured", **m)
+        if off_fa4 is not None:  # the swap + FA4 peer: reported, no target of the issue
+            add("ours[host] speedup over hf-offloaded+fa4 (swap + FA4)", ctx, batch,
+                off_fa4["decode_ms"] / host["decode_ms"], None, None,
+                f"{off_fa4['decode_ms']:.1f} / {host['decode_ms']:.1f} ms")
         if hbm is not None:
             add("ours[hbm] faster than ours[host]", ctx, batch, hbm["decode_ms"], host["decode_ms"],
                 hbm["decode_ms"] < host["decode_ms"],
@@ -446,7 +474,8 @@ def format_table(doc: dict) -> str:
     return "\n".join(head + body + (["targets:"] + tail if tail else []))
 
 
-_STYLE = {"ours[host]": "o-", "ours[hbm]": "s-", "dynamic": "d-.", "hf-offloaded": "^--", "physics": "kx:"}
+_STYLE = {"ours[host]": "o-", "ours[hbm]": "s-", "dynamic": "d-.", "fa4": "v-.", "hf-offloaded": "^--",
+          "hf-offloaded+fa4": "<--", "physics": "kx:"}
 
 
 def plot_e2e(doc: dict, path: str | Path) -> Path | None:
@@ -596,6 +625,26 @@ def _set_attn(models, impl: str) -> None:
         m.set_attn_implementation(impl)
 
 
+def _attn_implementation(method: Method) -> str:
+    """The ``attn_implementation`` of a dynamic / hf-offloaded method: "sdpa", or FA4's
+    (``bench.fa4_attention``, registered with transformers at its import)."""
+    if method.attn == "fa4":
+        from bench import fa4_attention
+
+        return fa4_attention.ATTN_IMPLEMENTATION
+    return method.attn
+
+
+def fa4_unavailable(method: Method, device: str) -> str | None:
+    """Why an FA4 method cannot run here (``bench.peers.unavailable``), or None (also for the
+    methods that do not use FA4)."""
+    if method.attn != "fa4":
+        return None
+    from bench.fa4_attention import unavailable
+
+    return unavailable(device)
+
+
 @dataclass
 class Options:
     preset: str
@@ -671,7 +720,7 @@ class Runner:
                 if method.fused:
                     dkhf.unfuse_kv_projection(model)
                 cache.close()
-        _set_attn(models, "sdpa")
+        _set_attn(models, _attn_implementation(method))
         impl = "offloaded" if method.base == "hf-offloaded" else None
         res = timed_generate(model, ids, mask, max_new_tokens=n_new, cache_implementation=impl,
                              prefill_chunk=o.prefill_chunk, progress=progress, return_cache=True)
@@ -692,6 +741,9 @@ class Runner:
                     batch=batch, dtype=str(o.dtype).removeprefix("torch."), warmup_tokens=warm, timed_tokens=timed,
                     hbm_budget=budget if method.tier == "hbm" else None)
         kv = batch * (context + n_new) * self.token_bytes
+        why = fa4_unavailable(method, o.device)
+        if why:
+            return new_row(**base, status="skipped", error=f"FA4 unavailable: {why}")
         if offl and not self.cuda:
             return new_row(**base, status="skipped", error="transformers' offloaded cache needs CUDA (its copy stream)")
         if o.skip:
@@ -706,7 +758,8 @@ class Runner:
         setup = None
         compiled = None
         try:
-            if method.base == "ours":  # compile / load every kernel the row needs, on a one-layer view
+            if method.base == "ours" or method.attn == "fa4":  # compile / load every kernel the row needs,
+                # on a one-layer view (ours' kernels; FA4 compiles its CuTe kernels on first use)
                 view = self._warm_view()
                 vb = None if budget is None else budget // self.model.config.num_hidden_layers
                 self._generate(view, method, ids, mask, 3, vb, False)
@@ -740,7 +793,7 @@ class Runner:
         self.tokens[(context, batch, method.name, role)] = res.new_tokens.cpu()
         agree = None
         ref = self.tokens.get((context, batch, "dynamic", role))
-        if ref is not None and method.base != "dynamic":
+        if ref is not None and method.name != "dynamic":
             agree = agree_tokens(ref, res.new_tokens)
         kv_step = int(batch * mean_attended(context, warm, timed) * self.token_bytes)
         return new_row(**base, status=status, prefill_s=res.prefill_s, decode_ms=statistics.median(steps),
@@ -932,7 +985,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="model preset [llama3-8b] (cpu: tiny)")
     p.add_argument("--contexts", type=_ints, default=None, help="prompt tokens [32768,131072]")
     p.add_argument("--batches", type=_ints, default=None, help="[1,8]")
-    p.add_argument("--methods", default=None, help=f"[{DEFAULT_METHODS}]; ours[hbm=8GiB] fixes the budget")
+    p.add_argument("--methods", default=None, help=f"[{DEFAULT_METHODS}]; ours[hbm=8GiB] fixes the budget; also "
+                   "fa4, hf-offloaded+fa4 (FlashAttention-4 peers), ours[readback], ours[fused], ours[fp8]")
     p.add_argument("--new-tokens", type=int, default=None, help="timed decode tokens per method [16]")
     p.add_argument("--warmup-tokens", type=int, default=None, help="decode tokens before the timed ones [2]")
     p.add_argument("--offloaded-tokens", type=int, default=None,
@@ -965,6 +1019,6 @@ def cmd_e2e(ns: argparse.Namespace) -> int:
         return 2
 
 
-__all__ = ["E2E_SCHEMA", "Method", "ROW_FIELDS", "add_arguments", "agree_tokens", "cmd_e2e", "evaluate_targets",
-           "format_table", "kv_token_bytes", "new_row", "parse_methods", "physics_rows", "plot_e2e", "predict_skip",
-           "run_e2e", "shallow_model", "validate_doc", "validate_row"]
+__all__ = ["E2E_SCHEMA", "FA4_METHODS", "Method", "ROW_FIELDS", "add_arguments", "agree_tokens", "cmd_e2e",
+           "evaluate_targets", "fa4_unavailable", "format_table", "kv_token_bytes", "new_row", "parse_methods",
+           "physics_rows", "plot_e2e", "predict_skip", "run_e2e", "shallow_model", "validate_doc", "validate_row"]
