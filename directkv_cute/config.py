@@ -405,6 +405,10 @@ class QTiledConfig:
     pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
                  handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
                  busy; 0 = each issues as soon as it is ready.
+    copy_order:  staging only: 0 = the op's choice; 1 = each piece copies the pages of every KV
+                 head; 2 = head by head (one split): the copy lands KV head 0's pages, then head
+                 1's, ..., and the CTAs run head-major, so only the first head's copy is exposed
+                 (about 1/Hkv of it) and no partials are written.
     cluster:     CTAs of a thread-block cluster (1 = none, or 2) that share each KV tile: adjacent
                  query tiles of one KV head walk the same KV tiles (the cluster's longest causal
                  range), each CTA issues half of a tile's TMA boxes multicast to both, halving
@@ -420,6 +424,7 @@ class QTiledConfig:
     order: int = 0
     pingpong: int = 1
     cluster: int = 2
+    copy_order: int = 0
 
     CONSUMER_WGS = 2
 
@@ -453,6 +458,10 @@ class QTiledConfig:
             out.append(f"order 2 (lightest first) runs one split, got splits {self.splits}")
         if self.pingpong not in (0, 1):
             out.append(f"pingpong {self.pingpong} must be 0 or 1")
+        if self.copy_order not in (0, 1, 2):
+            out.append(f"copy_order {self.copy_order} must be 0 (automatic), 1 (all heads per piece) or 2 (head by head)")
+        elif self.copy_order == 2 and self.splits > 1:
+            out.append(f"copy_order 2 (head by head) runs one split, got splits {self.splits}")
         if self.cluster not in (1, 2):
             out.append(f"cluster {self.cluster} must be 1 (none) or 2")
         return out or self.ring_config().problems(head_dim, page_size, elem_bytes)

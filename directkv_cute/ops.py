@@ -35,7 +35,7 @@ import torch
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
-from directkv_cute.staging import piece_pages_for, plan_staging, stager, staging_cap
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -445,8 +445,10 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
             return None
     if not cfg.order:
         cfg = dataclasses.replace(cfg, order=2 if choice.ascending else 1)
+    if not cfg.copy_order:
+        cfg = dataclasses.replace(cfg, copy_order=2 if choice.by_head else 1)
     if not cfg.splits:
-        cfg = dataclasses.replace(cfg, splits=1 if cfg.order == 2 else choice.splits)
+        cfg = dataclasses.replace(cfg, splits=1 if 2 in (cfg.order, cfg.copy_order) else choice.splits)
     return cfg, plan
 
 
@@ -468,24 +470,43 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
     if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls):
         return None
-    plan = plan_staging(host_table, lens, P, pp)
-    need = plan.pages * page_bytes
+    heads = cache.num_kv_heads
+    # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
+    # only the first head's copy is exposed, so finer pieces would only add copy calls.
+    plan = plan_staging(host_table, lens, P, pp) if cfg.copy_order != 2 else None
+    head_plan = None
+    if cfg.copy_order != 1 and cfg.splits <= 1:
+        pp_h = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=HEAD_PIECES)
+        head_plan = plan if plan is not None and pp_h == pp else plan_staging(host_table, lens, P, pp_h)
+        if len(head_plan.pieces) * heads > MAX_FLAGS:
+            head_plan = None
+    if plan is None and head_plan is None:
+        return f"copy_order 2 (head by head) needs at most {MAX_FLAGS} (KV head, piece) ready flags"
+    any_plan = plan if plan is not None else head_plan
+    need = any_plan.pages * page_bytes
     cap = staging_cap(_total_memory(device_index))
     if need > cap:
         return (f"staging needs {need / 2**30:.2f} GiB of HBM, over the {cap / 2**30:.2f} GiB cap "
                 "(DIRECTKV_MAX_STAGING_GB)")
-    host_b = plan.host_pages * page_bytes
-    tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) else None
-    runs = [r for piece in plan.pieces for r in piece]
+    host_b = any_plan.host_pages * page_bytes
+    tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) and plan is not None else None
+    runs = [r for piece in any_plan.pieces for r in piece]
     hbm_calls = sum(r.hbm for r in runs)
+    head_calls = 0
+    if head_plan is not None:
+        head_calls = heads * sum(not r.hbm for piece in head_plan.pieces for r in piece)
     # What the Q-tiled kernel reads from the buffer beyond its compute: each sequence's pages
     # (its query tiles read them together, through the L2), however many sequences share them.
     kv_read = used.size * page_bytes
+    one_split = 2 in (cfg.order, cfg.copy_order)
     choice = choose_staged(host_b, need - host_b, flops,
-                           partial_bytes(sum(q_lens), num_q_heads, head_dim), 1 if cfg.order == 2 else cfg.splits,
+                           partial_bytes(sum(q_lens), num_q_heads, head_dim), 1 if one_split else cfg.splits,
                            tiles, host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls,
-                           in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read)
-    return choice, plan
+                           in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read, heads=heads,
+                           head_calls=head_calls)
+    if plan is None:  # head by head asked for
+        choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False)
+    return choice, head_plan if choice.by_head else plan
 
 
 @functools.lru_cache(maxsize=256)
@@ -498,7 +519,8 @@ def _compiled_q_tiled(cfg: QTiledConfig, dtype, head_dim, page_size, group, wait
 def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
                     cfg: QTiledConfig, plan):
     """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer, in
-    ``q_tiled_splits`` KV splits (combined afterwards) when staged."""
+    ``q_tiled_splits`` KV splits (combined afterwards) when staged, or in one, the copy landing
+    head by head, with ``copy_order`` 2."""
     from directkv_cute.kernels.launch import launch_combine, launch_q_tiled, link_counters
     from directkv_cute.plan import q_tiled_splits
 
@@ -509,6 +531,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
     n_qt = q_tiles(max_q_len, group, cfg.rows)
     max_tiles = math.ceil(max(tables.host_seq_lens) / cfg.tile_n)
+    by_head = plan is not None and cfg.copy_order == 2  # the copy and the CTAs head by head
     if plan is None:
         splits, split_tiles, piece_tiles = 1, max_tiles, 1
     else:
@@ -531,9 +554,10 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         st = stager(q.device, torch.cuda.current_stream(q.device))
         table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
         with st.lock:
-            buf, flags, epoch = st.stage(cache, layer, plan)
+            buf, flags, epoch = st.stage(cache, layer, plan, by_head)
             launch_q_tiled(fn, q, o_k, lse_k, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
-                           split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2)
+                           split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,
+                           flag_stride=len(plan.pieces) if by_head else 0)
             st.finish()
     if splits > 1:
         launch_combine(_compiled_combine(d, q.dtype), o_k, lse_k, out, lse, splits)

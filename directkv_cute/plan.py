@@ -113,6 +113,7 @@ class StagedChoice:
     staged: bool
     splits: int  # KV splits of the staged call
     ascending: bool = False  # one split, lightest query tiles first (they follow the copy)
+    by_head: bool = False  # one split, the copy and the CTAs head by head (``head_major_ms``)
 
 
 # Calls whose in-place compute reaches this share of their link time are compute-bound: staged
@@ -163,6 +164,14 @@ def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: i
     return first + max(copy_ms - first, compute_ms) + partials + STAGE_OVERHEAD_MS
 
 
+def head_major_ms(copy_ms: float, compute_ms: float, heads: int) -> float:
+    """A staged call copied head by head, its CTAs head-major, one split: a two-stage pipeline
+    of ``heads`` equal items (copy of head h, then its compute), so the first head's copy and the
+    last head's compute are exposed, no partials."""
+    c, k = copy_ms / heads, compute_ms / heads
+    return c + (heads - 1) * max(c, k) + k + STAGE_OVERHEAD_MS
+
+
 def q_tile_profile(seq_lens, q_lens, q_per_tile: int):
     """(release, work) of every query tile in ascending launch order (tile index, then sequence):
     release = the share of the longest sequence's keys the tile needs (when a piece-ordered copy
@@ -196,14 +205,17 @@ def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
 
 def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
-                  in_place_bytes: int | None = None, kv_read_bytes: int = 0) -> StagedChoice:
+                  in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
+                  head_calls: int = 0) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
     ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
     ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading
     ``in_place_bytes`` in place (default ``host_bytes``; more where sequences share pages, which
     the staging copies once), by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a
-    link-bound one: the in-place kernel is bound by max(link, its compute)."""
+    link-bound one: the in-place kernel is bound by max(link, its compute). With ``head_calls``
+    (the copy calls of the call staged head by head over ``heads`` KV heads) that order is
+    weighed too."""
     read = host_bytes if in_place_bytes is None else in_place_bytes
     link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
@@ -214,13 +226,17 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
     best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
     est = d2d_ms + staged_ms(copy_ms, q_ms, partial_bytes, best)
-    ascending = False
+    ascending = by_head = False
+    if head_calls and heads > 1 and splits in (0, 1):
+        hm = d2d_ms + head_major_ms(host_bytes / (MEMCPY_GBPS * 1e6) + head_calls * COPY_CALL_MS, q_ms, heads)
+        if hm < est:
+            est, best, by_head = hm, 1, True
     if tiles is not None and splits in (0, 1) and ASCENDING_AUTO:
         asc = d2d_ms + ascending_ms(copy_ms, q_ms, *tiles)
         if asc < est:
-            est, best, ascending = asc, 1, True
+            est, best, ascending, by_head = asc, 1, True, False
     margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN
-    return StagedChoice(in_place, est, est < margin * in_place, best, ascending)
+    return StagedChoice(in_place, est, est < margin * in_place, best, ascending, by_head)
 
 
 # A batch whose sequences share pages is attended by the cascade (each shared span once, each

@@ -10,7 +10,10 @@ of every sequence) the stream writes the call's epoch into that piece's ready fl
 (``cuStreamWriteValue32``, executed by the stream front end after the copies, behind a memory
 fence). The kernel is launched right away; its producer issues a tile once its piece is ready,
 so compute starts after the first piece and overlaps the rest of the copy. Host bytes moved =
-the unique KV, once.
+the unique KV, once. Staged head by head (``by_head``), each piece's copies are made once per
+KV head (that head's K and V block of each page, a strided 2-D copy), all pieces of head 0
+first, with a flag per (head, piece): the kernel's CTAs run head-major, so the copy of head h + 1
+lands while head h computes.
 
 Planning (``plan_staging``) is plain Python on the host page table; the device part is
 ``Stager``, one per (device, stream), holding the side stream, the buffer and the flags.
@@ -25,7 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_PIECES = 64  # ready flags per stager; pieces beyond are merged into fewer, larger ones
+MAX_PIECES = 64  # pieces per call; more are merged into fewer, larger ones
+MAX_FLAGS = 4096  # ready flags per stager: a copy staged head by head has one per (KV head, piece)
+HEAD_PIECES = 4  # pieces per KV head of a copy staged head by head
 _STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
 
 
@@ -137,7 +142,7 @@ class Stager:
 
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
-        self.flags = torch.zeros(MAX_PIECES, dtype=torch.int32, device=self.device)
+        self.flags = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d)
         self.epoch = 0
         self.lock = threading.Lock()
@@ -154,10 +159,11 @@ class Stager:
             self.buffer = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
         return self.buffer[:pages]
 
-    def stage(self, cache, layer: int, plan: StagePlan):
+    def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
         """Queue the plan's copies and ready flags on the side stream after the current stream's
-        work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). The caller launches
-        the kernel on the current stream, then calls ``finish``."""
+        work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
+        of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h.
+        The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
         import cuda.bindings.runtime as rt
         import torch
@@ -165,6 +171,10 @@ class Stager:
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
         hbm = cache.hbm_pool
         piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
+        heads = piece_shape[0]
+        n_flags = len(plan.pieces) * (heads if by_head else 1)
+        if n_flags > MAX_FLAGS:
+            raise ValueError(f"staging: {n_flags} ready flags needed, at most {MAX_FLAGS}")
         buf = self._buffer(plan.pages, piece_shape, host.dtype)
         width = int(np.prod(piece_shape)) * host.element_size()  # one page of one layer
         layers = host.shape[1]
@@ -174,11 +184,13 @@ class Stager:
         self.stream.wait_stream(cur)  # new tokens' K/V stored, and the buffer's last reader done
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
 
-        def copy(r: Run, stream):
+        def copy(r: Run, stream, head: int | None = None):
+            """The run's pages (all heads), or only KV head ``head``'s block of each page."""
             pool = hbm if r.hbm else host
-            src = pool.data_ptr() + (r.src * layers + layer) * width
-            dst = buf.data_ptr() + r.dst * width
-            _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, width, r.count, kind, stream),
+            part, cols = (0, width) if head is None else (head * (width // heads), width // heads)
+            src = pool.data_ptr() + (r.src * layers + layer) * width + part
+            dst = buf.data_ptr() + r.dst * width + part
+            _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, cols, r.count, kind, stream),
                    "cudaMemcpy2DAsync")
 
         # Pages already in HBM are copied on the current stream, ahead of the kernel: a
@@ -188,12 +200,14 @@ class Stager:
                 if r.hbm:
                     copy(r, cur.cuda_stream)
         s = self.stream.cuda_stream
-        for p, runs in enumerate(plan.pieces):
-            for r in runs:
-                if not r.hbm:
-                    copy(r, s)
-            _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * p), epoch, 0),
-                   "cuStreamWriteValue32")
+        for h in range(heads) if by_head else (None,):
+            for p, runs in enumerate(plan.pieces):
+                for r in runs:
+                    if not r.hbm:
+                        copy(r, s, h)
+                flag = p if h is None else h * len(plan.pieces) + p
+                _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * flag),
+                                                epoch, 0), "cuStreamWriteValue32")
         return buf, self.flags, epoch
 
     def finish(self):

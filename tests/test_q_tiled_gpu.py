@@ -41,6 +41,12 @@ CASES = [
     ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(cluster=2, order=2)),
     ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.3, QTiledConfig(cluster=2, splits=3)),
     ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 1.0, QTiledConfig(cluster=2, tile_n=64)),
+    # the copy staged head by head, the CTAs remapped head-major (over the batch too)
+    ([6000, 900, 3001], [2000, 900, 64], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 16, torch.float16, 0.3, QTiledConfig(copy_order=2, cluster=1)),
+    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2, order=2)),
+    ([9000], [4096], 32, 2, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2, piece_pages=4)),
+    ([333, 1], [333, 1], 8, 8, 64, 16, torch.float16, 0.0, QTiledConfig(copy_order=2, tile_n=64, stages=2)),
 ]
 
 
@@ -58,7 +64,7 @@ def test_q_tiled_random_shapes(seed):
     lens = [r.randint(1, 4000) for _ in range(r.choice([1, 3, 5]))]
     q_lens = [r.randint(1, n) for n in lens]
     cfg = QTiledConfig(tile_n=r.choice([64, 128]), stages=2, piece_pages=r.choice([0, 1, 3]),
-                       cluster=r.choice([1, 2]))
+                       cluster=r.choice([1, 2]), copy_order=r.choice([0, 1, 2]))
     _run(lens, q_lens, hkv * group, hkv, d, page, dtype, r.choice([0.0, 0.4, 1.0]), cfg, seed=seed)
 
 

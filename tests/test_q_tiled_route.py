@@ -16,6 +16,7 @@ import torch
 from directkv_cute import ops
 from directkv_cute.cache import KernelTables
 from directkv_cute.config import QTiledConfig
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS
 from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
 
@@ -87,10 +88,29 @@ def test_decode_over_hbm_pages_keeps_the_streaming_kernel():
     assert plan is None  # an explicit config still runs it
 
 
-def test_compute_bound_chunks_are_staged_with_the_models_splits():
+def test_compute_bound_chunks_are_staged_head_by_head():
+    """A compute-bound chunk over 32k of host KV: copied head by head, one split (only the first
+    head's copy exposed, no partials), in a few pieces per head."""
     cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), None)
-    assert plan is not None and plan.host_pages == 512 and cfg.splits > 1 and cfg.order == 1
+    assert plan is not None and plan.host_pages == 512 and cfg.order == 1
+    assert cfg.copy_order == 2 and cfg.splits == 1
+    assert len(plan.pieces) == HEAD_PIECES and len(plan.pieces) * 8 <= MAX_FLAGS
     assert (plan.table < 0).all(), "the kernel reads the staging buffer as HBM pages"
+
+
+def test_copy_order_one_keeps_the_models_splits():
+    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig(copy_order=1))
+    assert cfg.copy_order == 1 and cfg.splits > 1 and len(plan.pieces) == 16
+
+
+def test_copy_order_two_runs_one_split_even_where_the_model_would_not():
+    # q 64 over 32k is link-bound: the model keeps the pieces of all heads together.
+    cfg, _ = ops._q_tiled_route(*_call([32768], [64]), None)
+    assert cfg.copy_order == 1
+    cfg, plan = ops._q_tiled_route(*_call([32768, 5000], [64, 7]), QTiledConfig(copy_order=2))
+    assert cfg.copy_order == 2 and cfg.splits == 1 and plan.host_pages == 512 + 79
+    cfg, _ = ops._q_tiled_route(*_call([8192], [8192]), QTiledConfig(copy_order=2, order=2))
+    assert (cfg.copy_order, cfg.order, cfg.splits) == (2, 2, 1)
 
 
 def test_all_hbm_takes_the_q_tiled_kernel_only_with_a_wave_of_tiles():
@@ -163,7 +183,7 @@ def test_a_model_tuned_profile_is_what_the_op_runs(tmp_path, monkeypatch):
     # over host pages, staged: the entry's kernel, the launch fields from the op's cost model
     cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), None)
     assert plan is not None and cfg.splits >= 1 and cfg.order == 1
-    assert dataclasses.replace(cfg, splits=0, order=0) == entries[1, 32768, 8192]
+    assert dataclasses.replace(cfg, splits=0, order=0, copy_order=0) == entries[1, 32768, 8192]
     # the nearest bucket: q_len 3000 is nearer 2048 than 8192 in log2, context 20000 has one bucket
     cfg, plan = ops._q_tiled_route(*_call([20000], [3000], hbm=True), None)
     assert plan is None and cfg == tuned
@@ -176,7 +196,7 @@ def test_a_model_tuned_profile_is_what_the_op_runs(tmp_path, monkeypatch):
     mine = QTiledConfig(tile_n=64, stages=4)
     assert ops._q_tiled_route(*_call([32768], [2048], hbm=True), mine) == (mine, None)
     cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig(order=2))
-    assert cfg == QTiledConfig(order=2, splits=1) and plan is not None
+    assert cfg == QTiledConfig(order=2, splits=1, copy_order=2) and plan is not None
 
 
 def test_a_missing_entry_warns_only_for_calls_the_kernel_may_run_as_a_chunk(tmp_path):
@@ -185,7 +205,7 @@ def test_a_missing_entry_warns_only_for_calls_the_kernel_may_run_as_a_chunk(tmp_
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         cfg, plan = ops._q_tiled_route(*_call([32768], [1]), None)  # staged decode: quiet
-        assert plan is not None and dataclasses.replace(cfg, order=0, splits=0) == QTiledConfig(cluster=1)
+        assert plan is not None and dataclasses.replace(cfg, order=0, splits=0, copy_order=0) == QTiledConfig(cluster=1)
         assert ops._q_tiled_route(*_call([32768], [64], hbm=True), None) is None  # 16 CTAs: not looked up
         assert ops._q_tiled_route(*_call([4096], [1]), None) is None  # short decode in place
         for _ in range(2):

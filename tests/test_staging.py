@@ -302,3 +302,113 @@ def test_a_batch_sharing_a_prompt_stages_once_or_runs_the_cascade_as_measured():
     # batch 64, 1k own: staged 9.04 vs the cascade's 8.21
     assert not row(64, 1024, 64 * 2 + 16)[0]
     assert stage_instead_of_cascade(1, 1, None) is False
+
+
+def test_head_major_model_is_a_two_stage_pipeline_of_heads():
+    from directkv_cute.plan import STAGE_OVERHEAD_MS, head_major_ms
+
+    # compute-bound: the first head's copy, then every head's compute
+    assert head_major_ms(8.0, 16.0, 8) == pytest.approx(1.0 + 16.0 + STAGE_OVERHEAD_MS)
+    # link-bound: the whole copy, then the last head's compute
+    assert head_major_ms(16.0, 8.0, 8) == pytest.approx(16.0 + 1.0 + STAGE_OVERHEAD_MS)
+    assert head_major_ms(8.0, 16.0, 1) == pytest.approx(24.0 + STAGE_OVERHEAD_MS)  # one head: serial
+
+
+def test_cost_model_copies_compute_bound_chunks_head_by_head():
+    kv = 2 * 32768 * 8 * 128 * 2
+    flops = causal_flops([32768], [8192], 32, 128)
+    parts = partial_bytes(8192, 32, 128)
+    split = choose_staged(kv, 0, flops, parts, host_calls=16)
+    heads = choose_staged(kv, 0, flops, parts, host_calls=16, heads=8, head_calls=8 * 4)
+    assert not split.by_head and heads.by_head and heads.splits == 1
+    assert heads.staged_ms < split.staged_ms  # no partials, 1/8 of the copy exposed
+    # a link-bound decode read gains nothing from it: the whole copy is exposed either way
+    dec = choose_staged(kv, 0, causal_flops([32768], [1], 32, 128), partial_bytes(1, 32, 128), host_calls=16,
+                        heads=8, head_calls=8 * 4)
+    assert not dec.by_head
+    # a fixed split count leaves the order alone
+    assert not choose_staged(kv, 0, flops, parts, splits=4, heads=8, head_calls=32).by_head
+
+
+def test_copy_order_legality():
+    assert QTiledConfig(copy_order=2, splits=1).is_legal(128, 64)
+    assert QTiledConfig(copy_order=2, order=2).is_legal(128, 64)
+    with pytest.raises(ConfigError, match="one split"):
+        QTiledConfig(copy_order=2, splits=4).check(128, 64)
+    with pytest.raises(ConfigError, match="copy_order"):
+        QTiledConfig(copy_order=3).check(128, 64)
+
+
+@pytest.mark.parametrize("by_head", [False, True])
+def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypatch, by_head):
+    """Stager.stage with the CUDA calls stood in by host memmoves: the buffer holds exactly the
+    layer's K/V of every staged page, and every flag is written after all copies of its piece
+    (of its head, staged head by head), heads in order."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import cuda.bindings.driver as drv
+    import cuda.bindings.runtime as rt
+    import torch
+
+    from directkv_cute import staging
+
+    rng = np.random.default_rng(7)
+    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 1
+    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.bfloat16)
+    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.bfloat16)
+    lens = [16 * 9 + 3, 16 * 5]
+    table = np.full((2, 10), 0, dtype=np.int32)
+    ids = rng.permutation(pages)
+    table[0, :10] = ids[:10]
+    table[0, 4] = -3  # an HBM page: copied on the current stream
+    table[1, :5] = ids[10:15]
+    table[1, 5:] = table[1, 4]
+    plan = plan_staging(table, lens, P, 2)
+    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm)
+    page_w = hkv * 2 * P * d * 2
+    head_w = page_w // hkv
+    events = []
+
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        assert width in (page_w, head_w) and width == (head_w if by_head and stream == 1 else page_w)
+        for i in range(height):
+            ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
+        events.append(("copy", stream, (dst - st.buffer.data_ptr()) // page_w, height,
+                       (dst - st.buffer.data_ptr()) % page_w // head_w))
+        return (0,)
+
+    def write_value(stream, ptr, value, flags):
+        events.append(("flag", (int(ptr) - st.flags.data_ptr()) // 4, value))
+        return (0,)
+
+    st = object.__new__(staging.Stager)
+    st.device = torch.device("cpu")
+    st.stream = SimpleNamespace(cuda_stream=1, wait_stream=lambda other: None)
+    st.flags = torch.zeros(staging.MAX_FLAGS, dtype=torch.int32)
+    st.buffer = torch.full((plan.pages, 1, hkv, 2, P, d), float("nan"), dtype=torch.bfloat16)
+    st.epoch = 0
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(rt, "cudaMemcpy2DAsync", memcpy2d)
+    monkeypatch.setattr(drv, "cuStreamWriteValue32", write_value)
+    monkeypatch.setattr(drv, "CUstream", lambda s: s)
+    monkeypatch.setattr(drv, "CUdeviceptr", lambda p: p)
+    buf, flags, epoch = st.stage(cache, layer, plan, by_head=by_head)
+    assert epoch == 1
+    for b, n in enumerate(lens):
+        for j in range(math.ceil(n / P)):
+            e, s = int(table[b, j]), int(plan.table[b, j])
+            want = hbm[-e - 1, layer] if e < 0 else host[e, layer]
+            assert torch.equal(buf[-s - 1, 0], want), (b, j)
+    n_p = len(plan.pieces)
+    flag_events = [ev for ev in events if ev[0] == "flag"]
+    assert [ev[1] for ev in flag_events] == list(range(n_p * (hkv if by_head else 1)))
+    assert all(ev[2] == epoch for ev in flag_events)
+    # every host copy of (head, piece) precedes its flag
+    for pos, ev in enumerate(events):
+        if ev[0] != "copy" or ev[1] != 1:
+            continue
+        piece = next(p for p, runs in enumerate(plan.pieces) for r in runs if not r.hbm and r.dst == ev[2])
+        flag = ev[4] * n_p + piece if by_head else piece
+        later = [i for i, f in enumerate(events) if f[0] == "flag" and f[1] == flag]
+        assert later and later[0] > pos

@@ -227,9 +227,9 @@ def _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, split_
 
 def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
                 wait_ready: bool, split_out: bool = False):
-    # piece_pages, splits and order are runtime arguments (piece_tiles, num_splits / split_tiles,
-    # ascending), except that more than one split writes partials (split_out); the spec fixes
-    # them in the key, everything else generates code.
+    # piece_pages, splits, order and copy_order are runtime arguments (piece_tiles, num_splits /
+    # split_tiles, ascending, flag_stride), except that more than one split writes partials
+    # (split_out); the spec fixes them in the key, everything else generates code.
     return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(split_out),
             *specs.get("q_tiled").key_values(cfg, head_dim))
 
@@ -264,7 +264,7 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
-        *(Int32(1) for _ in range(14)), Float32(1.0), cuda.CUstream(0),
+        *(Int32(1) for _ in range(15)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 

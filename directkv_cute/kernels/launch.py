@@ -75,9 +75,10 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
 
 
 def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, page_table, seq_lens, cu_q, ready,
-                   n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False):
+                   n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0):
     """Run the compiled Q-tiled kernel over ``hbm`` (the HBM pool, or a staging buffer with one
-    layer); ``host`` only stands in for the unused host pool."""
+    layer); ``host`` only stands in for the unused host pool. ``flag_stride``: ready flags per KV
+    head of a copy staged head by head (0: the heads share each piece's flag)."""
     from cutlass import Float32, Int32
 
     batch, max_pages = page_table.shape
@@ -86,7 +87,8 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
         _ptr(page_table, 4), _ptr(seq_lens, 4), _ptr(cu_q, 4), _ptr(ready, 4),
         Int32(batch), Int32(q.shape[0]), Int32(num_kv_heads), Int32(num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(n_q_tiles), Int32(num_splits),
-        Int32(split_tiles), Int32(int(ascending)), Int32(epoch), Int32(piece_tiles), Float32(scale * LOG2_E),
+        Int32(split_tiles), Int32(int(ascending)), Int32(epoch), Int32(piece_tiles), Int32(flag_stride),
+        Float32(scale * LOG2_E),
         _stream(),
     )
 

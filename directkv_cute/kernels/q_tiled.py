@@ -80,17 +80,18 @@ class QTiledAttention(PagedAttention):
         ascending: Int32,
         epoch: Int32,
         piece_tiles: Int32,
+        flag_stride: Int32,
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
         h = self.host_setup(q_ptr, o_ptr, lse_ptr, host_ptr, hbm_ptr, page_table_ptr, seq_lens_ptr, cu_q_ptr, batch,
                             total_q, num_kv_heads, num_layers, host_pages, hbm_pages, max_pages, num_splits)
-        mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages))  # (pieces <= max_pages,)
+        mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages * num_kv_heads))  # (flags,)
         C = self.cluster
         n_x = (n_q_tiles + C - 1) // C * C  # whole clusters of query tiles
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
-            num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, scale_log2,
+            num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, flag_stride, scale_log2,
             h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
             grid=[n_x, num_kv_heads, batch * num_splits],
@@ -115,7 +116,7 @@ class QTiledAttention(PagedAttention):
         mPT: cute.Tensor,  # (B, max_pages) int32
         mSeqLen: cute.Tensor,  # (B,)
         mCuQ: cute.Tensor,  # (B + 1,)
-        mReady: cute.Tensor,  # (pieces,) int32
+        mReady: cute.Tensor,  # (flags,) int32: piece p of KV head h at h * flag_stride + p
         num_kv_heads: Int32,
         num_layers: Int32,
         layer: Int32,
@@ -124,6 +125,7 @@ class QTiledAttention(PagedAttention):
         ascending: Int32,
         epoch: Int32,
         piece_tiles: Int32,
+        flag_stride: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -132,16 +134,17 @@ class QTiledAttention(PagedAttention):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, split_tiles, ascending)
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, split_tiles, ascending, flag_stride)
         sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
 
         if warp_idx < 4:
             # ---------------- producer warpgroup: warp 0 streams the KV tiles with TMA --------
             cute.arch.setmaxregister_decrease(Q_TILED_REGS[0])
             if warp_idx == 0:
+                mReadyH = cute.make_tensor(mReady.iterator + cta.kvh * flag_stride, mReady.layout)  # this head's
                 self.producer.load(
                     kv_pipe, tma_h, mKVh, tma_d, mKVd, sK, sV, mPT, None, cta, num_kv_heads, num_layers, layer,
-                    admit, mReady, epoch, piece_tiles,
+                    admit, mReadyH, epoch, piece_tiles,
                 )
         else:
             # ---------------- consumer warpgroups: 64 rows each, O in registers --------------
@@ -162,17 +165,24 @@ class QTiledAttention(PagedAttention):
             cute.arch.cluster_wait()
 
     @cute.jit
-    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, split_tiles, ascending):
+    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, num_kv_heads, split_tiles, ascending,
+                  flag_stride):
         """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
         (heaviest) down, or with ``ascending`` from the first (the lightest, whose keys a staged
-        copy lands first), z over (split, sequence), split-major: split s owns KV tiles
-        [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged pages
-        land first) run first. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
+        copy lands first), y over KV heads, z over (split, sequence), split-major: split s owns KV
+        tiles [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged
+        pages land first) run first. With ``flag_stride`` (a copy staged head by head, one split)
+        the launch order (x, then y, then z) is remapped to KV head outermost, the order the copy
+        lands the heads in. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
         causal range of the cluster's last query token. A cluster past its sequence's queries or
         its split's keys walks no KV tiles (with split_out it writes an empty partial, LSE -inf)."""
         tile_n, qpc, C = self.tile_n, self.q_per_cta, self.cluster
         mt, kvh, z = cute.arch.block_idx()
         n_mt, _, _ = cute.arch.grid_dim()
+        if flag_stride != 0:
+            yz = kvh + z * num_kv_heads  # launch rank of (head, sequence)
+            kvh = yz // batch
+            z = yz - kvh * batch
         split = z // batch
         b = z - split * batch
         seq_len = mSeqLen[b]

@@ -238,7 +238,7 @@ SPECS: tuple[KernelSpec, ...] = (
         launch="directkv_cute.kernels.launch.launch_q_tiled",
         config="directkv_cute.config.QTiledConfig",
         codegen_fields=("tile_n", "stages", "carveout", "pingpong", "cluster"),
-        launch_fields=(("piece_pages", 0), ("splits", 0), ("order", 0)),
+        launch_fields=(("piece_pages", 0), ("splits", 0), ("order", 0), ("copy_order", 0)),
         shape_rules=_q_tiled_rules,
         launches=("q_tiled", "combine"),  # staged calls in KV splits are combined
     ),
