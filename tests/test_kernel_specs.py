@@ -89,7 +89,7 @@ def _random_configs(cls, n, seed=0):
         "chunk_tiles": (0, 1, 3, 6), "max_inflight": (0, 1, 2), "link_credits": (0, 8, -1), "edge_tiles": (0, 1, 2),
         "q_regs": (0, 1, 2), "q_cluster": (0, 2, 3), "stagger": (0, 2, 4), "piece_pages": (-1, 0, 4),
         "splits": (-1, 0, 2), "order": (0, 1, 2, 3), "pingpong": (0, 1, 2), "tile_m": (32, 64, 128),
-        "cluster": (0, 1, 2, 4),
+        "cluster": (0, 1, 2, 4), "copy_order": (0, 1, 2, 3),
     }
     names = [f.name for f in dataclasses.fields(cls)]
     return [cls(**{k: rng.choice(choices[k]) for k in names}) for _ in range(n)]
