@@ -15,7 +15,8 @@ can be captured in a CUDA graph (the captured graph pins the pools' base address
 move); the staged path is not taken inside a capture.
 
 On a CPU-only machine the same call runs the float32 reference. FP8 pages (``directkv_cute.fp8``)
-run there too; on a GPU the streaming kernel reads them in place (``kernels/decode_fp8.py``) and
+run there too; on a GPU the streaming kernel reads them in place (``kernels/decode_fp8.py``), or
+for long link-bound reads after the copy engine moved their bytes and scales into HBM, and
 multi-token calls dequantize the pages they read into an HBM buffer first (``_launch_fp8``).
 """
 
@@ -291,7 +292,48 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
     splits = cfg.splits_for(batch, cache.num_kv_heads, max_seq_len, _num_sms(q.device.index))
     counters = link_counters(q.device)
     fn = _compiled_fp8(cfg, q.dtype, cache.dtype, d, cache.page_size, group, max_q_len, splits > 1)
-    return _run_paged(fn, q, cache, layer, tables, cu_q, splits, splits > 1, softmax_scale, counters, out, return_lse)
+    plan = None if explicit else _fp8_stage_plan(q, cache, tables, q_lens)
+    if plan is None:
+        return _run_paged(fn, q, cache, layer, tables, cu_q, splits, splits > 1, softmax_scale, counters, out,
+                          return_lse)
+    # Long link-bound reads: the copy engine moves the FP8 pages and their scales into HBM at its
+    # rate (faster than the SMs' reads of host memory, as for 16-bit pages), then the same kernel
+    # reads them there.
+    from directkv_cute.cache import KernelTables
+
+    st = stager(q.device, torch.cuda.current_stream(q.device))
+    with st.lock:
+        raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
+        scales = st.stage_scales(cache, layer, plan)  # (pages, 1, Hkv, 2, P) fp32
+        st.finish()  # the kernel waits for the whole copy
+        view = _PoolView(raw, raw, q.dtype, scales, scales)
+        view_tables = KernelTables(torch.from_numpy(plan.table).to(q.device, non_blocking=True), tables.seq_lens,
+                                   host_seq_lens=tables.host_seq_lens, host_table=plan.table)
+        return _run_paged(fn, q, view, 0, view_tables, cu_q, splits, splits > 1, softmax_scale, counters, out,
+                          return_lse)
+
+
+def _fp8_stage_plan(q, cache, tables, q_lens):
+    """The staging plan (one piece) of a decode-sized call over FP8 pages when copying their
+    bytes and scales into HBM first beats reading them in place (``plan.may_stage`` on those
+    bytes, as for 16-bit pages: long link-bound reads with every page on the host), else None.
+    Never inside a CUDA graph capture (the copies are planned per call)."""
+    host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
+    if host_table is None or lens is None or torch.cuda.is_current_stream_capturing():
+        return None
+    _, hq, d = q.shape
+    P, hkv = cache.page_size, cache.num_kv_heads
+    n_pages = [math.ceil(n / P) for n in lens]
+    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
+    n_host = int((used >= 0).sum())
+    page_bytes = 2 * hkv * P * (d * cache.host_pool.element_size() + 4)  # FP8 rows and their scales
+    flops = causal_flops(lens, q_lens, hq, d)
+    if not n_host or not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, 2 * len(lens)):
+        return None
+    plan = plan_staging(host_table, lens, P, max(n_pages))
+    if plan.pages * page_bytes > staging_cap(_total_memory(q.device.index)):
+        return None
+    return plan
 
 
 @functools.lru_cache(maxsize=256)
@@ -305,7 +347,7 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
                  max_seq_len: int):
     """Multi-token calls over FP8 pages: every page the batch reads (once, however many sequences
     share it) is copied by the copy engine into a staging buffer (``staging``: the FP8 bytes, at
-    memcpy speed), its scales gathered beside it, and the buffer dequantized into a
+    memcpy speed), its scales copied beside it, and the buffer dequantized into a
     (pages, 1, Hkv, 2, P, d) one in the q dtype, as ``PagedKVCache.read`` dequantizes; the call
     then runs over that as an all-HBM cache (the Q-tiled or the multi-token kernel, as for 16-bit
     pages). The link carries each page's FP8 bytes and scales once: 0.516x the bytes of bf16
@@ -324,20 +366,12 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     cfg = QTiledConfig()
     plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages))
     device = q.device
-    runs = [r for piece in plan.pieces for r in piece]
-    scales = torch.empty((plan.pages, *cache.host_scales.shape[2:]), dtype=torch.float32, device=device)
-    for hbm_tier, pool in ((False, cache.host_scales_cuda), (True, cache.hbm_scales)):
-        mine = [r for r in runs if r.hbm == hbm_tier]
-        if mine:
-            src = np.concatenate([np.arange(r.src, r.src + r.count) for r in mine])
-            dst = np.concatenate([np.arange(r.dst, r.dst + r.count) for r in mine])
-            src_t, dst_t = (torch.from_numpy(a).to(device, non_blocking=True) for a in (src, dst))
-            scales[dst_t] = pool[src_t, layer]  # (n, Hkv, 2, P) fp32: 4 B per row, gathered
     st = stager(device, torch.cuda.current_stream(device))
     with st.lock:
         raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
+        scales = st.stage_scales(cache, layer, plan)  # (pages, 1, Hkv, 2, P) fp32
         st.finish()  # the current stream waits for the copies
-        buf = dequantize(raw, scales[:, None], q.dtype)  # before a later call's copies reuse ``raw``
+        buf = dequantize(raw, scales, q.dtype)  # before a later call's copies reuse them
     view_tables = KernelTables(torch.from_numpy(plan.table).to(device, non_blocking=True), tables.seq_lens,
                                host_seq_lens=tuple(lens), host_table=plan.table)
     return _launch(q, _PoolView(buf, buf), 0, view_tables, q_lens, softmax_scale, config, out, return_lse,

@@ -144,6 +144,7 @@ class Stager:
         self.stream = torch.cuda.Stream(self.device)
         self.flags = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d)
+        self.scale_buffer = None  # (pages, 1, Hkv, 2, P) fp32: FP8 pages' scales (stage_scales)
         self.epoch = 0
         self.lock = threading.Lock()
 
@@ -210,6 +211,35 @@ class Stager:
                                                 epoch, 0), "cuStreamWriteValue32")
         return buf, self.flags, epoch
 
+    def stage_scales(self, cache, layer: int, plan: StagePlan):
+        """FP8 pages' scale rows (``cache.host_scales`` / ``hbm_scales``, (pages, L, Hkv, 2, P)
+        fp32) of the plan's pages into a buffer beside the pages, (pages, 1, Hkv, 2, P), on the
+        side stream after ``stage``'s copies: for calls whose kernel waits for the whole copy
+        (``finish`` before its launch), as no flag covers them."""
+        import cuda.bindings.runtime as rt
+        import torch
+
+        host = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+        hbm = cache.hbm_scales
+        shape = tuple(host.shape[2:])  # (Hkv, 2, P)
+        buf = self.scale_buffer
+        if buf is None or tuple(buf.shape[2:]) != shape or buf.shape[0] < plan.pages:
+            if buf is not None:
+                torch.cuda.synchronize(self.device)
+            grow = plan.pages if buf is None else max(plan.pages, int(buf.shape[0] * 1.25))
+            self.scale_buffer = buf = torch.empty((grow, 1, *shape), dtype=torch.float32, device=self.device)
+        width = int(np.prod(shape)) * 4
+        layers = host.shape[1]
+        kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+        cur, s = torch.cuda.current_stream(self.device).cuda_stream, self.stream.cuda_stream
+        for runs in plan.pieces:
+            for r in runs:
+                pool = hbm if r.hbm else host
+                src = pool.data_ptr() + (r.src * layers + layer) * width
+                _check(rt.cudaMemcpy2DAsync(buf.data_ptr() + r.dst * width, width, src, layers * width, width,
+                                            r.count, kind, cur if r.hbm else s), "cudaMemcpy2DAsync")
+        return buf[:plan.pages]
+
     def finish(self):
         """After the kernel's launch: later work on the current stream waits for the copies."""
         import torch
@@ -231,10 +261,14 @@ def stager(device, stream) -> Stager:
         return st
 
 
+def _held(s) -> list:
+    return [b for b in (s.buffer, getattr(s, "scale_buffer", None)) if b is not None]
+
+
 def staging_bytes() -> int:
-    """HBM bytes the staging buffers of this process hold."""
+    """HBM bytes the staging buffers (pages and FP8 scales) of this process hold."""
     with _STAGERS_LOCK:
-        return sum(s.buffer.numel() * s.buffer.element_size() for s in _STAGERS.values() if s.buffer is not None)
+        return sum(b.numel() * b.element_size() for s in _STAGERS.values() for b in _held(s))
 
 
 def release_staging() -> int:
@@ -246,8 +280,10 @@ def release_staging() -> int:
     with _STAGERS_LOCK:
         for s in _STAGERS.values():
             with s.lock:
-                if s.buffer is not None:
+                held = _held(s)
+                if held:
                     torch.cuda.synchronize(s.device)
-                    freed += s.buffer.numel() * s.buffer.element_size()
+                    freed += sum(b.numel() * b.element_size() for b in held)
                     s.buffer = None
+                    s.scale_buffer = None
     return freed

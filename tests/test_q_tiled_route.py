@@ -231,3 +231,34 @@ def test_a_foreign_q_tiled_entry_is_refused_and_the_default_runs(tmp_path, monke
     with pytest.warns(P.ProfileWarning, match=r"unknown QTiledConfig fields: \[.*'consumer_wgs'"):
         cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
     assert (cfg, plan) == (QTiledConfig(), None)
+
+
+# ---- decode over FP8 pages: staged when the copy engine beats reading in place ---------------------
+
+
+def _fp8_call(lens, q_lens, hbm=False):
+    q, cache, tables, q_lens, group = _call(lens, q_lens, hbm=hbm)
+    cache.host_pool = torch.empty(1, dtype=torch.float8_e4m3fn)
+    return q, cache, tables, q_lens
+
+
+def test_long_fp8_decode_is_staged_short_and_hybrid_reads_are_not(monkeypatch):
+    plan = ops._fp8_stage_plan(*_fp8_call([32768], [1]))
+    assert plan is not None and len(plan.pieces) == 1 and plan.host_pages == 512
+    assert (plan.table < 0).all()
+    plan = ops._fp8_stage_plan(*_fp8_call([32768] * 4, [1] * 4))
+    assert plan is not None and plan.host_pages == 4 * 512
+    # 4k: the staged call's overhead eats the copy engine's edge
+    assert ops._fp8_stage_plan(*_fp8_call([4096], [1])) is None
+    # every page in HBM: nothing to copy
+    assert ops._fp8_stage_plan(*_fp8_call([32768], [1], hbm=True)) is None
+    # without the host table (the dispatcher's bare tables), or inside a capture: in place
+    q, cache, tables, q_lens = _fp8_call([32768], [1])
+    assert ops._fp8_stage_plan(q, cache, SimpleNamespace(), q_lens) is None
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ops._fp8_stage_plan(q, cache, tables, q_lens) is None
+
+
+def test_fp8_staging_over_the_cap_reads_in_place(monkeypatch):
+    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
+    assert ops._fp8_stage_plan(*_fp8_call([32768], [1])) is None

@@ -339,11 +339,8 @@ def test_copy_order_legality():
         QTiledConfig(copy_order=3).check(128, 64)
 
 
-@pytest.mark.parametrize("by_head", [False, True])
-def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypatch, by_head):
-    """Stager.stage with the CUDA calls stood in by host memmoves: the buffer holds exactly the
-    layer's K/V of every staged page, and every flag is written after all copies of its piece
-    (of its head, staged head by head), heads in order."""
+def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):
+    """A Stager whose CUDA calls are host memmoves (recorded in ``events``) over CPU tensors."""
     import ctypes
     from types import SimpleNamespace
 
@@ -353,29 +350,11 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
 
     from directkv_cute import staging
 
-    rng = np.random.default_rng(7)
-    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 1
-    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.bfloat16)
-    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.bfloat16)
-    lens = [16 * 9 + 3, 16 * 5]
-    table = np.full((2, 10), 0, dtype=np.int32)
-    ids = rng.permutation(pages)
-    table[0, :10] = ids[:10]
-    table[0, 4] = -3  # an HBM page: copied on the current stream
-    table[1, :5] = ids[10:15]
-    table[1, 5:] = table[1, 4]
-    plan = plan_staging(table, lens, P, 2)
-    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm)
-    page_w = hkv * 2 * P * d * 2
-    head_w = page_w // hkv
-    events = []
-
     def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
-        assert width in (page_w, head_w) and width == (head_w if by_head and stream == 1 else page_w)
+        assert width <= dpitch and width <= spitch
         for i in range(height):
             ctypes.memmove(dst + i * dpitch, src + i * spitch, width)
-        events.append(("copy", stream, (dst - st.buffer.data_ptr()) // page_w, height,
-                       (dst - st.buffer.data_ptr()) % page_w // head_w))
+        events.append(("copy", stream, dst, width, height))
         return (0,)
 
     def write_value(stream, ptr, value, flags):
@@ -386,13 +365,48 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
     st.device = torch.device("cpu")
     st.stream = SimpleNamespace(cuda_stream=1, wait_stream=lambda other: None)
     st.flags = torch.zeros(staging.MAX_FLAGS, dtype=torch.int32)
-    st.buffer = torch.full((plan.pages, 1, hkv, 2, P, d), float("nan"), dtype=torch.bfloat16)
+    st.buffer = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
+    st.scale_buffer = None
     st.epoch = 0
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(rt, "cudaMemcpy2DAsync", memcpy2d)
     monkeypatch.setattr(drv, "cuStreamWriteValue32", write_value)
     monkeypatch.setattr(drv, "CUstream", lambda s: s)
     monkeypatch.setattr(drv, "CUdeviceptr", lambda p: p)
+    return st
+
+
+def _two_sequences(P: int, pages: int):
+    rng = np.random.default_rng(7)
+    lens = [P * 9 + 3, P * 5]
+    table = np.full((2, 10), 0, dtype=np.int32)
+    ids = rng.permutation(pages)
+    table[0, :10] = ids[:10]
+    table[0, 4] = -3  # an HBM page: copied on the current stream
+    table[1, :5] = ids[10:15]
+    table[1, 5:] = table[1, 4]
+    return lens, table
+
+
+@pytest.mark.parametrize("by_head", [False, True])
+def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypatch, by_head):
+    """Stager.stage with the CUDA calls stood in by host memmoves: the buffer holds exactly the
+    layer's K/V of every staged page, and every flag is written after all copies of its piece
+    (of its head, staged head by head), heads in order."""
+    from types import SimpleNamespace
+
+    import torch
+
+    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 1
+    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.bfloat16)
+    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.bfloat16)
+    lens, table = _two_sequences(P, pages)
+    plan = plan_staging(table, lens, P, 2)
+    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm)
+    page_w = hkv * 2 * P * d * 2
+    head_w = page_w // hkv
+    events = []
+    st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
     buf, flags, epoch = st.stage(cache, layer, plan, by_head=by_head)
     assert epoch == 1
     for b, n in enumerate(lens):
@@ -404,11 +418,44 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
     flag_events = [ev for ev in events if ev[0] == "flag"]
     assert [ev[1] for ev in flag_events] == list(range(n_p * (hkv if by_head else 1)))
     assert all(ev[2] == epoch for ev in flag_events)
-    # every host copy of (head, piece) precedes its flag
+    # every host copy of (head, piece) precedes its flag; host copies move one head's block
+    # when staged head by head, HBM pages (current stream) whole pages
     for pos, ev in enumerate(events):
-        if ev[0] != "copy" or ev[1] != 1:
+        if ev[0] != "copy":
             continue
-        piece = next(p for p, runs in enumerate(plan.pieces) for r in runs if not r.hbm and r.dst == ev[2])
-        flag = ev[4] * n_p + piece if by_head else piece
+        assert ev[3] == (head_w if by_head and ev[1] == 1 else page_w)
+        if ev[1] != 1:
+            continue
+        off = ev[2] - buf.data_ptr()
+        page, head = off // page_w, off % page_w // head_w
+        piece = next(p for p, runs in enumerate(plan.pieces) for r in runs if not r.hbm and r.dst == page)
+        flag = head * n_p + piece if by_head else piece
         later = [i for i, f in enumerate(events) if f[0] == "flag" and f[1] == flag]
         assert later and later[0] > pos
+
+
+def test_stager_copies_fp8_scales_beside_the_pages(monkeypatch):
+    """stage_scales: the scale rows of every staged page (host and HBM tiers) land in the scale
+    buffer at the page's staging slot."""
+    from types import SimpleNamespace
+
+    import torch
+
+    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 2
+    host_s = torch.rand(pages, layers, hkv, 2, P)
+    hbm_s = torch.rand(6, layers, hkv, 2, P)
+    lens, table = _two_sequences(P, pages)
+    plan = plan_staging(table, lens, P, 3)
+    cache = SimpleNamespace(host_scales_cuda=None, host_scales=host_s, hbm_scales=hbm_s)
+    events = []
+    st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
+    sc = st.stage_scales(cache, layer, plan)
+    assert sc.shape == (plan.pages, 1, hkv, 2, P) and sc.dtype == torch.float32
+    for b, n in enumerate(lens):
+        for j in range(math.ceil(n / P)):
+            e, s = int(table[b, j]), int(plan.table[b, j])
+            want = hbm_s[-e - 1, layer] if e < 0 else host_s[e, layer]
+            assert torch.equal(sc[-s - 1, 0], want), (b, j)
+    # HBM pages on the current stream (0), host pages on the side stream (1)
+    streams = {ev[1] for ev in events}
+    assert streams == {0, 1}
