@@ -35,7 +35,7 @@ import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
+from directkv_cute.plan import LINK_PIECES, causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
@@ -502,7 +502,9 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     flops = causal_flops(lens, q_lens, num_q_heads, head_dim)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
-    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls):
+    chunk = op_kernel(group, max(q_lens)) != "decode"  # in place, the chunk kernel would run it
+    chunk_q = sum(q_lens) if chunk else 0
+    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q):
         return None
     heads = cache.num_kv_heads
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
@@ -516,6 +518,12 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
             head_plan = None
     if plan is None and head_plan is None:
         return f"copy_order 2 (head by head) needs at most {MAX_FLAGS} (KV head, piece) ready flags"
+    # A chunk whose CTAs all fit one wave: one split over LINK_PIECES coarse pieces is weighed too.
+    wave_plan = None
+    ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
+    if (chunk and plan is not None and cfg.splits <= 1 and cfg.order != 2 and not cfg.piece_pages
+            and ctas <= _num_sms(device_index)):
+        wave_plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, pieces=LINK_PIECES))
     any_plan = plan if plan is not None else head_plan
     need = any_plan.pages * page_bytes
     cap = staging_cap(_total_memory(device_index))
@@ -529,6 +537,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     head_calls = 0
     if head_plan is not None:
         head_calls = heads * sum(not r.hbm for piece in head_plan.pieces for r in piece)
+    wave_calls = 0 if wave_plan is None else sum(not r.hbm for piece in wave_plan.pieces for r in piece)
     # What the Q-tiled kernel reads from the buffer beyond its compute: each sequence's pages
     # (its query tiles read them together, through the L2), however many sequences share them.
     kv_read = used.size * page_bytes
@@ -537,10 +546,13 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            partial_bytes(sum(q_lens), num_q_heads, head_dim), 1 if one_split else cfg.splits,
                            tiles, host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls,
                            in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read, heads=heads,
-                           head_calls=head_calls)
+                           head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
+                           pieces=len(any_plan.pieces), head_flags=0 if head_plan is None else heads * len(head_plan.pieces))
     if plan is None:  # head by head asked for
-        choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False)
-    return choice, head_plan if choice.by_head else plan
+        choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
+    if choice.by_head:
+        return choice, head_plan
+    return choice, wave_plan if choice.coarse else plan
 
 
 @functools.lru_cache(maxsize=256)

@@ -114,6 +114,7 @@ class StagedChoice:
     splits: int  # KV splits of the staged call
     ascending: bool = False  # one split, lightest query tiles first (they follow the copy)
     by_head: bool = False  # one split, the copy and the CTAs head by head (``head_major_ms``)
+    coarse: bool = False  # one split in LINK_PIECES pieces, its CTAs one wave (``one_wave_ms``)
 
 
 # Calls whose in-place compute reaches this share of their link time are compute-bound: staged
@@ -126,6 +127,26 @@ class StagedChoice:
 # many short sequences (batch 64 over 1k: 512 copy calls).
 COMPUTE_SHARE = 0.5
 LINK_STAGE_MARGIN = 0.98
+# The KV-outer chunk kernel reading a multi-token call in place runs past the link time by its
+# ramp and its split combine (which grows with the query rows): measured 0.028 / 0.026 ms at
+# 8k / 16k q64, 0.09 / 0.10 at 8k / 16k q512 (0.745 vs a 0.654 ms floor; 1.403 vs 1.306),
+# 2026-12-01/02. The streaming kernel (decode) sits at the link.
+CHUNK_TAIL_MS = 0.025
+CHUNK_TAIL_MS_PER_TOKEN = 1.3e-4
+
+
+def chunk_tail_ms(total_q: int) -> float:
+    """The chunk kernel's time past the link for ``total_q`` query tokens (0: not the chunk kernel)."""
+    return CHUNK_TAIL_MS + CHUNK_TAIL_MS_PER_TOKEN * total_q if total_q else 0.0
+# Pieces of a one-split staged call whose CTAs all fit one wave (``one_wave_ms``): each copy call
+# and ready flag costs the copy engine about 3 us (measured: 32 MB in 1 / 4 / 16 contiguous calls
+# 0.64 / 0.63 / 0.68 ms, in 128 calls of 256 KB 1.02 ms, 2026-12-02), and a wave's CTAs walk a
+# piece as soon as it lands, so two pieces leave only half the compute after the copy (measured
+# 8k q512 over host pages: 0.676 ms staged so, 0.745 in place, swap + FA4 0.717).
+LINK_PIECES = 2
+# Each ready flag written on the copy stream between pieces (its copies drain first): about
+# 1.5 us of the copy engine (measured 0.75-2 us per flag, 2026-12-02).
+FLAG_MS = 0.0015
 COPY_CALL_MS = 0.0025
 HYBRID_STAGE_SHARE = 0.05
 PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by the combine
@@ -137,7 +158,7 @@ def compute_bound(host_bytes: int, flops: float) -> bool:
     return flops / (CHUNKED_TFLOPS * 1e9) >= COMPUTE_SHARE * host_bytes / (LINK_GBPS * 1e6)
 
 
-def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1) -> bool:
+def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1, chunk_q: int = 0) -> bool:
     """Whether staging can pay at all (checked before any staging plan): a compute-bound call, or
     a link-bound one with every page on the host whose copy at the copy engine's rate in at least
     ``copy_calls`` calls, plus the staged call's overhead, beats reading the same bytes in place by
@@ -145,13 +166,16 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     A link-bound call with more than ``HYBRID_STAGE_SHARE`` of its bytes in HBM reads in place:
     the streaming kernel overlaps those pages with the host reads, staging copies them first
     (measured: decode at 25% HBM, batch 1-64, 8k-128k, 12-37% slower staged). A few pages in
-    HBM (the window mirroring a step's new tokens) are modelled as copies by ``choose_staged``."""
+    HBM (the window mirroring a step's new tokens) are modelled as copies by ``choose_staged``.
+    ``chunk_q``: the query tokens of a call the chunk kernel would run in place (its
+    ``chunk_tail_ms`` past the link); 0 for the streaming kernel."""
     if compute_bound(host_bytes, flops):
         return True
     if hbm_bytes > HYBRID_STAGE_SHARE * host_bytes:
         return False
     copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + copy_calls * COPY_CALL_MS
-    return copy_ms + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * host_bytes / (LINK_GBPS * 1e6)
+    in_place = host_bytes / (LINK_GBPS * 1e6) + chunk_tail_ms(chunk_q)
+    return copy_ms + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
 
 
 def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int) -> float:
@@ -170,6 +194,13 @@ def head_major_ms(copy_ms: float, compute_ms: float, heads: int) -> float:
     last head's compute are exposed, no partials."""
     c, k = copy_ms / heads, compute_ms / heads
     return c + (heads - 1) * max(c, k) + k + STAGE_OVERHEAD_MS
+
+
+def one_wave_ms(copy_ms: float, compute_ms: float, pieces: int) -> float:
+    """One split whose CTAs all run at once: each walks a piece's tiles as the piece lands, so the
+    copy and then the last piece's share of the compute, or the first piece's copy and then the
+    whole compute where that is longer."""
+    return max(copy_ms + compute_ms / pieces, copy_ms / pieces + compute_ms) + STAGE_OVERHEAD_MS
 
 
 def q_tile_profile(seq_lens, q_lens, q_per_tile: int):
@@ -206,37 +237,47 @@ def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
 def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
-                  head_calls: int = 0) -> StagedChoice:
+                  head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
+                  head_flags: int = 0) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
     ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
     ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading
     ``in_place_bytes`` in place (default ``host_bytes``; more where sequences share pages, which
     the staging copies once), by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a
-    link-bound one: the in-place kernel is bound by max(link, its compute). With ``head_calls``
-    (the copy calls of the call staged head by head over ``heads`` KV heads) that order is
-    weighed too."""
+    link-bound one: the in-place kernel is bound by max(link, its compute), plus
+    ``chunk_tail_ms(chunk_q)`` for the chunk kernel. With ``head_calls`` (the copy calls of the
+    call staged head by head over ``heads`` KV heads) that order is weighed too, and with
+    ``wave_calls`` (the copy calls of the call in ``LINK_PIECES`` pieces, given when its CTAs fit
+    one wave) one split over those pieces. Each piece's ready flag costs ``FLAG_MS`` of the copy
+    (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave)."""
     read = host_bytes if in_place_bytes is None else in_place_bytes
     link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
-    in_place = max(link_ms, compute_ms)
-    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + host_calls * COPY_CALL_MS
+    in_place = max(link_ms, compute_ms) + chunk_tail_ms(chunk_q)
+    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + host_calls * COPY_CALL_MS + pieces * FLAG_MS
     # pages already in HBM: copied before the kernel starts
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
     best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
     est = d2d_ms + staged_ms(copy_ms, q_ms, partial_bytes, best)
-    ascending = by_head = False
+    ascending = by_head = coarse = False
+    if wave_calls and splits in (0, 1):
+        wave_copy = host_bytes / (MEMCPY_GBPS * 1e6) + wave_calls * COPY_CALL_MS + LINK_PIECES * FLAG_MS
+        ow = d2d_ms + one_wave_ms(wave_copy, q_ms, LINK_PIECES)
+        if ow < est:
+            est, best, coarse = ow, 1, True
     if head_calls and heads > 1 and splits in (0, 1):
-        hm = d2d_ms + head_major_ms(host_bytes / (MEMCPY_GBPS * 1e6) + head_calls * COPY_CALL_MS, q_ms, heads)
+        head_copy = host_bytes / (MEMCPY_GBPS * 1e6) + head_calls * COPY_CALL_MS + head_flags * FLAG_MS
+        hm = d2d_ms + head_major_ms(head_copy, q_ms, heads)
         if hm < est:
-            est, best, by_head = hm, 1, True
+            est, best, by_head, coarse = hm, 1, True, False
     if tiles is not None and splits in (0, 1) and ASCENDING_AUTO:
         asc = d2d_ms + ascending_ms(copy_ms, q_ms, *tiles)
         if asc < est:
-            est, best, ascending, by_head = asc, 1, True, False
+            est, best, ascending, by_head, coarse = asc, 1, True, False, False
     margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN
-    return StagedChoice(in_place, est, est < margin * in_place, best, ascending, by_head)
+    return StagedChoice(in_place, est, est < margin * in_place, best, ascending, by_head, coarse)
 
 
 # A batch whose sequences share pages is attended by the cascade (each shared span once, each

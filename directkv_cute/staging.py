@@ -31,6 +31,7 @@ import numpy as np
 MAX_PIECES = 64  # pieces per call; more are merged into fewer, larger ones
 MAX_FLAGS = 4096  # ready flags per stager: a copy staged head by head has one per (KV head, piece)
 HEAD_PIECES = 4  # pieces per KV head of a copy staged head by head
+HEADS_PER_COPY = 1  # KV heads per strided copy of a copy staged head by head (wider rows, coarser steps)
 _STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
 
 
@@ -185,10 +186,10 @@ class Stager:
         self.stream.wait_stream(cur)  # new tokens' K/V stored, and the buffer's last reader done
         kind = rt.cudaMemcpyKind.cudaMemcpyDefault
 
-        def copy(r: Run, stream, head: int | None = None):
-            """The run's pages (all heads), or only KV head ``head``'s block of each page."""
+        def copy(r: Run, stream, head: int | None = None, count: int = 1):
+            """The run's pages (all heads), or only KV heads [head, head + count)'s blocks of each."""
             pool = hbm if r.hbm else host
-            part, cols = (0, width) if head is None else (head * (width // heads), width // heads)
+            part, cols = (0, width) if head is None else (head * (width // heads), count * (width // heads))
             src = pool.data_ptr() + (r.src * layers + layer) * width + part
             dst = buf.data_ptr() + r.dst * width + part
             _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, cols, r.count, kind, stream),
@@ -201,14 +202,17 @@ class Stager:
                 if r.hbm:
                     copy(r, cur.cuda_stream)
         s = self.stream.cuda_stream
-        for h in range(heads) if by_head else (None,):
+        g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
+        for h0 in range(0, heads, g) if by_head else (None,):
+            group = range(h0, min(heads, h0 + g)) if by_head else (None,)
             for p, runs in enumerate(plan.pieces):
                 for r in runs:
                     if not r.hbm:
-                        copy(r, s, h)
-                flag = p if h is None else h * len(plan.pieces) + p
-                _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * flag),
-                                                epoch, 0), "cuStreamWriteValue32")
+                        copy(r, s, h0, len(group))
+                for h in group:
+                    flag = p if h is None else h * len(plan.pieces) + p
+                    _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * flag),
+                                                    epoch, 0), "cuStreamWriteValue32")
         return buf, self.flags, epoch
 
     def stage_scales(self, cache, layer: int, plan: StagePlan):

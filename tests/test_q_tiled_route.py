@@ -16,6 +16,7 @@ import torch
 from directkv_cute import ops
 from directkv_cute.cache import KernelTables
 from directkv_cute.config import QTiledConfig
+from directkv_cute.plan import LINK_PIECES
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS
 from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
@@ -58,8 +59,21 @@ def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True
 
 def test_short_link_bound_reads_stay_in_place_without_a_plan(monkeypatch):
     monkeypatch.setattr(ops, "plan_staging", lambda *a, **k: pytest.fail("planned a short link-bound call"))
-    for lens, q_lens in (([4096], [1]), ([8192], [64]), ([2000] * 4, [1] * 4), ([8192], [512])):
+    for lens, q_lens in (([4096], [1]), ([8192], [64]), ([2000] * 4, [1] * 4), ([8192], [16])):
         assert ops._q_tiled_route(*_call(lens, q_lens), None) is None
+
+
+def test_a_link_bound_chunk_in_one_wave_is_staged_in_one_split_of_two_pieces():
+    """8k q512 over host pages: its 128 CTAs fit one wave; in place the chunk kernel runs 0.09 ms
+    past the link (measured 0.745 ms), staged in one split of two pieces 0.676 ms."""
+    cfg, plan = ops._q_tiled_route(*_call([8192], [512]), None)
+    assert (cfg.splits, cfg.copy_order, len(plan.pieces)) == (1, 1, LINK_PIECES)
+    # more CTAs than SMs (q 512 over 16 sequences): not one wave, so the model's splits
+    cfg, plan = ops._q_tiled_route(*_call([32768] * 16, [64] * 16), None)
+    assert cfg.splits > 1 and len(plan.pieces) > LINK_PIECES
+    # an explicit piece size is kept
+    cfg, plan = ops._q_tiled_route(*_call([8192], [512]), QTiledConfig(piece_pages=4))
+    assert plan.piece_pages == 4
 
 
 def test_long_link_bound_reads_are_staged_decode_included():

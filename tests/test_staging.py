@@ -388,8 +388,8 @@ def _two_sequences(P: int, pages: int):
     return lens, table
 
 
-@pytest.mark.parametrize("by_head", [False, True])
-def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypatch, by_head):
+@pytest.mark.parametrize("by_head,per_copy", [(False, 1), (True, 1), (True, 3)])
+def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypatch, by_head, per_copy):
     """Stager.stage with the CUDA calls stood in by host memmoves: the buffer holds exactly the
     layer's K/V of every staged page, and every flag is written after all copies of its piece
     (of its head, staged head by head), heads in order."""
@@ -407,6 +407,9 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
     head_w = page_w // hkv
     events = []
     st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
+    from directkv_cute import staging
+
+    monkeypatch.setattr(staging, "HEADS_PER_COPY", per_copy)
     buf, flags, epoch = st.stage(cache, layer, plan, by_head=by_head)
     assert epoch == 1
     for b, n in enumerate(lens):
@@ -416,22 +419,32 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
             assert torch.equal(buf[-s - 1, 0], want), (b, j)
     n_p = len(plan.pieces)
     flag_events = [ev for ev in events if ev[0] == "flag"]
-    assert [ev[1] for ev in flag_events] == list(range(n_p * (hkv if by_head else 1)))
+    order = [ev[1] for ev in flag_events]
+    assert sorted(order) == list(range(n_p * (hkv if by_head else 1)))
+    if by_head:  # the groups of heads land in order
+        groups = [f // n_p // per_copy for f in order]
+        assert groups == sorted(groups)
+    else:
+        assert order == sorted(order)
     assert all(ev[2] == epoch for ev in flag_events)
     # every host copy of (head, piece) precedes its flag; host copies move one head's block
     # when staged head by head, HBM pages (current stream) whole pages
     for pos, ev in enumerate(events):
         if ev[0] != "copy":
             continue
-        assert ev[3] == (head_w if by_head and ev[1] == 1 else page_w)
-        if ev[1] != 1:
-            continue
         off = ev[2] - buf.data_ptr()
         page, head = off // page_w, off % page_w // head_w
+        if not by_head or ev[1] != 1:
+            assert ev[3] == page_w
+        else:  # a group of per_copy heads (the last one may be smaller)
+            assert head % per_copy == 0 and ev[3] == min(per_copy, hkv - head) * head_w
+        if ev[1] != 1:
+            continue
         piece = next(p for p, runs in enumerate(plan.pieces) for r in runs if not r.hbm and r.dst == page)
-        flag = head * n_p + piece if by_head else piece
-        later = [i for i, f in enumerate(events) if f[0] == "flag" and f[1] == flag]
-        assert later and later[0] > pos
+        for h in range(head, head + ev[3] // head_w) if by_head else (None,):
+            flag = h * n_p + piece if by_head else piece
+            later = [i for i, f in enumerate(events) if f[0] == "flag" and f[1] == flag]
+            assert later and later[0] > pos
 
 
 def test_stager_copies_fp8_scales_beside_the_pages(monkeypatch):
@@ -459,3 +472,37 @@ def test_stager_copies_fp8_scales_beside_the_pages(monkeypatch):
     # HBM pages on the current stream (0), host pages on the side stream (1)
     streams = {ev[1] for ev in events}
     assert streams == {0, 1}
+
+
+def test_one_wave_and_chunk_tail_models():
+    from directkv_cute.plan import CHUNK_TAIL_MS, STAGE_OVERHEAD_MS, chunk_tail_ms, one_wave_ms
+
+    # link-bound: the copy, then the last piece's compute; compute-bound: the first piece, then it all
+    assert one_wave_ms(10.0, 2.0, 2) == pytest.approx(11.0 + STAGE_OVERHEAD_MS)
+    assert one_wave_ms(2.0, 10.0, 2) == pytest.approx(11.0 + STAGE_OVERHEAD_MS)
+    assert chunk_tail_ms(0) == 0.0 and chunk_tail_ms(64) < chunk_tail_ms(512)
+    assert chunk_tail_ms(64) == pytest.approx(0.033, abs=0.005)  # measured 0.026-0.028 at 8k/16k q64
+    assert chunk_tail_ms(512) == pytest.approx(0.09, abs=0.005)  # measured 0.09-0.10 at 8k/16k q512
+    assert CHUNK_TAIL_MS > 0
+    kv8 = 2 * 8192 * 8 * 128 * 2
+    flops = causal_flops([8192], [512], 32, 128)
+    # in place at the link plus the chunk tail, 8k q512 may stage; the streaming kernel's may not
+    assert may_stage(kv8, flops, 0, 2, chunk_q=512) and not may_stage(kv8, flops, 0, 2)
+    parts = partial_bytes(512, 32, 128)
+    wave = choose_staged(kv8, 0, flops, parts, host_calls=16, pieces=16, chunk_q=512, wave_calls=2)
+    assert wave.staged and wave.coarse and wave.splits == 1
+    # without the one-wave option (more CTAs than SMs) the same call keeps the splits' estimate
+    split = choose_staged(kv8, 0, flops, parts, host_calls=16, pieces=16, chunk_q=512)
+    assert not split.coarse and split.staged_ms > wave.staged_ms
+    # every ready flag costs the copy something
+    assert choose_staged(kv8, 0, flops, parts, host_calls=16, pieces=64, chunk_q=512).staged_ms > split.staged_ms
+
+
+def test_copy_rates_bench_refuses_without_cuda(monkeypatch):
+    import torch
+
+    from bench import copy_rates
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        copy_rates.main([])

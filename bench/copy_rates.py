@@ -1,0 +1,76 @@
+"""The copy engine's rates for the staging copies (``directkv_cute.staging``).
+
+``python -m bench.copy_rates [OUT.json]``: 32 MB of pages (256 KB each: Hkv 8 x K/V x 64 tokens x
+d 128 in bf16) copied from pinned host memory into HBM as strided 2-D copies of 32 / 64 / 128 KB
+rows (one call per group of KV heads, as a copy staged head by head) or whole pages, in 1 / 4 /
+16 pieces, with and without a ready flag (``cuStreamWriteValue32``) after each piece. CUDA
+events around each pattern, median of 10 after 3 warm-ups. The per-call and per-flag costs in
+``plan`` (``COPY_CALL_MS``, ``FLAG_MS``, ``LINK_PIECES``) are read off this table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+PAGE = 256 << 10
+PAGES = 128
+
+
+def measure() -> dict:
+    import cuda.bindings.driver as drv
+    import cuda.bindings.runtime as rt
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.copy_rates needs CUDA")
+    host = torch.empty(PAGES * PAGE, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(PAGES * PAGE, dtype=torch.uint8, device="cuda")
+    flags = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+
+    def pattern(width: int, pieces: int, flag: bool) -> None:
+        per = PAGES // pieces
+        for g in range(PAGE // width):
+            for p in range(pieces):
+                off = p * per * PAGE + g * width
+                rt.cudaMemcpy2DAsync(dev.data_ptr() + off, PAGE, host.data_ptr() + off, PAGE, width, per, kind,
+                                     stream.cuda_stream)
+                if flag:
+                    ptr = drv.CUdeviceptr(flags.data_ptr() + 4 * (g * pieces + p))
+                    drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), ptr, 1, 0)
+
+    rows = {}
+    with torch.cuda.stream(stream):
+        for width in (32 << 10, 64 << 10, 128 << 10, PAGE):
+            for pieces in (1, 4, 16):
+                for flag in (False, True):
+                    for _ in range(3):
+                        pattern(width, pieces, flag)
+                    times = []
+                    for _ in range(10):
+                        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        a.record(stream)
+                        pattern(width, pieces, flag)
+                        b.record(stream)
+                        b.synchronize()
+                        times.append(a.elapsed_time(b))
+                    ms = sorted(times)[len(times) // 2]
+                    key = f"row {width >> 10}K x {PAGE // width} groups, {pieces} pieces, flags {int(flag)}"
+                    rows[key] = {"ms": ms, "GBps": PAGES * PAGE / ms / 1e6, "calls": PAGE // width * pieces}
+                    print(f"{key:45s} {ms:7.3f} ms {rows[key]['GBps']:6.1f} GB/s", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rows = measure()
+    if argv:
+        with open(argv[0], "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
