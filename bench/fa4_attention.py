@@ -57,10 +57,6 @@ def _flash_attn_func():
     return _FA4
 
 
-def _out(res) -> torch.Tensor:
-    return res[0] if isinstance(res, tuple) else res
-
-
 def _refuse(feature: str) -> None:
     raise Fa4AttentionUnsupported(f"attn_implementation={ATTN_IMPLEMENTATION!r} (FlashAttention-4, causal, no "
                                   f"padding) does not support {feature}")
@@ -111,6 +107,8 @@ def fa4_attention(module, query, key, value, attention_mask, scaling=None, dropo
         _refuse(f"{query.shape[1]} query heads over {key.shape[1]} KV heads (not a multiple)")
     fa = _flash_attn_func()
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, S|L, H, d) views
+    from bench.peers import _out
+
     out = _out(fa(q, k, v, softmax_scale=scaling, causal=True))
     return out, None
 
@@ -123,15 +121,13 @@ def fa4_mask(batch_size=None, q_length=None, kv_length=None, attention_mask=None
 
     if mask_function is not None and mask_function is not causal_mask_function:
         _refuse(f"the mask pattern {getattr(mask_function, '__name__', mask_function)!r} (only plain causal)")
-    if attention_mask is None:
+    from directkv_cute.hf import directkv_mask
+
+    mask = directkv_mask(attention_mask=attention_mask, kv_length=kv_length)  # the 2-D mask as bool
+    if (mask is not None and mask.dim() == 2 and (kv_length is None or mask.shape[1] == kv_length)
+            and bool(mask.all())):
         return None
-    if attention_mask.dim() != 2:
-        return attention_mask
-    if kv_length is not None and attention_mask.shape[1] > kv_length:
-        attention_mask = attention_mask[:, -kv_length:]
-    if (kv_length is None or attention_mask.shape[1] == kv_length) and bool(attention_mask.all()):
-        return None
-    return attention_mask.to(torch.bool)
+    return mask
 
 
 def register() -> None:

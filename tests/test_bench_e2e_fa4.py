@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from bench import e2e, fa4_attention  # noqa: E402
+from test_bench_e2e import _runner  # noqa: E402
 
 
 # ---- a reference of FA4's call ---------------------------------------------------------------
@@ -104,16 +105,6 @@ def test_fa4_is_unavailable_on_the_cpu_with_the_reason():
     assert e2e.fa4_unavailable(e2e.Method("dynamic"), "cpu") is None
 
 
-def _runner(methods, **kw):
-    from directkv_cute.presets import build_random_model
-
-    opts = e2e.Options(preset="tiny", device="cpu", dtype=torch.float32, contexts=[48], batches=[1],
-                       methods=e2e.parse_methods(methods), new_tokens=2, warmup_tokens=1, offloaded_tokens=1,
-                       prefill_chunk=16, page_size=16, physics_context=0, hbm_budget=None, time_budget_s=None,
-                       skip=True, seed=0, progress=False)
-    for k, v in kw.items():
-        setattr(opts, k, v)
-    return e2e.Runner(build_random_model("tiny", torch.float32, "cpu", seed=0), opts)
 
 
 def test_cpu_rows_list_fa4_as_skipped_with_the_reason():
