@@ -452,16 +452,15 @@ class QTiledConfig:
             out.append("piece_pages must be >= 0 (0 = automatic)")
         if self.splits < 0:
             out.append("splits must be >= 0 (0 = automatic)")
-        if self.order not in (0, 1, 2):
-            out.append(f"order {self.order} must be 0 (automatic), 1 (heaviest first) or 2 (lightest first)")
-        elif self.order == 2 and self.splits > 1:
-            out.append(f"order 2 (lightest first) runs one split, got splits {self.splits}")
+        for name, one, two in (("order", "heaviest first", "lightest first"),
+                               ("copy_order", "all heads per piece", "head by head")):
+            value = getattr(self, name)
+            if value not in (0, 1, 2):
+                out.append(f"{name} {value} must be 0 (automatic), 1 ({one}) or 2 ({two})")
+            elif value == 2 and self.splits > 1:
+                out.append(f"{name} 2 ({two}) runs one split, got splits {self.splits}")
         if self.pingpong not in (0, 1):
             out.append(f"pingpong {self.pingpong} must be 0 or 1")
-        if self.copy_order not in (0, 1, 2):
-            out.append(f"copy_order {self.copy_order} must be 0 (automatic), 1 (all heads per piece) or 2 (head by head)")
-        elif self.copy_order == 2 and self.splits > 1:
-            out.append(f"copy_order 2 (head by head) runs one split, got splits {self.splits}")
         if self.cluster not in (1, 2):
             out.append(f"cluster {self.cluster} must be 1 (none) or 2")
         return out or self.ring_config().problems(head_dim, page_size, elem_bytes)

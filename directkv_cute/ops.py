@@ -35,7 +35,8 @@ import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import LINK_PIECES, causal_flops, choose_staged, may_stage, partial_bytes, q_tile_profile
+from directkv_cute.plan import (LINK_PIECES, causal_flops, choose_staged, compute_bound, may_stage, partial_bytes,
+                                q_tile_profile)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
@@ -299,18 +300,30 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
     # Long link-bound reads: the copy engine moves the FP8 pages and their scales into HBM at its
     # rate (faster than the SMs' reads of host memory, as for 16-bit pages), then the same kernel
     # reads them there.
-    from directkv_cute.cache import KernelTables
-
     st = stager(q.device, torch.cuda.current_stream(q.device))
     with st.lock:
         raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
         scales = st.stage_scales(cache, layer, plan)  # (pages, 1, Hkv, 2, P) fp32
         st.finish()  # the kernel waits for the whole copy
         view = _PoolView(raw, raw, q.dtype, scales, scales)
-        view_tables = KernelTables(torch.from_numpy(plan.table).to(q.device, non_blocking=True), tables.seq_lens,
-                                   host_seq_lens=tables.host_seq_lens, host_table=plan.table)
+        view_tables = _staged_tables(plan, tables, tables.host_seq_lens, q.device)
         return _run_paged(fn, q, view, 0, view_tables, cu_q, splits, splits > 1, softmax_scale, counters, out,
                           return_lse)
+
+
+def _pages_used(host_table, lens, page_size: int):
+    """(pages per sequence, the table entries the call reads, how many of them are host pages)."""
+    n_pages = [math.ceil(n / page_size) for n in lens]
+    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
+    return n_pages, used, int((used >= 0).sum())
+
+
+def _staged_tables(plan, tables, lens, device):
+    """KernelTables over a staging buffer: the plan's HBM-encoded table, the call's lengths."""
+    from directkv_cute.cache import KernelTables
+
+    return KernelTables(torch.from_numpy(plan.table).to(device, non_blocking=True), tables.seq_lens,
+                        host_seq_lens=tuple(lens), host_table=plan.table)
 
 
 def _fp8_stage_plan(q, cache, tables, q_lens):
@@ -323,9 +336,7 @@ def _fp8_stage_plan(q, cache, tables, q_lens):
         return None
     _, hq, d = q.shape
     P, hkv = cache.page_size, cache.num_kv_heads
-    n_pages = [math.ceil(n / P) for n in lens]
-    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
-    n_host = int((used >= 0).sum())
+    n_pages, used, n_host = _pages_used(host_table, lens, P)
     page_bytes = 2 * hkv * P * (d * cache.host_pool.element_size() + 4)  # FP8 rows and their scales
     flops = causal_flops(lens, q_lens, hq, d)
     if not n_host or not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, 2 * len(lens)):
@@ -358,7 +369,6 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
     if host_table is None or lens is None:  # bare tables (the dispatcher's op): read them back once
         host_table, lens = tables.page_table.cpu().numpy(), tuple(tables.seq_lens.tolist())
-    from directkv_cute.cache import KernelTables
     from directkv_cute.fp8 import dequantize
 
     P = cache.page_size
@@ -372,10 +382,8 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
         scales = st.stage_scales(cache, layer, plan)  # (pages, 1, Hkv, 2, P) fp32
         st.finish()  # the current stream waits for the copies
         buf = dequantize(raw, scales, q.dtype)  # before a later call's copies reuse them
-    view_tables = KernelTables(torch.from_numpy(plan.table).to(device, non_blocking=True), tables.seq_lens,
-                               host_seq_lens=tuple(lens), host_table=plan.table)
-    return _launch(q, _PoolView(buf, buf), 0, view_tables, q_lens, softmax_scale, config, out, return_lse,
-                   max_seq_len)
+    return _launch(q, _PoolView(buf, buf), 0, _staged_tables(plan, tables, lens, device), q_lens, softmax_scale,
+                   config, out, return_lse, max_seq_len)
 
 
 def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, max_seq_len: int, config):
@@ -418,7 +426,8 @@ def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q
     (``piece_pages``, ``splits``, ``order``; 0 in tuned entries) are left for the op's cost model.
     A miss warns as the other kernels' lookups do, except for decode-sized calls (their profile
     buckets are prefill chunks, and the Q-tiled kernel runs them only staged, paced by the copy).
-    Calls with one query tile per sequence and KV head run without clusters. Plain host work (``cache``: its ``dtype`` / ``compute_dtype``, ``head_dim``, ``page_size``)."""
+    Calls with one query tile per sequence and KV head run without clusters. Plain host work
+    (``cache``: its ``dtype`` / ``compute_dtype``, ``head_dim``, ``page_size``)."""
     quiet = op_kernel(group, q_len) == "decode"
     cfg = _profile_config("q_tiled", gpu_name, cache, group, batch, context, q_len, group * q_len,
                           quiet_miss=quiet)[0]
@@ -454,9 +463,7 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
 
     _, hq, d = q.shape
     P = cache.page_size
-    n_pages = [math.ceil(n / P) for n in lens]
-    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
-    n_host = int((used >= 0).sum())
+    n_pages, used, n_host = _pages_used(host_table, lens, P)
     if n_host == 0:
         # Every page already in HBM: the Q-tiled kernel (no KV splits) once its query tiles fill
         # about a wave of SMs (measured from q 512 at Hkv 8); fewer tiles leave SMs idle and the
@@ -495,9 +502,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     host_table, lens = tables.host_table, tables.host_seq_lens
     P = cache.page_size
     group = num_q_heads // cache.num_kv_heads
-    n_pages = [math.ceil(n / P) for n in lens]
-    used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
-    n_host = int((used >= 0).sum())
+    n_pages, used, n_host = _pages_used(host_table, lens, P)
     page_bytes = 2 * cache.num_kv_heads * P * head_dim * elem_bytes
     flops = causal_flops(lens, q_lens, num_q_heads, head_dim)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
@@ -510,8 +515,9 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
     # only the first head's copy is exposed, so finer pieces would only add copy calls.
     plan = plan_staging(host_table, lens, P, pp) if cfg.copy_order != 2 else None
-    head_plan = None
-    if cfg.copy_order != 1 and cfg.splits <= 1:
+    head_plan = None  # weighed where compute binds (elsewhere the pieces of all heads win: measured)
+    if cfg.copy_order == 2 or (cfg.copy_order == 0 and cfg.splits <= 1
+                               and compute_bound(n_host * page_bytes, flops)):
         pp_h = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=HEAD_PIECES)
         head_plan = plan if plan is not None and pp_h == pp else plan_staging(host_table, lens, P, pp_h)
         if len(head_plan.pieces) * heads > MAX_FLAGS:
@@ -547,7 +553,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            tiles, host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls,
                            in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read, heads=heads,
                            head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
-                           pieces=len(any_plan.pieces), head_flags=0 if head_plan is None else heads * len(head_plan.pieces))
+                           pieces=len(any_plan.pieces),
+                           head_flags=0 if head_plan is None else heads * len(head_plan.pieces))
     if plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
     if choice.by_head:

@@ -138,8 +138,10 @@ CHUNK_TAIL_MS_PER_TOKEN = 1.3e-4
 def chunk_tail_ms(total_q: int) -> float:
     """The chunk kernel's time past the link for ``total_q`` query tokens (0: not the chunk kernel)."""
     return CHUNK_TAIL_MS + CHUNK_TAIL_MS_PER_TOKEN * total_q if total_q else 0.0
+
+
 # Pieces of a one-split staged call whose CTAs all fit one wave (``one_wave_ms``): each copy call
-# and ready flag costs the copy engine about 3 us (measured: 32 MB in 1 / 4 / 16 contiguous calls
+# costs the copy engine about 3 us (measured: 32 MB in 1 / 4 / 16 contiguous calls
 # 0.64 / 0.63 / 0.68 ms, in 128 calls of 256 KB 1.02 ms, 2026-12-02), and a wave's CTAs walk a
 # piece as soon as it lands, so two pieces leave only half the compute after the copy (measured
 # 8k q512 over host pages: 0.676 ms staged so, 0.745 in place, swap + FA4 0.717).
@@ -151,6 +153,11 @@ COPY_CALL_MS = 0.0025
 HYBRID_STAGE_SHARE = 0.05
 PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by the combine
 SPLIT_CHOICES = (1, 2, 4, 8)
+
+
+def copy_time_ms(host_bytes: int, calls: int, flags: int = 0) -> float:
+    """The copy engine's time for ``host_bytes`` in ``calls`` copy calls and ``flags`` ready flags."""
+    return host_bytes / (MEMCPY_GBPS * 1e6) + calls * COPY_CALL_MS + flags * FLAG_MS
 
 
 def compute_bound(host_bytes: int, flops: float) -> bool:
@@ -173,9 +180,8 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
         return True
     if hbm_bytes > HYBRID_STAGE_SHARE * host_bytes:
         return False
-    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + copy_calls * COPY_CALL_MS
     in_place = host_bytes / (LINK_GBPS * 1e6) + chunk_tail_ms(chunk_q)
-    return copy_ms + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
+    return copy_time_ms(host_bytes, copy_calls) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
 
 
 def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int) -> float:
@@ -255,25 +261,23 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
     in_place = max(link_ms, compute_ms) + chunk_tail_ms(chunk_q)
-    copy_ms = host_bytes / (MEMCPY_GBPS * 1e6) + host_calls * COPY_CALL_MS + pieces * FLAG_MS
+    copy = copy_time_ms(host_bytes, host_calls, pieces)
     # pages already in HBM: copied before the kernel starts
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
-    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy_ms, q_ms, partial_bytes, s))
-    est = d2d_ms + staged_ms(copy_ms, q_ms, partial_bytes, best)
+    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s))
+    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best)
     ascending = by_head = coarse = False
     if wave_calls and splits in (0, 1):
-        wave_copy = host_bytes / (MEMCPY_GBPS * 1e6) + wave_calls * COPY_CALL_MS + LINK_PIECES * FLAG_MS
-        ow = d2d_ms + one_wave_ms(wave_copy, q_ms, LINK_PIECES)
+        ow = d2d_ms + one_wave_ms(copy_time_ms(host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)
         if ow < est:
             est, best, coarse = ow, 1, True
     if head_calls and heads > 1 and splits in (0, 1):
-        head_copy = host_bytes / (MEMCPY_GBPS * 1e6) + head_calls * COPY_CALL_MS + head_flags * FLAG_MS
-        hm = d2d_ms + head_major_ms(head_copy, q_ms, heads)
+        hm = d2d_ms + head_major_ms(copy_time_ms(host_bytes, head_calls, head_flags), q_ms, heads)
         if hm < est:
             est, best, by_head, coarse = hm, 1, True, False
     if tiles is not None and splits in (0, 1) and ASCENDING_AUTO:
-        asc = d2d_ms + ascending_ms(copy_ms, q_ms, *tiles)
+        asc = d2d_ms + ascending_ms(copy, q_ms, *tiles)
         if asc < est:
             est, best, ascending, by_head, coarse = asc, 1, True, False, False
     margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN

@@ -69,17 +69,21 @@ def piece_pages_for(max_pages: int, page_size: int, tile_n: int, want: int = 0, 
     return math.ceil(pp / tile_pages) * tile_pages
 
 
-def _runs(entries: np.ndarray, first_dst: int) -> list[Run]:
-    """Maximal runs of same-tier, consecutive pages in encoded entries (>= 0 host page, < 0
-    HBM page -e - 1), copied to staging pages from ``first_dst`` on."""
-    if entries.size == 0:
-        return []
-    hbm = entries < 0
-    src = np.where(hbm, -entries.astype(np.int64) - 1, entries.astype(np.int64))
-    brk = np.flatnonzero((hbm[1:] != hbm[:-1]) | (np.diff(src) != 1)) + 1
-    starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [entries.size]))
-    return [Run(bool(hbm[s]), int(src[s]), first_dst + int(s), int(e - s)) for s, e in zip(starts, ends)]
+def _runs(entries: np.ndarray, piece: np.ndarray, n_pieces: int) -> tuple[tuple[Run, ...], ...]:
+    """Per piece, the maximal runs of same-tier, consecutive pages in encoded entries (>= 0 host
+    page, < 0 HBM page -e - 1) in staging order (entry i goes to staging page i; ``piece[i]``
+    its piece, non-decreasing). One vectorized pass: a run also breaks where the piece does."""
+    out = [[] for _ in range(n_pieces)]
+    if entries.size:
+        hbm = entries < 0
+        src = np.where(hbm, -entries.astype(np.int64) - 1, entries.astype(np.int64))
+        brk = np.flatnonzero((hbm[1:] != hbm[:-1]) | (np.diff(src) != 1) | (piece[1:] != piece[:-1])) + 1
+        starts = np.concatenate(([0], brk))
+        ends = np.concatenate((brk, [entries.size]))
+        hbm_l, src_l, piece_l = hbm.tolist(), src.tolist(), piece.tolist()
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            out[piece_l[s]].append(Run(hbm_l[s], src_l[s], s, e - s))
+    return tuple(tuple(runs) for runs in out)
 
 
 def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: int) -> StagePlan:
@@ -116,11 +120,22 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     past = np.arange(width)[None, :] >= counts[:, None]  # (B, width)
     last = staged[np.arange(len(counts)), counts - 1]
     staged = np.where(past, last[:, None], staged)
-    new_entries = flat[first[order]]  # in staging order
-    new_piece = piece_of[first[order]]
-    bounds = np.searchsorted(new_piece, np.arange(n_pieces + 1))
-    pieces = tuple(tuple(_runs(new_entries[bounds[p]:bounds[p + 1]], int(bounds[p]))) for p in range(n_pieces))
+    pieces = _runs(flat[first[order]], piece_of[first[order]], n_pieces)  # entries in staging order
     return StagePlan(pieces, staged, int(len(uniq)), piece_pages)
+
+
+def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 0) -> None:
+    """Queue the copy of run ``r``: its pages' blocks of ``layer`` in ``pool`` (pages, L, ...)
+    into ``buf`` (pages, 1, ...) from staging page ``r.dst`` on, one strided 2-D copy; whole
+    blocks, or bytes [part, part + cols) of each."""
+    import cuda.bindings.runtime as rt
+
+    width = int(np.prod(pool.shape[2:])) * pool.element_size()  # one page of one layer
+    layers = pool.shape[1]
+    src = pool.data_ptr() + (r.src * layers + layer) * width + part
+    dst = buf.data_ptr() + r.dst * width + part
+    _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, cols or width, r.count,
+                                rt.cudaMemcpyKind.cudaMemcpyDefault, stream), "cudaMemcpy2DAsync")
 
 
 def staging_cap(total_memory: int) -> int:
@@ -149,17 +164,19 @@ class Stager:
         self.epoch = 0
         self.lock = threading.Lock()
 
-    def _buffer(self, pages: int, like_shape, dtype):
+    def _buffer(self, name: str, pages: int, like_shape, dtype):
+        """``self.<name>`` (pages or more, 1, *like_shape), grown by a quarter when too small."""
         import torch
 
-        buf = self.buffer
+        buf = getattr(self, name)
         if buf is None or buf.dtype != dtype or tuple(buf.shape[2:]) != tuple(like_shape) or buf.shape[0] < pages:
             if buf is not None:
                 torch.cuda.synchronize(self.device)  # the old buffer may still be read or written
-            self.buffer = None
+            setattr(self, name, None)
             grow = pages if buf is None else max(pages, int(buf.shape[0] * 1.25))
-            self.buffer = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
-        return self.buffer[:pages]
+            buf = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
+            setattr(self, name, buf)
+        return buf[:pages]
 
     def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
         """Queue the plan's copies and ready flags on the side stream after the current stream's
@@ -167,7 +184,6 @@ class Stager:
         of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
-        import cuda.bindings.runtime as rt
         import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
@@ -177,30 +193,18 @@ class Stager:
         n_flags = len(plan.pieces) * (heads if by_head else 1)
         if n_flags > MAX_FLAGS:
             raise ValueError(f"staging: {n_flags} ready flags needed, at most {MAX_FLAGS}")
-        buf = self._buffer(plan.pages, piece_shape, host.dtype)
-        width = int(np.prod(piece_shape)) * host.element_size()  # one page of one layer
-        layers = host.shape[1]
+        buf = self._buffer("buffer", plan.pages, piece_shape, host.dtype)
+        head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
         self.epoch = self.epoch % (2**31 - 2) + 1
         epoch = self.epoch
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)  # new tokens' K/V stored, and the buffer's last reader done
-        kind = rt.cudaMemcpyKind.cudaMemcpyDefault
-
-        def copy(r: Run, stream, head: int | None = None, count: int = 1):
-            """The run's pages (all heads), or only KV heads [head, head + count)'s blocks of each."""
-            pool = hbm if r.hbm else host
-            part, cols = (0, width) if head is None else (head * (width // heads), count * (width // heads))
-            src = pool.data_ptr() + (r.src * layers + layer) * width + part
-            dst = buf.data_ptr() + r.dst * width + part
-            _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, cols, r.count, kind, stream),
-                   "cudaMemcpy2DAsync")
-
         # Pages already in HBM are copied on the current stream, ahead of the kernel: a
         # device-to-device copy may run on SMs, which the kernel's waiting CTAs would hold.
         for runs in plan.pieces:
             for r in runs:
                 if r.hbm:
-                    copy(r, cur.cuda_stream)
+                    _copy_run(buf, hbm, r, layer, cur.cuda_stream)
         s = self.stream.cuda_stream
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
         for h0 in range(0, heads, g) if by_head else (None,):
@@ -208,7 +212,10 @@ class Stager:
             for p, runs in enumerate(plan.pieces):
                 for r in runs:
                     if not r.hbm:
-                        copy(r, s, h0, len(group))
+                        if by_head:  # KV heads [h0, h0 + g)'s blocks of each page
+                            _copy_run(buf, host, r, layer, s, h0 * head_bytes, len(group) * head_bytes)
+                        else:
+                            _copy_run(buf, host, r, layer, s)
                 for h in group:
                     flag = p if h is None else h * len(plan.pieces) + p
                     _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * flag),
@@ -220,29 +227,15 @@ class Stager:
         fp32) of the plan's pages into a buffer beside the pages, (pages, 1, Hkv, 2, P), on the
         side stream after ``stage``'s copies: for calls whose kernel waits for the whole copy
         (``finish`` before its launch), as no flag covers them."""
-        import cuda.bindings.runtime as rt
         import torch
 
         host = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
-        hbm = cache.hbm_scales
-        shape = tuple(host.shape[2:])  # (Hkv, 2, P)
-        buf = self.scale_buffer
-        if buf is None or tuple(buf.shape[2:]) != shape or buf.shape[0] < plan.pages:
-            if buf is not None:
-                torch.cuda.synchronize(self.device)
-            grow = plan.pages if buf is None else max(plan.pages, int(buf.shape[0] * 1.25))
-            self.scale_buffer = buf = torch.empty((grow, 1, *shape), dtype=torch.float32, device=self.device)
-        width = int(np.prod(shape)) * 4
-        layers = host.shape[1]
-        kind = rt.cudaMemcpyKind.cudaMemcpyDefault
+        buf = self._buffer("scale_buffer", plan.pages, tuple(host.shape[2:]), torch.float32)
         cur, s = torch.cuda.current_stream(self.device).cuda_stream, self.stream.cuda_stream
         for runs in plan.pieces:
             for r in runs:
-                pool = hbm if r.hbm else host
-                src = pool.data_ptr() + (r.src * layers + layer) * width
-                _check(rt.cudaMemcpy2DAsync(buf.data_ptr() + r.dst * width, width, src, layers * width, width,
-                                            r.count, kind, cur if r.hbm else s), "cudaMemcpy2DAsync")
-        return buf[:plan.pages]
+                _copy_run(buf, cache.hbm_scales if r.hbm else host, r, layer, cur if r.hbm else s)
+        return buf
 
     def finish(self):
         """After the kernel's launch: later work on the current stream waits for the copies."""
