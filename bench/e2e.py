@@ -104,7 +104,6 @@ import torch
 E2E_SCHEMA = "directkv-bench-e2e/1"
 GiB = 1 << 30
 BASE_METHODS = ("dynamic", "hf-offloaded", "ours")
-ATTNS = ("sdpa", "fa4")  # dynamic / hf-offloaded: the attention function (bench.fa4_attention for fa4)
 DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
 FA4_METHODS = ("fa4", "hf-offloaded+fa4")
 METHOD_ORDER = {"dynamic": 0, "fa4": 1, "hf-offloaded": 2, "hf-offloaded+fa4": 3, "ours[readback]": 4,
