@@ -20,8 +20,9 @@ from pathlib import Path
 
 def build_shape(spec: dict):
     """(cache, tables, q) for ``spec`` (context, q_len, hq, hkv, head_dim, page_size, dtype,
-    hbm_fraction): one sequence of random K/V appended from the GPU, the given fraction of its
-    pages moved to HBM. ``bench timeline``'s child builds its shape with it too."""
+    hbm_fraction; optional kv_dtype "fp8" / "e5m2": FP8 pages, quantized as they are appended):
+    one sequence of random K/V appended from the GPU, the given fraction of its pages moved to
+    HBM. ``bench timeline``'s child builds its shape with it too."""
     import torch
 
     import directkv_cute as dk
@@ -29,7 +30,13 @@ def build_shape(spec: dict):
     hq, hkv, d, page, ctx, ql = (spec[k] for k in ("hq", "hkv", "head_dim", "page_size", "context", "q_len"))
     dtype = getattr(torch, spec["dtype"])
     pages = math.ceil(ctx / page)
-    cache = dk.PagedKVCache(1, hkv, d, page, num_host_pages=pages + 1, num_hbm_pages=pages + 1, dtype=dtype)
+    kv = {}
+    if spec.get("kv_dtype"):
+        from directkv_cute.fp8 import fp8_dtype
+
+        kv = dict(dtype=fp8_dtype(spec["kv_dtype"]), compute_dtype=dtype)
+    cache = dk.PagedKVCache(1, hkv, d, page, num_host_pages=pages + 1, num_hbm_pages=pages + 1,
+                            **(kv or dict(dtype=dtype)))
     sid = cache.add_sequence()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for s in range(0, ctx, 8192):
@@ -65,7 +72,18 @@ def summarize_events(events: Sequence[tuple[float, float, str]], calls: int) -> 
              "median_us": statistics.median(s["dur"]),
              "gap_before_median_us": statistics.median(s["gap"]) if s["gap"] else None} for s in stats.values()]
     span = (max(e for _, e, _ in evs) - evs[0][0]) / calls
-    return {"calls": calls, "span_us_per_call": span, "activities": acts}
+    return {"calls": calls, "span_us_per_call": span, "activities": acts, "last_call": last_call(evs, calls)}
+
+
+def last_call(events: Sequence[tuple[float, float, str]], calls: int) -> list[dict]:
+    """The last of ``calls`` calls' activities (every call launches as many; else []), each with
+    its start and end in us since that call's first start: where copies and kernels overlap."""
+    evs = sorted(events)
+    if not evs or len(evs) % calls:
+        return []
+    tail = evs[len(evs) - len(evs) // calls:]
+    t0 = tail[0][0]
+    return [{"name": n, "start_us": s - t0, "end_us": e - t0} for s, e, n in tail]
 
 
 def format_breakdown(res: dict) -> str:
@@ -76,6 +94,9 @@ def format_breakdown(res: dict) -> str:
     for a in res["activities"]:
         gap = "-" if a["gap_before_median_us"] is None else f"{a['gap_before_median_us']:.1f}"
         lines.append(f"{a['name'][:64]:64s} {a['per_call']:8.2f} {a['median_us']:10.1f} {gap:>14s}")
+    if res.get("last_call"):
+        lines.append(f"the last call, us since its first activity ({len(res['last_call'])} activities):")
+        lines += [f"  {e['start_us']:9.1f} {e['end_us']:9.1f}  {e['name'][:64]}" for e in res["last_call"]]
     return "\n".join(lines)
 
 
@@ -84,10 +105,10 @@ def run_breakdown(spec: dict, calls: int = 10) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     import directkv_cute as dk
-    from directkv_cute.config import DecodeConfig
+    from bench.harness import _decode_config
 
     cache, tables, q = build_shape(spec)
-    cfg = DecodeConfig.from_dict(spec["config"]) if spec["config"] else None
+    cfg = _decode_config(spec["config"])
     q_lens = [spec["q_len"]] if spec["q_len"] > 1 else None
 
     def run():
@@ -125,7 +146,9 @@ def add_shape_arguments(p, context: int, config_help: str) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
-    p.add_argument("--config", default=None, help=f"DecodeConfig as JSON (default: {config_help})")
+    p.add_argument("--kv-dtype", default=None, choices=("fp8", "e5m2"), help="FP8 pages (default: the q dtype)")
+    p.add_argument("--config", default=None,
+                   help=f"DecodeConfig as JSON, or a QTiledConfig with \"kernel\": \"q_tiled\" (default: {config_help})")
     p.add_argument("--json", default=None, help="also write the summary here")
 
 
@@ -134,17 +157,16 @@ def shape_spec(ns, command: str) -> dict | None:
     config raises here, before anything is built."""
     import torch
 
-    from directkv_cute.config import DecodeConfig
+    from bench.harness import _decode_config
 
     if not torch.cuda.is_available():
         print(f"bench {command} needs a CUDA GPU", file=sys.stderr)
         return None
     hq, hkv = (int(x) for x in ns.heads.split("/"))
     config = json.loads(ns.config) if ns.config else None
-    if config is not None:
-        DecodeConfig.from_dict(config)
+    _decode_config(config)
     return dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
-                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config)
+                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, kv_dtype=ns.kv_dtype)
 
 
 def add_arguments(p) -> None:
@@ -166,5 +188,5 @@ def cmd_breakdown(ns) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "add_shape_arguments", "build_shape", "cmd_breakdown", "format_breakdown", "run_breakdown",
-           "shape_spec", "summarize_events"]
+__all__ = ["add_arguments", "add_shape_arguments", "build_shape", "cmd_breakdown", "format_breakdown", "last_call",
+           "run_breakdown", "shape_spec", "summarize_events"]

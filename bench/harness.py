@@ -66,10 +66,16 @@ class BenchOptions:
     peers: bool = True  # FlashAttention-4's methods (bench.peers) where it is installed
     window: bool = False  # ours[window]: the query tokens' pages mirrored in HBM (multi-token, host only)
     kv_dtype: str | None = None  # "fp8" / "e5m2": also ours[fp8] / ours[e5m2] over FP8 host pages
+    skip_methods: tuple[str, ...] = ()  # of SKIPPABLE: listed as missing, not run
 
     def timing(self) -> dict:
         return {"warmup": self.warmup, "reps": self.reps, "max_total_s": self.max_rep_s,
                 "min_sample_ms": self.min_sample_ms}
+
+
+# The methods that read host pages once per query tile (naive zero-copy SDPA, FA4's page table over
+# UVA): 14-47x slower than the floor from q 512 (measured 2026-12-01), minutes of a grid's time.
+SKIPPABLE = ("zero_copy", "fa4[zero_copy_paged]")
 
 
 # ---- feasibility ---------------------------------------------------------------------------
@@ -358,9 +364,18 @@ class ShapeBench:
             self.doc["missing"].append({"shape": self.shape.label, "bench": self.shape.bench, "method": m,
                                         "hbm_fractions": [], "reason": reason})
 
+    def _skipped(self, name: str) -> bool:
+        """Whether ``name`` is one of ``--skip-methods`` (then recorded as missing)."""
+        if name not in self.opts.skip_methods:
+            return False
+        self._peer_missing([name], "skipped (--skip-methods)")
+        return True
+
     def _peer_method(self, name: str, calls: list[Callable], *, resident: int, host_bytes: int = 0,
                      hbm_bytes: int = 0, staging_bytes: int = 0, hbm_fraction: float = 0.0) -> None:
         """Check a peer's first call against the anchor and the HBM output, then time it."""
+        if self._skipped(name):
+            return
         s = self.shape
         kw = dict(host_bytes=host_bytes, hbm_bytes=hbm_bytes, staging_bytes=staging_bytes, hbm_fraction=hbm_fraction)
         try:
@@ -398,6 +413,8 @@ class ShapeBench:
         Fallback formulations are tried only when no primary one is correct. Returns
         (chosen variant or None, its set-0 output or None).
         """
+        if self._skipped(name):
+            return None, None
         trials: dict[str, dict] = {}
         for v in candidates:
             if v.fallback and any(t["ok"] for t in trials.values()):

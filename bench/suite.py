@@ -18,6 +18,7 @@ import torch
 
 from bench import decode, prefill
 from bench.ceilings import measure_ceilings
+from bench.harness import SKIPPABLE
 from bench.common import (GiB, MiB, Ceilings, env_info, format_table, merge_results, new_results, problem_lines,
                           results_path, write_json)
 from bench.harness import BenchOptions, load_ours, run_shapes
@@ -72,6 +73,7 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"),
         peers=not getattr(ns, "no_peers", False), window=getattr(ns, "window", False),
+        skip_methods=tuple(getattr(ns, "skip_methods", ()) or ()),
         kv_dtype=getattr(ns, "kv_dtype", None))
 
 
@@ -244,7 +246,18 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "HBM (the HBM window of a model step), host only")
     g.add_argument("--no-peers", action="store_true",
                    help="leave out FlashAttention-4's methods (fa4[hbm], fa4[zero_copy_paged], swap+fa4)")
+    g.add_argument("--skip-methods", type=_skippable, default=(),
+                   help="leave out these slow baselines, comma-separated: " + ", ".join(SKIPPABLE)
+                        + " (they read host pages once per query tile)")
     g.add_argument("--no-progress", action="store_true")
+
+
+def _skippable(s: str) -> tuple[str, ...]:
+    names = tuple(x for x in s.split(",") if x)
+    bad = [n for n in names if n not in SKIPPABLE]
+    if bad:
+        raise argparse.ArgumentTypeError(f"cannot skip {bad}: only {', '.join(SKIPPABLE)}")
+    return names
 
 
 def _ints(s: str) -> list[int]:

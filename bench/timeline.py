@@ -16,6 +16,7 @@ in this process: the op is timed untraced, then run traced on the same inputs.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from directkv_cute.kernels.trace import SLOTS
@@ -127,6 +128,10 @@ def cmd_timeline(ns) -> int:
 
     spec = shape_spec(ns, "timeline")
     if spec is None:
+        return 2
+    if spec["kv_dtype"] or (spec["config"] or {}).get("kernel") == "q_tiled":
+        print("bench timeline stamps the multi-token kernel over 16-bit pages: no --kv-dtype, no q_tiled config "
+              "(bench breakdown lists any call's kernels and copies)", file=sys.stderr)
         return 2
     spec.update(chunk=ns.chunk, skip_passes=bool(ns.skip_passes))
     res = run_timeline(spec) | {"skip_passes": bool(ns.skip_passes)}

@@ -56,3 +56,20 @@ def test_cli_needs_a_gpu(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["breakdown", "--context", "4096", "--q-len", "64"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_last_call_lists_the_final_calls_activities_from_its_start():
+    last = summarize_events(_two_calls(), calls=2)["last_call"]
+    assert [e["name"] for e in last] == ["Memcpy HtoD", "attention", "combine"]
+    assert last[0]["start_us"] == 0.0 and last[1]["start_us"] == pytest.approx(2.3)
+    assert last[2]["end_us"] == pytest.approx(740.3)
+    assert summarize_events(_two_calls()[:5], calls=2)["last_call"] == []  # calls launched different work
+    assert "the last call" in format_breakdown({"config": None, "op_us": 1.0, "timed_calls": 1,
+                                                **summarize_events(_two_calls(), calls=2)})
+
+
+def test_timeline_refuses_what_it_cannot_stamp(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert main(["timeline", "--kv-dtype", "fp8"]) == 2
+    assert main(["timeline", "--config", '{"kernel": "q_tiled"}']) == 2
+    assert "16-bit pages" in capsys.readouterr().err

@@ -3,6 +3,7 @@ CPU smoke run of the whole per-shape harness (with a stand-in op, and with the r
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
@@ -522,3 +523,24 @@ def test_compute_ab_names_configs_by_their_changes_from_the_default():
 
     assert config_name(QTiledConfig()) == "{}"
     assert config_name(QTiledConfig(cluster=1, stages=2)) == '{"stages": 2, "cluster": 1}'
+
+
+def test_skipped_methods_are_listed_missing_and_not_run(tmp_path):
+    """--skip-methods: the named slow baseline is recorded as missing (with the reason), never
+    called; every other method still runs and is checked."""
+    from bench.harness import load_ours
+
+    shape = Shape("prefill", 1, 70, 16, 4, 2, 64, "bfloat16")
+    doc = _run(tmp_path, [shape], BenchOptions(skip_methods=("zero_copy",), **FAST), load_ours)
+    recs = {r["method"]: r for r in doc["records"]}
+    assert recs["zero_copy"]["ms"] is None and recs["hbm"]["ms"] > 0 and recs["ours"]["ms"] > 0
+    assert any(m["method"] == "zero_copy" and "skip" in m["reason"] for m in doc["missing"])
+    assert doc["passed"]
+
+
+def test_skip_methods_takes_only_the_slow_baselines():
+    from bench.suite import _skippable
+
+    assert _skippable("zero_copy,fa4[zero_copy_paged]") == ("zero_copy", "fa4[zero_copy_paged]")
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot skip"):
+        _skippable("ours")
