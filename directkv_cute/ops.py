@@ -299,16 +299,75 @@ def _launch_fp8(q, cache, layer: int, tables, q_lens, cu_q, max_q_len: int, soft
                           return_lse)
     # Long link-bound reads: the copy engine moves the FP8 pages and their scales into HBM at its
     # rate (faster than the SMs' reads of host memory, as for 16-bit pages), then the same kernel
-    # reads them there.
-    st = stager(q.device, torch.cuda.current_stream(q.device))
+    # reads them there: in one launch after the whole copy, or (one query token per sequence) in
+    # two, the first over the first piece while the copy engine moves the second.
+    cur = torch.cuda.current_stream(q.device)
+    st = stager(q.device, cur)
     with st.lock:
-        raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
-        scales = st.stage_scales(cache, layer, plan)  # (pages, 1, Hkv, 2, P) fp32
-        st.finish()  # the kernel waits for the whole copy
+        raw, scales, landed = st.stage_fp8(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8; their scales
         view = _PoolView(raw, raw, q.dtype, scales, scales)
-        view_tables = _staged_tables(plan, tables, tables.host_seq_lens, q.device)
-        return _run_paged(fn, q, view, 0, view_tables, cu_q, splits, splits > 1, softmax_scale, counters, out,
-                          return_lse)
+        if len(plan.pieces) == 1:
+            cur.wait_event(landed[0])
+            res = _run_paged(fn, q, view, 0, _staged_tables(plan, tables, tables.host_seq_lens, q.device), cu_q,
+                             splits, splits > 1, softmax_scale, counters, out, return_lse)
+        else:
+            fn = _compiled_fp8(cfg, q.dtype, cache.dtype, d, cache.page_size, group, max_q_len, True)
+            res = _run_fp8_parts(fn, cfg, q, view, plan, tables.host_seq_lens, cu_q, landed, softmax_scale,
+                                 counters, out, return_lse)
+        st.finish()
+        return res
+
+
+# The second piece of a staged FP8 decode: this share of the longest sequence's pages. The first
+# launch reads the rest from HBM while the copy engine moves it (measured 2026-12-02, B1 32k: the
+# FP8 kernel reads the staged pages at 1.25 TB/s, 55 us after a 1.25 ms copy), so it hides behind
+# that copy while the share is above about 4.4%; what stays exposed is the second launch.
+FP8_TAIL_SHARE = 1 / 16
+
+
+def split_staged_table(table: np.ndarray, lens, pages_a: int, page_size: int):
+    """The two launches of a two-piece staged decode: ((table, lengths) of every sequence's first
+    ``pages_a`` pages, (table, lengths) of the rest), each part a sequence of its own (a part
+    can be empty: length 0, no tiles). Plain host work."""
+    lens = np.asarray(lens, dtype=np.int64)
+    len_a = np.minimum(lens, pages_a * page_size)
+    return ((np.ascontiguousarray(table[:, :pages_a]), len_a.astype(np.int32)),
+            (np.ascontiguousarray(table[:, pages_a:]), (lens - len_a).astype(np.int32)))
+
+
+def _run_fp8_parts(fn, cfg: DecodeConfig, q, view, plan, lens, cu_q, landed, softmax_scale, counters, out,
+                   return_lse: bool):
+    """Decode (one query token per sequence) over a two-piece staging of FP8 pages: the kernel
+    over each sequence's first piece once it has landed, over the rest once that has, each into
+    its own fp32 split partials, merged by the combine kernel (a query sees every key of both
+    parts, so the two are independent attentions over disjoint keys)."""
+    from directkv_cute.kernels.launch import launch_combine, launch_decode
+
+    total_q, hq, d = q.shape
+    batch, hkv = len(lens), view.num_kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    parts = split_staged_table(plan.table, lens, plan.piece_pages, view.page_size)
+    flat = torch.from_numpy(np.concatenate([a.ravel() for part in parts for a in part])).to(q.device,
+                                                                                        non_blocking=True)
+    sms = _num_sms(q.device.index)
+    splits = [cfg.splits_for(batch, hkv, max(int(part[1].max()), 1), sms) for part in parts]
+    o_part = torch.empty(sum(splits), total_q, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(sum(splits), total_q, hq, dtype=torch.float32, device=q.device)
+    cur = torch.cuda.current_stream(q.device)
+    at, first = 0, 0
+    for (table, part_lens), n_splits, event in zip(parts, splits, landed):
+        dev_table = flat[at:at + table.size].view(table.shape)
+        dev_lens = flat[at + table.size:at + table.size + batch]
+        at += table.size + batch
+        cur.wait_event(event)
+        launch_decode(fn, q, o_part[first:first + n_splits], lse_part[first:first + n_splits], view, 0, dev_table,
+                      dev_lens, cu_q, n_splits, scale, counters)
+        first += n_splits
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, first)
+    return (out, lse) if return_lse else out
 
 
 def _pages_used(host_table, lens, page_size: int):
@@ -316,6 +375,16 @@ def _pages_used(host_table, lens, page_size: int):
     n_pages = [math.ceil(n / page_size) for n in lens]
     used = np.concatenate([host_table[b, :n] for b, n in enumerate(n_pages)])
     return n_pages, used, int((used >= 0).sum())
+
+
+def hbm_runs_per_sequence(host_table, n_pages) -> int:
+    """The most runs of consecutive HBM entries (negative) in any sequence's first ``n_pages[b]``
+    table entries: 1 for a window of HBM pages (a step's own tokens mirrored). Plain host work."""
+    table = np.asarray(host_table)
+    live = np.arange(table.shape[1])[None, :] < np.asarray(n_pages)[:, None]
+    hbm = (table < 0) & live
+    starts = hbm & ~np.concatenate([np.zeros((len(table), 1), dtype=bool), hbm[:, :-1]], axis=1)
+    return int(starts.sum(axis=1).max()) if len(table) else 0
 
 
 def _staged_tables(plan, tables, lens, device):
@@ -327,10 +396,11 @@ def _staged_tables(plan, tables, lens, device):
 
 
 def _fp8_stage_plan(q, cache, tables, q_lens):
-    """The staging plan (one piece) of a decode-sized call over FP8 pages when copying their
-    bytes and scales into HBM first beats reading them in place (``plan.may_stage`` on those
-    bytes, as for 16-bit pages: long link-bound reads with every page on the host), else None.
-    Never inside a CUDA graph capture (the copies are planned per call)."""
+    """The staging plan of a decode-sized call over FP8 pages when copying their bytes and scales
+    into HBM first beats reading them in place (``plan.may_stage`` on those bytes, as for 16-bit
+    pages: long link-bound reads with every page on the host), else None: two pieces (the last
+    ``FP8_TAIL_SHARE`` of the longest sequence's pages apart) where every sequence has one query
+    token, else one. Never inside a CUDA graph capture (the copies are planned per call)."""
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
     if host_table is None or lens is None or torch.cuda.is_current_stream_capturing():
         return None
@@ -338,10 +408,14 @@ def _fp8_stage_plan(q, cache, tables, q_lens):
     P, hkv = cache.page_size, cache.num_kv_heads
     n_pages, used, n_host = _pages_used(host_table, lens, P)
     page_bytes = 2 * hkv * P * (d * cache.host_pool.element_size() + 4)  # FP8 rows and their scales
-    flops = causal_flops(lens, q_lens, hq, d)
+    flops = causal_flops(lens, q_lens or [1] * len(lens), hq, d)
     if not n_host or not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, 2 * len(lens)):
         return None
-    plan = plan_staging(host_table, lens, P, max(n_pages))
+    longest = max(n_pages)
+    pp = longest
+    if (q_lens is None or max(q_lens) == 1) and longest > 1:
+        pp = min(longest - 1, math.ceil(longest * (1 - FP8_TAIL_SHARE)))
+    plan = plan_staging(host_table, lens, P, pp)
     if plan.pages * page_bytes > staging_cap(_total_memory(q.device.index)):
         return None
     return plan
@@ -378,8 +452,7 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     device = q.device
     st = stager(device, torch.cuda.current_stream(device))
     with st.lock:
-        raw, _, _ = st.stage(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8
-        scales = st.stage_scales(cache, layer, plan)  # (pages, 1, Hkv, 2, P) fp32
+        raw, scales, _ = st.stage_fp8(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8; their scales
         st.finish()  # the current stream waits for the copies
         buf = dequantize(raw, scales, q.dtype)  # before a later call's copies reuse them
     return _launch(q, _PoolView(buf, buf), 0, _staged_tables(plan, tables, lens, device), q_lens, softmax_scale,
@@ -509,7 +582,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
     chunk = op_kernel(group, max(q_lens)) != "decode"  # in place, the chunk kernel would run it
     chunk_q = sum(q_lens) if chunk else 0
-    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q):
+    if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q,
+                                      window=hbm_runs_per_sequence(host_table, n_pages) <= 1):
         return None
     heads = cache.num_kv_heads
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);

@@ -165,7 +165,8 @@ def compute_bound(host_bytes: int, flops: float) -> bool:
     return flops / (CHUNKED_TFLOPS * 1e9) >= COMPUTE_SHARE * host_bytes / (LINK_GBPS * 1e6)
 
 
-def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1, chunk_q: int = 0) -> bool:
+def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1, chunk_q: int = 0,
+              window: bool = False) -> bool:
     """Whether staging can pay at all (checked before any staging plan): a compute-bound call, or
     a link-bound one with every page on the host whose copy at the copy engine's rate in at least
     ``copy_calls`` calls, plus the staged call's overhead, beats reading the same bytes in place by
@@ -173,12 +174,14 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     A link-bound call with more than ``HYBRID_STAGE_SHARE`` of its bytes in HBM reads in place:
     the streaming kernel overlaps those pages with the host reads, staging copies them first
     (measured: decode at 25% HBM, batch 1-64, 8k-128k, 12-37% slower staged). A few pages in
-    HBM (the window mirroring a step's new tokens) are modelled as copies by ``choose_staged``.
+    HBM (the window mirroring a step's new tokens) are modelled as copies by ``choose_staged``,
+    and so are any number where they form one run per sequence (``window``: one device-to-device
+    copy per sequence, ahead of the kernel).
     ``chunk_q``: the query tokens of a call the chunk kernel would run in place (its
     ``chunk_tail_ms`` past the link); 0 for the streaming kernel."""
     if compute_bound(host_bytes, flops):
         return True
-    if hbm_bytes > HYBRID_STAGE_SHARE * host_bytes:
+    if hbm_bytes > HYBRID_STAGE_SHARE * host_bytes and not window:
         return False
     in_place = host_bytes / (LINK_GBPS * 1e6) + chunk_tail_ms(chunk_q)
     return copy_time_ms(host_bytes, copy_calls) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place

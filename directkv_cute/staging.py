@@ -160,7 +160,7 @@ class Stager:
         self.stream = torch.cuda.Stream(self.device)
         self.flags = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d)
-        self.scale_buffer = None  # (pages, 1, Hkv, 2, P) fp32: FP8 pages' scales (stage_scales)
+        self.scale_buffer = None  # (pages, 1, Hkv, 2, P) fp32: FP8 pages' scales (stage_fp8)
         self.epoch = 0
         self.lock = threading.Lock()
 
@@ -222,20 +222,35 @@ class Stager:
                                                     epoch, 0), "cuStreamWriteValue32")
         return buf, self.flags, epoch
 
-    def stage_scales(self, cache, layer: int, plan: StagePlan):
-        """FP8 pages' scale rows (``cache.host_scales`` / ``hbm_scales``, (pages, L, Hkv, 2, P)
-        fp32) of the plan's pages into a buffer beside the pages, (pages, 1, Hkv, 2, P), on the
-        side stream after ``stage``'s copies: for calls whose kernel waits for the whole copy
-        (``finish`` before its launch), as no flag covers them."""
+    def stage_fp8(self, cache, layer: int, plan: StagePlan):
+        """FP8 pages and their scale rows (``cache.host_scales`` / ``hbm_scales``, (pages, L, Hkv, 2,
+        P) fp32) piece by piece on the side stream, after the current stream's work so far: each
+        piece's page runs, then its scale runs, then an event. Returns (pages (pages, 1, Hkv, 2, P,
+        d), scales (pages, 1, Hkv, 2, P), one event per piece): a kernel over pieces [0, p] waits
+        for event p on the current stream; ``finish`` after the last launch."""
         import torch
 
-        host = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
-        buf = self._buffer("scale_buffer", plan.pages, tuple(host.shape[2:]), torch.float32)
-        cur, s = torch.cuda.current_stream(self.device).cuda_stream, self.stream.cuda_stream
-        for runs in plan.pieces:
+        host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+        host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+        buf = self._buffer("buffer", plan.pages, tuple(host.shape[2:]), host.dtype)
+        sbuf = self._buffer("scale_buffer", plan.pages, tuple(host_s.shape[2:]), torch.float32)
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)  # new tokens stored, and the buffers' last readers done
+        for runs in plan.pieces:  # pages already in HBM: on the current stream, ahead of the kernel
             for r in runs:
-                _copy_run(buf, cache.hbm_scales if r.hbm else host, r, layer, cur if r.hbm else s)
-        return buf
+                if r.hbm:
+                    _copy_run(buf, cache.hbm_pool, r, layer, cur.cuda_stream)
+                    _copy_run(sbuf, cache.hbm_scales, r, layer, cur.cuda_stream)
+        s, events = self.stream.cuda_stream, []
+        for runs in plan.pieces:
+            host_runs = [r for r in runs if not r.hbm]
+            for r in host_runs:
+                _copy_run(buf, host, r, layer, s)
+            for r in host_runs:
+                _copy_run(sbuf, host_s, r, layer, s)
+            events.append(torch.cuda.Event())
+            events[-1].record(self.stream)
+        return buf, sbuf, events
 
     def finish(self):
         """After the kernel's launch: later work on the current stream waits for the copies."""

@@ -172,3 +172,29 @@ def test_long_fp8_decode_is_staged_and_still_capturable():
     assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
     _captured_call_matches(q, cache, layer, tables, out, ref)
     cache.close()
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,page", [(torch.bfloat16, E4M3, 64), (torch.float16, E5M2, 16)])
+def test_two_piece_staged_fp8_decode_over_ragged_sequences(monkeypatch, dtype, kv_dtype, page):
+    """Decode over long ragged FP8 host sequences (one of a single page, one that ends inside the
+    first piece, one that ends exactly on the split): staged in two pieces and two launches whose
+    partials are combined; matches the reference over what the pages hold, poisoned output."""
+    from directkv_cute import ops
+
+    parts = []
+    real = ops._run_fp8_parts
+    monkeypatch.setattr(ops, "_run_fp8_parts", lambda *a, **k: parts.append(a[4]) or real(*a, **k))
+    longest = 36000
+    pp = math.ceil(math.ceil(longest / page) * (1 - ops.FP8_TAIL_SHARE))
+    lens = [longest, 1, 20001, pp * page, 33333]
+    cache, ids, ks, vs, layer = _build(lens, 4, 128, page, dtype, kv_dtype, seed=5)
+    q = torch.randn(len(lens), 16, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    o, lse = paged_attention_tables(q, cache, layer, cache.kernel_tables(ids), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    assert len(parts) == 1 and len(parts[0].pieces) == 2 and parts[0].piece_pages == pp, "not staged in two pieces"
+    ref, ref_lse = dense_attention_ref(q, ks, vs, None, None)
+    assert not torch.isnan(out).any()
+    assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
+    assert torch.allclose(lse.double(), ref_lse, atol=2e-3, rtol=1e-4), (lse.double() - ref_lse).abs().max()
+    cache.close()

@@ -258,10 +258,15 @@ def _fp8_call(lens, q_lens, hbm=False):
 
 def test_long_fp8_decode_is_staged_short_and_hybrid_reads_are_not(monkeypatch):
     plan = ops._fp8_stage_plan(*_fp8_call([32768], [1]))
-    assert plan is not None and len(plan.pieces) == 1 and plan.host_pages == 512
-    assert (plan.table < 0).all()
+    # one query token: two pieces, the last FP8_TAIL_SHARE of the pages apart (the first launch
+    # reads the first while the copy engine moves the second)
+    assert plan is not None and plan.host_pages == 512 and (plan.table < 0).all()
+    assert len(plan.pieces) == 2 and plan.piece_pages == 512 - 512 // 16
     plan = ops._fp8_stage_plan(*_fp8_call([32768] * 4, [1] * 4))
-    assert plan is not None and plan.host_pages == 4 * 512
+    assert plan is not None and plan.host_pages == 4 * 512 and len(plan.pieces) == 2
+    # several query tokens (a causal window inside the last piece): one piece, one launch
+    plan = ops._fp8_stage_plan(*_fp8_call([32768], [4]))
+    assert plan is not None and len(plan.pieces) == 1
     # 4k: the staged call's overhead eats the copy engine's edge
     assert ops._fp8_stage_plan(*_fp8_call([4096], [1])) is None
     # every page in HBM: nothing to copy
@@ -271,6 +276,20 @@ def test_long_fp8_decode_is_staged_short_and_hybrid_reads_are_not(monkeypatch):
     assert ops._fp8_stage_plan(q, cache, SimpleNamespace(), q_lens) is None
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert ops._fp8_stage_plan(q, cache, tables, q_lens) is None
+
+
+def test_two_piece_fp8_decode_splits_every_sequence_at_the_same_page():
+    """split_staged_table: the two launches' tables and lengths put every page of every sequence
+    in exactly one part, in order; a sequence shorter than the first part has an empty second."""
+    rng = np.random.default_rng(3)
+    P, width, pages_a = 16, 12, 9
+    lens = [P * 12, P * 9, 5, P * 10 + 3]
+    table = rng.integers(-100, -1, size=(len(lens), width)).astype(np.int32)
+    (ta, la), (tb, lb) = ops.split_staged_table(table, lens, pages_a, P)
+    assert ta.shape == (4, pages_a) and tb.shape == (4, width - pages_a)
+    assert ta.flags.c_contiguous and tb.flags.c_contiguous and la.dtype == lb.dtype == np.int32
+    assert la.tolist() == [P * 9, P * 9, 5, P * 9] and lb.tolist() == [P * 3, 0, 0, P + 3]
+    assert (np.concatenate([ta, tb], axis=1) == table).all()
 
 
 def test_fp8_staging_over_the_cap_reads_in_place(monkeypatch):

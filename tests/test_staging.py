@@ -130,6 +130,11 @@ def test_cost_model_stages_compute_bound_chunks_and_long_link_bound_reads():
     # overlaps the HBM pages; staging would copy them first).
     assert not may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 3)
     assert may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 256, 2)  # a window page or two
+    # A chunk's own pages mirrored in HBM (one run per sequence): left to choose_staged, which
+    # models their one device-to-device copy per sequence.
+    chunk, token = causal_flops([8192], [512], 32, 128), 2 * 8 * 128 * 2
+    assert not may_stage(7680 * token, chunk, 512 * token, 2, chunk_q=512)
+    assert may_stage(7680 * token, chunk, 512 * token, 2, chunk_q=512, window=True)
     # Many short sequences: one copy call per sequence and piece eats the edge (measured: batch
     # 64 over 1k staged 22% slower, batch 16 over 16k 3% faster).
     many_short = 64 * 2 * 1024 * 8 * 128 * 2
@@ -447,31 +452,68 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
             assert later and later[0] > pos
 
 
-def test_stager_copies_fp8_scales_beside_the_pages(monkeypatch):
-    """stage_scales: the scale rows of every staged page (host and HBM tiers) land in the scale
-    buffer at the page's staging slot."""
+def test_hbm_runs_per_sequence_tells_a_window_from_spread_pages():
+    from directkv_cute.ops import hbm_runs_per_sequence
+
+    table = np.array([[3, 4, 5, -1, -2, -7],   # a window at the end of its 5 pages (-7 is past them)
+                      [-3, 8, -4, 9, -5, -6],  # spread: three runs
+                      [1, 2, 6, 7, 10, 11]])   # all on the host
+    assert hbm_runs_per_sequence(table, [5, 6, 6]) == 3
+    assert hbm_runs_per_sequence(table[[0, 2]], [5, 6]) == 1
+    assert hbm_runs_per_sequence(table[[2]], [6]) == 0
+    assert hbm_runs_per_sequence(table[[0]], [3]) == 0  # the window lies past the pages read
+
+
+def test_stager_copies_fp8_pages_and_scales_piece_by_piece(monkeypatch):
+    """stage_fp8: every staged page's FP8 block and its scale rows (host and HBM tiers) land at the
+    page's staging slot; HBM pages on the current stream first; on the side stream each piece's
+    page copies, then its scale copies, then its event, piece after piece."""
     from types import SimpleNamespace
 
     import torch
 
     pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 2
+    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
+    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
     host_s = torch.rand(pages, layers, hkv, 2, P)
     hbm_s = torch.rand(6, layers, hkv, 2, P)
     lens, table = _two_sequences(P, pages)
     plan = plan_staging(table, lens, P, 3)
-    cache = SimpleNamespace(host_scales_cuda=None, host_scales=host_s, hbm_scales=hbm_s)
+    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_scales_cuda=None,
+                            host_scales=host_s, hbm_scales=hbm_s)
     events = []
     st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
-    sc = st.stage_scales(cache, layer, plan)
+    st.buffer = None
+
+    class Event:
+        def record(self, stream):
+            events.append(("event", stream.cuda_stream))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    raw, sc, landed = st.stage_fp8(cache, layer, plan)
+    assert raw.shape == (plan.pages, 1, hkv, 2, P, d) and raw.dtype == torch.float8_e4m3fn
     assert sc.shape == (plan.pages, 1, hkv, 2, P) and sc.dtype == torch.float32
+    assert len(landed) == len(plan.pieces)
     for b, n in enumerate(lens):
         for j in range(math.ceil(n / P)):
             e, s = int(table[b, j]), int(plan.table[b, j])
-            want = hbm_s[-e - 1, layer] if e < 0 else host_s[e, layer]
-            assert torch.equal(sc[-s - 1, 0], want), (b, j)
-    # HBM pages on the current stream (0), host pages on the side stream (1)
-    streams = {ev[1] for ev in events}
-    assert streams == {0, 1}
+            src, src_s = (hbm[-e - 1], hbm_s[-e - 1]) if e < 0 else (host[e], host_s[e])
+            assert torch.equal(raw[-s - 1, 0].view(torch.uint8), src[layer].view(torch.uint8)), (b, j)
+            assert torch.equal(sc[-s - 1, 0], src_s[layer]), (b, j)
+    # HBM pages (and their scales) first, on the current stream (0); then the side stream (1)
+    streams = [ev[1] for ev in events]
+    first_side = streams.index(1)
+    assert set(streams[:first_side]) == {0} and set(streams[first_side:]) == {1}
+    side = events[first_side:]
+    page_base, scale_base = raw.data_ptr(), sc.data_ptr()
+    for runs in plan.pieces:
+        host_runs = [r for r in runs if not r.hbm]
+        n = 2 * len(host_runs)
+        piece, side = side[:n + 1], side[n + 1:]
+        assert piece[-1][0] == "event"
+        kinds = ["page" if page_base <= ev[2] < page_base + raw.nbytes else "scale" for ev in piece[:-1]]
+        assert kinds == ["page"] * len(host_runs) + ["scale"] * len(host_runs)
+    assert side == []
 
 
 def test_one_wave_and_chunk_tail_models():
