@@ -35,8 +35,8 @@ import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import (LINK_PIECES, causal_flops, choose_staged, compute_bound, may_stage, partial_bytes,
-                                q_tile_profile)
+from directkv_cute.plan import (LINK_BOUND_PIECES, LINK_PIECES, causal_flops, choose_staged, compute_bound, may_stage,
+                                partial_bytes, q_tile_profile, trails_copy)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
@@ -578,10 +578,15 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     n_pages, used, n_host = _pages_used(host_table, lens, P)
     page_bytes = 2 * cache.num_kv_heads * P * head_dim * elem_bytes
     flops = causal_flops(lens, q_lens, num_q_heads, head_dim)
-    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages)
-    calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
+    bound = compute_bound(n_host * page_bytes, flops)
     chunk = op_kernel(group, max(q_lens)) != "decode"  # in place, the chunk kernel would run it
     chunk_q = sum(q_lens) if chunk else 0
+    # A chunk with more CTAs than SMs whose compute trails the copy: coarser pieces (fewer copy calls
+    # and flags); elsewhere finer pieces pace the CTAs (decode, one wave, compute-bound chunks).
+    ctas = q_tiles(max(q_lens), group, cfg.rows) * cache.num_kv_heads * len(lens)
+    coarse_link = chunk and ctas > _num_sms(device_index) and trails_copy(n_host * page_bytes, flops)
+    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=LINK_BOUND_PIECES if coarse_link else 16)
+    calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
     if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q,
                                       window=hbm_runs_per_sequence(host_table, n_pages) <= 1):
         return None
@@ -590,8 +595,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     # only the first head's copy is exposed, so finer pieces would only add copy calls.
     plan = plan_staging(host_table, lens, P, pp) if cfg.copy_order != 2 else None
     head_plan = None  # weighed where compute binds (elsewhere the pieces of all heads win: measured)
-    if cfg.copy_order == 2 or (cfg.copy_order == 0 and cfg.splits <= 1
-                               and compute_bound(n_host * page_bytes, flops)):
+    if cfg.copy_order == 2 or (cfg.copy_order == 0 and cfg.splits <= 1 and bound):
         pp_h = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=HEAD_PIECES)
         head_plan = plan if plan is not None and pp_h == pp else plan_staging(host_table, lens, P, pp_h)
         if len(head_plan.pieces) * heads > MAX_FLAGS:
@@ -600,7 +604,6 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
         return f"copy_order 2 (head by head) needs at most {MAX_FLAGS} (KV head, piece) ready flags"
     # A chunk whose CTAs all fit one wave: one split over LINK_PIECES coarse pieces is weighed too.
     wave_plan = None
-    ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     if (chunk and plan is not None and cfg.splits <= 1 and cfg.order != 2 and not cfg.piece_pages
             and ctas <= _num_sms(device_index)):
         wave_plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, pieces=LINK_PIECES))
@@ -628,7 +631,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read, heads=heads,
                            head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
                            pieces=len(any_plan.pieces),
-                           head_flags=0 if head_plan is None else heads * len(head_plan.pieces))
+                           head_flags=0 if head_plan is None else heads * len(head_plan.pieces),
+                           split_ctas=ctas, sms=_num_sms(device_index))
     if plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
     if choice.by_head:

@@ -151,7 +151,13 @@ LINK_PIECES = 2
 FLAG_MS = 0.0015
 COPY_CALL_MS = 0.0025
 HYBRID_STAGE_SHARE = 0.05
-PARTIAL_GBPS = 2500.0  # fp32 partials written by the Q-tiled kernel and read by the combine
+# fp32 partials written by the Q-tiled kernel and read by the combine: their cost per split, with
+# staged_ms's waiting tail, fitted to 16 staged calls at 8k / 16k q2048 over host pages in 2-8 splits
+# and 4-32 pieces (measured 2026-12-02: about 7 us per split at q2048; the model within 30 us of each).
+PARTIAL_GBPS = 10000.0
+# Pieces of a staged call whose Q-tiled compute trails its copy (``trails_copy``): each costs a
+# copy call and a ready flag (measured at 8k q2048: 8 pieces 2-3% faster than 16 at 2 and 4 splits).
+LINK_BOUND_PIECES = 8
 SPLIT_CHOICES = (1, 2, 4, 8)
 
 
@@ -163,6 +169,11 @@ def copy_time_ms(host_bytes: int, calls: int, flags: int = 0) -> float:
 def compute_bound(host_bytes: int, flops: float) -> bool:
     """Whether the in-place kernel's compute reaches ``COMPUTE_SHARE`` of the call's link time."""
     return flops / (CHUNKED_TFLOPS * 1e9) >= COMPUTE_SHARE * host_bytes / (LINK_GBPS * 1e6)
+
+
+def trails_copy(host_bytes: int, flops: float) -> bool:
+    """Whether the Q-tiled kernel's compute of a staged call is shorter than the copy of its pages."""
+    return flops / (Q_TILED_TFLOPS * 1e9) < host_bytes / (MEMCPY_GBPS * 1e6)
 
 
 def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1, chunk_q: int = 0,
@@ -187,14 +198,16 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     return copy_time_ms(host_bytes, copy_calls) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
 
 
-def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int) -> float:
+def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int, waiting: float = 0.0) -> float:
     """A staged call in ``splits`` KV splits: the first split's copy is exposed (the CTAs of a
     split are paced by its pieces), then max(the rest of the copy, the compute), plus the
     partials of every split when there are several (``partial_bytes`` per split, written and
-    read back)."""
+    read back). ``waiting``: the share of a split's CTAs that find no SM while its pieces land
+    (1 - SMs / CTAs per split): their part of the last split's compute comes after the copy."""
     first = copy_ms / splits
     partials = splits * partial_bytes / (PARTIAL_GBPS * 1e6) if splits > 1 else 0.0
-    return first + max(copy_ms - first, compute_ms) + partials + STAGE_OVERHEAD_MS
+    body = max(first + max(copy_ms - first, compute_ms), copy_ms + waiting * compute_ms / splits)
+    return body + partials + STAGE_OVERHEAD_MS
 
 
 def head_major_ms(copy_ms: float, compute_ms: float, heads: int) -> float:
@@ -247,7 +260,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
                   head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
-                  head_flags: int = 0) -> StagedChoice:
+                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
     ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
@@ -259,7 +272,9 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     call staged head by head over ``heads`` KV heads) that order is weighed too, and with
     ``wave_calls`` (the copy calls of the call in ``LINK_PIECES`` pieces, given when its CTAs fit
     one wave) one split over those pieces. Each piece's ready flag costs ``FLAG_MS`` of the copy
-    (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave)."""
+    (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
+    ``split_ctas`` (CTAs of one split) over ``sms`` SMs: the split's CTAs beyond one per SM run
+    after their pieces have landed (``staged_ms``'s ``waiting``)."""
     read = host_bytes if in_place_bytes is None else in_place_bytes
     link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
@@ -268,8 +283,9 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     # pages already in HBM: copied before the kernel starts
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
-    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s))
-    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best)
+    waiting = max(0.0, 1.0 - sms / split_ctas) if split_ctas and sms else 0.0
+    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting))
+    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting)
     ascending = by_head = coarse = False
     if wave_calls and splits in (0, 1):
         ow = d2d_ms + one_wave_ms(copy_time_ms(host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)

@@ -157,9 +157,18 @@ def test_cost_model_stages_compute_bound_chunks_and_long_link_bound_reads():
     # Never below the copy it needs, nor below its compute.
     assert long_prefill.staged_ms >= kv / 54.8e6
     assert long_prefill.splits > 1  # the copy is long enough to be worth splitting
-    # A short context under a long chunk: the partials would cost more than the copy they hide.
-    short = choose_staged(kv // 4, 0, causal_flops([8192], [8192], 32, 128), partial_bytes(8192, 32, 128))
-    assert short.splits <= 2
+    # A chunk whose splits have more CTAs than SMs (8k q2048: 512 per split over 132): the CTAs
+    # that find no SM run their share of the last split after the copy, so more splits shorten
+    # that tail until their partials cost more (measured 2026-12-02 over 8 pieces: 2 splits
+    # 0.800 ms, 4 0.762, 8 0.760; the model within 3%). Without that wait, 8 splits only add
+    # partials to 4.
+    def q2048(splits, **kw):
+        return choose_staged(kv8, 0, causal_flops([8192], [2048], 32, 128), partial_bytes(2048, 32, 128),
+                             splits=splits, host_calls=8, pieces=8, **kw).staged_ms
+
+    est = [q2048(s, split_ctas=512, sms=132) for s in (2, 4, 8)]
+    assert est[0] > est[1] and all(abs(e - m) / m < 0.03 for e, m in zip(est, (0.800, 0.762, 0.760)))
+    assert q2048(8) > q2048(4) == q2048(4, split_ctas=512, sms=512)
     fixed = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128), splits=8)
     assert fixed.splits == 8
 
