@@ -148,7 +148,8 @@ def add_shape_arguments(p, context: int, config_help: str) -> None:
     p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
     p.add_argument("--kv-dtype", default=None, choices=("fp8", "e5m2"), help="FP8 pages (default: the q dtype)")
     p.add_argument("--config", default=None,
-                   help=f"DecodeConfig as JSON, or a QTiledConfig with \"kernel\": \"q_tiled\" (default: {config_help})")
+                   help=f"DecodeConfig as JSON, or a QTiledConfig with \"kernel\": \"q_tiled\" "
+                        f"(default: {config_help})")
     p.add_argument("--json", default=None, help="also write the summary here")
 
 

@@ -355,7 +355,7 @@ def _run_fp8_parts(fn, cfg: DecodeConfig, q, view, plan, lens, cu_q, landed, sof
     lse_part = torch.empty(sum(splits), total_q, hq, dtype=torch.float32, device=q.device)
     cur = torch.cuda.current_stream(q.device)
     at, first = 0, 0
-    for (table, part_lens), n_splits, event in zip(parts, splits, landed):
+    for (table, _), n_splits, event in zip(parts, splits, landed):
         dev_table = flat[at:at + table.size].view(table.shape)
         dev_lens = flat[at + table.size:at + table.size + batch]
         at += table.size + batch
