@@ -588,7 +588,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=LINK_BOUND_PIECES if coarse_link else 16)
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
     if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q,
-                                      window=hbm_runs_per_sequence(host_table, n_pages) <= 1):
+                                      window=chunk and hbm_runs_per_sequence(host_table, n_pages) <= 1):
         return None
     heads = cache.num_kv_heads
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
