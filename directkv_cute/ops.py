@@ -22,11 +22,13 @@ multi-token calls dequantize the pages they read into an HBM buffer first (``_la
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
 import math
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -507,7 +509,40 @@ def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q
     return cfg.for_query_tiles(q_tiles(q_len, group, cfg.rows))
 
 
+# The routes of the calls that share one KernelTables (the layers of a model step) are planned once:
+# key -> (the tables' host_table, the route), the host_table kept so that its id stays its own.
+_ROUTES: collections.OrderedDict = collections.OrderedDict()
+_ROUTES_LOCK = threading.Lock()
+_ROUTES_KEPT = 8
+
+
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
+    """``_plan_route``'s answer, memoized per KernelTables object (by its host table's identity),
+    call shape, cache geometry, config, GPU, staging cap and profile-lookup epoch: the layers of
+    one step plan their staging once. Inside a capture, and for bare tables, nothing is kept."""
+    from directkv_cute.tuning.lookup import cache_epoch
+
+    host_table = getattr(tables, "host_table", None)
+    if host_table is None or torch.cuda.is_current_stream_capturing():
+        return _plan_route(q, cache, tables, q_lens, group, config)
+    index = q.device.index
+    key = (id(host_table), tables.host_seq_lens, tuple(q_lens), group, tuple(q.shape[1:]), q.dtype, index,
+           cache.page_size, cache.num_kv_heads, cache.dtype, config, _gpu_name(index or 0), _num_sms(index),
+           staging_cap(_total_memory(index)), cache_epoch())
+    with _ROUTES_LOCK:
+        hit = _ROUTES.get(key)
+        if hit is not None and hit[0] is host_table:
+            _ROUTES.move_to_end(key)
+            return hit[1]
+    route = _plan_route(q, cache, tables, q_lens, group, config)
+    with _ROUTES_LOCK:
+        _ROUTES[key] = (host_table, route)
+        while len(_ROUTES) > _ROUTES_KEPT:
+            _ROUTES.popitem(last=False)
+    return route
+
+
+def _plan_route(q, cache, tables, q_lens, group: int, config):
     """(QTiledConfig, StagePlan or None) when the Q-tiled kernel runs this call, else None.
 
     It runs directly when every page of a multi-token call is in HBM, or over host pages staged

@@ -295,3 +295,32 @@ def test_two_piece_fp8_decode_splits_every_sequence_at_the_same_page():
 def test_fp8_staging_over_the_cap_reads_in_place(monkeypatch):
     monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
     assert ops._fp8_stage_plan(*_fp8_call([32768], [1])) is None
+
+
+def test_the_layers_of_a_step_plan_their_route_once(monkeypatch):
+    """_q_tiled_route memoizes per KernelTables object: the same tables (a step's layers) reuse the
+    plan; new tables, another staging cap, a cleared profile lookup or a capture plan again."""
+    calls = []
+    real = ops._plan_route
+    monkeypatch.setattr(ops, "_plan_route", lambda *a: calls.append(1) or real(*a))
+    q, cache, tables, q_lens, group = _call([32768], [2048])
+    first = ops._q_tiled_route(q, cache, tables, q_lens, group, None)
+    assert first is not None and first[1] is not None  # staged
+    for _ in range(31):
+        assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is first
+    assert len(calls) == 1
+    def same(route):
+        return route[0] == first[0] and route[1].pieces == first[1].pieces and (route[1].table == first[1].table).all()
+
+    again = _call([32768], [2048])  # equal contents, a new step's tables
+    assert same(ops._q_tiled_route(*again, None)) and len(calls) == 2
+    assert ops._q_tiled_route(q, cache, tables, q_lens, group, QTiledConfig(splits=2))[0].splits == 2
+    assert len(calls) == 3  # another config, another route
+    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
+    assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 4
+    monkeypatch.delenv("DIRECTKV_MAX_STAGING_GB")
+    L.clear_cache()
+    assert same(ops._q_tiled_route(q, cache, tables, q_lens, group, None)) and len(calls) == 5
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 6
+    assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 7

@@ -113,9 +113,18 @@ def _require_mode() -> str:
     return "exact" if v == "exact" else "any"
 
 
+_EPOCH = [0]  # bumped by clear_cache: memos built on the lookups (the op's routes) key on it
+
+
+def cache_epoch() -> int:
+    """How many times the lookup caches have been cleared (a key for memos of their decisions)."""
+    return _EPOCH[0]
+
+
 def clear_cache() -> None:
     """Forget loaded profiles, decisions and which warnings were given."""
     with _LOCK:
+        _EPOCH[0] += 1
         _DECISIONS.clear()
         _TABLES.clear()
         _PROFILES.clear()
