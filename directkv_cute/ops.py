@@ -398,6 +398,11 @@ def _staged_tables(plan, tables, lens, device):
 
 
 def _fp8_stage_plan(q, cache, tables, q_lens):
+    """``_plan_fp8_staging``'s answer, made once per KernelTables object and call (``_per_tables``)."""
+    return _per_tables("fp8", q, cache, tables, q_lens, None, lambda: _plan_fp8_staging(q, cache, tables, q_lens))
+
+
+def _plan_fp8_staging(q, cache, tables, q_lens):
     """The staging plan of a decode-sized call over FP8 pages when copying their bytes and scales
     into HBM first beats reading them in place (``plan.may_stage`` on those bytes, as for 16-bit
     pages: long link-bound reads with every page on the host), else None: two pieces (the last
@@ -509,37 +514,43 @@ def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q
     return cfg.for_query_tiles(q_tiles(q_len, group, cfg.rows))
 
 
-# The routes of the calls that share one KernelTables (the layers of a model step) are planned once:
-# key -> (the tables' host_table, the route), the host_table kept so that its id stays its own.
-_ROUTES: collections.OrderedDict = collections.OrderedDict()
-_ROUTES_LOCK = threading.Lock()
-_ROUTES_KEPT = 8
+# The plans of the calls that share one KernelTables (the layers of a model step) are made once:
+# key -> (the tables' host_table, the plan), the host_table kept so that its id stays its own.
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLANS_LOCK = threading.Lock()
+_PLANS_KEPT = 8
 
 
-def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
-    """``_plan_route``'s answer, memoized per KernelTables object (by its host table's identity),
+def _per_tables(kind: str, q, cache, tables, q_lens, config, plan_fn):
+    """``plan_fn()``, memoized per KernelTables object (by its host table's identity), ``kind``,
     call shape, cache geometry, config, GPU, staging cap and profile-lookup epoch: the layers of
     one step plan their staging once. Inside a capture, and for bare tables, nothing is kept."""
     from directkv_cute.tuning.lookup import cache_epoch
 
     host_table = getattr(tables, "host_table", None)
     if host_table is None or torch.cuda.is_current_stream_capturing():
-        return _plan_route(q, cache, tables, q_lens, group, config)
+        return plan_fn()
     index = q.device.index
-    key = (id(host_table), tables.host_seq_lens, tuple(q_lens), group, tuple(q.shape[1:]), q.dtype, index,
+    key = (kind, id(host_table), tables.host_seq_lens, tuple(q_lens or ()), tuple(q.shape[1:]), q.dtype, index,
            cache.page_size, cache.num_kv_heads, cache.dtype, config, _gpu_name(index or 0), _num_sms(index),
            staging_cap(_total_memory(index)), cache_epoch())
-    with _ROUTES_LOCK:
-        hit = _ROUTES.get(key)
+    with _PLANS_LOCK:
+        hit = _PLANS.get(key)
         if hit is not None and hit[0] is host_table:
-            _ROUTES.move_to_end(key)
+            _PLANS.move_to_end(key)
             return hit[1]
-    route = _plan_route(q, cache, tables, q_lens, group, config)
-    with _ROUTES_LOCK:
-        _ROUTES[key] = (host_table, route)
-        while len(_ROUTES) > _ROUTES_KEPT:
-            _ROUTES.popitem(last=False)
-    return route
+    got = plan_fn()
+    with _PLANS_LOCK:
+        _PLANS[key] = (host_table, got)
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return got
+
+
+def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
+    """``_plan_route``'s answer, made once per KernelTables object and call (``_per_tables``)."""
+    return _per_tables("q_tiled", q, cache, tables, q_lens, config,
+                       lambda: _plan_route(q, cache, tables, q_lens, group, config))
 
 
 def _plan_route(q, cache, tables, q_lens, group: int, config):

@@ -292,6 +292,16 @@ def test_two_piece_fp8_decode_splits_every_sequence_at_the_same_page():
     assert (np.concatenate([ta, tb], axis=1) == table).all()
 
 
+def test_fp8_decode_plans_once_per_tables(monkeypatch):
+    calls = []
+    real = ops._plan_fp8_staging
+    monkeypatch.setattr(ops, "_plan_fp8_staging", lambda *a: calls.append(1) or real(*a))
+    args = _fp8_call([32768], [1])
+    first = ops._fp8_stage_plan(*args)
+    assert first is not None and all(ops._fp8_stage_plan(*args) is first for _ in range(7)) and len(calls) == 1
+    assert ops._fp8_stage_plan(*_fp8_call([32768], [1])) is not first and len(calls) == 2  # new tables
+
+
 def test_fp8_staging_over_the_cap_reads_in_place(monkeypatch):
     monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
     assert ops._fp8_stage_plan(*_fp8_call([32768], [1])) is None
