@@ -253,24 +253,34 @@ def _launch(q, cache, layer: int, tables, q_lens: tuple[int, ...], softmax_scale
 
 
 def _run_paged(fn, q, cache, layer: int, tables, cu_q, splits: int, partials: bool, softmax_scale, counters, out,
-               return_lse: bool):
+               return_lse: bool, parts=None):
     """Launch a compiled kernel over the pages in place: straight into ``out`` and the LSE, or
-    (``partials``) into fp32 split partials merged by the combine kernel."""
+    (``partials``) into fp32 split partials merged by the combine kernel. ``parts``: instead of
+    ``tables`` / ``splits``, several launches over disjoint keys of the same queries, (page_table,
+    seq_lens, splits, event to wait for or None) each, their partials merged together."""
     from directkv_cute.kernels.launch import launch_combine, launch_decode
 
     total_q, hq, d = q.shape
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    args = (cache, layer, tables.page_table, tables.seq_lens, cu_q)
+    if parts is None:
+        parts = [(tables.page_table, tables.seq_lens, splits, None)]
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
     if not partials:
-        launch_decode(fn, q, out, lse, *args, 1, scale, counters)
-    else:
-        o_part = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
-        launch_decode(fn, q, o_part, lse_part, *args, splits, scale, counters)
-        launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, splits)
+        launch_decode(fn, q, out, lse, cache, layer, tables.page_table, tables.seq_lens, cu_q, 1, scale, counters)
+        return (out, lse) if return_lse else out
+    total = sum(part[2] for part in parts)
+    o_part = torch.empty(total, total_q, hq, d, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(total, total_q, hq, dtype=torch.float32, device=q.device)
+    first = 0
+    for page_table, seq_lens, n_splits, event in parts:
+        if event is not None:
+            torch.cuda.current_stream(q.device).wait_event(event)
+        launch_decode(fn, q, o_part[first:first + n_splits], lse_part[first:first + n_splits], cache, layer,
+                      page_table, seq_lens, cu_q, n_splits, scale, counters)
+        first += n_splits
+    launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, total)
     return (out, lse) if return_lse else out
 
 
@@ -343,33 +353,19 @@ def _run_fp8_parts(fn, cfg: DecodeConfig, q, view, plan, lens, cu_q, landed, sof
     over each sequence's first piece once it has landed, over the rest once that has, each into
     its own fp32 split partials, merged by the combine kernel (a query sees every key of both
     parts, so the two are independent attentions over disjoint keys)."""
-    from directkv_cute.kernels.launch import launch_combine, launch_decode
-
-    total_q, hq, d = q.shape
-    batch, hkv = len(lens), view.num_kv_heads
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
-    parts = split_staged_table(plan.table, lens, plan.piece_pages, view.page_size)
-    flat = torch.from_numpy(np.concatenate([a.ravel() for part in parts for a in part])).to(q.device,
-                                                                                        non_blocking=True)
+    batch = len(lens)
+    host_parts = split_staged_table(plan.table, lens, plan.piece_pages, view.page_size)
+    flat = torch.from_numpy(np.concatenate([a.ravel() for part in host_parts for a in part])).to(q.device,
+                                                                                             non_blocking=True)
     sms = _num_sms(q.device.index)
-    splits = [cfg.splits_for(batch, hkv, max(int(part[1].max()), 1), sms) for part in parts]
-    o_part = torch.empty(sum(splits), total_q, hq, d, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(sum(splits), total_q, hq, dtype=torch.float32, device=q.device)
-    cur = torch.cuda.current_stream(q.device)
-    at, first = 0, 0
-    for (table, _), n_splits, event in zip(parts, splits, landed):
+    parts, at = [], 0
+    for (table, part_lens), event in zip(host_parts, landed):
         dev_table = flat[at:at + table.size].view(table.shape)
         dev_lens = flat[at + table.size:at + table.size + batch]
         at += table.size + batch
-        cur.wait_event(event)
-        launch_decode(fn, q, o_part[first:first + n_splits], lse_part[first:first + n_splits], view, 0, dev_table,
-                      dev_lens, cu_q, n_splits, scale, counters)
-        first += n_splits
-    if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    launch_combine(_compiled_combine(d, q.dtype), o_part, lse_part, out, lse, first)
-    return (out, lse) if return_lse else out
+        parts.append((dev_table, dev_lens, cfg.splits_for(batch, view.num_kv_heads, max(int(part_lens.max()), 1), sms),
+                      event))
+    return _run_paged(fn, q, view, 0, None, cu_q, 0, True, softmax_scale, counters, out, return_lse, parts)
 
 
 def _pages_used(host_table, lens, page_size: int):
@@ -415,12 +411,12 @@ def _plan_fp8_staging(q, cache, tables, q_lens):
     P, hkv = cache.page_size, cache.num_kv_heads
     n_pages, used, n_host = _pages_used(host_table, lens, P)
     page_bytes = 2 * hkv * P * (d * cache.host_pool.element_size() + 4)  # FP8 rows and their scales
-    flops = causal_flops(lens, q_lens or [1] * len(lens), hq, d)
+    flops = causal_flops(lens, q_lens, hq, d)
     if not n_host or not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, 2 * len(lens)):
         return None
     longest = max(n_pages)
     pp = longest
-    if (q_lens is None or max(q_lens) == 1) and longest > 1:
+    if max(q_lens) == 1 and longest > 1:
         pp = min(longest - 1, math.ceil(longest * (1 - FP8_TAIL_SHARE)))
     plan = plan_staging(host_table, lens, P, pp)
     if plan.pages * page_bytes > staging_cap(_total_memory(q.device.index)):
@@ -629,14 +625,14 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     chunk_q = sum(q_lens) if chunk else 0
     # A chunk with more CTAs than SMs whose compute trails the copy: coarser pieces (fewer copy calls
     # and flags); elsewhere finer pieces pace the CTAs (decode, one wave, compute-bound chunks).
-    ctas = q_tiles(max(q_lens), group, cfg.rows) * cache.num_kv_heads * len(lens)
+    heads = cache.num_kv_heads
+    ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     coarse_link = chunk and ctas > _num_sms(device_index) and trails_copy(n_host * page_bytes, flops)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=LINK_BOUND_PIECES if coarse_link else 16)
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
     if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q,
                                       window=chunk and hbm_runs_per_sequence(host_table, n_pages) <= 1):
         return None
-    heads = cache.num_kv_heads
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
     # only the first head's copy is exposed, so finer pieces would only add copy calls.
     plan = plan_staging(host_table, lens, P, pp) if cfg.copy_order != 2 else None

@@ -178,16 +178,29 @@ class Stager:
             setattr(self, name, buf)
         return buf[:pages]
 
+    def _begin(self, plan: StagePlan, layer: int, copies) -> None:
+        """Start a staged call: the side stream waits for the current stream's work so far (new
+        tokens' K/V stored, the buffers' last readers done), and the pages already in HBM are
+        copied on the current stream, ahead of the kernel (a device-to-device copy may run on
+        SMs, which the kernel's waiting CTAs would hold); ``copies``: (buffer, HBM pool) pairs."""
+        import torch
+
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        for runs in plan.pieces:
+            for r in runs:
+                if r.hbm:
+                    for buf, pool in copies:
+                        _copy_run(buf, pool, r, layer, cur.cuda_stream)
+
     def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
         """Queue the plan's copies and ready flags on the side stream after the current stream's
         work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
         of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
-        import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
-        hbm = cache.hbm_pool
         piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
         heads = piece_shape[0]
         n_flags = len(plan.pieces) * (heads if by_head else 1)
@@ -197,14 +210,7 @@ class Stager:
         head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
         self.epoch = self.epoch % (2**31 - 2) + 1
         epoch = self.epoch
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)  # new tokens' K/V stored, and the buffer's last reader done
-        # Pages already in HBM are copied on the current stream, ahead of the kernel: a
-        # device-to-device copy may run on SMs, which the kernel's waiting CTAs would hold.
-        for runs in plan.pieces:
-            for r in runs:
-                if r.hbm:
-                    _copy_run(buf, hbm, r, layer, cur.cuda_stream)
+        self._begin(plan, layer, ((buf, cache.hbm_pool),))
         s = self.stream.cuda_stream
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
         for h0 in range(0, heads, g) if by_head else (None,):
@@ -234,13 +240,7 @@ class Stager:
         host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
         buf = self._buffer("buffer", plan.pages, tuple(host.shape[2:]), host.dtype)
         sbuf = self._buffer("scale_buffer", plan.pages, tuple(host_s.shape[2:]), torch.float32)
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)  # new tokens stored, and the buffers' last readers done
-        for runs in plan.pieces:  # pages already in HBM: on the current stream, ahead of the kernel
-            for r in runs:
-                if r.hbm:
-                    _copy_run(buf, cache.hbm_pool, r, layer, cur.cuda_stream)
-                    _copy_run(sbuf, cache.hbm_scales, r, layer, cur.cuda_stream)
+        self._begin(plan, layer, ((buf, cache.hbm_pool), (sbuf, cache.hbm_scales)))
         s, events = self.stream.cuda_stream, []
         for runs in plan.pieces:
             host_runs = [r for r in runs if not r.hbm]
@@ -274,7 +274,7 @@ def stager(device, stream) -> Stager:
 
 
 def _held(s) -> list:
-    return [b for b in (s.buffer, getattr(s, "scale_buffer", None)) if b is not None]
+    return [b for b in (s.buffer, s.scale_buffer) if b is not None]
 
 
 def staging_bytes() -> int:

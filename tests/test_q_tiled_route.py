@@ -334,3 +334,46 @@ def test_the_layers_of_a_step_plan_their_route_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 6
     assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 7
+
+
+def test_two_piece_fp8_decode_launches_each_part_after_its_copy_into_one_combine(monkeypatch):
+    """_run_fp8_parts over stand-ins of the launches: the kernel runs once per piece, after that
+    piece's event, over that piece's pages and lengths, into its own slice of the partials; one
+    combine merges every split of both."""
+    from directkv_cute.config import DecodeConfig
+    from directkv_cute.kernels import launch
+    from directkv_cute.staging import plan_staging
+
+    log = []
+
+    class Stream:
+        def wait_event(self, event):
+            log.append(("wait", event))
+
+    def decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters):
+        assert o.shape[0] == lse.shape[0] == splits
+        log.append(("decode", o.data_ptr(), splits, page_table.clone(), seq_lens.clone()))
+
+    def combine(fn, o_part, lse_part, out, lse, splits):
+        log.append(("combine", o_part.data_ptr(), o_part.shape[0], splits))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(launch, "launch_decode", decode)
+    monkeypatch.setattr(launch, "launch_combine", combine)
+    monkeypatch.setattr(ops, "_compiled_combine", lambda d, dtype: None)
+    P, lens = 16, (16 * 40, 16 * 3 + 5)
+    host_table = np.arange(2 * 40, dtype=np.int32).reshape(2, 40)
+    plan = plan_staging(host_table, lens, P, 36)
+    q = torch.zeros(2, 8, 32)
+    view = SimpleNamespace(page_size=P, num_kv_heads=2)
+    out, lse = ops._run_fp8_parts(None, DecodeConfig(), q, view, plan, lens, None, ["first", "second"], None, None,
+                                  None, True)
+    assert out.shape == q.shape and lse.shape == (2, 8)
+    kinds = [e[0] for e in log]
+    assert kinds == ["wait", "decode", "wait", "decode", "combine"]
+    assert log[0][1] == "first" and log[2][1] == "second"
+    (_, ptr_a, s_a, table_a, lens_a), (_, ptr_b, s_b, table_b, lens_b) = log[1], log[3]
+    assert lens_a.tolist() == [16 * 36, 16 * 3 + 5] and lens_b.tolist() == [16 * 4, 0]
+    assert (torch.cat([table_a, table_b], 1).numpy() == plan.table).all()
+    _, ptr_all, n_all, splits_all = log[4]
+    assert ptr_a == ptr_all and ptr_b == ptr_all + s_a * 2 * 8 * 32 * 4 and n_all == splits_all == s_a + s_b

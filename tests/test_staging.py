@@ -285,6 +285,7 @@ def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
         device = torch.device("cpu")
         lock = threading.Lock()
         buffer = torch.empty(10, 4, dtype=torch.bfloat16)
+        scale_buffer = None  # a Stager's FP8 scales, none here
 
     monkeypatch.setattr(staging, "_STAGERS", {("cpu", 0): Fake()})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
