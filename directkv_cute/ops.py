@@ -39,7 +39,8 @@ from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits,
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import (LINK_BOUND_PIECES, LINK_PIECES, causal_flops, choose_staged, compute_bound, may_stage,
                                 partial_bytes, q_tile_profile, trails_copy)
-from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, piece_pages_for, plan_staging, stager, staging_cap
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, head_groups, piece_pages_for, plan_staging, stager, \
+    staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -424,6 +425,13 @@ def _plan_fp8_staging(q, cache, tables, q_lens):
     return plan
 
 
+@functools.lru_cache(maxsize=64)
+def _compiled_dequant(kv_dtype, dtype, head_dim, page_size):
+    from directkv_cute.kernels.jit import compile_dequant
+
+    return compile_dequant(kv_dtype, dtype, head_dim, page_size)
+
+
 @functools.lru_cache(maxsize=256)
 def _compiled_fp8(cfg: DecodeConfig, dtype, kv_dtype, head_dim, page_size, group, max_q_len, split_out):
     from directkv_cute.kernels.jit import compile_decode_fp8
@@ -446,10 +454,13 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
     if host_table is None or lens is None:  # bare tables (the dispatcher's op): read them back once
         host_table, lens = tables.page_table.cpu().numpy(), tuple(tables.seq_lens.tolist())
-    from directkv_cute.fp8 import dequantize
-
     P = cache.page_size
     n_pages = [math.ceil(n / P) for n in lens]
+    cfg = _fp8_head_config(q, cache, lens, q_lens, config)
+    if cfg is not None:
+        return _fp8_by_head(q, cache, layer, host_table, tables, lens, q_lens, softmax_scale, cfg, out, return_lse)
+    from directkv_cute.kernels.launch import launch_dequant
+
     cfg = QTiledConfig()
     plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages))
     device = q.device
@@ -457,9 +468,87 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     with st.lock:
         raw, scales, _ = st.stage_fp8(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8; their scales
         st.finish()  # the current stream waits for the copies
-        buf = dequantize(raw, scales, q.dtype)  # before a later call's copies reuse them
+        buf = torch.empty(raw.shape, dtype=q.dtype, device=device)  # (pages, 1, Hkv, 2, P, d)
+        launch_dequant(_compiled_dequant(cache.dtype, q.dtype, q.shape[2], P), raw, scales, buf)  # before a
+        # later call's copies reuse them
     return _launch(q, _PoolView(buf, buf), 0, _staged_tables(plan, tables, lens, device), q_lens, softmax_scale,
                    config, out, return_lse, max_seq_len)
+
+
+# Streams that FP8 chunks run their KV head groups on, at most: one group's launch may fill only
+# part of the SMs (its query tiles), so the next groups' launches run beside it.
+FP8_HEAD_STREAMS = 4
+
+
+def _fp8_head_config(q, cache, lens, q_lens, config) -> QTiledConfig | None:
+    """The Q-tiled config of a multi-token call over FP8 pages run by groups of KV heads
+    (``_fp8_by_head``): where the Q-tiled kernel would run it over 16-bit pages all in HBM (an
+    explicit QTiledConfig, else a call that fills a wave), else None (the call is dequantized
+    whole, then the chunk kernel or an explicit DecodeConfig runs it)."""
+    if isinstance(config, DecodeConfig):
+        return None
+    group = q.shape[1] // cache.num_kv_heads
+    if isinstance(config, QTiledConfig):
+        return config
+    if group > 128 or not _fills_a_wave(q_lens, group, cache.num_kv_heads, q.device.index):
+        return None
+    return q_tiled_config(_gpu_name(q.device.index or 0), cache, group, len(lens), max(lens), max(q_lens))
+
+
+def _fp8_by_head(q, cache, layer: int, host_table, tables, lens, q_lens, softmax_scale, cfg: QTiledConfig, out,
+                 return_lse: bool):
+    """A multi-token call over FP8 pages, group by group of KV heads (``staging.head_groups``: a
+    page's blocks of a group span a copy row the copy engine moves at full rate, two heads at page
+    64 and d 128): the copy engine moves every scale, then each group's blocks of every page the
+    batch reads (``Stager.stage_fp8`` by head); once group g has landed, a high-priority stream
+    dequantizes it into a buffer in the q dtype (``kernels/dequant.py``, as ``fp8.dequantize``
+    defines it; its blocks take SMs as the attention's CTAs free them, ahead of queued ones), then
+    the Q-tiled kernel runs over that group's query rows alone. The launches go round-robin over
+    up to ``FP8_HEAD_STREAMS`` streams, so that only group 0's copy is exposed while the later
+    groups' copies run under the earlier groups' attention, and launches whose query tiles fill
+    only part of the SMs run side by side."""
+    from directkv_cute.kernels.launch import launch_dequant, launch_q_tiled, link_counters
+
+    total_q, hq, d = q.shape
+    hkv, P = cache.num_kv_heads, cache.page_size
+    group = hq // hkv
+    cfg.check(d, P)
+    cu_q, max_q_len = _cu_seqlens(tuple(q_lens), q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    n_qt = q_tiles(max_q_len, group, cfg.rows)
+    fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, False, False)
+    dequant = _compiled_dequant(cache.dtype, q.dtype, d, P)
+    plan = plan_staging(host_table, lens, P, max(math.ceil(n / P) for n in lens))  # one piece
+    n_streams = min(hkv, FP8_HEAD_STREAMS)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
+    table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
+    seq_lens = tables.seq_lens
+    counters = link_counters(q.device)  # never read: the launches wait for no ready flag
+    max_tiles = math.ceil(max(lens) / cfg.tile_n)
+    st = stager(q.device, torch.cuda.current_stream(q.device))
+    with st.lock:
+        raw, scales, landed = st.stage_fp8(cache, layer, plan, by_head=True)  # (pages, 1, Hkv, 2, P, d) FP8
+        buf = torch.empty(raw.shape, dtype=q.dtype, device=q.device)  # (pages, 1, Hkv, 2, P, d) dequantized
+        streams = st.streams(n_streams)
+        deq = st.urgent_stream()
+        for i, heads in enumerate(head_groups(hkv, raw[0, 0, 0].nbytes)):
+            deq.wait_event(landed[i])
+            with torch.cuda.stream(deq):
+                launch_dequant(dequant, raw, scales, buf, heads)
+                ready = torch.cuda.Event()
+                ready.record(deq)
+            s = streams[i % n_streams]
+            s.wait_event(ready)
+            with torch.cuda.stream(s):
+                launch_q_tiled(fn, q, out, lse, buf, buf, 1, 0, hkv, table, seq_lens, cu_q, counters, n_qt, 1,
+                               max_tiles, 0, 1, scale, ascending=cfg.order == 2, heads=heads)
+        cur = streams[0]
+        for s in (*streams[1:], deq):
+            cur.wait_stream(s)
+        st.finish()
+    return (out, lse) if return_lse else out
 
 
 def _in_place(q, cache, group: int, max_q_len: int, batch: int, max_pages: int, max_seq_len: int, config):
@@ -549,6 +638,16 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
                        lambda: _plan_route(q, cache, tables, q_lens, group, config))
 
 
+def _fills_a_wave(q_lens, group: int, num_kv_heads: int, device_index) -> bool:
+    """Whether the Q-tiled kernel runs a multi-token call over KV all in HBM: once its query tiles
+    fill about a wave of SMs (measured from q 512 at Hkv 8); fewer tiles leave SMs idle and the
+    split chunk kernel is faster. Streaming launches (decode) keep their kernel."""
+    if op_kernel(group, max(q_lens)) == "decode":
+        return False
+    ctas = q_tiles(max(q_lens), group, QTiledConfig().rows) * num_kv_heads * len(q_lens)
+    return 2 * ctas >= _num_sms(device_index)
+
+
 def _plan_route(q, cache, tables, q_lens, group: int, config):
     """(QTiledConfig, StagePlan or None) when the Q-tiled kernel runs this call, else None.
 
@@ -579,14 +678,8 @@ def _plan_route(q, cache, tables, q_lens, group: int, config):
     _, hq, d = q.shape
     P = cache.page_size
     n_pages, used, n_host = _pages_used(host_table, lens, P)
-    if n_host == 0:
-        # Every page already in HBM: the Q-tiled kernel (no KV splits) once its query tiles fill
-        # about a wave of SMs (measured from q 512 at Hkv 8); fewer tiles leave SMs idle and the
-        # split chunk kernel is faster. Streaming launches (decode) keep their kernel.
-        if not explicit and op_kernel(group, max(q_lens)) == "decode":
-            return None
-        ctas = q_tiles(max(q_lens), group, QTiledConfig().rows) * cache.num_kv_heads * len(lens)
-        if explicit or 2 * ctas >= _num_sms(q.device.index):
+    if n_host == 0:  # every page already in HBM: the Q-tiled kernel (no KV splits) where it fills a wave
+        if explicit or _fills_a_wave(q_lens, group, cache.num_kv_heads, q.device.index):
             return (config if explicit else looked_up()), None
         return None
     cfg = config if explicit else looked_up()

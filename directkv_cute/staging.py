@@ -32,6 +32,11 @@ MAX_PIECES = 64  # pieces per call; more are merged into fewer, larger ones
 MAX_FLAGS = 4096  # ready flags per stager: a copy staged head by head has one per (KV head, piece)
 HEAD_PIECES = 4  # pieces per KV head of a copy staged head by head
 HEADS_PER_COPY = 1  # KV heads per strided copy of a copy staged head by head (wider rows, coarser steps)
+# Rows of a strided copy narrower than this run the copy engine slowly: FP8 pages staged head by
+# head in rows of one head's 16 KiB block (page 64, d 128) moved 8 MB in about 250 us, 33 GB/s
+# against 52 GB/s for rows of 32 KiB and more (measured 2026-12-02, H200). FP8 pages are staged in
+# groups of heads whose rows reach it (``head_groups``).
+MIN_COPY_ROW = 32 * 1024
 _STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
 
 
@@ -67,6 +72,13 @@ def piece_pages_for(max_pages: int, page_size: int, tile_n: int, want: int = 0, 
     pp = want or math.ceil(max_pages / pieces)
     pp = max(pp, math.ceil(max_pages / MAX_PIECES), 1)
     return math.ceil(pp / tile_pages) * tile_pages
+
+
+def head_groups(heads: int, head_bytes: int) -> list[range]:
+    """KV heads in consecutive groups whose blocks of a page, together, span at least
+    ``MIN_COPY_ROW`` bytes (the last group may be smaller): the steps of a copy staged by head."""
+    g = min(heads, max(1, math.ceil(MIN_COPY_ROW / head_bytes)))
+    return [range(h, min(heads, h + g)) for h in range(0, heads, g)]
 
 
 def _runs(entries: np.ndarray, piece: np.ndarray, n_pieces: int) -> tuple[tuple[Run, ...], ...]:
@@ -161,6 +173,8 @@ class Stager:
         self.flags = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d)
         self.scale_buffer = None  # (pages, 1, Hkv, 2, P) fp32: FP8 pages' scales (stage_fp8)
+        self.aux_streams = []  # more streams for work run side by side (``streams``)
+        self.urgent = None  # a high-priority stream (``urgent_stream``)
         self.epoch = 0
         self.lock = threading.Lock()
 
@@ -228,29 +242,73 @@ class Stager:
                                                     epoch, 0), "cuStreamWriteValue32")
         return buf, self.flags, epoch
 
-    def stage_fp8(self, cache, layer: int, plan: StagePlan):
+    def stage_fp8(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
         """FP8 pages and their scale rows (``cache.host_scales`` / ``hbm_scales``, (pages, L, Hkv, 2,
-        P) fp32) piece by piece on the side stream, after the current stream's work so far: each
-        piece's page runs, then its scale runs, then an event. Returns (pages (pages, 1, Hkv, 2, P,
-        d), scales (pages, 1, Hkv, 2, P), one event per piece): a kernel over pieces [0, p] waits
-        for event p on the current stream; ``finish`` after the last launch."""
+        P) fp32) on the side stream, after the current stream's work so far: piece by piece, each
+        piece's page runs, then its scale runs, then an event; or (``by_head``, a one-piece plan)
+        every scale run first, then group by group of KV heads (``head_groups``) that group's
+        blocks of each page, then an event. Returns (pages (pages, 1, Hkv, 2, P, d), scales (pages,
+        1, Hkv, 2, P), the events, one per piece or per head group): work over pieces [0, p]
+        (groups [0, g]) waits for event p (g) on its stream; ``finish`` after the last launch."""
         import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
         host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+        if by_head and len(plan.pieces) != 1:
+            raise ValueError(f"staging: FP8 pages staged head by head need a one-piece plan, got "
+                             f"{len(plan.pieces)} pieces")
         buf = self._buffer("buffer", plan.pages, tuple(host.shape[2:]), host.dtype)
         sbuf = self._buffer("scale_buffer", plan.pages, tuple(host_s.shape[2:]), torch.float32)
         self._begin(plan, layer, ((buf, cache.hbm_pool), (sbuf, cache.hbm_scales)))
         s, events = self.stream.cuda_stream, []
+
+        def landed():
+            events.append(torch.cuda.Event())
+            events[-1].record(self.stream)
+
+        if by_head:
+            host_runs = [r for r in plan.pieces[0] if not r.hbm]
+            head_bytes = int(np.prod(host.shape[3:])) * host.element_size()  # one KV head's block of a page
+            for r in host_runs:
+                _copy_run(sbuf, host_s, r, layer, s)
+            for group in head_groups(host.shape[2], head_bytes):
+                for r in host_runs:
+                    _copy_run(buf, host, r, layer, s, group.start * head_bytes, len(group) * head_bytes)
+                landed()
+            return buf, sbuf, events
         for runs in plan.pieces:
             host_runs = [r for r in runs if not r.hbm]
             for r in host_runs:
                 _copy_run(buf, host, r, layer, s)
             for r in host_runs:
                 _copy_run(sbuf, host_s, r, layer, s)
-            events.append(torch.cuda.Event())
-            events[-1].record(self.stream)
+            landed()
         return buf, sbuf, events
+
+    def streams(self, n: int) -> list:
+        """The current stream and ``n`` - 1 more of this stager's own, for work run side by side
+        (FP8 chunks: KV heads on alternate streams). Each waits for the current stream's work so
+        far; the caller makes the current stream wait for them before ``finish``."""
+        import torch
+
+        cur = torch.cuda.current_stream(self.device)
+        while len(self.aux_streams) < n - 1:
+            self.aux_streams.append(torch.cuda.Stream(self.device))
+        out = [cur, *self.aux_streams[:n - 1]]
+        for st in out[1:]:
+            st.wait_stream(cur)
+        return out
+
+    def urgent_stream(self):
+        """This stager's highest-priority stream (its blocks are scheduled ahead of queued blocks of
+        other streams), after the current stream's work so far; the caller makes the current stream
+        wait for it before ``finish``."""
+        import torch
+
+        if self.urgent is None:
+            self.urgent = torch.cuda.Stream(self.device, priority=-64)  # clamped to the highest
+        self.urgent.wait_stream(torch.cuda.current_stream(self.device))
+        return self.urgent
 
     def finish(self):
         """After the kernel's launch: later work on the current stream waits for the copies."""

@@ -18,6 +18,7 @@ import torch
 
 from directkv_cute import DecodeConfig, fp8
 from directkv_cute.cache import PagedKVCache
+from directkv_cute.config import QTiledConfig
 from directkv_cute.ops import paged_attention, paged_attention_tables
 from directkv_cute.reference import dense_attention_ref
 
@@ -200,3 +201,55 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(monkeypatch, dtype, k
     assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
     assert torch.allclose(lse.double(), ref_lse, atol=2e-3, rtol=1e-4), (lse.double() - ref_lse).abs().max()
     cache.close()
+
+
+@pytest.mark.parametrize("lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config", [
+    # ragged, one sequence with fewer queries than a query tile, pages partly in HBM
+    ([12000, 700, 5000], [2048, 700, 1], 32, 8, 64, torch.bfloat16, E4M3, 0.3, None),
+    # GQA 8, page 16, fp16 / e5m2, one long chunk
+    ([9000], [4096], 64, 8, 16, torch.float16, E5M2, 0.0, None),
+    # an explicit config: no clusters, 64-key tiles, lightest query tiles first
+    ([3000, 6000], [1500, 1000], 16, 4, 64, torch.bfloat16, E4M3, 0.0,
+     QTiledConfig(tile_n=64, stages=4, cluster=1, order=2)),
+])
+def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config):
+    """Multi-token calls over FP8 pages that fill a wave run one Q-tiled launch per group of KV
+    heads (``staging.head_groups``), each after its group's copy and dequantization, on several
+    streams: every head's rows match the reference (poisoned output, LSE checked), and each KV
+    head is launched exactly once, in the groups the copy lands."""
+    from directkv_cute import staging
+    from directkv_cute.kernels import launch as L
+
+    heads = []
+    real = L.launch_q_tiled
+    monkeypatch.setattr(L, "launch_q_tiled", lambda *a, **k: heads.append(k["heads"]) or real(*a, **k))
+    _run(lens, q_lens, hq, hkv, 128, page, dtype, kv_dtype, frac, config, seed=11)
+    assert heads == staging.head_groups(hkv, 2 * page * 128), heads
+
+
+@pytest.mark.parametrize("kv_dtype,dtype,d,page", [(E4M3, torch.bfloat16, 128, 64), (E5M2, torch.float16, 64, 16)])
+def test_dequant_kernel_matches_the_definition_bit_for_bit(kv_dtype, dtype, d, page):
+    """kernels/dequant.py over a staged buffer of FP8 pages equals ``fp8.dequantize`` (float32
+    product, one rounding) bit for bit, for all heads and for a range of heads, which leaves the
+    other heads' rows untouched (poisoned)."""
+    from directkv_cute.kernels.jit import compile_dequant
+    from directkv_cute.kernels.launch import launch_dequant
+
+    pages, hkv = 37, 4
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(pages, 1, hkv, 2, page, d, generator=g, device="cuda")
+    x = x * torch.exp(3 * torch.randn(pages, 1, hkv, 2, page, 1, generator=g, device="cuda"))
+    raw, scales = fp8.quantize(x, kv_dtype)
+    want = fp8.dequantize(raw, scales, dtype)
+    fn = compile_dequant(kv_dtype, dtype, d, page)
+    out = torch.full(raw.shape, float("nan"), dtype=dtype, device="cuda")
+    launch_dequant(fn, raw, scales, out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    out = torch.full(raw.shape, float("nan"), dtype=dtype, device="cuda")
+    launch_dequant(fn, raw, scales, out, range(1, 3))
+    torch.cuda.synchronize()
+    assert torch.equal(out[:, :, 1:3], want[:, :, 1:3])
+    assert out[:, :, 0].isnan().all() and out[:, :, 3].isnan().all()
+    with pytest.raises(ValueError, match="heads"):
+        launch_dequant(fn, raw, scales, out, range(3, 5))

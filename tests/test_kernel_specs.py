@@ -24,7 +24,8 @@ CONFIGURED = [s for s in specs.SPECS if s.config is not None]
 
 
 def test_one_spec_per_compiled_kernel():
-    assert [s.name for s in specs.SPECS] == ["decode", "decode_fp8", "multi_token", "q_tiled", "kv_proj", "combine"]
+    assert [s.name for s in specs.SPECS] == ["decode", "decode_fp8", "multi_token", "q_tiled", "kv_proj", "dequant",
+                                          "combine"]
     assert specs.KERNELS == {s.name: s for s in specs.SPECS} and specs.get("q_tiled") is specs.KERNELS["q_tiled"]
     with pytest.raises(KeyError, match="no kernel 'prefill'"):
         specs.get("prefill")
@@ -74,7 +75,8 @@ def test_spec_files_exist_and_are_closed_under_their_package_imports(spec):
         assert imported <= allowed, f"{spec.name}: {rel} imports {sorted(imported - allowed)}"
     # the device module its compile function builds is among its files
     device = {"decode": "kernels/decode.py", "decode_fp8": "kernels/decode_fp8.py", "multi_token": "kernels/multi_token.py", "q_tiled": "kernels/q_tiled.py",
-              "kv_proj": "kernels/kv_proj.py", "combine": "kernels/combine.py"}[spec.name]
+              "kv_proj": "kernels/kv_proj.py", "dequant": "kernels/dequant.py",
+                  "combine": "kernels/combine.py"}[spec.name]
     assert device in spec.files and "kernels/jit.py" in spec.files
 
 

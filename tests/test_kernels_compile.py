@@ -316,6 +316,29 @@ def test_combine_kernel_ptx():
     assert max(loads + at("ld.global.b32")) < min(exps)
 
 
+@pytest.mark.parametrize("kv_dtype,dtype,head_dim,page_size", [
+    (torch.float8_e4m3fn, torch.bfloat16, 128, 64), (torch.float8_e5m2, torch.float16, 64, 16),
+])
+def test_dequant_kernel_ptx(kv_dtype, dtype, head_dim, page_size):
+    """The FP8 dequantizing kernel: one 16-byte load of FP8 values and one scale per thread, the
+    values converted in pairs, two 16-byte stores of the 16-bit result; nothing scalar beyond the
+    scale."""
+    ptx = _ptx_of(jit.compile_dequant(kv_dtype, dtype, head_dim, page_size),
+                  lambda: jit._compile_dequant(kv_dtype, dtype, head_dim, page_size))
+    fmt = "e4m3x2" if kv_dtype == torch.float8_e4m3fn else "e5m2x2"
+    assert ptx.count("ld.global.v4.b32") == 1 and ptx.count("ld.global.b32") == 1
+    assert ptx.count("st.global.v4.b32") == 2 and "st.global.b" not in ptx.replace("st.global.v4.b32", "")
+    assert ptx.count(f"cvt.rn.f16x2.{fmt}") == 8
+    assert ptx.count("cvt.rn.bf16x2.f32" if dtype == torch.bfloat16 else "cvt.rn.f16x2.f32") == 8
+
+
+def test_dequant_refuses_other_dtypes_before_compiling():
+    with pytest.raises(TypeError, match="kv_dtype"):
+        jit.compile_dequant(torch.bfloat16, torch.bfloat16, 128, 64)
+    with pytest.raises(TypeError, match="dtype must be"):
+        jit.compile_dequant(torch.float8_e4m3fn, torch.float32, 128, 64)
+
+
 def test_throttled_producer_ptx():
     """With max_inflight the producer waits on a tile's full barrier before issuing a later one:
     one more mbarrier wait loop in the producer than without."""

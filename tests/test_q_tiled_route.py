@@ -377,3 +377,25 @@ def test_two_piece_fp8_decode_launches_each_part_after_its_copy_into_one_combine
     assert (torch.cat([table_a, table_b], 1).numpy() == plan.table).all()
     _, ptr_all, n_all, splits_all = log[4]
     assert ptr_a == ptr_all and ptr_b == ptr_all + s_a * 2 * 8 * 32 * 4 and n_all == splits_all == s_a + s_b
+
+
+def test_fp8_chunks_run_head_by_head_where_16_bit_pages_in_hbm_would_run_the_q_tiled_kernel():
+    """Over FP8 pages a multi-token call runs head by head (``_fp8_by_head``) exactly where the
+    same call over 16-bit pages all in HBM runs the Q-tiled kernel: an explicit QTiledConfig, or
+    query tiles filling a wave; not with an explicit DecodeConfig, short windows or decode."""
+    from directkv_cute.config import DecodeConfig
+
+    for lens, q_lens in (([8192], [2048]), ([32768], [512]), ([4000, 3000], [300, 300]), ([8192], [64]),
+                         ([8192], [1]), ([9000] * 3, [100, 90, 80]), ([5000], [263]), ([5000], [264])):
+        q, cache, tables, ql, group = _call(lens, q_lens, hbm=True)
+        fp8_cache = SimpleNamespace(page_size=64, num_kv_heads=8, head_dim=128, dtype=torch.float8_e4m3fn,
+                                    compute_dtype=torch.bfloat16)
+        over_hbm = ops._plan_route(q, cache, tables, ql, group, None)
+        got = ops._fp8_head_config(q, fp8_cache, tuple(lens), ql, None)
+        assert (got is not None) == (over_hbm is not None), (lens, q_lens)
+        if got is not None:
+            assert got == over_hbm[0]
+    q, cache, tables, ql, group = _call([8192], [16], hbm=True)
+    explicit = QTiledConfig(tile_n=64, stages=3)
+    assert ops._fp8_head_config(q, fp8_cache, (8192,), ql, explicit) is explicit
+    assert ops._fp8_head_config(q, fp8_cache, (8192,), (2048,), DecodeConfig()) is None

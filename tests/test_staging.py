@@ -526,6 +526,78 @@ def test_stager_copies_fp8_pages_and_scales_piece_by_piece(monkeypatch):
     assert side == []
 
 
+def test_head_groups_span_a_full_rate_copy_row():
+    from directkv_cute.staging import MIN_COPY_ROW, head_groups
+
+    assert head_groups(8, 16384) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]  # FP8, page 64, d 128
+    assert head_groups(8, 32768) == [range(h, h + 1) for h in range(8)]  # bf16, page 64, d 128
+    assert head_groups(8, 4096) == [range(0, 8)]  # FP8, page 16: one group, the whole page
+    assert head_groups(5, 16384) == [range(0, 2), range(2, 4), range(4, 5)]
+    for heads in (1, 3, 8, 64):
+        for hb in (512, 4096, 16384, 65536):
+            groups = head_groups(heads, hb)
+            assert [h for g in groups for h in g] == list(range(heads))
+            assert all(len(g) * hb >= MIN_COPY_ROW for g in groups[:-1])
+            assert all(len(g) == 1 or (len(g) - 1) * hb < MIN_COPY_ROW for g in groups)
+
+
+def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
+    """stage_fp8 by head (a one-piece plan): every staged page's FP8 block and scale rows land at
+    the page's slot; on the side stream all scale copies first, then per head group one strided
+    copy per host run of exactly that group's bytes, then that group's event; a plan of several
+    pieces is refused before anything is queued."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from directkv_cute import staging
+
+    pages, layers, hkv, P, d, layer = 40, 3, 5, 16, 8, 1
+    head_bytes = 2 * P * d
+    monkeypatch.setattr(staging, "MIN_COPY_ROW", 2 * head_bytes)  # groups of two heads: [0, 2), [2, 4), [4, 5)
+    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
+    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
+    host_s = torch.rand(pages, layers, hkv, 2, P)
+    hbm_s = torch.rand(6, layers, hkv, 2, P)
+    lens, table = _two_sequences(P, pages)
+    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_scales_cuda=None,
+                            host_scales=host_s, hbm_scales=hbm_s)
+    events = []
+    st = _fake_stager(monkeypatch, 1, (hkv, 2, P, d), events)
+    st.buffer = None
+
+    class Event:
+        def record(self, stream):
+            events.append(("event", stream.cuda_stream))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    with pytest.raises(ValueError, match="one-piece plan"):
+        st.stage_fp8(cache, layer, plan_staging(table, lens, P, 3), by_head=True)
+    assert events == []
+    plan = plan_staging(table, lens, P, 10)
+    assert len(plan.pieces) == 1
+    raw, sc, landed = st.stage_fp8(cache, layer, plan, by_head=True)
+    groups = staging.head_groups(hkv, head_bytes)
+    assert [len(g) for g in groups] == [2, 2, 1] and len(landed) == len(groups)
+    for b, n in enumerate(lens):
+        for j in range(math.ceil(n / P)):
+            e, s = int(table[b, j]), int(plan.table[b, j])
+            src, src_s = (hbm[-e - 1], hbm_s[-e - 1]) if e < 0 else (host[e], host_s[e])
+            assert torch.equal(raw[-s - 1, 0].view(torch.uint8), src[layer].view(torch.uint8)), (b, j)
+            assert torch.equal(sc[-s - 1, 0], src_s[layer]), (b, j)
+    side = [ev for ev in events if ev[1] == 1]
+    host_runs = [r for r in plan.pieces[0] if not r.hbm]
+    scale_copies, side = side[:len(host_runs)], side[len(host_runs):]
+    assert all(sc.data_ptr() <= ev[2] < sc.data_ptr() + sc.nbytes for ev in scale_copies)
+    for g in groups:
+        copies, side = side[:len(host_runs) + 1], side[len(host_runs) + 1:]
+        assert copies[-1][0] == "event"
+        for ev, r in zip(copies[:-1], host_runs):
+            assert ev[0] == "copy" and ev[3] == len(g) * head_bytes and ev[4] == r.count
+            assert ev[2] == raw.data_ptr() + r.dst * hkv * head_bytes + g.start * head_bytes
+    assert side == []
+
+
 def test_one_wave_and_chunk_tail_models():
     from directkv_cute.plan import CHUNK_TAIL_MS, STAGE_OVERHEAD_MS, chunk_tail_ms, one_wave_ms
 

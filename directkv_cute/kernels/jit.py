@@ -264,7 +264,7 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
-        *(Int32(1) for _ in range(15)), Float32(1.0), cuda.CUstream(0),
+        *(Int32(1) for _ in range(17)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 
@@ -290,6 +290,32 @@ def _compile_combine(head_dim, dtype):
     args = (_ptr(cutlass.Float32), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(cutlass.Float32, 4),
             Int32(1), Int32(1), cuda.CUstream(0))
     return cute.compile(SplitCombine(dt, head_dim), *args)
+
+
+def dequant_key(kv_dtype: torch.dtype, dtype: torch.dtype, head_dim: int, page_size: int):
+    return ("dequant", arch(), str(kv_dtype), str(dtype), head_dim, page_size)
+
+
+def compile_dequant(kv_dtype: torch.dtype, dtype: torch.dtype, head_dim: int, page_size: int):
+    """Compile (once per key) the kernel that dequantizes staged FP8 pages into 16-bit ones."""
+    if kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"kv_dtype must be float8_e4m3fn or float8_e5m2, got {kv_dtype}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
+    return _cached_compile(dequant_key(kv_dtype, dtype, head_dim, page_size),
+                           lambda: _compile_dequant(kv_dtype, dtype, head_dim, page_size))
+
+
+def _compile_dequant(kv_dtype, dtype, head_dim, page_size):
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from directkv_cute.kernels.dequant import DequantizePages
+
+    kernel = DequantizePages(cutlass_dtype(kv_dtype), cutlass_dtype(dtype), head_dim, page_size)
+    args = (Int64(0), Int64(0), Int64(0), *(Int32(1) for _ in range(4)), cuda.CUstream(0))
+    return cute.compile(kernel, *args)
 
 
 def cache_size() -> int:

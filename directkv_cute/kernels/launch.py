@@ -75,12 +75,19 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
 
 
 def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, page_table, seq_lens, cu_q, ready,
-                   n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0):
+                   n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0,
+                   heads=None):
     """Run the compiled Q-tiled kernel over ``hbm`` (the HBM pool, or a staging buffer with one
     layer); ``host`` only stands in for the unused host pool. ``flag_stride``: ready flags per KV
-    head of a copy staged head by head (0: the heads share each piece's flag)."""
+    head of a copy staged head by head (0: the heads share each piece's flag). ``heads``: a range
+    of KV heads to run (their query, output and LSE rows; default all)."""
     from cutlass import Float32, Int32
 
+    heads = range(num_kv_heads) if heads is None else heads
+    if heads.step != 1 or not 0 <= heads.start < heads.stop <= num_kv_heads:
+        raise ValueError(f"heads {heads} is not a range of consecutive KV heads within {num_kv_heads}")
+    if flag_stride and len(heads) != num_kv_heads:
+        raise ValueError("a copy staged head by head (flag_stride) needs a launch over every KV head")
     batch, max_pages = page_table.shape
     fn(
         _ptr(q), _ptr(out), _ptr(lse, 4), _ptr(host), _ptr(hbm),
@@ -88,7 +95,7 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
         Int32(batch), Int32(q.shape[0]), Int32(num_kv_heads), Int32(num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(n_q_tiles), Int32(num_splits),
         Int32(split_tiles), Int32(int(ascending)), Int32(epoch), Int32(piece_tiles), Int32(flag_stride),
-        Float32(scale * LOG2_E),
+        Int32(heads.start), Int32(len(heads)), Float32(scale * LOG2_E),
         _stream(),
     )
 
@@ -98,3 +105,24 @@ def launch_combine(fn, o_part, lse_part, out, lse, num_splits):
 
     rows = out.shape[0] * out.shape[1]
     fn(_ptr(o_part), _ptr(lse_part, 4), _ptr(out), _ptr(lse, 4), Int32(rows), Int32(num_splits), _stream())
+
+
+def launch_dequant(fn, raw, scales, out, heads=None):
+    """Dequantize KV heads ``heads`` (a range, default all) of staged FP8 pages ``raw`` (pages, 1,
+    Hkv, 2, P, d) with their ``scales`` (pages, 1, Hkv, 2, P) fp32 into ``out`` (``raw``'s shape,
+    the 16-bit dtype the kernel was compiled for), on the current stream."""
+    from cutlass import Int32, Int64
+
+    pages, _, hkv = raw.shape[:3]
+    heads = range(hkv) if heads is None else heads
+    if heads.step != 1 or not 0 <= heads.start < heads.stop <= hkv:
+        raise ValueError(f"heads {heads} is not a range of consecutive KV heads within {hkv}")
+    if out.shape != raw.shape or scales.shape != raw.shape[:-1] or scales.dtype != torch.float32:
+        raise ValueError(f"dequant: pages {tuple(raw.shape)}, scales {tuple(scales.shape)} {scales.dtype}, "
+                         f"out {tuple(out.shape)} do not match")
+    if not (raw.is_contiguous() and scales.is_contiguous() and out.is_contiguous()):
+        raise ValueError("dequant: the buffers must be contiguous")
+    if raw.data_ptr() % 16 or out.data_ptr() % 16 or scales.data_ptr() % 4:
+        raise ValueError("dequant: the page buffers must be 16-byte aligned")
+    fn(Int64(raw.data_ptr()), Int64(scales.data_ptr()), Int64(out.data_ptr()), Int32(pages), Int32(hkv),
+       Int32(heads.start), Int32(len(heads)), _stream())

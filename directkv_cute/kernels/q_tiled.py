@@ -81,6 +81,8 @@ class QTiledAttention(PagedAttention):
         epoch: Int32,
         piece_tiles: Int32,
         flag_stride: Int32,
+        head_base: Int32,
+        grid_heads: Int32,
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
@@ -91,10 +93,10 @@ class QTiledAttention(PagedAttention):
         n_x = (n_q_tiles + C - 1) // C * C  # whole clusters of query tiles
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
-            num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, flag_stride, scale_log2,
-            h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
+            num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, flag_stride, head_base,
+            scale_log2, h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
-            grid=[n_x, num_kv_heads, batch * num_splits],
+            grid=[n_x, grid_heads, batch * num_splits],
             block=[self.num_threads, 1, 1],
             cluster=[C, 1, 1] if const_expr(C > 1) else None,
             smem=self.shared_storage.size_in_bytes(),
@@ -126,6 +128,7 @@ class QTiledAttention(PagedAttention):
         epoch: Int32,
         piece_tiles: Int32,
         flag_stride: Int32,
+        head_base: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -134,7 +137,7 @@ class QTiledAttention(PagedAttention):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, split_tiles, ascending, flag_stride)
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, split_tiles, ascending, flag_stride, head_base)
         sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
 
         if warp_idx < 4:
@@ -166,14 +169,16 @@ class QTiledAttention(PagedAttention):
 
     @cute.jit
     def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, num_kv_heads, split_tiles, ascending,
-                  flag_stride):
+                  flag_stride, head_base):
         """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
         (heaviest) down, or with ``ascending`` from the first (the lightest, whose keys a staged
         copy lands first), y over KV heads, z over (split, sequence), split-major: split s owns KV
         tiles [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged
         pages land first) run first. With ``flag_stride`` (a copy staged head by head, one split)
         the launch order (x, then y, then z) is remapped to KV head outermost, the order the copy
-        lands the heads in. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
+        lands the heads in. Grid y covers KV heads [``head_base``, ``head_base`` + grid y): all of
+        them (``head_base`` 0, always with ``flag_stride``, whose remap spans every head) or a few,
+        as a launch per KV head does. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
         causal range of the cluster's last query token. A cluster past its sequence's queries or
         its split's keys walks no KV tiles (with split_out it writes an empty partial, LSE -inf)."""
         tile_n, qpc, C = self.tile_n, self.q_per_cta, self.cluster
@@ -183,6 +188,7 @@ class QTiledAttention(PagedAttention):
             yz = kvh + z * num_kv_heads  # launch rank of (head, sequence)
             kvh = yz // batch
             z = yz - kvh * batch
+        kvh = kvh + head_base
         split = z // batch
         b = z - split * batch
         seq_len = mSeqLen[b]

@@ -255,6 +255,14 @@ SPECS: tuple[KernelSpec, ...] = (
         launch_fields=(("splits", 0),),
     ),
     KernelSpec(
+        name="dequant",
+        summary="staged FP8 pages of a range of KV heads dequantized into 16-bit pages (float32 product, one rounding)",
+        files=("kernels/dequant.py", "kernels/jit.py"),
+        compile="directkv_cute.kernels.jit.compile_dequant",
+        key="directkv_cute.kernels.jit.dequant_key",
+        launch="directkv_cute.kernels.launch.launch_dequant",
+    ),
+    KernelSpec(
         name="combine",
         summary="split-KV combine: merges the fp32 partials of several splits by their LSE",
         files=("kernels/combine.py", "kernels/jit.py"),
