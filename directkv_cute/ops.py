@@ -454,15 +454,21 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
     if host_table is None or lens is None:  # bare tables (the dispatcher's op): read them back once
         host_table, lens = tables.page_table.cpu().numpy(), tuple(tables.seq_lens.tolist())
-    P = cache.page_size
-    n_pages = [math.ceil(n / P) for n in lens]
+    P, hkv, d = cache.page_size, cache.num_kv_heads, q.shape[2]
+    plan = plan_staging(host_table, lens, P, max(math.ceil(n / P) for n in lens))  # one piece
+    # The FP8 pages and scales staged, and their dequantized copy: there is no in-place path to
+    # fall back to, so a call over the staging cap is refused before anything is queued.
+    need = plan.pages * 2 * hkv * P * (d * (cache.host_pool.element_size() + q.element_size()) + 4)
+    cap = staging_cap(_total_memory(q.device.index))
+    if need > cap:
+        raise ValueError(f"paged_attention: a multi-token call over FP8 pages stages and dequantizes "
+                         f"{plan.pages} pages ({need / 2**30:.2f} GiB of HBM), over the {cap / 2**30:.2f} GiB "
+                         f"cap (DIRECTKV_MAX_STAGING_GB); feed fewer sequences or shorter contexts per call")
     cfg = _fp8_head_config(q, cache, lens, q_lens, config)
     if cfg is not None:
-        return _fp8_by_head(q, cache, layer, host_table, tables, lens, q_lens, softmax_scale, cfg, out, return_lse)
+        return _fp8_by_head(q, cache, layer, plan, tables, lens, q_lens, softmax_scale, cfg, out, return_lse)
     from directkv_cute.kernels.launch import launch_dequant
 
-    cfg = QTiledConfig()
-    plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages))
     device = q.device
     st = stager(device, torch.cuda.current_stream(device))
     with st.lock:
@@ -495,18 +501,18 @@ def _fp8_head_config(q, cache, lens, q_lens, config) -> QTiledConfig | None:
     return q_tiled_config(_gpu_name(q.device.index or 0), cache, group, len(lens), max(lens), max(q_lens))
 
 
-def _fp8_by_head(q, cache, layer: int, host_table, tables, lens, q_lens, softmax_scale, cfg: QTiledConfig, out,
+def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale, cfg: QTiledConfig, out,
                  return_lse: bool):
     """A multi-token call over FP8 pages, group by group of KV heads (``staging.head_groups``: a
     page's blocks of a group span a copy row the copy engine moves at full rate, two heads at page
     64 and d 128): the copy engine moves every scale, then each group's blocks of every page the
-    batch reads (``Stager.stage_fp8`` by head); once group g has landed, a high-priority stream
-    dequantizes it into a buffer in the q dtype (``kernels/dequant.py``, as ``fp8.dequantize``
-    defines it; its blocks take SMs as the attention's CTAs free them, ahead of queued ones), then
-    the Q-tiled kernel runs over that group's query rows alone. The launches go round-robin over
-    up to ``FP8_HEAD_STREAMS`` streams, so that only group 0's copy is exposed while the later
-    groups' copies run under the earlier groups' attention, and launches whose query tiles fill
-    only part of the SMs run side by side."""
+    batch reads (``Stager.stage_fp8`` by head, ``plan`` of one piece); once group g has landed, a
+    high-priority stream dequantizes it into a buffer in the q dtype (``kernels/dequant.py``, as
+    ``fp8.dequantize`` defines it; its blocks take SMs as the attention's CTAs free them, ahead of
+    queued ones), then the Q-tiled kernel runs over that group's query rows alone. The launches
+    go round-robin over up to ``FP8_HEAD_STREAMS`` streams, so that only group 0's copy is exposed
+    while the later groups' copies run under the earlier groups' attention, and launches whose
+    query tiles fill only part of the SMs run side by side."""
     from directkv_cute.kernels.launch import launch_dequant, launch_q_tiled, link_counters
 
     total_q, hq, d = q.shape
@@ -518,7 +524,6 @@ def _fp8_by_head(q, cache, layer: int, host_table, tables, lens, q_lens, softmax
     n_qt = q_tiles(max_q_len, group, cfg.rows)
     fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, False, False)
     dequant = _compiled_dequant(cache.dtype, q.dtype, d, P)
-    plan = plan_staging(host_table, lens, P, max(math.ceil(n / P) for n in lens))  # one piece
     n_streams = min(hkv, FP8_HEAD_STREAMS)
     if out is None:
         out = torch.empty_like(q)

@@ -179,15 +179,18 @@ class Stager:
         self.lock = threading.Lock()
 
     def _buffer(self, name: str, pages: int, like_shape, dtype):
-        """``self.<name>`` (pages or more, 1, *like_shape), grown by a quarter when too small."""
+        """``self.<name>`` (pages or more, 1, *like_shape): grown by a quarter when too small, made
+        anew at ``pages`` for another dtype or page shape (calls over caches of two dtypes that
+        alternate must not grow it call after call)."""
         import torch
 
         buf = getattr(self, name)
-        if buf is None or buf.dtype != dtype or tuple(buf.shape[2:]) != tuple(like_shape) or buf.shape[0] < pages:
+        same = buf is not None and buf.dtype == dtype and tuple(buf.shape[2:]) == tuple(like_shape)
+        if not same or buf.shape[0] < pages:
             if buf is not None:
                 torch.cuda.synchronize(self.device)  # the old buffer may still be read or written
             setattr(self, name, None)
-            grow = pages if buf is None else max(pages, int(buf.shape[0] * 1.25))
+            grow = max(pages, int(buf.shape[0] * 1.25)) if same else pages
             buf = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
             setattr(self, name, buf)
         return buf[:pages]

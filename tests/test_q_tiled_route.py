@@ -399,3 +399,16 @@ def test_fp8_chunks_run_head_by_head_where_16_bit_pages_in_hbm_would_run_the_q_t
     explicit = QTiledConfig(tile_n=64, stages=3)
     assert ops._fp8_head_config(q, fp8_cache, (8192,), ql, explicit) is explicit
     assert ops._fp8_head_config(q, fp8_cache, (8192,), (2048,), DecodeConfig()) is None
+
+
+def test_fp8_chunk_over_the_staging_cap_is_refused_before_anything_is_staged(monkeypatch):
+    """A multi-token call over FP8 pages has no in-place path: one whose staged FP8 pages, scales
+    and dequantized copy exceed the staging cap raises a clear error before any copy is queued."""
+    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.2")
+    monkeypatch.setattr(ops, "stager", lambda *a: pytest.fail("staged before the cap check"))
+    q, _, tables, ql, _ = _call([40000, 3000], [512, 16])
+    cache = SimpleNamespace(page_size=64, num_kv_heads=8, head_dim=128, dtype=torch.float8_e4m3fn,
+                            compute_dtype=torch.bfloat16, host_pool=torch.empty(0, dtype=torch.float8_e4m3fn))
+    # 625 + 47 pages x (8 heads x 2 x 64 rows x (128 x (1 + 2) bytes + 4)) = 0.25 GiB
+    with pytest.raises(ValueError, match=r"672 pages \(0\.25 GiB.*0\.20 GiB cap \(DIRECTKV_MAX_STAGING_GB\)"):
+        ops._dequantized(q, cache, 0, tables, ql, None, None, None, False, 40000)

@@ -294,6 +294,35 @@ def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
     assert staging.staging_bytes() == 0 and staging.release_staging() == 0
 
 
+def test_staging_buffer_grows_by_a_quarter_only_for_its_own_kind(monkeypatch):
+    """The staging buffer grows by a quarter when a call needs more pages of the same kind, and is
+    made anew at the pages asked for on a dtype or page-shape change: calls over a bf16 and an FP8
+    cache that alternate keep it at their own sizes (it once grew 1.25x per switch, to an OOM)."""
+    import torch
+
+    from directkv_cute import staging
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    st = object.__new__(staging.Stager)
+    st.device = torch.device("cpu")
+    st.buffer = None
+    monkeypatch.setattr(torch, "empty", lambda shape, dtype, device: torch.zeros(shape, dtype=dtype))
+    shape = (2, 2, 4, 8)
+    for _ in range(20):
+        assert st._buffer("buffer", 10, shape, torch.bfloat16).shape[0] == 10
+        assert st.buffer.shape[0] == 10
+        assert st._buffer("buffer", 7, shape, torch.float8_e4m3fn).shape[0] == 7
+        assert st.buffer.shape[0] == 7 and st.buffer.dtype == torch.float8_e4m3fn
+    assert st._buffer("buffer", 7, (2, 2, 4, 16), torch.float8_e4m3fn).shape[0] == 7
+    assert st.buffer.shape[0] == 7 and st.buffer.shape[2:] == (2, 2, 4, 16)
+    st._buffer("buffer", 8, (2, 2, 4, 16), torch.float8_e4m3fn)
+    assert st.buffer.shape[0] == 8  # max(8, 1.25 x 7 = 8)
+    st._buffer("buffer", 9, (2, 2, 4, 16), torch.float8_e4m3fn)
+    assert st.buffer.shape[0] == 10  # a quarter more than 8
+    held = st.buffer
+    assert st._buffer("buffer", 3, (2, 2, 4, 16), torch.float8_e4m3fn).shape[0] == 3 and st.buffer is held
+
+
 def test_a_batch_sharing_a_prompt_stages_once_or_runs_the_cascade_as_measured():
     """bench prefix rows (2026-12-01, one layer, 32k shared prompt, 32/8 heads, page 64): one
     staged call (each distinct page copied once) against the cascade, the faster one chosen."""

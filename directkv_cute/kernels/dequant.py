@@ -5,9 +5,9 @@ A staging buffer of FP8 pages (pages, 1, Hkv, 2, P, d) with per-token fp32 scale
 ``fp8.dequantize`` defines it. One pass over HBM: every thread loads 16 FP8 values of one row (a
 16-byte load) and that row's scale, and stores 16 values of the row (two 16-byte stores); the
 d / 16 threads of a row are neighbours, so a warp covers consecutive rows. Addresses are 64-bit
-(a buffer may hold more than 2^31 elements). Grid y runs over the KV
-heads [``head0``, ``head0`` + grid y): multi-token calls over FP8 pages dequantize each head as
-soon as its copy has landed, while earlier heads' attention runs.
+(a buffer may hold more than 2^31 elements). Grid y runs over the KV heads [``head0``, ``head0``
++ grid y): multi-token calls over FP8 pages dequantize each group of heads as soon as its copy
+has landed, while earlier groups' attention runs.
 
 Legality: ``head_dim`` a multiple of 16; the buffers 16-byte aligned.
 """
@@ -15,7 +15,6 @@ Legality: ``head_dim`` a multiple of 16; the buffers 16-byte aligned.
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
@@ -24,6 +23,8 @@ THREADS = 256
 
 
 class DequantizePages:
+    """FP8 pages -> 16-bit pages, ``kv_dtype`` / ``dtype`` cutlass types; static head_dim and page size."""
+
     def __init__(self, kv_dtype, dtype, head_dim: int, page_size: int):
         if head_dim % VEC:
             raise ValueError(f"head_dim {head_dim} is not a multiple of {VEC}")
