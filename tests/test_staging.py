@@ -503,42 +503,65 @@ def test_hbm_runs_per_sequence_tells_a_window_from_spread_pages():
     assert hbm_runs_per_sequence(table[[0]], [3]) == 0  # the window lies past the pages read
 
 
-def test_stager_copies_fp8_pages_and_scales_piece_by_piece(monkeypatch):
-    """stage_fp8: every staged page's FP8 block and its scale rows (host and HBM tiers) land at the
-    page's staging slot; HBM pages on the current stream first; on the side stream each piece's
-    page copies, then its scale copies, then its event, piece after piece."""
+def _fp8_pools(pages, layers, hkv, P, d):
+    """Host and HBM FP8 pools with their scales, and the cache attributes stage_fp8 reads."""
     from types import SimpleNamespace
 
     import torch
 
-    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 2
     host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
     hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
     host_s = torch.rand(pages, layers, hkv, 2, P)
     hbm_s = torch.rand(6, layers, hkv, 2, P)
-    lens, table = _two_sequences(P, pages)
-    plan = plan_staging(table, lens, P, 3)
-    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_scales_cuda=None,
-                            host_scales=host_s, hbm_scales=hbm_s)
-    events = []
-    st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
-    st.buffer = None
+    return SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_scales_cuda=None,
+                           host_scales=host_s, hbm_scales=hbm_s)
+
+
+def _record_events(monkeypatch, events: list):
+    """torch.cuda.Event stood in: each record appends ("event", its stream) to ``events``."""
+    import torch
 
     class Event:
         def record(self, stream):
             events.append(("event", stream.cuda_stream))
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
+
+
+def _assert_fp8_staged(raw, sc, cache, table, plan, lens, P, layer):
+    """Every page of the call, FP8 block and scale rows, landed at its staging slot."""
+    import torch
+
+    for b, n in enumerate(lens):
+        for j in range(math.ceil(n / P)):
+            e, s = int(table[b, j]), int(plan.table[b, j])
+            if e < 0:
+                src, src_s = cache.hbm_pool[-e - 1], cache.hbm_scales[-e - 1]
+            else:
+                src, src_s = cache.host_pool[e], cache.host_scales[e]
+            assert torch.equal(raw[-s - 1, 0].view(torch.uint8), src[layer].view(torch.uint8)), (b, j)
+            assert torch.equal(sc[-s - 1, 0], src_s[layer]), (b, j)
+
+
+def test_stager_copies_fp8_pages_and_scales_piece_by_piece(monkeypatch):
+    """stage_fp8: every staged page's FP8 block and its scale rows (host and HBM tiers) land at the
+    page's staging slot; HBM pages on the current stream first; on the side stream each piece's
+    page copies, then its scale copies, then its event, piece after piece."""
+    import torch
+
+    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 2
+    cache = _fp8_pools(pages, layers, hkv, P, d)
+    lens, table = _two_sequences(P, pages)
+    plan = plan_staging(table, lens, P, 3)
+    events = []
+    st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
+    st.buffer = None
+    _record_events(monkeypatch, events)
     raw, sc, landed = st.stage_fp8(cache, layer, plan)
     assert raw.shape == (plan.pages, 1, hkv, 2, P, d) and raw.dtype == torch.float8_e4m3fn
     assert sc.shape == (plan.pages, 1, hkv, 2, P) and sc.dtype == torch.float32
     assert len(landed) == len(plan.pieces)
-    for b, n in enumerate(lens):
-        for j in range(math.ceil(n / P)):
-            e, s = int(table[b, j]), int(plan.table[b, j])
-            src, src_s = (hbm[-e - 1], hbm_s[-e - 1]) if e < 0 else (host[e], host_s[e])
-            assert torch.equal(raw[-s - 1, 0].view(torch.uint8), src[layer].view(torch.uint8)), (b, j)
-            assert torch.equal(sc[-s - 1, 0], src_s[layer]), (b, j)
+    _assert_fp8_staged(raw, sc, cache, table, plan, lens, P, layer)
     # HBM pages (and their scales) first, on the current stream (0); then the side stream (1)
     streams = [ev[1] for ev in events]
     first_side = streams.index(1)
@@ -575,31 +598,17 @@ def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
     the page's slot; on the side stream all scale copies first, then per head group one strided
     copy per host run of exactly that group's bytes, then that group's event; a plan of several
     pieces is refused before anything is queued."""
-    from types import SimpleNamespace
-
-    import torch
-
     from directkv_cute import staging
 
     pages, layers, hkv, P, d, layer = 40, 3, 5, 16, 8, 1
     head_bytes = 2 * P * d
     monkeypatch.setattr(staging, "MIN_COPY_ROW", 2 * head_bytes)  # groups of two heads: [0, 2), [2, 4), [4, 5)
-    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
-    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.float8_e4m3fn)
-    host_s = torch.rand(pages, layers, hkv, 2, P)
-    hbm_s = torch.rand(6, layers, hkv, 2, P)
+    cache = _fp8_pools(pages, layers, hkv, P, d)
     lens, table = _two_sequences(P, pages)
-    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_scales_cuda=None,
-                            host_scales=host_s, hbm_scales=hbm_s)
     events = []
     st = _fake_stager(monkeypatch, 1, (hkv, 2, P, d), events)
     st.buffer = None
-
-    class Event:
-        def record(self, stream):
-            events.append(("event", stream.cuda_stream))
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
+    _record_events(monkeypatch, events)
     with pytest.raises(ValueError, match="one-piece plan"):
         st.stage_fp8(cache, layer, plan_staging(table, lens, P, 3), by_head=True)
     assert events == []
@@ -608,12 +617,7 @@ def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
     raw, sc, landed = st.stage_fp8(cache, layer, plan, by_head=True)
     groups = staging.head_groups(hkv, head_bytes)
     assert [len(g) for g in groups] == [2, 2, 1] and len(landed) == len(groups)
-    for b, n in enumerate(lens):
-        for j in range(math.ceil(n / P)):
-            e, s = int(table[b, j]), int(plan.table[b, j])
-            src, src_s = (hbm[-e - 1], hbm_s[-e - 1]) if e < 0 else (host[e], host_s[e])
-            assert torch.equal(raw[-s - 1, 0].view(torch.uint8), src[layer].view(torch.uint8)), (b, j)
-            assert torch.equal(sc[-s - 1, 0], src_s[layer]), (b, j)
+    _assert_fp8_staged(raw, sc, cache, table, plan, lens, P, layer)
     side = [ev for ev in events if ev[1] == 1]
     host_runs = [r for r in plan.pieces[0] if not r.hbm]
     scale_copies, side = side[:len(host_runs)], side[len(host_runs):]
