@@ -412,3 +412,94 @@ def test_fp8_chunk_over_the_staging_cap_is_refused_before_anything_is_staged(mon
     # 625 + 47 pages x (8 heads x 2 x 64 rows x (128 x (1 + 2) bytes + 4)) = 0.25 GiB
     with pytest.raises(ValueError, match=r"672 pages \(0\.25 GiB.*0\.20 GiB cap \(DIRECTKV_MAX_STAGING_GB\)"):
         ops._dequantized(q, cache, 0, tables, ql, None, None, None, False, 40000)
+
+
+def test_fp8_chunk_launch_order_per_head_group(monkeypatch):
+    """``_fp8_by_head`` with the GPU stood in: for each head group in copy order, the urgent
+    stream waits for that group's copy event, then dequantizes exactly that group; the group's
+    attention launch runs on a stream (round-robin) that first waits for the event recorded after
+    that dequantization, over the group's heads only; the current stream waits for every stream
+    before ``finish``. A missing wait, a wrong group or a skipped head fails it."""
+    import contextlib
+
+    from directkv_cute import staging
+    from directkv_cute.kernels import launch as L
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.tag))
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.name, other.name))
+
+    current = [Stream("cur")]
+
+    class Event:
+        def __init__(self, tag=None):
+            self.tag = tag
+
+        def record(self, stream):
+            self.tag = f"deq-done@{len([x for x in log if x[0] == 'dequant'])}"
+            log.append(("record", stream.name, self.tag))
+
+    @contextlib.contextmanager
+    def on(stream):
+        saved, current[0] = current[0], stream
+        yield
+        current[0] = saved
+
+    hkv, P, d = 8, 64, 128
+    urgent = Stream("urgent")
+    aux = [Stream(f"aux{i}") for i in range(3)]
+
+    class FakeStager:
+        lock = contextlib.nullcontext()
+
+        def stage_fp8(self, cache, layer, plan, by_head=False):
+            assert by_head and len(plan.pieces) == 1
+            raw = torch.zeros(plan.pages, 1, hkv, 2, P, d, dtype=torch.float8_e4m3fn)
+            groups = staging.head_groups(hkv, raw[0, 0, 0].nbytes)
+            return raw, torch.zeros(raw.shape[:-1]), [Event(f"landed{i}") for i in range(len(groups))]
+
+        def streams(self, n):
+            return [current[0], *aux[:n - 1]]
+
+        def urgent_stream(self):
+            return urgent
+
+        def finish(self):
+            log.append(("finish",))
+
+    monkeypatch.setattr(ops, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: "attn")
+    monkeypatch.setattr(ops, "_compiled_dequant", lambda *a: "deq")
+    monkeypatch.setattr(L, "link_counters", lambda device: None)
+    monkeypatch.setattr(L, "launch_dequant", lambda fn, raw, sc, buf, heads: log.append(("dequant", current[0].name,
+                                                                                        heads)))
+    monkeypatch.setattr(L, "launch_q_tiled", lambda *a, heads, **k: log.append(("attn", current[0].name, heads)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    q, _, tables, ql, _ = _call([20000, 9000], [2048, 1000])
+    q = torch.zeros(q.shape, dtype=q.dtype)
+    lens = (20000, 9000)
+    plan = ops.plan_staging(tables.host_table, lens, P, math.ceil(20000 / P))
+    cache = SimpleNamespace(page_size=P, num_kv_heads=hkv, dtype=torch.float8_e4m3fn)
+    ops._fp8_by_head(q, cache, 0, plan, tables, lens, ql, None, QTiledConfig(), None, False)
+
+    groups = staging.head_groups(hkv, 2 * P * d)
+    assert [len(g) for g in groups] == [2, 2, 2, 2]
+    streams = ["cur", "aux0", "aux1", "aux2"]
+    at = 0
+    for i, g in enumerate(groups):
+        want = [("wait", "urgent", f"landed{i}"), ("dequant", "urgent", g), ("record", "urgent", f"deq-done@{i + 1}"),
+                ("wait", streams[i % 4], f"deq-done@{i + 1}"), ("attn", streams[i % 4], g)]
+        assert log[at:at + 5] == want, (i, log[at:at + 5])
+        at += 5
+    assert log[at:] == [("wait_stream", "cur", "aux0"), ("wait_stream", "cur", "aux1"),
+                        ("wait_stream", "cur", "aux2"), ("wait_stream", "cur", "urgent"), ("finish",)]
