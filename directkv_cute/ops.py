@@ -524,7 +524,6 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     n_qt = q_tiles(max_q_len, group, cfg.rows)
     fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, False, False)
     dequant = _compiled_dequant(cache.dtype, q.dtype, d, P)
-    n_streams = min(hkv, FP8_HEAD_STREAMS)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
@@ -536,9 +535,11 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     with st.lock:
         raw, scales, landed = st.stage_fp8(cache, layer, plan, by_head=True)  # (pages, 1, Hkv, 2, P, d) FP8
         buf = torch.empty(raw.shape, dtype=q.dtype, device=q.device)  # (pages, 1, Hkv, 2, P, d) dequantized
+        groups = head_groups(hkv, raw[0, 0, 0].nbytes)  # as stage_fp8 landed them
+        n_streams = min(len(groups), FP8_HEAD_STREAMS)
         streams = st.streams(n_streams)
         deq = st.urgent_stream()
-        for i, heads in enumerate(head_groups(hkv, raw[0, 0, 0].nbytes)):
+        for i, heads in enumerate(groups):
             deq.wait_event(landed[i])
             with torch.cuda.stream(deq):
                 launch_dequant(dequant, raw, scales, buf, heads)

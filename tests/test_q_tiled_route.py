@@ -414,7 +414,8 @@ def test_fp8_chunk_over_the_staging_cap_is_refused_before_anything_is_staged(mon
         ops._dequantized(q, cache, 0, tables, ql, None, None, None, False, 40000)
 
 
-def test_fp8_chunk_launch_order_per_head_group(monkeypatch):
+@pytest.mark.parametrize("P, sizes", [(64, [2, 2, 2, 2]), (16, [8])])
+def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
     """``_fp8_by_head`` with the GPU stood in: for each head group in copy order, the urgent
     stream waits for that group's copy event, then dequantizes exactly that group; the group's
     attention launch runs on a stream (round-robin) that first waits for the event recorded after
@@ -453,7 +454,7 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch):
         yield
         current[0] = saved
 
-    hkv, P, d = 8, 64, 128
+    hkv, d = 8, 128
     urgent = Stream("urgent")
     aux = [Stream(f"aux{i}") for i in range(3)]
 
@@ -485,7 +486,7 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    q, _, tables, ql, _ = _call([20000, 9000], [2048, 1000])
+    q, _, tables, ql, _ = _call([20000, 9000], [2048, 1000], page=P)
     q = torch.zeros(q.shape, dtype=q.dtype)
     lens = (20000, 9000)
     plan = ops.plan_staging(tables.host_table, lens, P, math.ceil(20000 / P))
@@ -493,13 +494,13 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch):
     ops._fp8_by_head(q, cache, 0, plan, tables, lens, ql, None, QTiledConfig(), None, False)
 
     groups = staging.head_groups(hkv, 2 * P * d)
-    assert [len(g) for g in groups] == [2, 2, 2, 2]
-    streams = ["cur", "aux0", "aux1", "aux2"]
+    assert [len(g) for g in groups] == sizes
+    streams = ["cur", "aux0", "aux1", "aux2"][:len(groups)]
     at = 0
     for i, g in enumerate(groups):
         want = [("wait", "urgent", f"landed{i}"), ("dequant", "urgent", g), ("record", "urgent", f"deq-done@{i + 1}"),
-                ("wait", streams[i % 4], f"deq-done@{i + 1}"), ("attn", streams[i % 4], g)]
+                ("wait", streams[i % len(streams)], f"deq-done@{i + 1}"), ("attn", streams[i % len(streams)], g)]
         assert log[at:at + 5] == want, (i, log[at:at + 5])
         at += 5
-    assert log[at:] == [("wait_stream", "cur", "aux0"), ("wait_stream", "cur", "aux1"),
-                        ("wait_stream", "cur", "aux2"), ("wait_stream", "cur", "urgent"), ("finish",)]
+    joins = [("wait_stream", "cur", s) for s in (*streams[1:], "urgent")]
+    assert log[at:] == [*joins, ("finish",)]
