@@ -303,7 +303,7 @@ class DirectKVCache(Cache):
             hold the K/V quantized with per-token scales (``directkv_cute.fp8``) and the model
             computes in its own dtype; half the bytes of bf16 per token over the link (on a GPU:
             decode reads FP8 pages in place, ``kernels/decode_fp8.py``; prefill chunks dequantize
-            the pages they read once into HBM).
+            the pages they read once into HBM, group by group of KV heads as their copy lands).
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,

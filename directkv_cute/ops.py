@@ -17,7 +17,9 @@ move); the staged path is not taken inside a capture.
 On a CPU-only machine the same call runs the float32 reference. FP8 pages (``directkv_cute.fp8``)
 run there too; on a GPU the streaming kernel reads them in place (``kernels/decode_fp8.py``), or
 for long link-bound reads after the copy engine moved their bytes and scales into HBM, and
-multi-token calls dequantize the pages they read into an HBM buffer first (``_launch_fp8``).
+multi-token calls dequantize the pages they read into an HBM buffer (``_launch_fp8``): group by
+group of KV heads as their copy lands, each group's attention running under the next group's copy,
+where the Q-tiled kernel runs them (``_fp8_by_head``).
 """
 
 from __future__ import annotations
@@ -445,9 +447,10 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     share it) is copied by the copy engine into a staging buffer (``staging``: the FP8 bytes, at
     memcpy speed), its scales copied beside it, and the buffer dequantized into a
     (pages, 1, Hkv, 2, P, d) one in the q dtype, as ``PagedKVCache.read`` dequantizes; the call
-    then runs over that as an all-HBM cache (the Q-tiled or the multi-token kernel, as for 16-bit
-    pages). The link carries each page's FP8 bytes and scales once: 0.516x the bytes of bf16
-    pages at d 128."""
+    then runs over that as an all-HBM cache (the multi-token kernel, or an explicit DecodeConfig's),
+    or, where the Q-tiled kernel runs it, group by group of KV heads (``_fp8_by_head``). The link
+    carries each page's FP8 bytes and scales once: 0.516x the bytes of bf16 pages at d 128. A call
+    whose staged and dequantized pages exceed the staging cap is refused before any copy."""
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("paged_attention: multi-token calls over FP8 pages dequantize into a buffer planned per "
                            "call and cannot be captured in a CUDA graph (decode-sized calls can)")
