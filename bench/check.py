@@ -8,7 +8,8 @@
     every profile entry compiles for sm_90a through ``compile_decode`` (with and without split
     outputs when the compiler takes ``split_out``), plus the combine kernels; each distinct kernel
     (the compiler's cache key) is compiled once and counted once; (b2) the Q-tiled kernel's default
-    and every q_tiled profile entry in each variant the op launches; (b3) the FP8 decode kernel;
+    and every q_tiled profile entry in each variant the op launches; (b3) the FP8 decode kernel and
+    the FP8 dequant kernel;
 (c) traffic: the host-traffic model reads every host KV byte exactly once (bench.traffic), and a
     model's steps through the HBM window read only the history's full pages from the host.
 
@@ -406,7 +407,23 @@ def compile_fp8_targets(loaded, progress: bool = True) -> tuple[int, list[str]]:
             text = str(e).strip()
             problems.append(f"decode_fp8 {kv} {dtype} d{d} page{page} group{group} q{q_len} ({source}) {cfg}: "
                             f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
-    return len(jobs), problems
+    deq = dequant_targets()
+    compile_dequant = specs.get("dequant").compile_fn
+    for kv, dtype, d, page in _progress(deq, progress):
+        try:
+            compile_dequant(getattr(torch, kv), torch_dtype(dtype), d, page)
+        except Exception as e:  # noqa: BLE001 - as above
+            text = str(e).strip()
+            problems.append(f"dequant {kv} {dtype} d{d} page{page}: "
+                            f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+    return len(jobs) + len(deq), problems
+
+
+def dequant_targets() -> list[tuple]:
+    """(kv dtype, dtype, head_dim, page) of every kernel that dequantizes staged FP8 pages for
+    multi-token calls: both FP8 formats, both 16-bit dtypes, every supported head dim and page."""
+    return [(kv, dtype, d, page) for kv in ("float8_e4m3fn", "float8_e5m2") for dtype in ("bfloat16", "float16")
+            for d in SUPPORTED_HEAD_DIMS for page in SUPPORTED_PAGE_SIZES]
 
 
 def format_compile_table(jobs: list[CompileJob]) -> str:
@@ -479,7 +496,8 @@ def run_check(*, profiles: bool = True, compile: bool = True, traffic: bool = Tr
         t0 = time.perf_counter()
         n, problems = compile_fp8_targets(loaded, progress)
         summary = f"{_count(n, 'kernel')} in {time.perf_counter() - t0:.0f} s, {len(problems)} failed"
-        print(f"== (b3) FP8 pages, the streaming kernel (defaults and profile entries as the op adapts them): {summary}")
+        print(f"== (b3) FP8 pages, the streaming kernel (defaults and profile entries as the op adapts them) and "
+              f"the dequant kernel (every format, dtype, head dim and page): {summary}")
         for p in problems:
             print(f"FAIL {p}")
         results.append(PartResult("fp8", not problems, summary))

@@ -14,7 +14,7 @@ import bench.check as check
 import directkv_cute.plan as plan
 from bench.check import compile_jobs, default_targets, portfolio_targets, run_check
 from bench.common import torch_dtype
-from directkv_cute.config import SUPPORTED_HEAD_DIMS
+from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.kernels import jit
 
 
@@ -175,7 +175,8 @@ def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, mon
 
 def test_the_fp8_part_compiles_each_distinct_kernel_once_and_names_failures(fake, monkeypatch, capsys):
     """Part (b3): the FP8 decode kernel of every default and every profiled decode entry, as the op
-    adapts it; a kernel that fails to compile is named with its config."""
+    adapts it, and the dequant kernel of every format, dtype, head dim and page; a kernel that fails
+    to compile is named with its config."""
     fake()
     calls = []
 
@@ -185,11 +186,23 @@ def test_the_fp8_part_compiles_each_distinct_kernel_once_and_names_failures(fake
             raise RuntimeError("ptxas: fp8 boom")
         return object()
 
+    deq = []
+
+    def compile_dequant(kv, dtype, d, page):
+        deq.append(jit.dequant_key(kv, dtype, d, page))
+        if (kv, dtype, d, page) == (torch.float8_e5m2, torch.float16, 64, 16):
+            raise RuntimeError("ptxas: dequant boom")
+        return object()
+
     monkeypatch.setattr(jit, "compile_decode_fp8", compile_fp8)
+    monkeypatch.setattr(jit, "compile_dequant", compile_dequant)
     rc, out = _check(capsys, fp8=True)
     assert rc == 1 and len(calls) == len(set(calls)) > 2 * len(SUPPORTED_HEAD_DIMS)
+    assert len(deq) == len(set(deq)) == 2 * 2 * len(SUPPORTED_HEAD_DIMS) * len(SUPPORTED_PAGE_SIZES)
     targets = check.fp8_targets(check.load_shipped_profiles(None)[1])
     assert any(t[-1] != "default" for t in targets)  # the shipped profile's decode entries are covered
     fails = [ln for ln in out.splitlines() if ln.startswith("FAIL decode_fp8 float8_e5m2")]
     assert len(fails) == 1 and fails[0].endswith("RuntimeError: ptxas: fp8 boom")
-    assert re.search(rf"^FAIL  fp8 +{len(calls)} kernels in \d+ s, 1 failed$", out, re.M)
+    assert [ln for ln in out.splitlines() if ln.startswith("FAIL dequant")] == [
+        "FAIL dequant float8_e5m2 float16 d64 page16: RuntimeError: ptxas: dequant boom"]
+    assert re.search(rf"^FAIL  fp8 +{len(calls) + len(deq)} kernels in \d+ s, 2 failed$", out, re.M)
