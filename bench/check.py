@@ -244,6 +244,12 @@ class CompileJob:
         return self.target.label + ("" if self.split is None or self.target.multi_token else f" split_out={self.split}")
 
 
+def _error_line(e: Exception) -> str:
+    """A compile failure in one line: its type and the first 300 characters of its first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
 def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
                  has_split: bool = True) -> list[CompileJob]:
     """The distinct kernels ``targets`` need (by the compiler's ``key_fn`` where it has one), then
@@ -302,8 +308,7 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
                     kwargs["multi_token"] = True
                 compile_decode(t.cfg, torch_dtype(t.dtype), t.head_dim, t.page_size, t.group, t.max_q_len, **kwargs)
         except Exception as e:  # noqa: BLE001 - a config that stops compiling is what CI must catch
-            text = str(e).strip()
-            job.error = f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}"
+            job.error = _error_line(e)
         job.seconds = time.perf_counter() - t0
     return jobs, [f"{j.label}: {j.error}" for j in jobs if j.error]
 
@@ -361,10 +366,9 @@ def compile_q_tiled_targets(progress: bool = True, loaded=()) -> tuple[int, list
         try:
             compile_q_tiled(cfg, torch_dtype(dtype), d, page, g, wr, so)
         except Exception as e:  # noqa: BLE001 - a kernel that stops compiling is what CI must catch
-            text = str(e).strip()
             where = "" if source == "default" else f" ({source}) {cfg}"
             problems.append(f"q_tiled {dtype} d{d} page{page} group{g} wait_ready={wr} split_out={so}{where}: "
-                            f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+                            f"{_error_line(e)}")
     return len(jobs), problems
 
 
@@ -404,18 +408,15 @@ def compile_fp8_targets(loaded, progress: bool = True) -> tuple[int, list[str]]:
         try:
             spec.compile_fn(cfg, torch_dtype(dtype), getattr(torch, kv), d, page, group, q_len, True)
         except Exception as e:  # noqa: BLE001 - a kernel that stops compiling is what CI must catch
-            text = str(e).strip()
             problems.append(f"decode_fp8 {kv} {dtype} d{d} page{page} group{group} q{q_len} ({source}) {cfg}: "
-                            f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+                            f"{_error_line(e)}")
     deq = dequant_targets()
     compile_dequant = specs.get("dequant").compile_fn
     for kv, dtype, d, page in _progress(deq, progress):
         try:
             compile_dequant(getattr(torch, kv), torch_dtype(dtype), d, page)
         except Exception as e:  # noqa: BLE001 - as above
-            text = str(e).strip()
-            problems.append(f"dequant {kv} {dtype} d{d} page{page}: "
-                            f"{type(e).__name__}: {text.splitlines()[0][:300] if text else ''}")
+            problems.append(f"dequant {kv} {dtype} d{d} page{page}: {_error_line(e)}")
     return len(jobs) + len(deq), problems
 
 

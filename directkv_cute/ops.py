@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from directkv_cute.cache import page_bytes as layer_page_bytes
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import (LINK_BOUND_PIECES, LINK_PIECES, causal_flops, choose_staged, compute_bound, may_stage,
@@ -413,7 +414,7 @@ def _plan_fp8_staging(q, cache, tables, q_lens):
     _, hq, d = q.shape
     P, hkv = cache.page_size, cache.num_kv_heads
     n_pages, used, n_host = _pages_used(host_table, lens, P)
-    page_bytes = 2 * hkv * P * (d * cache.host_pool.element_size() + 4)  # FP8 rows and their scales
+    page_bytes = layer_page_bytes(1, hkv, P, d, cache.dtype)  # FP8 rows and their scales, one layer
     flops = causal_flops(lens, q_lens, hq, d)
     if not n_host or not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, 2 * len(lens)):
         return None
@@ -458,10 +459,12 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
     if host_table is None or lens is None:  # bare tables (the dispatcher's op): read them back once
         host_table, lens = tables.page_table.cpu().numpy(), tuple(tables.seq_lens.tolist())
     P, hkv, d = cache.page_size, cache.num_kv_heads, q.shape[2]
-    plan = plan_staging(host_table, lens, P, max(math.ceil(n / P) for n in lens))  # one piece
+    # One piece, planned once per KernelTables object (the layers of a model step share it).
+    plan = _per_tables("fp8_chunk", q, cache, tables, q_lens, None,
+                       lambda: plan_staging(host_table, lens, P, max(math.ceil(n / P) for n in lens)))
     # The FP8 pages and scales staged, and their dequantized copy: there is no in-place path to
     # fall back to, so a call over the staging cap is refused before anything is queued.
-    need = plan.pages * 2 * hkv * P * (d * (cache.host_pool.element_size() + q.element_size()) + 4)
+    need = plan.pages * (layer_page_bytes(1, hkv, P, d, cache.dtype) + layer_page_bytes(1, hkv, P, d, q.dtype))
     cap = staging_cap(_total_memory(q.device.index))
     if need > cap:
         raise ValueError(f"paged_attention: a multi-token call over FP8 pages stages and dequantizes "
@@ -478,8 +481,8 @@ def _dequantized(q, cache, layer: int, tables, q_lens, softmax_scale, config, ou
         raw, scales, _ = st.stage_fp8(cache, layer, plan)  # (pages, 1, Hkv, 2, P, d) FP8; their scales
         st.finish()  # the current stream waits for the copies
         buf = torch.empty(raw.shape, dtype=q.dtype, device=device)  # (pages, 1, Hkv, 2, P, d)
-        launch_dequant(_compiled_dequant(cache.dtype, q.dtype, q.shape[2], P), raw, scales, buf)  # before a
-        # later call's copies reuse them
+        launch_dequant(_compiled_dequant(cache.dtype, q.dtype, d, P), raw, scales, buf)  # before a later
+        # call's copies reuse them
     return _launch(q, _PoolView(buf, buf), 0, _staged_tables(plan, tables, lens, device), q_lens, softmax_scale,
                    config, out, return_lse, max_seq_len)
 
@@ -509,7 +512,7 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     """A multi-token call over FP8 pages, group by group of KV heads (``staging.head_groups``: a
     page's blocks of a group span a copy row the copy engine moves at full rate, two heads at page
     64 and d 128): the copy engine moves every scale, then each group's blocks of every page the
-    batch reads (``Stager.stage_fp8`` by head, ``plan`` of one piece); once group g has landed, a
+    batch reads (``Stager.stage_fp8`` by group, ``plan`` of one piece); once group g has landed, a
     high-priority stream dequantizes it into a buffer in the q dtype (``kernels/dequant.py``, as
     ``fp8.dequantize`` defines it; its blocks take SMs as the attention's CTAs free them, ahead of
     queued ones), then the Q-tiled kernel runs over that group's query rows alone. The launches
@@ -521,7 +524,6 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
     group = hq // hkv
-    cfg.check(d, P)
     cu_q, max_q_len = _cu_seqlens(tuple(q_lens), q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     n_qt = q_tiles(max_q_len, group, cfg.rows)
@@ -534,11 +536,11 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     seq_lens = tables.seq_lens
     counters = link_counters(q.device)  # never read: the launches wait for no ready flag
     max_tiles = math.ceil(max(lens) / cfg.tile_n)
+    groups = head_groups(hkv, 2 * P * d * cache.host_pool.element_size())  # by one head's FP8 block of a page
     st = stager(q.device, torch.cuda.current_stream(q.device))
     with st.lock:
-        raw, scales, landed = st.stage_fp8(cache, layer, plan, by_head=True)  # (pages, 1, Hkv, 2, P, d) FP8
+        raw, scales, landed = st.stage_fp8(cache, layer, plan, groups)  # (pages, 1, Hkv, 2, P, d) FP8
         buf = torch.empty(raw.shape, dtype=q.dtype, device=q.device)  # (pages, 1, Hkv, 2, P, d) dequantized
-        groups = head_groups(hkv, raw[0, 0, 0].nbytes)  # as stage_fp8 landed them
         n_streams = min(len(groups), FP8_HEAD_STREAMS)
         streams = st.streams(n_streams)
         deq = st.urgent_stream()

@@ -245,19 +245,19 @@ class Stager:
                                                     epoch, 0), "cuStreamWriteValue32")
         return buf, self.flags, epoch
 
-    def stage_fp8(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
+    def stage_fp8(self, cache, layer: int, plan: StagePlan, groups=None):
         """FP8 pages and their scale rows (``cache.host_scales`` / ``hbm_scales``, (pages, L, Hkv, 2,
         P) fp32) on the side stream, after the current stream's work so far: piece by piece, each
-        piece's page runs, then its scale runs, then an event; or (``by_head``, a one-piece plan)
-        every scale run first, then group by group of KV heads (``head_groups``) that group's
+        piece's page runs, then its scale runs, then an event; or (``groups``: ranges of KV heads,
+        ``head_groups``; a one-piece plan) every scale run first, then group by group those heads'
         blocks of each page, then an event. Returns (pages (pages, 1, Hkv, 2, P, d), scales (pages,
-        1, Hkv, 2, P), the events, one per piece or per head group): work over pieces [0, p]
-        (groups [0, g]) waits for event p (g) on its stream; ``finish`` after the last launch."""
+        1, Hkv, 2, P), the events, one per piece or per group): work over pieces [0, p] (groups
+        [0, g]) waits for event p (g) on its stream; ``finish`` after the last launch."""
         import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
         host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
-        if by_head and len(plan.pieces) != 1:
+        if groups is not None and len(plan.pieces) != 1:
             raise ValueError(f"staging: FP8 pages staged head by head need a one-piece plan, got "
                              f"{len(plan.pieces)} pieces")
         buf = self._buffer("buffer", plan.pages, tuple(host.shape[2:]), host.dtype)
@@ -269,12 +269,12 @@ class Stager:
             events.append(torch.cuda.Event())
             events[-1].record(self.stream)
 
-        if by_head:
+        if groups is not None:
             host_runs = [r for r in plan.pieces[0] if not r.hbm]
             head_bytes = int(np.prod(host.shape[3:])) * host.element_size()  # one KV head's block of a page
             for r in host_runs:
                 _copy_run(sbuf, host_s, r, layer, s)
-            for group in head_groups(host.shape[2], head_bytes):
+            for group in groups:
                 for r in host_runs:
                     _copy_run(buf, host, r, layer, s, group.start * head_bytes, len(group) * head_bytes)
                 landed()

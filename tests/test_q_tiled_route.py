@@ -461,10 +461,9 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
     class FakeStager:
         lock = contextlib.nullcontext()
 
-        def stage_fp8(self, cache, layer, plan, by_head=False):
-            assert by_head and len(plan.pieces) == 1
+        def stage_fp8(self, cache, layer, plan, groups=None):
+            assert groups == staging.head_groups(hkv, 2 * P * d) and len(plan.pieces) == 1
             raw = torch.zeros(plan.pages, 1, hkv, 2, P, d, dtype=torch.float8_e4m3fn)
-            groups = staging.head_groups(hkv, raw[0, 0, 0].nbytes)
             return raw, torch.zeros(raw.shape[:-1]), [Event(f"landed{i}") for i in range(len(groups))]
 
         def streams(self, n):
@@ -490,7 +489,8 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
     q = torch.zeros(q.shape, dtype=q.dtype)
     lens = (20000, 9000)
     plan = ops.plan_staging(tables.host_table, lens, P, math.ceil(20000 / P))
-    cache = SimpleNamespace(page_size=P, num_kv_heads=hkv, dtype=torch.float8_e4m3fn)
+    cache = SimpleNamespace(page_size=P, num_kv_heads=hkv, dtype=torch.float8_e4m3fn,
+                            host_pool=torch.empty(0, dtype=torch.float8_e4m3fn))
     ops._fp8_by_head(q, cache, 0, plan, tables, lens, ql, None, QTiledConfig(), None, False)
 
     groups = staging.head_groups(hkv, 2 * P * d)
@@ -504,3 +504,19 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
         at += 5
     joins = [("wait_stream", "cur", s) for s in (*streams[1:], "urgent")]
     assert log[at:] == [*joins, ("finish",)]
+
+
+def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
+    """The layers of a step share one KernelTables: an FP8 chunk's staging plan is made for the
+    first layer's call and reused by the next (here each call then stops at the staging cap)."""
+    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
+    made = []
+    real = ops.plan_staging
+    monkeypatch.setattr(ops, "plan_staging", lambda *a: made.append(a[3]) or real(*a))
+    q, _, tables, ql, _ = _call([40000, 3000], [512, 16])
+    cache = SimpleNamespace(page_size=64, num_kv_heads=8, head_dim=128, dtype=torch.float8_e4m3fn,
+                            compute_dtype=torch.bfloat16, host_pool=torch.empty(0, dtype=torch.float8_e4m3fn))
+    for layer in range(3):
+        with pytest.raises(ValueError, match="672 pages"):
+            ops._dequantized(q, cache, layer, tables, ql, None, None, None, False, 40000)
+    assert made == [625]  # one plan, of one piece: the longest sequence's pages

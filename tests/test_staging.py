@@ -594,7 +594,7 @@ def test_head_groups_span_a_full_rate_copy_row():
 
 
 def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
-    """stage_fp8 by head (a one-piece plan): every staged page's FP8 block and scale rows land at
+    """stage_fp8 by head groups (a one-piece plan): every staged page's FP8 block and scale rows land at
     the page's slot; on the side stream all scale copies first, then per head group one strided
     copy per host run of exactly that group's bytes, then that group's event; a plan of several
     pieces is refused before anything is queued."""
@@ -610,12 +610,12 @@ def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
     st.buffer = None
     _record_events(monkeypatch, events)
     with pytest.raises(ValueError, match="one-piece plan"):
-        st.stage_fp8(cache, layer, plan_staging(table, lens, P, 3), by_head=True)
+        st.stage_fp8(cache, layer, plan_staging(table, lens, P, 3), staging.head_groups(hkv, head_bytes))
     assert events == []
     plan = plan_staging(table, lens, P, 10)
     assert len(plan.pieces) == 1
-    raw, sc, landed = st.stage_fp8(cache, layer, plan, by_head=True)
     groups = staging.head_groups(hkv, head_bytes)
+    raw, sc, landed = st.stage_fp8(cache, layer, plan, groups)
     assert [len(g) for g in groups] == [2, 2, 1] and len(landed) == len(groups)
     _assert_fp8_staged(raw, sc, cache, table, plan, lens, P, layer)
     side = [ev for ev in events if ev[1] == 1]

@@ -74,6 +74,14 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     )
 
 
+def _head_range(heads, num_kv_heads: int) -> range:
+    """``heads`` (None: every KV head) checked to be consecutive KV heads of ``num_kv_heads``."""
+    heads = range(num_kv_heads) if heads is None else heads
+    if heads.step != 1 or not 0 <= heads.start < heads.stop <= num_kv_heads:
+        raise ValueError(f"heads {heads} is not a range of consecutive KV heads within {num_kv_heads}")
+    return heads
+
+
 def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, page_table, seq_lens, cu_q, ready,
                    n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0,
                    heads=None):
@@ -83,9 +91,7 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
     of KV heads to run (their query, output and LSE rows; default all)."""
     from cutlass import Float32, Int32
 
-    heads = range(num_kv_heads) if heads is None else heads
-    if heads.step != 1 or not 0 <= heads.start < heads.stop <= num_kv_heads:
-        raise ValueError(f"heads {heads} is not a range of consecutive KV heads within {num_kv_heads}")
+    heads = _head_range(heads, num_kv_heads)
     if flag_stride and len(heads) != num_kv_heads:
         raise ValueError("a copy staged head by head (flag_stride) needs a launch over every KV head")
     batch, max_pages = page_table.shape
@@ -114,9 +120,7 @@ def launch_dequant(fn, raw, scales, out, heads=None):
     from cutlass import Int32, Int64
 
     pages, _, hkv = raw.shape[:3]
-    heads = range(hkv) if heads is None else heads
-    if heads.step != 1 or not 0 <= heads.start < heads.stop <= hkv:
-        raise ValueError(f"heads {heads} is not a range of consecutive KV heads within {hkv}")
+    heads = _head_range(heads, hkv)
     if out.shape != raw.shape or scales.shape != raw.shape[:-1] or scales.dtype != torch.float32:
         raise ValueError(f"dequant: pages {tuple(raw.shape)}, scales {tuple(scales.shape)} {scales.dtype}, "
                          f"out {tuple(out.shape)} do not match")
