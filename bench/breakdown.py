@@ -20,9 +20,10 @@ from pathlib import Path
 
 def build_shape(spec: dict):
     """(cache, tables, q) for ``spec`` (context, q_len, hq, hkv, head_dim, page_size, dtype,
-    hbm_fraction; optional kv_dtype "fp8" / "e5m2": FP8 pages, quantized as they are appended):
-    one sequence of random K/V appended from the GPU, the given fraction of its pages moved to
-    HBM. ``bench timeline``'s child builds its shape with it too."""
+    hbm_fraction; optional kv_dtype "fp8" / "e5m2": FP8 pages, quantized as they are appended;
+    optional window: the pages of the query tokens mirrored in HBM, as a model step's window
+    leaves them): one sequence of random K/V appended from the GPU, the given fraction of its
+    pages moved to HBM. ``bench timeline``'s child builds its shape with it too."""
     import torch
 
     import directkv_cute as dk
@@ -35,8 +36,10 @@ def build_shape(spec: dict):
         from directkv_cute.fp8 import fp8_dtype
 
         kv = dict(dtype=fp8_dtype(spec["kv_dtype"]), compute_dtype=dtype)
+    window = bool(spec.get("window"))
+    extra = dict(num_window_pages=math.ceil(ql / page) + 1) if window else {}
     cache = dk.PagedKVCache(1, hkv, d, page, num_host_pages=pages + 1, num_hbm_pages=pages + 1,
-                            **(kv or dict(dtype=dtype)))
+                            **(kv or dict(dtype=dtype)), **extra)
     sid = cache.add_sequence()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for s in range(0, ctx, 8192):
@@ -45,6 +48,9 @@ def build_shape(spec: dict):
                      torch.randn(n, 1, hkv, d, generator=gen, device="cuda").to(dtype))
     if spec["hbm_fraction"]:
         cache.set_hbm_fraction(sid, spec["hbm_fraction"])
+    if window:  # the step's own tokens, stored again through to their new mirrors
+        cache.mirror(sid, ctx - ql, ql)
+        cache.write(sid, 0, ctx - ql, *cache.read(sid, 0, ctx - ql, ctx))
     q = torch.randn(ql, hq, d, generator=gen, device="cuda").to(dtype)
     return cache, cache.kernel_tables([sid]), q
 
@@ -147,6 +153,8 @@ def add_shape_arguments(p, context: int, config_help: str) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--hbm-fraction", type=float, default=0.0, help="fraction of pages in the HBM tier")
     p.add_argument("--kv-dtype", default=None, choices=("fp8", "e5m2"), help="FP8 pages (default: the q dtype)")
+    p.add_argument("--window", action="store_true",
+                   help="the query tokens' pages mirrored in HBM (the HBM window of a model step)")
     p.add_argument("--config", default=None,
                    help=f"DecodeConfig as JSON, or a QTiledConfig with \"kernel\": \"q_tiled\" "
                         f"(default: {config_help})")
@@ -167,7 +175,8 @@ def shape_spec(ns, command: str) -> dict | None:
     config = json.loads(ns.config) if ns.config else None
     _decode_config(config)
     return dict(context=ns.context, q_len=ns.q_len, hq=hq, hkv=hkv, head_dim=ns.head_dim, page_size=ns.page_size,
-                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, kv_dtype=ns.kv_dtype)
+                dtype=ns.dtype, hbm_fraction=ns.hbm_fraction, config=config, kv_dtype=ns.kv_dtype,
+                window=ns.window)
 
 
 def add_arguments(p) -> None:

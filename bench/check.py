@@ -253,7 +253,8 @@ def _error_line(e: Exception) -> str:
 def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
                  has_split: bool = True) -> list[CompileJob]:
     """The distinct kernels ``targets`` need (by the compiler's ``key_fn`` where it has one), then
-    one combine kernel per head dim and dtype."""
+    one combine kernel per head dim and dtype, and per head dim with fp32 out (the staged Q-tiled
+    call combines its first launch's splits into one fp32 partial)."""
     jobs, seen = [], set()
     for t in targets:
         for split in ((True,) if t.multi_token else (True, False)) if has_split else (None,):
@@ -266,7 +267,7 @@ def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
                 seen.add(key)
                 jobs.append(CompileJob(t, split))
     for d in SUPPORTED_HEAD_DIMS:
-        for dtype in sorted({t.dtype for t in targets}):
+        for dtype in sorted({t.dtype for t in targets} | ({"float32"} if targets else set())):
             jobs.append(CompileJob(None, None, d, dtype))
     return jobs
 

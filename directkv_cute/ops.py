@@ -40,10 +40,10 @@ import torch
 from directkv_cute.cache import page_bytes as layer_page_bytes
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import (LINK_BOUND_PIECES, LINK_PIECES, causal_flops, choose_staged, compute_bound, may_stage,
-                                partial_bytes, q_tile_profile, trails_copy)
-from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, head_groups, piece_pages_for, plan_staging, stager, \
-    staging_cap
+from directkv_cute.plan import (LINK_BOUND_PIECES, LINK_PIECES, causal_flops, choose_staged, compute_bound, kv_bytes,
+                                may_stage, partial_bytes, q_tile_profile, trails_copy, window_piece_pages)
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, head_groups, piece_pages_for, plan_staging, \
+    stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -389,6 +389,18 @@ def hbm_runs_per_sequence(host_table, n_pages) -> int:
     return int(starts.sum(axis=1).max()) if len(table) else 0
 
 
+def ready_page(host_table, n_pages) -> int:
+    """The first logical page from which every sequence's pages are HBM entries (its pages past
+    its last host page), or the longest sequence's page count where its last page is on the host.
+    Plain host work."""
+    table = np.asarray(host_table)
+    out = 0
+    for b, n in enumerate(n_pages):
+        host = np.flatnonzero(table[b, :n] >= 0)
+        out = max(out, int(host[-1]) + 1 if host.size else 0)
+    return out
+
+
 def _staged_tables(plan, tables, lens, device):
     """KernelTables over a staging buffer: the plan's HBM-encoded table, the call's lengths."""
     from directkv_cute.cache import KernelTables
@@ -507,6 +519,17 @@ def _fp8_head_config(q, cache, lens, q_lens, config) -> QTiledConfig | None:
     return q_tiled_config(_gpu_name(q.device.index or 0), cache, group, len(lens), max(lens), max(q_lens))
 
 
+def fp8_head_groups(hkv: int, page_size: int, head_dim: int, elem_bytes: int, lens, q_lens, num_q_heads: int):
+    """The KV head groups an FP8 chunk is copied, dequantized and attended in (``_fp8_by_head``):
+    ``staging.head_groups`` of one head's FP8 block of a page (two heads at page 64, d 128), the
+    first group a single head where the call's compute outlasts the copy of its pages at 16 bits
+    (``trails_copy`` false: the first group's copy is the exposed part; measured 2026-12-02, 32k
+    q8192 5.78 ms so vs 5.93 in pairs, 8k q8192 0.961 vs 0.971; at q2048, where the compute is
+    shorter, single heads cost 15%). Plain host work."""
+    bound = not trails_copy(kv_bytes(sum(lens), hkv, head_dim), causal_flops(lens, q_lens, num_q_heads, head_dim))
+    return head_groups(hkv, 2 * page_size * head_dim * elem_bytes, first=1 if bound else 0)
+
+
 def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale, cfg: QTiledConfig, out,
                  return_lse: bool):
     """A multi-token call over FP8 pages, group by group of KV heads (``staging.head_groups``: a
@@ -536,7 +559,7 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     seq_lens = tables.seq_lens
     counters = link_counters(q.device)  # never read: the launches wait for no ready flag
     max_tiles = math.ceil(max(lens) / cfg.tile_n)
-    groups = head_groups(hkv, 2 * P * d * cache.host_pool.element_size())  # by one head's FP8 block of a page
+    groups = fp8_head_groups(hkv, P, d, cache.host_pool.element_size(), lens, q_lens, hq)
     st = stager(q.device, torch.cuda.current_stream(q.device))
     with st.lock:
         raw, scales, landed = st.stage_fp8(cache, layer, plan, groups)  # (pages, 1, Hkv, 2, P, d) FP8
@@ -733,9 +756,13 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     coarse_link = chunk and ctas > _num_sms(device_index) and trails_copy(n_host * page_bytes, flops)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=LINK_BOUND_PIECES if coarse_link else 16)
+    window = chunk and hbm_runs_per_sequence(host_table, n_pages) <= 1
+    if window and not cfg.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start
+        pp = window_piece_pages(pp, ready_page(host_table, n_pages), max(n_pages), max(1, cfg.tile_n // P),
+                                math.ceil(max(n_pages) / MAX_PIECES))
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
     if not explicit and not may_stage(n_host * page_bytes, flops, (used.size - n_host) * page_bytes, calls, chunk_q,
-                                      window=chunk and hbm_runs_per_sequence(host_table, n_pages) <= 1):
+                                      window=window):
         return None
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
     # only the first head's copy is exposed, so finer pieces would only add copy calls.
@@ -797,9 +824,11 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
                     cfg: QTiledConfig, plan):
     """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer, in
     ``q_tiled_splits`` KV splits (combined afterwards) when staged, or in one, the copy landing
-    head by head, with ``copy_order`` 2."""
+    head by head, with ``copy_order`` 2. Splits that read only pages ready at the start launch
+    first; with ``split_launches``' two launches the first one's partials are combined into one
+    between them (fp32), and the final combine reads that and the second one's."""
     from directkv_cute.kernels.launch import launch_combine, launch_q_tiled, link_counters
-    from directkv_cute.plan import q_tiled_splits
+    from directkv_cute.plan import SPLIT_TAIL, q_tiled_splits, ready_split, split_launches
 
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
@@ -809,18 +838,24 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     n_qt = q_tiles(max_q_len, group, cfg.rows)
     max_tiles = math.ceil(max(tables.host_seq_lens) / cfg.tile_n)
     by_head = plan is not None and cfg.copy_order == 2  # the copy and the CTAs head by head
+    launches = ((1, 0, 0),)
     if plan is None:
         splits, split_tiles, piece_tiles = 1, max_tiles, 1
     else:
         piece_tiles = plan.piece_pages * P // cfg.tile_n
-        splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits)
+        ready = plan.ready_from * piece_tiles if not by_head and cfg.order != 2 else 0
+        splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits, ready)
+        if not by_head and cfg.order != 2:
+            launches = split_launches(splits, ready_split(plan.ready_from, piece_tiles, split_tiles, splits) if ready
+                                      else 0, SPLIT_TAIL)
+    slots = splits + (len(launches) > 1)  # the first launch's splits combined into the last slot
     fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, splits > 1)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
     if splits > 1:
-        o_k = torch.empty(splits, total_q, hq, d, dtype=torch.float32, device=q.device)
-        lse_k = torch.empty(splits, total_q, hq, dtype=torch.float32, device=q.device)
+        o_k = torch.empty(slots, total_q, hq, d, dtype=torch.float32, device=q.device)
+        lse_k = torch.empty(slots, total_q, hq, dtype=torch.float32, device=q.device)
     else:
         o_k, lse_k = out, lse
     if plan is None:
@@ -832,12 +867,18 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
         with st.lock:
             buf, flags, epoch = st.stage(cache, layer, plan, by_head)
-            launch_q_tiled(fn, q, o_k, lse_k, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
-                           split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,
-                           flag_stride=len(plan.pieces) if by_head else 0)
+            for i, (n, first, slot) in enumerate(launches):
+                if i:  # the first launch's slots into one partial while the last pieces copy
+                    launch_combine(_compiled_combine(d, torch.float32), o_k[:slot], lse_k[:slot], o_k[splits],
+                                   lse_k[splits], slot)
+                launch_q_tiled(fn, q, o_k, lse_k, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt,
+                               slots, split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,
+                               flag_stride=len(plan.pieces) if by_head else 0, grid_splits=n, split_first=first,
+                               split_wrap=splits, slot_base=slot)
             st.finish()
     if splits > 1:
-        launch_combine(_compiled_combine(d, q.dtype), o_k, lse_k, out, lse, splits)
+        base = launches[-1][2]
+        launch_combine(_compiled_combine(d, q.dtype), o_k[base:], lse_k[base:], out, lse, slots - base)
     return (out, lse) if return_lse else out
 
 

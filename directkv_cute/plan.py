@@ -328,10 +328,59 @@ def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:
     return 2 * total_q * num_q_heads * (head_dim + 1) * 4
 
 
-def q_tiled_splits(max_tiles: int, piece_tiles: int, want: int = 0) -> tuple[int, int]:
+def q_tiled_splits(max_tiles: int, piece_tiles: int, want: int = 0, ready_tiles: int = 0) -> tuple[int, int]:
     """(splits, tiles per split) of a staged Q-tiled call: ``want`` (0: ``STAGED_SPLITS``) runs of
-    whole pieces over the longest sequence's tiles; fewer when there are fewer pieces."""
+    whole pieces over the longest sequence's tiles; fewer when there are fewer pieces. With
+    ``ready_tiles`` (the tiles before the pieces that are ready when the kernel starts, a whole
+    number of pieces) and ``want`` > 1: about ``want`` runs of whole pieces over those tiles,
+    the rest in splits of their own (``ready_split``), where one is left."""
     want = want or STAGED_SPLITS
+    if want > 1 and 0 < ready_tiles < max_tiles:
+        per = max(1, round(ready_tiles / want / piece_tiles)) * piece_tiles
+        if math.ceil(ready_tiles / per) < math.ceil(max_tiles / per):
+            return math.ceil(max_tiles / per), per
     per = math.ceil(max_tiles / want)
     per = max(piece_tiles, math.ceil(per / piece_tiles) * piece_tiles)
     return math.ceil(max_tiles / per), per
+
+
+def ready_split(ready_piece: int, piece_tiles: int, split_tiles: int, splits: int) -> int:
+    """The split a staged call's launch starts at: the first one whose tiles, and every later
+    split's, lie in pieces from ``ready_piece`` on (pages in HBM before the call, ready when the
+    kernel starts), so their CTAs run while the copy lands the rest; 0 where there is none."""
+    first = math.ceil(ready_piece * piece_tiles / split_tiles)
+    return first if 0 < first < splits else 0
+
+
+def window_piece_pages(piece_pages: int, ready_page: int, max_pages: int, tile_pages: int, min_pages: int = 1) -> int:
+    """Pages per piece of a staged chunk whose pages from ``ready_page`` on were all in HBM before
+    the call (a step's own tokens mirrored): the multiple of ``tile_pages`` (at least ``min_pages``)
+    within half to twice ``piece_pages`` that divides ``ready_page`` and is nearest to it, so those
+    pages form pieces of their own (ready when the kernel starts); ``piece_pages`` where none does."""
+    if not 0 < ready_page < max_pages:
+        return piece_pages
+    lo = max(tile_pages, min_pages, piece_pages // 2)
+    cands = [c for c in range(math.ceil(lo / tile_pages) * tile_pages, 2 * piece_pages + 1, tile_pages)
+             if ready_page % c == 0]
+    return min(cands, key=lambda c: (abs(c - piece_pages), c)) if cands else piece_pages
+
+
+# Staged calls in many KV splits end with a tail: the CTAs of the last splits beyond one wave run
+# after their pieces land, then the combine reads every split's partials (73 us of 8 splits at
+# q2048, measured 2026-12-02). ``SPLIT_TAIL`` last history splits run as a launch of their own: the
+# splits before them are combined into one partial while those last pieces still copy, and the
+# final combine reads SPLIT_TAIL + 1 partials.
+SPLIT_TAIL = 2
+
+
+def split_launches(splits: int, ready_first: int = 0, tail: int = SPLIT_TAIL) -> tuple[tuple[int, int, int], ...]:
+    """The Q-tiled launches of a staged call in ``splits`` KV splits, as (splits it runs, first
+    split, first partial slot); ``ready_first``: the first split that reads only pages ready at the
+    start (``ready_split``; 0: none), launched first. With ``tail`` and at least two splits left
+    before them, two: every split but the last ``tail`` ones that read history, then those (their
+    slots after the first launch's; the caller combines the first launch's slots into slot
+    ``splits`` between the two); else one over every split."""
+    hist = ready_first or splits
+    if splits > 1 and tail and hist > tail and splits - tail >= 2:
+        return (splits - tail, ready_first, 0), (tail, hist - tail, splits - tail)
+    return ((splits, ready_first, 0),)

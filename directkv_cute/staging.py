@@ -59,6 +59,13 @@ class StagePlan:
     table: np.ndarray  # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1)
     pages: int  # staging pages used
     piece_pages: int  # pp
+    hbm_from: int = -1  # pieces from this one on read only pages that were in HBM (-1: no piece)
+
+    @property
+    def ready_from(self) -> int:
+        """The first piece whose pages, and every later piece's, were all in HBM before the call
+        (a step's own tokens mirrored): copied ahead of the kernel, so ready when it starts."""
+        return len(self.pieces) if self.hbm_from < 0 else self.hbm_from
 
     @property
     def host_pages(self) -> int:
@@ -74,11 +81,13 @@ def piece_pages_for(max_pages: int, page_size: int, tile_n: int, want: int = 0, 
     return math.ceil(pp / tile_pages) * tile_pages
 
 
-def head_groups(heads: int, head_bytes: int) -> list[range]:
+def head_groups(heads: int, head_bytes: int, first: int = 0) -> list[range]:
     """KV heads in consecutive groups whose blocks of a page, together, span at least
-    ``MIN_COPY_ROW`` bytes (the last group may be smaller): the steps of a copy staged by head."""
+    ``MIN_COPY_ROW`` bytes (the last group may be smaller): the steps of a copy staged by head.
+    With ``first``, the first group is that many heads, the rest grouped so from there."""
     g = min(heads, max(1, math.ceil(MIN_COPY_ROW / head_bytes)))
-    return [range(h, min(heads, h + g)) for h in range(0, heads, g)]
+    first = min(first, heads) if first > 0 else 0
+    return [range(0, first)] * bool(first) + [range(h, min(heads, h + g)) for h in range(first, heads, g)]
 
 
 def _runs(entries: np.ndarray, piece: np.ndarray, n_pieces: int) -> tuple[tuple[Run, ...], ...]:
@@ -133,7 +142,9 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     last = staged[np.arange(len(counts)), counts - 1]
     staged = np.where(past, last[:, None], staged)
     pieces = _runs(flat[first[order]], piece_of[first[order]], n_pieces)  # entries in staging order
-    return StagePlan(pieces, staged, int(len(uniq)), piece_pages)
+    host = flat >= 0
+    hbm_from = int(piece_of[host].max()) + 1 if host.any() else 0
+    return StagePlan(pieces, staged, int(len(uniq)), piece_pages, hbm_from if hbm_from < n_pieces else -1)
 
 
 def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 0) -> None:
@@ -213,7 +224,9 @@ class Stager:
     def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
         """Queue the plan's copies and ready flags on the side stream after the current stream's
         work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
-        of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h.
+        of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h. The
+        pieces from ``plan.ready_from`` on (pages already in HBM, copied ahead of the kernel on the
+        current stream) are flagged first, before any host copy.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
 
@@ -229,20 +242,29 @@ class Stager:
         epoch = self.epoch
         self._begin(plan, layer, ((buf, cache.hbm_pool),))
         s = self.stream.cuda_stream
+        n = len(plan.pieces)
+
+        def flag(p: int, h) -> None:
+            f = p if h is None else h * n + p
+            _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * f), epoch, 0),
+                   "cuStreamWriteValue32")
+
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
-        for h0 in range(0, heads, g) if by_head else (None,):
-            group = range(h0, min(heads, h0 + g)) if by_head else (None,)
-            for p, runs in enumerate(plan.pieces):
+        groups = [range(h0, min(heads, h0 + g)) for h0 in range(0, heads, g)] if by_head else [(None,)]
+        for group in groups:
+            for p in range(plan.ready_from, n):
+                for h in group:
+                    flag(p, h)
+        for group in groups:
+            for p, runs in enumerate(plan.pieces[:plan.ready_from]):
                 for r in runs:
                     if not r.hbm:
-                        if by_head:  # KV heads [h0, h0 + g)'s blocks of each page
-                            _copy_run(buf, host, r, layer, s, h0 * head_bytes, len(group) * head_bytes)
+                        if by_head:  # KV heads [group.start, group.stop)'s blocks of each page
+                            _copy_run(buf, host, r, layer, s, group.start * head_bytes, len(group) * head_bytes)
                         else:
                             _copy_run(buf, host, r, layer, s)
                 for h in group:
-                    flag = p if h is None else h * len(plan.pieces) + p
-                    _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * flag),
-                                                    epoch, 0), "cuStreamWriteValue32")
+                    flag(p, h)
         return buf, self.flags, epoch
 
     def stage_fp8(self, cache, layer: int, plan: StagePlan, groups=None):

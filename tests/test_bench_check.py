@@ -59,7 +59,7 @@ def test_one_count_of_kernels_each_compiled_once(fake, capsys):
     assert rc == 0
     kernels = len(f.decode) + len(f.combine)
     assert len(set(f.decode)) == len(f.decode)  # no kernel compiled twice
-    assert len(f.combine) == 2 * len(SUPPORTED_HEAD_DIMS)  # bf16 and the fp16 spot check
+    assert len(f.combine) == 3 * len(SUPPORTED_HEAD_DIMS)  # bf16, the fp16 spot check and fp32 out
     head = re.search(r"^== \(b\) compile for \S+: (\d+) configs \((.*)\)$", out, re.M)
     configs = int(head[1])
     assert sum(int(part.split()[0]) for part in head[2].split(", ")) == configs  # per source

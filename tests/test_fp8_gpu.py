@@ -214,17 +214,17 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(monkeypatch, dtype, k
 ])
 def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config):
     """Multi-token calls over FP8 pages that fill a wave run one Q-tiled launch per group of KV
-    heads (``staging.head_groups``), each after its group's copy and dequantization, on several
+    heads (``ops.fp8_head_groups``), each after its group's copy and dequantization, on several
     streams: every head's rows match the reference (poisoned output, LSE checked), and each KV
     head is launched exactly once, in the groups the copy lands."""
-    from directkv_cute import staging
+    from directkv_cute import ops
     from directkv_cute.kernels import launch as L
 
     heads = []
     real = L.launch_q_tiled
     monkeypatch.setattr(L, "launch_q_tiled", lambda *a, **k: heads.append(k["heads"]) or real(*a, **k))
     _run(lens, q_lens, hq, hkv, 128, page, dtype, kv_dtype, frac, config, seed=11)
-    assert heads == staging.head_groups(hkv, 2 * page * 128), heads
+    assert heads == ops.fp8_head_groups(hkv, page, 128, 1, lens, q_lens, hq), heads
 
 
 @pytest.mark.parametrize("kv_dtype,dtype,d,page", [(E4M3, torch.bfloat16, 128, 64), (E5M2, torch.float16, 64, 16)])

@@ -4,11 +4,13 @@ ragged batches, GQA groups 1-16, both dtypes, every page size, hybrid tiers."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
+from directkv_cute.cache import PagedKVCache
 from directkv_cute.config import QTiledConfig
 from directkv_cute.ops import paged_attention
 from test_attention_gpu import _build, _check, _run
@@ -122,6 +124,54 @@ def test_staging_cap_refuses_before_writing(monkeypatch):
     o, lse = paged_attention(q, cache, layer, ids, [4000], out=out, return_lse=True)
     torch.cuda.synchronize()
     _check(o, lse, q, ks, vs, [4000], torch.bfloat16)
+    cache.close()
+
+
+@pytest.mark.parametrize("lens,q_lens,page,dtype,config", [
+    ([8192], [2048], 64, torch.bfloat16, None),
+    ([16384, 9000], [2048, 1000], 16, torch.float16, None),
+    ([6000, 700], [1500, 700], 64, torch.bfloat16, QTiledConfig(splits=3, cluster=1)),
+])
+def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, page, dtype, config):
+    """A step's own tokens mirrored in HBM (the window a model step leaves), the history on the
+    host, ragged: the staged call launches the window's splits first (``split_first`` > 0) and
+    matches the reference over the whole sequences, every output row written."""
+    from directkv_cute.kernels import launch as L
+
+    firsts = []
+    real = L.launch_q_tiled
+
+    def spy(*a, **k):
+        firsts.append(k.get("split_first", 0))
+        return real(*a, **k)
+
+    monkeypatch.setattr(L, "launch_q_tiled", spy)
+    hq, hkv, d, layers = 32, 8, 128, 2
+    g = torch.Generator(device="cuda").manual_seed(5)
+    pages = sum(math.ceil(n / page) for n in lens)
+    window = sum(math.ceil(m / page) + 1 for m in q_lens)
+    cache = PagedKVCache(layers, hkv, d, page, num_host_pages=pages + 2, num_hbm_pages=2, num_window_pages=window,
+                         dtype=dtype, device="cuda")
+    ids, ks, vs = [], [], []
+    for n, m in zip(lens, q_lens):
+        sid = cache.add_sequence()
+        k = torch.randn(n, layers, hkv, d, generator=g, device="cuda").to(dtype)
+        v = torch.randn(n, layers, hkv, d, generator=g, device="cuda").to(dtype)
+        cache.append(sid, k[:n - m], v[:n - m])
+        cache.extend(sid, m)
+        cache.mirror(sid, n - m, m)
+        for layer in range(layers):  # the step's own K/V, stored through to the mirrors
+            cache.write(sid, layer, n - m, k[n - m:, layer], v[n - m:, layer])
+        ids.append(sid)
+        ks.append(k[:, layers - 1])
+        vs.append(v[:, layers - 1])
+    assert (cache.kernel_tables(ids).host_table < 0).any()
+    q = torch.randn(sum(q_lens), hq, d, generator=g, device="cuda").to(dtype)
+    out = torch.full_like(q, float("nan"))
+    o, lse = paged_attention(q, cache, layers - 1, ids, q_lens, config=config, out=out, return_lse=True)
+    torch.cuda.synchronize()
+    _check(o, lse, q, ks, vs, q_lens, dtype)
+    assert firsts and firsts[-1] > 0, firsts
     cache.close()
 
 

@@ -520,3 +520,82 @@ def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
         with pytest.raises(ValueError, match="672 pages"):
             ops._dequantized(q, cache, layer, tables, ql, None, None, None, False, 40000)
     assert made == [625]  # one plan, of one piece: the longest sequence's pages
+
+
+@pytest.mark.parametrize("lens,q_lens,P,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 8),
+                                                  ([16384, 9000], [2048, 1000], 16, 7)])
+def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first):
+    """A chunk whose own pages are mirrored in HBM (a model step's window; in a ragged batch the
+    longest history ends last), staged: its pieces end where every sequence's window has begun,
+    the pieces after are ready at the start, and the first launch starts at the first split that
+    reads only them, every split before it reading history; without a window the splits run in
+    order. Either way the last ``SPLIT_TAIL`` history splits run as a second launch after the
+    first launch's partials are combined into the extra slot, every split runs exactly once into
+    its own slot, and the final combine reads the second launch's slots and the combined one."""
+    import contextlib
+
+    from directkv_cute.kernels import launch as L
+    from directkv_cute.plan import SPLIT_TAIL, q_tiled_splits
+
+    log = []
+
+    class FakeStager:
+        lock = contextlib.nullcontext()
+
+        def stage(self, cache, layer, plan, by_head=False):
+            return torch.empty(0), torch.empty(0), 1
+
+        def finish(self):
+            log.append(("finish",))
+
+    def launch(fn, q, o, lse, host, buf, L_, layer, hkv, table, seq_lens, cu_q, flags, n_qt, slots, split_tiles,
+               epoch, piece_tiles, scale, ascending=False, flag_stride=0, heads=None, split_first=0, grid_splits=0,
+               split_wrap=0, slot_base=0):
+        runs = [(split_first + r) % split_wrap for r in range(grid_splits)]
+        log.append(("attn", runs, list(range(slot_base, slot_base + grid_splits)), slots, split_tiles, piece_tiles,
+                    o.shape[0]))
+
+    def combine(fn, o_part, lse_part, out, lse, n):
+        assert o_part.shape[0] == n == lse_part.shape[0]
+        log.append(("combine", fn, o_part.storage_offset() // o_part[0].numel(), n, out.dtype))
+
+    monkeypatch.setattr(ops, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: "attn")
+    monkeypatch.setattr(ops, "_compiled_combine", lambda d, dtype: f"combine-{dtype}")
+    monkeypatch.setattr(L, "launch_q_tiled", launch)
+    monkeypatch.setattr(L, "launch_combine", combine)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    for window in (True, False):
+        log.clear()
+        q, cache, tables, ql, group = _call(lens, q_lens, page=P)
+        hist = max((n - m) // P for n, m in zip(lens, q_lens))  # the partial page before a step is mirrored too
+        if window:
+            for b, (n, m) in enumerate(zip(lens, q_lens)):
+                row = tables.host_table[b]
+                row[(n - m) // P:] = -(np.arange((n - m) // P, row.size) + 1000 * (b + 1)) - 1
+        cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
+        assert cfg.splits > 1 and cfg.copy_order == 1
+        cache = SimpleNamespace(page_size=P, num_kv_heads=8, host_pool_cuda=None, host_pool=torch.empty(0),
+                                hbm_pool=torch.empty(0), num_layers=1)
+        ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 0, tables, ql, None, max(ql), None, None,
+                            False, cfg, plan)
+        (a1, c1, a2, done, fin) = log
+        splits = len(a1[1]) + len(a2[1])
+        piece_tiles, split_tiles = a1[5], a1[4]
+        ready_tiles = plan.ready_from * piece_tiles
+        assert (splits, split_tiles) == q_tiled_splits(math.ceil(max(lens) / 128), piece_tiles, cfg.splits,
+                                                       ready_tiles)
+        assert sorted(a1[1] + a2[1]) == list(range(splits)) and a1[2] + a2[2] == list(range(splits))
+        assert a1[3] == a1[6] == splits + 1  # one more slot: the first launch's splits combined
+        assert len(a2[1]) == SPLIT_TAIL
+        assert c1 == ("combine", "combine-torch.float32", 0, splits - SPLIT_TAIL, torch.float32)
+        assert fin == ("combine", "combine-torch.bfloat16", splits - SPLIT_TAIL, SPLIT_TAIL + 1, torch.bfloat16)
+        assert done == ("finish",)
+        if not window:
+            assert plan.ready_from == len(plan.pieces) and a1[1] == list(range(splits - SPLIT_TAIL))
+            continue
+        assert plan.ready_from * plan.piece_pages == hist  # pieces end where the windows have all begun
+        assert a1[1][0] == first  # the ready splits first, then the history in order
+        assert a1[1] == list(range(first, splits)) + list(range(first - SPLIT_TAIL))
+        assert a2[1] == list(range(first - SPLIT_TAIL, first))
+        assert (first - 1) * split_tiles < ready_tiles <= first * split_tiles

@@ -663,3 +663,96 @@ def test_copy_rates_bench_refuses_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs CUDA"):
         copy_rates.main([])
+
+
+@pytest.mark.parametrize("max_tiles,piece_tiles,want,ready,expect", [
+    (64, 8, 8, 48, (8, 8, 6)),  # 8k q2048 at page 64: 6 history splits, the window's 2 first
+    (256, 30, 8, 240, (9, 30, 8)),  # 32k q2048 over pieces of 60 pages: the window one split
+    (256, 14, 2, 252, (3, 126, 2)),  # 32k q512: two history splits and the window's four tiles
+    (64, 8, 1, 48, (1, 64, 0)),  # one split (head by head, lightest first): kept
+    (64, 8, 8, 64, (8, 8, 0)),  # nothing ready before the kernel: as without
+    (64, 8, 8, 0, (8, 8, 0)),
+])
+def test_q_tiled_splits_give_the_ready_tiles_splits_that_launch_first(max_tiles, piece_tiles, want, ready, expect):
+    from directkv_cute.plan import q_tiled_splits, ready_split
+
+    splits, per = q_tiled_splits(max_tiles, piece_tiles, want, ready)
+    first = ready_split(ready // piece_tiles, piece_tiles, per, splits) if ready else 0
+    assert (splits, per, first) == expect
+    assert per % piece_tiles == 0 and (splits - 1) * per < max_tiles <= splits * per
+    if first:  # the splits from `first` on read only ready tiles; the one before it does not
+        assert first * per >= ready > (first - 1) * per
+
+
+def test_window_piece_pages_give_the_window_pieces_of_its_own():
+    from directkv_cute.plan import window_piece_pages
+
+    assert window_piece_pages(64, 480, 512, 2) == 60  # 32k q2048 at page 64
+    assert window_piece_pages(16, 96, 128, 2) == 16  # 8k q2048: already whole pieces
+    assert window_piece_pages(64, 1016, 1024, 2) == 64  # no even divisor within [32, 128]: kept
+    assert window_piece_pages(64, 0, 512, 2) == 64 and window_piece_pages(64, 512, 512, 2) == 64
+    assert window_piece_pages(8, 90, 128, 1) == 9
+    assert window_piece_pages(8, 90, 128, 1, min_pages=10) == 10  # at least min_pages (the flag limit)
+    assert window_piece_pages(8, 90, 128, 2) == 6  # whole tiles only (6 and 10 tie: the smaller)
+
+
+def test_plan_knows_the_pieces_that_read_only_pages_already_in_hbm():
+    """``StagePlan.ready_from``: the first piece from which every piece reads only HBM entries,
+    counting every sequence's reads (a page shared with a piece copied earlier is still a host
+    page of the later piece)."""
+    t = np.array([[0, 1, 2, 3, 4, 5, -1, -2],
+                  [0, 1, 2, 2, 2, 2, 2, 2]], dtype=np.int32)  # the second shares the first three
+    plan = plan_staging(t, [8 * 16, 3 * 16], 16, 2)
+    assert (len(plan.pieces), plan.ready_from) == (4, 3)
+    assert plan_staging(t, [8 * 16, 3 * 16], 16, 3).ready_from == 2  # pieces [0,3) [3,6) [6,8)
+    t2 = t.copy()
+    t2[1] = [6, 7, 8, 9, 10, 11, 12, 0]  # the second reads host page 0 in the last piece
+    assert plan_staging(t2, [128, 128], 16, 2).ready_from == 4
+    assert plan_staging(np.where(t >= 0, -t - 1, t), [128, 48], 16, 2).ready_from == 0  # every page in HBM
+    assert plan_staging(t[:1].clip(0), [128], 16, 2).ready_from == 4  # none
+
+
+def test_stager_flags_the_ready_pieces_before_any_host_copy(monkeypatch):
+    """A window (a step's pages mirrored in HBM) staged: the flags of the pieces that read only
+    HBM pages are written before the first host copy, every other flag after its piece's copies."""
+    from types import SimpleNamespace
+
+    import torch
+
+    pages, layers, hkv, P, d, layer = 20, 2, 2, 16, 8, 0
+    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.bfloat16)
+    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.bfloat16)
+    table = np.array([[3, 4, 5, 6, 7, 8, -1, -2, -3, -4]], dtype=np.int32)
+    plan = plan_staging(table, [10 * P], P, 2)
+    assert (len(plan.pieces), plan.ready_from) == (5, 3)
+    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm)
+    events = []
+    st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
+    buf, _, epoch = st.stage(cache, layer, plan)
+    host_copies = [i for i, ev in enumerate(events) if ev[0] == "copy" and ev[1] == 1]
+    flags = {ev[1]: i for i, ev in enumerate(events) if ev[0] == "flag"}
+    assert sorted(flags) == list(range(5))
+    assert flags[3] < host_copies[0] and flags[4] < host_copies[0]
+    assert flags[0] > host_copies[0] and flags[2] > host_copies[-1]
+    for j in range(10):
+        e, s = int(table[0, j]), int(plan.table[0, j])
+        assert torch.equal(buf[-s - 1, 0], hbm[-e - 1, layer] if e < 0 else host[e, layer]), j
+
+
+def test_head_groups_may_start_with_a_smaller_group():
+    from directkv_cute.staging import MIN_COPY_ROW, head_groups
+
+    hb = MIN_COPY_ROW // 2  # two heads per group
+    assert head_groups(8, hb) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert head_groups(8, hb, first=1) == [range(0, 1), range(1, 3), range(3, 5), range(5, 7), range(7, 8)]
+    assert head_groups(1, hb, first=1) == [range(0, 1)] and head_groups(3, hb, first=5) == [range(0, 3)]
+
+
+def test_fp8_chunks_copy_a_single_head_first_only_where_compute_outlasts_the_copy():
+    """q8192 (compute longer than the 16-bit copy): one head, then pairs; q2048 and q512: pairs."""
+    from directkv_cute.ops import fp8_head_groups
+
+    for n, q, first in ((8192, 8192, 1), (32768, 8192, 1), (131072, 8192, 1), (32768, 2048, 2), (8192, 512, 2)):
+        groups = fp8_head_groups(8, 64, 128, 1, [n], [q], 32)
+        assert len(groups[0]) == first and sorted(h for g in groups for h in g) == list(range(8)), (n, q)
+        assert all(len(g) == 2 for g in groups[1:-1])

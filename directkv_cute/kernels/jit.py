@@ -264,7 +264,7 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
-        *(Int32(1) for _ in range(17)), Float32(1.0), cuda.CUstream(0),
+        *(Int32(1) for _ in range(21)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 

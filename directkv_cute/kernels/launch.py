@@ -84,14 +84,22 @@ def _head_range(heads, num_kv_heads: int) -> range:
 
 def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, page_table, seq_lens, cu_q, ready,
                    n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0,
-                   heads=None):
+                   heads=None, split_first=0, grid_splits=0, split_wrap=0, slot_base=0):
     """Run the compiled Q-tiled kernel over ``hbm`` (the HBM pool, or a staging buffer with one
     layer); ``host`` only stands in for the unused host pool. ``flag_stride``: ready flags per KV
     head of a copy staged head by head (0: the heads share each piece's flag). ``heads``: a range
-    of KV heads to run (their query, output and LSE rows; default all)."""
+    of KV heads to run (their query, output and LSE rows; default all). ``num_splits``: the partial
+    slots of ``out``/``lse`` (split_out). The launch runs ``grid_splits`` (default all) splits from
+    ``split_first`` on, wrapping at ``split_wrap`` (default ``num_splits``), into slots from
+    ``slot_base``."""
     from cutlass import Float32, Int32
 
     heads = _head_range(heads, num_kv_heads)
+    grid_splits, split_wrap = grid_splits or num_splits, split_wrap or num_splits
+    if not (0 <= split_first < split_wrap and 0 <= slot_base and slot_base + grid_splits <= num_splits
+            and grid_splits <= split_wrap) or (flag_stride and (split_first or grid_splits != num_splits)):
+        raise ValueError(f"splits {split_first} + [0, {grid_splits}) wrapped at {split_wrap} into slots from {slot_base} "
+                         f"do not fit {num_splits} slots (with flag_stride: every split, from 0)")
     if flag_stride and len(heads) != num_kv_heads:
         raise ValueError("a copy staged head by head (flag_stride) needs a launch over every KV head")
     batch, max_pages = page_table.shape
@@ -101,7 +109,8 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
         Int32(batch), Int32(q.shape[0]), Int32(num_kv_heads), Int32(num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(n_q_tiles), Int32(num_splits),
         Int32(split_tiles), Int32(int(ascending)), Int32(epoch), Int32(piece_tiles), Int32(flag_stride),
-        Int32(heads.start), Int32(len(heads)), Float32(scale * LOG2_E),
+        Int32(heads.start), Int32(len(heads)), Int32(grid_splits), Int32(split_first), Int32(split_wrap),
+        Int32(slot_base), Float32(scale * LOG2_E),
         _stream(),
     )
 

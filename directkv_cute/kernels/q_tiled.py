@@ -83,6 +83,10 @@ class QTiledAttention(PagedAttention):
         flag_stride: Int32,
         head_base: Int32,
         grid_heads: Int32,
+        grid_splits: Int32,
+        split_first: Int32,
+        split_wrap: Int32,
+        slot_base: Int32,
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
@@ -94,9 +98,9 @@ class QTiledAttention(PagedAttention):
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
             num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, flag_stride, head_base,
-            scale_log2, h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
+            split_first, split_wrap, slot_base, scale_log2, h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
-            grid=[n_x, grid_heads, batch * num_splits],
+            grid=[n_x, grid_heads, batch * grid_splits],
             block=[self.num_threads, 1, 1],
             cluster=[C, 1, 1] if const_expr(C > 1) else None,
             smem=self.shared_storage.size_in_bytes(),
@@ -129,6 +133,9 @@ class QTiledAttention(PagedAttention):
         piece_tiles: Int32,
         flag_stride: Int32,
         head_base: Int32,
+        split_first: Int32,
+        split_wrap: Int32,
+        slot_base: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -137,7 +144,8 @@ class QTiledAttention(PagedAttention):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, split_tiles, ascending, flag_stride, head_base)
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, split_tiles, ascending, flag_stride, head_base,
+                                   split_first, split_wrap, slot_base)
         sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
 
         if warp_idx < 4:
@@ -169,14 +177,18 @@ class QTiledAttention(PagedAttention):
 
     @cute.jit
     def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, num_kv_heads, split_tiles, ascending,
-                  flag_stride, head_base):
+                  flag_stride, head_base, split_first, split_wrap, slot_base):
         """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
         (heaviest) down, or with ``ascending`` from the first (the lightest, whose keys a staged
         copy lands first), y over KV heads, z over (split, sequence), split-major: split s owns KV
         tiles [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged
-        pages land first) run first. With ``flag_stride`` (a copy staged head by head, one split)
-        the launch order (x, then y, then z) is remapped to KV head outermost, the order the copy
-        lands the heads in. Grid y covers KV heads [``head_base``, ``head_base`` + grid y): all of
+        pages land first) run first. A launch may cover some of the splits: its z rank r runs split
+        ``split_first`` + r, wrapped at ``split_wrap`` (the splits from ``split_first`` on read pages
+        that were in HBM before the copy began, a step's own tokens mirrored, whose CTAs then run
+        while the copy lands the history), and writes partial slot ``slot_base`` + r, so the slots of
+        a launch are contiguous whatever its splits. With ``flag_stride`` (a copy staged head by
+        head, one split) the launch order (x, then y, then z) is remapped to KV head outermost, the
+        order the copy lands the heads in. Grid y covers KV heads [``head_base``, ``head_base`` + grid y): all of
         them (``head_base`` 0, always with ``flag_stride``, whose remap spans every head) or a few,
         as a launch per KV head does. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
         causal range of the cluster's last query token. A cluster past its sequence's queries or
@@ -189,8 +201,12 @@ class QTiledAttention(PagedAttention):
             kvh = yz // batch
             z = yz - kvh * batch
         kvh = kvh + head_base
-        split = z // batch
-        b = z - split * batch
+        z_rank = z // batch
+        b = z - z_rank * batch
+        split = z_rank + split_first
+        if split >= split_wrap:
+            split = split - split_wrap
+        slot = z_rank + slot_base
         seq_len = mSeqLen[b]
         q_start = mCuQ[b]
         q_len = mCuQ[b + 1] - q_start
@@ -212,7 +228,7 @@ class QTiledAttention(PagedAttention):
         n_pages = (seq_len + self.page_size - 1) // self.page_size
         if const_expr(C == 1):
             rank = 0
-        return CtaWork(split, kvh, b, rank, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
+        return CtaWork(slot, kvh, b, rank, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
 
     @cute.jit
     def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
