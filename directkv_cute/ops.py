@@ -828,7 +828,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     first; with ``split_launches``' two launches the first one's partials are combined into one
     between them (fp32), and the final combine reads that and the second one's."""
     from directkv_cute.kernels.launch import launch_combine, launch_q_tiled, link_counters
-    from directkv_cute.plan import SPLIT_TAIL, q_tiled_splits, ready_split, split_launches
+    from directkv_cute.plan import SPLIT_TAIL, copy_time_ms, q_tiled_splits, ready_split, split_launches
 
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
@@ -846,8 +846,9 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         ready = plan.ready_from * piece_tiles if not by_head and cfg.order != 2 else 0
         splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits, ready)
         if not by_head and cfg.order != 2:
+            copy_ms = copy_time_ms(plan.host_pages * 2 * hkv * P * d * host.element_size(), 0)  # one layer
             launches = split_launches(splits, ready_split(plan.ready_from, piece_tiles, split_tiles, splits) if ready
-                                      else 0, SPLIT_TAIL)
+                                      else 0, SPLIT_TAIL, copy_ms)
     slots = splits + (len(launches) > 1)  # the first launch's splits combined into the last slot
     fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, splits > 1)
     if out is None:

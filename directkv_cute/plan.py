@@ -369,18 +369,24 @@ def window_piece_pages(piece_pages: int, ready_page: int, max_pages: int, tile_p
 # after their pieces land, then the combine reads every split's partials (73 us of 8 splits at
 # q2048, measured 2026-12-02). ``SPLIT_TAIL`` last history splits run as a launch of their own: the
 # splits before them are combined into one partial while those last pieces still copy, and the
-# final combine reads SPLIT_TAIL + 1 partials.
+# final combine reads SPLIT_TAIL + 1 partials. Worth it where those pieces' copy takes at least
+# ``SPLIT_TAIL_MIN_MS`` (measured 2026-12-02 at q2048 over host pages, one launch vs two: 8k 0.764
+# vs 0.771 ms (0.16 ms of tail copy), 16k 1.417 vs 1.385, 32k 2.733 vs 2.697, 128k 10.59 vs 10.55;
+# with the step's own pages in HBM 8k 0.647 vs 0.666, 16k 1.301 vs 1.268, 32k 2.622 vs 2.573).
 SPLIT_TAIL = 2
+SPLIT_TAIL_MIN_MS = 0.25
 
 
-def split_launches(splits: int, ready_first: int = 0, tail: int = SPLIT_TAIL) -> tuple[tuple[int, int, int], ...]:
+def split_launches(splits: int, ready_first: int = 0, tail: int = SPLIT_TAIL,
+                   copy_ms: float = float("inf")) -> tuple[tuple[int, int, int], ...]:
     """The Q-tiled launches of a staged call in ``splits`` KV splits, as (splits it runs, first
     split, first partial slot); ``ready_first``: the first split that reads only pages ready at the
-    start (``ready_split``; 0: none), launched first. With ``tail`` and at least two splits left
-    before them, two: every split but the last ``tail`` ones that read history, then those (their
-    slots after the first launch's; the caller combines the first launch's slots into slot
-    ``splits`` between the two); else one over every split."""
+    start (``ready_split``; 0: none), launched first. With ``tail``, at least two splits left
+    before them and the copy of the last ``tail`` history splits' pieces (``tail`` / history splits
+    of ``copy_ms``, the copy of every host page) at least ``SPLIT_TAIL_MIN_MS``: two launches, every
+    split but those, then those (their slots after the first launch's; the caller combines the
+    first launch's slots into slot ``splits`` between the two); else one over every split."""
     hist = ready_first or splits
-    if splits > 1 and tail and hist > tail and splits - tail >= 2:
+    if splits > 1 and tail and hist > tail and splits - tail >= 2 and copy_ms * tail / hist >= SPLIT_TAIL_MIN_MS:
         return (splits - tail, ready_first, 0), (tail, hist - tail, splits - tail)
     return ((splits, ready_first, 0),)

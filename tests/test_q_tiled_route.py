@@ -522,16 +522,17 @@ def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
     assert made == [625]  # one plan, of one piece: the longest sequence's pages
 
 
-@pytest.mark.parametrize("lens,q_lens,P,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 8),
-                                                  ([16384, 9000], [2048, 1000], 16, 7)])
-def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first):
+@pytest.mark.parametrize("lens,q_lens,P,first,two", [([8192], [2048], 64, 6, False), ([32768], [2048], 64, 8, True),
+                                                      ([16384, 9000], [2048, 1000], 16, 7, True)])
+def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first, two):
     """A chunk whose own pages are mirrored in HBM (a model step's window; in a ragged batch the
     longest history ends last), staged: its pieces end where every sequence's window has begun,
     the pieces after are ready at the start, and the first launch starts at the first split that
     reads only them, every split before it reading history; without a window the splits run in
-    order. Either way the last ``SPLIT_TAIL`` history splits run as a second launch after the
-    first launch's partials are combined into the extra slot, every split runs exactly once into
-    its own slot, and the final combine reads the second launch's slots and the combined one."""
+    order. Where their pieces' copy is long enough (32k; not at 8k) the last ``SPLIT_TAIL``
+    history splits run as a second launch after the first launch's partials are combined into the
+    extra slot, and the final combine reads the second launch's slots and the combined one; every
+    split runs exactly once, into its own slot."""
     import contextlib
 
     from directkv_cute.kernels import launch as L
@@ -575,27 +576,32 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
                 row[(n - m) // P:] = -(np.arange((n - m) // P, row.size) + 1000 * (b + 1)) - 1
         cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
         assert cfg.splits > 1 and cfg.copy_order == 1
-        cache = SimpleNamespace(page_size=P, num_kv_heads=8, host_pool_cuda=None, host_pool=torch.empty(0),
-                                hbm_pool=torch.empty(0), num_layers=1)
+        cache = SimpleNamespace(page_size=P, num_kv_heads=8, host_pool_cuda=None,
+                                host_pool=torch.empty(0, dtype=q.dtype), hbm_pool=torch.empty(0), num_layers=1)
         ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 0, tables, ql, None, max(ql), None, None,
                             False, cfg, plan)
-        (a1, c1, a2, done, fin) = log
+        if not two:  # one launch over every split, one combine
+            (a1, done, fin), a2, t = log, ("attn", [], []), 0
+        else:
+            (a1, c1, a2, done, fin), t = log, SPLIT_TAIL
         splits = len(a1[1]) + len(a2[1])
         piece_tiles, split_tiles = a1[5], a1[4]
         ready_tiles = plan.ready_from * piece_tiles
         assert (splits, split_tiles) == q_tiled_splits(math.ceil(max(lens) / 128), piece_tiles, cfg.splits,
                                                        ready_tiles)
         assert sorted(a1[1] + a2[1]) == list(range(splits)) and a1[2] + a2[2] == list(range(splits))
-        assert a1[3] == a1[6] == splits + 1  # one more slot: the first launch's splits combined
-        assert len(a2[1]) == SPLIT_TAIL
-        assert c1 == ("combine", "combine-torch.float32", 0, splits - SPLIT_TAIL, torch.float32)
-        assert fin == ("combine", "combine-torch.bfloat16", splits - SPLIT_TAIL, SPLIT_TAIL + 1, torch.bfloat16)
+        assert a1[3] == a1[6] == splits + bool(t)  # two launches: a slot for the first one's splits combined
+        assert len(a2[1]) == t
+        if t:
+            assert c1 == ("combine", "combine-torch.float32", 0, splits - t, torch.float32)
+        assert fin == ("combine", "combine-torch.bfloat16", splits - t if t else 0, t + 1 if t else splits,
+                       torch.bfloat16)
         assert done == ("finish",)
         if not window:
-            assert plan.ready_from == len(plan.pieces) and a1[1] == list(range(splits - SPLIT_TAIL))
+            assert plan.ready_from == len(plan.pieces) and a1[1] == list(range(splits - t))
             continue
         assert plan.ready_from * plan.piece_pages == hist  # pieces end where the windows have all begun
         assert a1[1][0] == first  # the ready splits first, then the history in order
-        assert a1[1] == list(range(first, splits)) + list(range(first - SPLIT_TAIL))
-        assert a2[1] == list(range(first - SPLIT_TAIL, first))
+        assert a1[1] == list(range(first, splits)) + list(range(first - t))
+        assert a2[1] == list(range(first - t, first))
         assert (first - 1) * split_tiles < ready_tiles <= first * split_tiles

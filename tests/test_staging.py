@@ -756,3 +756,14 @@ def test_fp8_chunks_copy_a_single_head_first_only_where_compute_outlasts_the_cop
         groups = fp8_head_groups(8, 64, 128, 1, [n], [q], 32)
         assert len(groups[0]) == first and sorted(h for g in groups for h in g) == list(range(8)), (n, q)
         assert all(len(g) == 2 for g in groups[1:-1])
+
+
+def test_split_launches_run_the_last_history_splits_apart_only_over_a_long_enough_copy():
+    from directkv_cute.plan import SPLIT_TAIL_MIN_MS, split_launches
+
+    long, short = 8 * SPLIT_TAIL_MIN_MS, 2 * SPLIT_TAIL_MIN_MS
+    assert split_launches(8, 0, 2, long) == ((6, 0, 0), (2, 6, 6))
+    assert split_launches(8, 6, 2, long) == ((6, 6, 0), (2, 4, 6))  # the ready splits 6, 7 lead the first
+    assert split_launches(8, 0, 2, short) == ((8, 0, 0),)  # 2/8 of the copy under the threshold
+    assert split_launches(8, 6, 0, long) == ((8, 6, 0),) and split_launches(3, 0, 2, long) == ((3, 0, 0),)
+    assert split_launches(1, 0, 2, long) == ((1, 0, 0),)
