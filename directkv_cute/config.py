@@ -398,7 +398,9 @@ class QTiledConfig:
                  the first piece instead of the whole copy.
     splits:      staging only: KV splits (0 = the op's choice), each a run of pieces written as
                  fp32 partials and combined: the CTAs of early splits run while later pieces still
-                 copy, instead of every CTA's walk being paced by the copy.
+                 copy, instead of every CTA's walk being paced by the copy. Pages already in HBM
+                 at the end of the call (a step's own tokens mirrored) get splits of their own
+                 beyond these, launched first (``plan.q_tiled_splits``, ``plan.ready_split``).
     order:       staging only: launch order of the query tiles (0 = the op's choice; 1 = heaviest
                  first; 2 = lightest first, one split: the tiles that need the fewest keys run
                  while the copy lands the rest, as in a prefill from the first token).
