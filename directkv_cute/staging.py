@@ -59,13 +59,10 @@ class StagePlan:
     table: np.ndarray  # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1)
     pages: int  # staging pages used
     piece_pages: int  # pp
-    hbm_from: int = -1  # pieces from this one on read only pages that were in HBM (-1: no piece)
-
-    @property
-    def ready_from(self) -> int:
-        """The first piece whose pages, and every later piece's, were all in HBM before the call
-        (a step's own tokens mirrored): copied ahead of the kernel, so ready when it starts."""
-        return len(self.pieces) if self.hbm_from < 0 else self.hbm_from
+    # The first piece whose pages, and every later piece's, were all in HBM before the call (a
+    # step's own tokens mirrored): copied ahead of the kernel, so ready when it starts (len(pieces):
+    # none).
+    ready_from: int
 
     @property
     def host_pages(self) -> int:
@@ -143,8 +140,8 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     staged = np.where(past, last[:, None], staged)
     pieces = _runs(flat[first[order]], piece_of[first[order]], n_pieces)  # entries in staging order
     host = flat >= 0
-    hbm_from = int(piece_of[host].max()) + 1 if host.any() else 0
-    return StagePlan(pieces, staged, int(len(uniq)), piece_pages, hbm_from if hbm_from < n_pieces else -1)
+    ready_from = int(piece_of[host].max()) + 1 if host.any() else 0
+    return StagePlan(pieces, staged, int(len(uniq)), piece_pages, ready_from)
 
 
 def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 0) -> None:
