@@ -73,3 +73,17 @@ def test_timeline_refuses_what_it_cannot_stamp(capsys, monkeypatch):
     assert main(["timeline", "--kv-dtype", "fp8"]) == 2
     assert main(["timeline", "--config", '{"kernel": "q_tiled"}']) == 2
     assert "16-bit pages" in capsys.readouterr().err
+
+
+def test_window_option_reaches_the_shape_spec(monkeypatch):
+    """``--window`` (the query tokens' pages mirrored in HBM) is part of the spec the GPU run
+    (breakdown or timeline) builds its shape from; without it the shape has none."""
+    import argparse
+
+    from bench import breakdown
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    p = argparse.ArgumentParser()
+    breakdown.add_shape_arguments(p, 8192, "the default")
+    assert breakdown.shape_spec(p.parse_args(["--q-len", "2048", "--window"]), "breakdown")["window"] is True
+    assert breakdown.shape_spec(p.parse_args([]), "breakdown")["window"] is False
