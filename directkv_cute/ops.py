@@ -390,15 +390,15 @@ def hbm_runs_per_sequence(host_table, n_pages) -> int:
 
 
 def ready_page(host_table, n_pages) -> int:
-    """The first logical page from which every sequence's pages are HBM entries (its pages past
-    its last host page), or the longest sequence's page count where its last page is on the host.
-    Plain host work."""
+    """The first logical page from which every sequence's pages (its first ``n_pages[b]`` table
+    entries) are HBM entries: one past the last host page of any sequence. Plain host work."""
     table = np.asarray(host_table)
-    out = 0
-    for b, n in enumerate(n_pages):
-        host = np.flatnonzero(table[b, :n] >= 0)
-        out = max(out, int(host[-1]) + 1 if host.size else 0)
-    return out
+    if not len(table):
+        return 0
+    live = np.arange(table.shape[1])[None, :] < np.asarray(n_pages)[:, None]
+    host = (table >= 0) & live
+    past_last = table.shape[1] - np.argmax(host[:, ::-1], axis=1)  # one past each row's last host page
+    return int(np.where(host.any(axis=1), past_last, 0).max())
 
 
 def _staged_tables(plan, tables, lens, device):
@@ -756,8 +756,9 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     coarse_link = chunk and ctas > _num_sms(device_index) and trails_copy(n_host * page_bytes, flops)
     pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=LINK_BOUND_PIECES if coarse_link else 16)
-    window = chunk and hbm_runs_per_sequence(host_table, n_pages) <= 1
-    if window and not cfg.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start
+    hbm_runs = hbm_runs_per_sequence(host_table, n_pages) if chunk else 0
+    window = chunk and hbm_runs <= 1
+    if hbm_runs == 1 and not cfg.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start
         pp = window_piece_pages(pp, ready_page(host_table, n_pages), max(n_pages), max(1, cfg.tile_n // P),
                                 math.ceil(max(n_pages) / MAX_PIECES))
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
@@ -828,7 +829,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     first; with ``split_launches``' two launches the first one's partials are combined into one
     between them (fp32), and the final combine reads that and the second one's."""
     from directkv_cute.kernels.launch import launch_combine, launch_q_tiled, link_counters
-    from directkv_cute.plan import SPLIT_TAIL, copy_time_ms, q_tiled_splits, ready_split, split_launches
+    from directkv_cute.plan import copy_time_ms, q_tiled_splits, ready_split, split_launches
 
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
@@ -843,12 +844,13 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         splits, split_tiles, piece_tiles = 1, max_tiles, 1
     else:
         piece_tiles = plan.piece_pages * P // cfg.tile_n
-        ready = plan.ready_from * piece_tiles if not by_head and cfg.order != 2 else 0
-        splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits, ready)
-        if not by_head and cfg.order != 2:
+        if by_head or cfg.order == 2:  # one split, in the order the copy lands
+            splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits)
+        else:
+            splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits, plan.ready_from * piece_tiles)
             copy_ms = copy_time_ms(plan.host_pages * 2 * hkv * P * d * host.element_size(), 0)  # one layer
-            launches = split_launches(splits, ready_split(plan.ready_from, piece_tiles, split_tiles, splits) if ready
-                                      else 0, SPLIT_TAIL, copy_ms)
+            launches = split_launches(splits, ready_split(plan.ready_from, piece_tiles, split_tiles, splits),
+                                      copy_ms=copy_ms)
     slots = splits + (len(launches) > 1)  # the first launch's splits combined into the last slot
     fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, splits > 1)
     if out is None:

@@ -83,8 +83,9 @@ def head_groups(heads: int, head_bytes: int, first: int = 0) -> list[range]:
     ``MIN_COPY_ROW`` bytes (the last group may be smaller): the steps of a copy staged by head.
     With ``first``, the first group is that many heads, the rest grouped so from there."""
     g = min(heads, max(1, math.ceil(MIN_COPY_ROW / head_bytes)))
-    first = min(first, heads) if first > 0 else 0
-    return [range(0, first)] * bool(first) + [range(h, min(heads, h + g)) for h in range(first, heads, g)]
+    first = min(max(first, 0), heads)
+    lead = [range(0, first)] if first else []
+    return lead + [range(h, min(heads, h + g)) for h in range(first, heads, g)]
 
 
 def _runs(entries: np.ndarray, piece: np.ndarray, n_pieces: int) -> tuple[tuple[Run, ...], ...]:

@@ -767,3 +767,13 @@ def test_split_launches_run_the_last_history_splits_apart_only_over_a_long_enoug
     assert split_launches(8, 0, 2, short) == ((8, 0, 0),)  # 2/8 of the copy under the threshold
     assert split_launches(8, 6, 0, long) == ((8, 6, 0),) and split_launches(3, 0, 2, long) == ((3, 0, 0),)
     assert split_launches(1, 0, 2, long) == ((1, 0, 0),)
+
+
+def test_ready_page_is_one_past_every_sequences_last_host_page():
+    from directkv_cute.ops import ready_page
+
+    t = np.array([[0, 1, 2, -1, -2], [5, 6, -3, -3, -3]], dtype=np.int32)
+    assert ready_page(t, [5, 2]) == 3  # the second sequence's pages past its length do not count
+    assert ready_page(t, [2, 2]) == 2
+    assert ready_page(np.array([[-1, -2]], dtype=np.int32), [2]) == 0  # every page in HBM
+    assert ready_page(np.array([[0, 1]], dtype=np.int32), [2]) == 2  # none
