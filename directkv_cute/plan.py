@@ -199,14 +199,22 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     return copy_time_ms(host_bytes, copy_calls) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
 
 
-def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int, waiting: float = 0.0) -> float:
+def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int, waiting: float = 0.0,
+              chain: bool = False) -> float:
     """A staged call in ``splits`` KV splits: the first split's copy is exposed (the CTAs of a
     split are paced by its pieces), then max(the rest of the copy, the compute), plus the
     partials of every split when there are several (``partial_bytes`` per split, written and
-    read back). ``waiting``: the share of a split's CTAs that find no SM while its pieces land
-    (1 - SMs / CTAs per split): their part of the last split's compute comes after the copy."""
+    read back). With ``chain`` (the kernel folds each split into one accumulator as it ends) only
+    the last split's fold follows the copy; the others' run with the compute, so they count there.
+    ``waiting``: the share of a split's CTAs that find no SM while its pieces land (1 - SMs / CTAs
+    per split): their part of the last split's compute comes after the copy."""
     first = copy_ms / splits
-    partials = splits * partial_bytes / (PARTIAL_GBPS * 1e6) if splits > 1 else 0.0
+    partials = 0.0
+    if splits > 1:
+        per_split = partial_bytes / (PARTIAL_GBPS * 1e6)
+        partials = per_split if chain else splits * per_split
+        if chain:
+            compute_ms += (splits - 1) * per_split
     body = max(first + max(copy_ms - first, compute_ms), copy_ms + waiting * compute_ms / splits)
     return body + partials + STAGE_OVERHEAD_MS
 
@@ -261,7 +269,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
                   head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
-                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0) -> StagedChoice:
+                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0, chain: bool = False) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
     ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
@@ -275,7 +283,8 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     one wave) one split over those pieces. Each piece's ready flag costs ``FLAG_MS`` of the copy
     (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
     ``split_ctas`` (CTAs of one split) over ``sms`` SMs: the split's CTAs beyond one per SM run
-    after their pieces have landed (``staged_ms``'s ``waiting``)."""
+    after their pieces have landed (``staged_ms``'s ``waiting``); ``chain``: the kernel folds the
+    splits itself (``staged_ms``)."""
     read = host_bytes if in_place_bytes is None else in_place_bytes
     link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
@@ -285,8 +294,9 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
     waiting = max(0.0, 1.0 - sms / split_ctas) if split_ctas and sms else 0.0
-    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting))
-    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting)
+    best = min((splits,) if splits else SPLIT_CHOICES,
+               key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting, chain))
+    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting, chain)
     ascending = by_head = coarse = False
     if wave_calls and splits in (0, 1):
         ow = d2d_ms + one_wave_ms(copy_time_ms(host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)

@@ -522,17 +522,19 @@ def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
     assert made == [625]  # one plan, of one piece: the longest sequence's pages
 
 
+@pytest.mark.parametrize("chain", [True, False])
 @pytest.mark.parametrize("lens,q_lens,P,first,two", [([8192], [2048], 64, 6, False), ([32768], [2048], 64, 8, True),
                                                       ([16384, 9000], [2048, 1000], 16, 7, True)])
-def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first, two):
+def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first, two, chain):
     """A chunk whose own pages are mirrored in HBM (a model step's window; in a ragged batch the
     longest history ends last), staged: its pieces end where every sequence's window has begun,
     the pieces after are ready at the start, and the first launch starts at the first split that
     reads only them, every split before it reading history; without a window the splits run in
-    order. Where their pieces' copy is long enough (32k; not at 8k) the last ``SPLIT_TAIL``
-    history splits run as a second launch after the first launch's partials are combined into the
-    extra slot, and the final combine reads the second launch's slots and the combined one; every
-    split runs exactly once, into its own slot."""
+    order. Folded in the kernel (``chain``): one launch over every split, no combine. Else, where
+    their pieces' copy is long enough (32k; not at 8k) the last ``SPLIT_TAIL`` history splits run
+    as a second launch after the first launch's partials are combined into the extra slot, and the
+    final combine reads the second launch's slots and the combined one; every split runs exactly
+    once, into its own slot."""
     import contextlib
 
     from directkv_cute.kernels import launch as L
@@ -551,10 +553,11 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
 
     def launch(fn, q, o, lse, host, buf, L_, layer, hkv, table, seq_lens, cu_q, flags, n_qt, slots, split_tiles,
                epoch, piece_tiles, scale, ascending=False, flag_stride=0, heads=None, split_first=0, grid_splits=0,
-               split_wrap=0, slot_base=0):
+               split_wrap=0, slot_base=0, chain=None):
         runs = [(split_first + r) % split_wrap for r in range(grid_splits)]
+        assert (chain is not None) == folded and (not folded or chain[0].shape == o.shape == q.shape)
         log.append(("attn", runs, list(range(slot_base, slot_base + grid_splits)), slots, split_tiles, piece_tiles,
-                    o.shape[0]))
+                    slots if folded else o.shape[0]))
 
     def combine(fn, o_part, lse_part, out, lse, n):
         assert o_part.shape[0] == n == lse_part.shape[0]
@@ -566,6 +569,8 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
     monkeypatch.setattr(L, "launch_q_tiled", launch)
     monkeypatch.setattr(L, "launch_combine", combine)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(ops, "Q_TILED_CHAIN", chain)
+    folded, two = chain, two and not chain
     for window in (True, False):
         log.clear()
         q, cache, tables, ql, group = _call(lens, q_lens, page=P)
@@ -580,7 +585,10 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
                                 host_pool=torch.empty(0, dtype=q.dtype), hbm_pool=torch.empty(0), num_layers=1)
         ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 0, tables, ql, None, max(ql), None, None,
                             False, cfg, plan)
-        if not two:  # one launch over every split, one combine
+        if folded:  # one launch over every split, folded in the kernel
+            (a1, done), a2, t = log, ("attn", [], []), 0
+            fin = ("combine", "combine-torch.bfloat16", 0, len(a1[1]), torch.bfloat16)
+        elif not two:  # one launch over every split, one combine
             (a1, done, fin), a2, t = log, ("attn", [], []), 0
         else:
             (a1, c1, a2, done, fin), t = log, SPLIT_TAIL
@@ -605,3 +613,45 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         assert a1[1] == list(range(first, splits)) + list(range(first - t))
         assert a2[1] == list(range(first - t, first))
         assert (first - 1) * split_tiles < ready_tiles <= first * split_tiles
+
+
+def test_launch_q_tiled_checks_split_and_chain_arguments():
+    """The launch refuses split ranges outside the partial slots, a head-by-head copy over some
+    splits, and a chained launch that is not one launch over every split from slot 0 with an fp32
+    accumulator shaped as q and enough turn counters, before the kernel is called; valid
+    arguments reach it (12 pointers: the chain's three after the ready flags)."""
+    pytest.importorskip("cutlass")
+    from directkv_cute.kernels import launch as L
+
+    calls = []
+    fn = lambda *a: calls.append(a)  # noqa: E731
+    total_q, hq, hkv, d, n_qt = 96, 32, 8, 128, 3
+    q = torch.zeros(total_q, hq, d, dtype=torch.bfloat16)
+    out, lse = torch.zeros_like(q), torch.zeros(total_q, hq)
+    pool = torch.zeros(4, 1, hkv, 2, 64, d, dtype=torch.bfloat16)
+    table, lens, cu_q = torch.zeros(1, 4, dtype=torch.int32), torch.tensor([256], dtype=torch.int32), \
+        torch.tensor([0, total_q], dtype=torch.int32)
+    ready = torch.zeros(8, dtype=torch.int32)
+    acc, acc_lse = torch.zeros(q.shape), torch.zeros(total_q, hq)
+    turns = torch.zeros(L.chain_turn_count(1, hkv, n_qt), dtype=torch.int32)
+    base = (fn, q, out, lse, pool, pool, 1, 0, hkv, table, lens, cu_q, ready, n_qt, 4, 2, 1, 1, 1.0)
+    bad = [dict(split_first=4), dict(grid_splits=3, slot_base=2), dict(flag_stride=4, split_first=1),
+           dict(chain=(acc, acc_lse, turns), grid_splits=3), dict(chain=(acc, acc_lse, turns), slot_base=1, grid_splits=3),
+           dict(chain=(acc.to(torch.bfloat16), acc_lse, turns)), dict(chain=(acc[:-1], acc_lse, turns)),
+           dict(chain=(acc, acc_lse, turns[:-1]))]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            L.launch_q_tiled(*base, **kw)
+    assert not calls
+    monkey_stream = pytest.MonkeyPatch()
+    monkey_stream.setattr(L, "_stream", lambda: None)
+    try:
+        L.launch_q_tiled(*base, chain=(acc, acc_lse, turns), split_first=2)
+        L.launch_q_tiled(*base, grid_splits=2, split_first=3, slot_base=2)
+    finally:
+        monkey_stream.undo()
+    assert len(calls) == 2 and all(len(c) == 12 + 21 + 2 for c in calls)
+    where = lambda c: [(p._pointer, str(p.dtype)) for p in c[9:12]]  # noqa: E731
+    assert where(calls[0]) == [(acc.data_ptr(), "Float32"), (acc_lse.data_ptr(), "Float32"),
+                               (turns.data_ptr(), "Int32")]
+    assert where(calls[1]) == [(lse.data_ptr(), "Float32"), (lse.data_ptr(), "Float32"), (ready.data_ptr(), "Int32")]

@@ -230,7 +230,7 @@ def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size:
     # piece_pages, splits, order and copy_order are runtime arguments (piece_tiles, num_splits /
     # split_tiles, ascending, flag_stride), except that more than one split writes partials
     # (split_out); the spec fixes them in the key, everything else generates code.
-    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(split_out),
+    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), int(split_out),
             *specs.get("q_tiled").key_values(cfg, head_dim))
 
 
@@ -259,11 +259,12 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     from directkv_cute.kernels.q_tiled import QTiledAttention
 
     dt = cutlass_dtype(dtype)
-    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready, split_out)
-    o_dt = cutlass.Float32 if split_out else dt
+    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready, int(split_out))
+    o_dt = cutlass.Float32 if int(split_out) == 1 else dt
     args = (
         _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
+        _ptr(cutlass.Float32), _ptr(cutlass.Float32, 4), _ptr(cutlass.Int32, 4),
         *(Int32(1) for _ in range(21)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)

@@ -45,10 +45,13 @@ class QTiledAttention(PagedAttention):
     """Q-outer over HBM-resident KV: each CTA's 128 query rows walk all their KV tiles."""
 
     def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: QTiledConfig, wait_ready: bool,
-                 split_out: bool = False):
+                 split_out: int = 0):
         ring = cfg.ring_config()
-        super().__init__(dtype, head_dim, page_size, group, ring, split_out, copy_rows=min(page_size, cfg.tile_n),
+        super().__init__(dtype, head_dim, page_size, group, ring, split_out == 1, copy_rows=min(page_size, cfg.tile_n),
                          occupancy=1, tail=True)
+        # The splits of a launch fold into one fp32 accumulator in launch order, the last writing
+        # the final O and LSE (no partial slots, no combine).
+        self.chain = split_out == 2
         self.wait_ready = wait_ready
         self.producer.wait_ready = wait_ready
         self.pingpong = bool(cfg.pingpong)
@@ -66,6 +69,9 @@ class QTiledAttention(PagedAttention):
         seq_lens_ptr: cute.Pointer,  # (B,) int32
         cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
         ready_ptr: cute.Pointer,  # (pieces,) int32 ready flags of the staged pieces (wait_ready)
+        acc_ptr: cute.Pointer,  # chain: (total_q, Hq, d) fp32 running O of the splits so far
+        acc_lse_ptr: cute.Pointer,  # chain: (total_q, Hq) fp32 their LSE
+        turn_ptr: cute.Pointer,  # chain: (B, Hkv, grid x, 2) int32 splits folded per warpgroup's rows, zeroed
         batch: Int32,
         total_q: Int32,
         num_kv_heads: Int32,
@@ -95,8 +101,14 @@ class QTiledAttention(PagedAttention):
         mReady = cute.make_tensor(ready_ptr, cute.make_layout(max_pages * num_kv_heads))  # (flags,)
         C = self.cluster
         n_x = (n_q_tiles + C - 1) // C * C  # whole clusters of query tiles
+        hq = num_kv_heads * self.group
+        mAcc = cute.make_tensor(acc_ptr, cute.make_layout((1, total_q, hq, self.head_dim),
+                                                          stride=(0, cute.assume(hq * self.head_dim, divby=64),
+                                                                  self.head_dim, 1)))  # (1, total_q, Hq, d)
+        mAccLSE = cute.make_tensor(acc_lse_ptr, cute.make_layout((1, total_q, hq), stride=(0, hq, 1)))  # (1, total_q, Hq)
+        mTurn = cute.make_tensor(turn_ptr, cute.make_layout(batch * num_kv_heads * n_x * 2))  # (B * Hkv * n_x * 2,)
         self.kernel(
-            h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady,
+            h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady, mAcc, mAccLSE, mTurn,
             num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, flag_stride, head_base,
             split_first, split_wrap, slot_base, scale_log2, h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
@@ -123,6 +135,9 @@ class QTiledAttention(PagedAttention):
         mSeqLen: cute.Tensor,  # (B,)
         mCuQ: cute.Tensor,  # (B + 1,)
         mReady: cute.Tensor,  # (flags,) int32: piece p of KV head h at h * flag_stride + p
+        mAcc: cute.Tensor,  # (1, total_q, Hq, d) fp32 (chain)
+        mAccLSE: cute.Tensor,  # (1, total_q, Hq) fp32 (chain)
+        mTurn: cute.Tensor,  # (B * Hkv * n_x * 2,) int32 (chain)
         num_kv_heads: Int32,
         num_layers: Int32,
         layer: Int32,
@@ -167,8 +182,11 @@ class QTiledAttention(PagedAttention):
             softmax_reset(w.acc_O, w.row_max, w.row_sum)
             self.attend_all(w, cta, kv_pipe, tok0, scale_log2)
             softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
-            self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0,
-                           tok0, self.q_per_cta)
+            if const_expr(self.chain):
+                self.fold(mO, mLSE, mAcc, mAccLSE, mTurn, w, cta, tok0, batch, num_kv_heads)
+            else:
+                self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0,
+                               tok0, self.q_per_cta)
         if const_expr(self.cluster > 1):
             # No CTA leaves while its peer may still multicast into its SMEM or arrive on its
             # barriers.
@@ -298,6 +316,42 @@ class QTiledAttention(PagedAttention):
         rescale_rows(acc_O, w.row_scale)
         pack_operand(acc_as_operand_a(acc_S), tOrP)
         return st_next
+
+    @cute.jit
+    def fold(self, mO, mLSE, mAcc, mAccLSE, mTurn, w, cta, tok0, batch, num_kv_heads):
+        """Chain: fold this warpgroup's rows into the launch's running O, in launch order. The
+        split of z rank r waits until the rows' turn counter reads r (the ranks before it have
+        folded theirs; they were dispatched first, so they run or have run), merges the
+        accumulator into its registers (``QIO.merge``), then the last rank stores the final O and
+        LSE, any other stores the accumulator and publishes turn r + 1 (the warpgroup's stores
+        ordered before it by its barrier and a GPU-scope fence). A warpgroup with no valid row
+        (the same for every rank) skips it all."""
+        if w.row0 // self.group < cutlass.min(cta.q_len - tok0, self.q_per_cta):
+            mt, _, _ = cute.arch.block_idx()
+            n_x, _, n_z = cute.arch.grid_dim()
+            ranks = n_z // batch
+            rank = cta.split
+            turn = mTurn.iterator + ((cta.b * num_kv_heads + cta.kvh) * n_x + mt) * 2 + w.wg
+            bar = int(NamedBarrier.WG_BASE) + w.wg
+            if rank > 0:
+                if w.wg_tidx == 0:
+                    seen = cute.arch.load(turn, Int32, sem="acquire", scope="gpu")
+                    while seen != rank:
+                        seen = cute.arch.load(turn, Int32, sem="acquire", scope="gpu")
+                cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+                cute.arch.fence_acq_rel_gpu()
+                self.qio.merge(mAcc, mAccLSE, w.acc_O, w.lse, w.thr_pv, cta.q_start, cta.q_len, cta.kvh, w.row0, tok0,
+                               self.q_per_cta)
+            if rank == ranks - 1:
+                self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0, tok0,
+                               self.q_per_cta)
+            else:
+                self.qio.store(mAcc, mAccLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0,
+                               tok0, self.q_per_cta)
+                cute.arch.barrier(barrier_id=bar, number_of_threads=128)
+                if w.wg_tidx == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.store(turn, rank + 1, sem="relaxed", scope="gpu")
 
     @cute.jit
     def turn_wait(self, wg):

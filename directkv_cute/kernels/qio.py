@@ -132,6 +132,51 @@ class QIO:
                     mLSE[o_split, q_start + tok0 + qi, head] = lse[r]
 
     @cute.jit
+    def merge(self, mAcc, mAccLSE, acc_O, lse, thr_pv, q_start, q_len, kvh, row0, tok0, q_per_block):
+        """Fold a running (normalised O, LSE) from ``mAcc`` / ``mAccLSE`` (1, tokens, Hq, ...) into
+        this warpgroup's finalised rows: O = (w_a O_a + w_b O_b) / (w_a + w_b), LSE = log(e^a +
+        e^b), in registers; a side that saw no key (LSE -inf) weighs 0, two such stay empty. Every
+        load is issued before any is used."""
+        group, d = self.group, self.head_dim
+        tOcO = acc_as_mn(thr_pv.partition_C(cute.make_identity_tensor((64, d))))
+        o_mn = acc_as_mn(acc_O)
+        rAcc = cute.make_rmem_tensor_like(acc_O, Float32)
+        a_mn = acc_as_mn(rAcc)  # the accumulator's values at this thread's (row, column)s
+        rLse = cute.make_rmem_tensor((cute.size(o_mn, mode=[0]),), Float32)  # (rows,) its LSEs
+        n_valid = cutlass.min(q_len - tok0, q_per_block)
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            row = row0 + tOcO[r, 0][0]
+            qi = row // group
+            rLse[r] = -Float32.inf
+            if qi < n_valid:
+                head = kvh * group + row % group
+                rLse[r] = mAccLSE[0, q_start + tok0 + qi, head]
+                gA_row = mAcc[0, q_start + tok0 + qi, head, None]  # (d,)
+                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
+                    rPair = cute.make_rmem_tensor((2,), Float32)  # (2,) columns 2c, 2c + 1
+                    cute.autovec_copy(cute.local_tile(gA_row, (2,), (tOcO[r, 2 * c][1] // 2,)), rPair)
+                    a_mn[r, 2 * c] = rPair[0]
+                    a_mn[r, 2 * c + 1] = rPair[1]
+        for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
+            top = cutlass.max(rLse[r], lse[r])
+            ref = Float32(0.0)
+            if top != -Float32.inf:
+                ref = top
+            w_a = cute.math.exp2((rLse[r] - ref) * LOG2_E, fastmath=True)
+            w_b = cute.math.exp2((lse[r] - ref) * LOG2_E, fastmath=True)
+            total = w_a + w_b
+            inv = Float32(0.0)
+            merged = -Float32.inf
+            if total > Float32(0.0):
+                inv = Float32(1.0) / total
+                merged = ref + cute.math.log(total, fastmath=True)
+            lse[r] = merged
+            w_a = w_a * inv
+            w_b = w_b * inv
+            for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1])):
+                o_mn[r, c] = w_a * a_mn[r, c] + w_b * o_mn[r, c]
+
+    @cute.jit
     def reload(self, mO, mLSE, acc_O, row_max, row_sum, thr_pv, split, q_start, q_len, kvh, tok0, scale_log2):
         """Resume a block's online softmax from the normalised partial O and LSE this thread
         stored after the previous chunk: O_norm with max = LSE (in raw-score units) and sum = 1
