@@ -253,8 +253,7 @@ def _error_line(e: Exception) -> str:
 def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
                  has_split: bool = True) -> list[CompileJob]:
     """The distinct kernels ``targets`` need (by the compiler's ``key_fn`` where it has one), then
-    one combine kernel per head dim and dtype, and per head dim with fp32 out (the staged Q-tiled
-    call combines its first launch's splits into one fp32 partial)."""
+    one combine kernel per head dim and dtype."""
     jobs, seen = [], set()
     for t in targets:
         for split in ((True,) if t.multi_token else (True, False)) if has_split else (None,):
@@ -267,7 +266,7 @@ def compile_jobs(targets: list[CompileTarget], key_fn: Callable | None = None,
                 seen.add(key)
                 jobs.append(CompileJob(t, split))
     for d in SUPPORTED_HEAD_DIMS:
-        for dtype in sorted({t.dtype for t in targets} | ({"float32"} if targets else set())):
+        for dtype in sorted({t.dtype for t in targets}):
             jobs.append(CompileJob(None, None, d, dtype))
     return jobs
 
@@ -317,8 +316,8 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
 # ---- (b2) the Q-tiled kernel -------------------------------------------------------------------
 # The op's untuned QTiledConfig() (where no profile entry serves a call): every variant it can route
 # to, for the presets' page sizes and GQA groups; then every q_tiled profile entry's config for its
-# own class, in every variant. (wait_ready, split_out): all-HBM (no, no); staged in KV splits
-# (yes, yes) or in one split (yes, no); staged calls of one query tile (decode) also as
+# own class, in every variant. (wait_ready, fold): all-HBM (no, no); staged in KV splits folded
+# in the kernel (yes, yes) or in one split (yes, no); staged calls of one query tile (decode) also as
 # ``QTiledConfig.for_query_tiles(1)`` runs them.
 Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
 Q_TILED_PAGES = (16, 64)
@@ -326,7 +325,7 @@ Q_TILED_GROUPS = (1, 4, 8)
 
 
 def q_tiled_targets(loaded=()) -> list[tuple]:
-    """(config, dtype, head_dim, page, group, wait_ready, split_out, source) of every Q-tiled kernel
+    """(config, dtype, head_dim, page, group, wait_ready, fold, source) of every Q-tiled kernel
     to compile: the default's (source "default"), then the q_tiled entries of the ``loaded``
     profiles (source: the file's name)."""
     QTiledConfig = specs.get("q_tiled").config_class
@@ -368,7 +367,7 @@ def compile_q_tiled_targets(progress: bool = True, loaded=()) -> tuple[int, list
             compile_q_tiled(cfg, torch_dtype(dtype), d, page, g, wr, so)
         except Exception as e:  # noqa: BLE001 - a kernel that stops compiling is what CI must catch
             where = "" if source == "default" else f" ({source}) {cfg}"
-            problems.append(f"q_tiled {dtype} d{d} page{page} group{g} wait_ready={wr} split_out={so}{where}: "
+            problems.append(f"q_tiled {dtype} d{d} page{page} group{g} wait_ready={wr} fold={so}{where}: "
                             f"{_error_line(e)}")
     return len(jobs), problems
 

@@ -806,7 +806,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
                            pieces=len(any_plan.pieces),
                            head_flags=0 if head_plan is None else heads * len(head_plan.pieces),
-                           split_ctas=ctas, sms=_num_sms(device_index), chain=Q_TILED_CHAIN)
+                           split_ctas=ctas, sms=_num_sms(device_index))
     if plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
     if choice.by_head:
@@ -814,28 +814,22 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     return choice, wave_plan if choice.coarse else plan
 
 
-# Staged Q-tiled calls in several KV splits fold them in the kernel (see ``_launch_q_tiled``).
-Q_TILED_CHAIN = True
-
-
 @functools.lru_cache(maxsize=256)
-def _compiled_q_tiled(cfg: QTiledConfig, dtype, head_dim, page_size, group, wait_ready, split_out):
+def _compiled_q_tiled(cfg: QTiledConfig, dtype, head_dim, page_size, group, wait_ready, fold):
     from directkv_cute.kernels.jit import compile_q_tiled
 
-    return compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_out)
+    return compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, fold)
 
 
 def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_scale, out, return_lse,
                     cfg: QTiledConfig, plan):
     """The Q-tiled kernel over the HBM pool (plan None) or over this call's staging buffer, in
     ``q_tiled_splits`` KV splits when staged, or in one, the copy landing head by head, with
-    ``copy_order`` 2. Splits that read only pages ready at the start launch first. With
-    ``Q_TILED_CHAIN`` the splits fold into one accumulator in launch order inside the kernel, the
-    last writing the output; else they write partials that the combine kernel merges (with
-    ``split_launches``' two launches the first one's partials are combined into one between them,
-    fp32, and the final combine reads that and the second one's)."""
-    from directkv_cute.kernels.launch import chain_turns, launch_combine, launch_q_tiled, link_counters
-    from directkv_cute.plan import copy_time_ms, q_tiled_splits, ready_split, split_launches
+    ``copy_order`` 2. One launch: the splits that read only pages ready at the start first
+    (``ready_split``), each query tile's splits folded into one fp32 accumulator in launch order
+    inside the kernel, the last writing the output (no partials, no combine)."""
+    from directkv_cute.kernels.launch import fold_turns, launch_q_tiled, link_counters
+    from directkv_cute.plan import q_tiled_splits, ready_split
 
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
@@ -845,7 +839,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     n_qt = q_tiles(max_q_len, group, cfg.rows)
     max_tiles = math.ceil(max(tables.host_seq_lens) / cfg.tile_n)
     by_head = plan is not None and cfg.copy_order == 2  # the copy and the CTAs head by head
-    launches = ((1, 0, 0),)
+    first = 0
     if plan is None:
         splits, split_tiles, piece_tiles = 1, max_tiles, 1
     else:
@@ -854,47 +848,29 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
             splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits)
         else:
             splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits, plan.ready_from * piece_tiles)
-            copy_ms = copy_time_ms(plan.host_pages * 2 * hkv * P * d * host.element_size(), 0)  # one layer
             first = ready_split(plan.ready_from, piece_tiles, split_tiles, splits)
-            launches = ((splits, first, 0),) if Q_TILED_CHAIN else split_launches(splits, first, copy_ms=copy_ms)
-    chain = splits > 1 and Q_TILED_CHAIN and not by_head
-    slots = splits + (len(launches) > 1)  # the first launch's splits combined into the last slot
-    fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, 2 if chain else int(splits > 1))
+    fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, splits > 1)
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    folds = None
-    if chain:
-        o_k, lse_k = out, lse
-        folds = (torch.empty(total_q, hq, d, dtype=torch.float32, device=q.device),
-                 torch.empty(total_q, hq, dtype=torch.float32, device=q.device),
-                 chain_turns(len(tables.host_seq_lens), hkv, n_qt, q.device))
-    elif splits > 1:
-        o_k = torch.empty(slots, total_q, hq, d, dtype=torch.float32, device=q.device)
-        lse_k = torch.empty(slots, total_q, hq, dtype=torch.float32, device=q.device)
-    else:
-        o_k, lse_k = out, lse
+    fold = None
+    if splits > 1:  # (accumulator, its LSE, turn counters)
+        fold = (torch.empty(total_q, hq, d, dtype=torch.float32, device=q.device),
+                torch.empty(total_q, hq, dtype=torch.float32, device=q.device),
+                fold_turns(len(tables.host_seq_lens), hkv, n_qt, q.device))
     if plan is None:
         ready = link_counters(q.device)  # never read without wait_ready
-        launch_q_tiled(fn, q, o_k, lse_k, host, cache.hbm_pool, cache.num_layers, layer, hkv, tables.page_table,
+        launch_q_tiled(fn, q, out, lse, host, cache.hbm_pool, cache.num_layers, layer, hkv, tables.page_table,
                        tables.seq_lens, cu_q, ready, n_qt, splits, split_tiles, 0, 1, scale)
     else:
         st = stager(q.device, torch.cuda.current_stream(q.device))
         table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
         with st.lock:
             buf, flags, epoch = st.stage(cache, layer, plan, by_head)
-            for i, (n, first, slot) in enumerate(launches):
-                if i:  # the first launch's slots into one partial while the last pieces copy
-                    launch_combine(_compiled_combine(d, torch.float32), o_k[:slot], lse_k[:slot], o_k[splits],
-                                   lse_k[splits], slot)
-                launch_q_tiled(fn, q, o_k, lse_k, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt,
-                               slots, split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,
-                               flag_stride=len(plan.pieces) if by_head else 0, grid_splits=n, split_first=first,
-                               split_wrap=splits, slot_base=slot, chain=folds)
+            launch_q_tiled(fn, q, out, lse, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
+                           split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,
+                           flag_stride=len(plan.pieces) if by_head else 0, split_first=first, fold=fold)
             st.finish()
-    if splits > 1 and not chain:
-        base = launches[-1][2]
-        launch_combine(_compiled_combine(d, q.dtype), o_k[base:], lse_k[base:], out, lse, slots - base)
     return (out, lse) if return_lse else out
 
 

@@ -151,9 +151,9 @@ LINK_PIECES = 2
 FLAG_MS = 0.0015
 COPY_CALL_MS = 0.0025
 HYBRID_STAGE_SHARE = 0.05
-# fp32 partials written by the Q-tiled kernel and read by the combine: their cost per split, with
-# staged_ms's waiting tail, fitted to 16 staged calls at 8k / 16k q2048 over host pages in 2-8 splits
-# and 4-32 pieces (measured 2026-12-02: about 7 us per split at q2048; the model within 30 us of each).
+# The rate of a split's fp32 partial O and LSE written and read back: fitted when the Q-tiled
+# kernel wrote partials for a combine kernel (16 staged calls at 8k / 16k q2048 over host pages in
+# 2-8 splits and 4-32 pieces, 2026-12-02: about 7 us per split at q2048); a fold moves the same bytes.
 PARTIAL_GBPS = 10000.0
 # Pieces of a staged call whose Q-tiled compute trails its copy (``trails_copy``): each costs a
 # copy call and a ready flag (measured at 8k q2048: 8 pieces 2-3% faster than 16 at 2 and 4 splits).
@@ -199,22 +199,18 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     return copy_time_ms(host_bytes, copy_calls) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
 
 
-def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int, waiting: float = 0.0,
-              chain: bool = False) -> float:
+def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int, waiting: float = 0.0) -> float:
     """A staged call in ``splits`` KV splits: the first split's copy is exposed (the CTAs of a
-    split are paced by its pieces), then max(the rest of the copy, the compute), plus the
-    partials of every split when there are several (``partial_bytes`` per split, written and
-    read back). With ``chain`` (the kernel folds each split into one accumulator as it ends) only
-    the last split's fold follows the copy; the others' run with the compute, so they count there.
-    ``waiting``: the share of a split's CTAs that find no SM while its pieces land (1 - SMs / CTAs
-    per split): their part of the last split's compute comes after the copy."""
+    split are paced by its pieces), then max(the rest of the copy, the compute), plus, with
+    several splits, the last split's fold (``partial_bytes``: one split's fp32 O and LSE read and
+    written); the other splits' folds run with the compute, so they count there. ``waiting``: the
+    share of a split's CTAs that find no SM while its pieces land (1 - SMs / CTAs per split): their
+    part of the last split's compute comes after the copy."""
     first = copy_ms / splits
     partials = 0.0
     if splits > 1:
-        per_split = partial_bytes / (PARTIAL_GBPS * 1e6)
-        partials = per_split if chain else splits * per_split
-        if chain:
-            compute_ms += (splits - 1) * per_split
+        partials = partial_bytes / (PARTIAL_GBPS * 1e6)
+        compute_ms += (splits - 1) * partials
     body = max(first + max(copy_ms - first, compute_ms), copy_ms + waiting * compute_ms / splits)
     return body + partials + STAGE_OVERHEAD_MS
 
@@ -269,7 +265,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
                   head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
-                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0, chain: bool = False) -> StagedChoice:
+                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
     ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
@@ -283,8 +279,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     one wave) one split over those pieces. Each piece's ready flag costs ``FLAG_MS`` of the copy
     (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
     ``split_ctas`` (CTAs of one split) over ``sms`` SMs: the split's CTAs beyond one per SM run
-    after their pieces have landed (``staged_ms``'s ``waiting``); ``chain``: the kernel folds the
-    splits itself (``staged_ms``)."""
+    after their pieces have landed (``staged_ms``'s ``waiting``)."""
     read = host_bytes if in_place_bytes is None else in_place_bytes
     link_ms = read / (LINK_GBPS * 1e6)
     compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
@@ -294,9 +289,8 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
     waiting = max(0.0, 1.0 - sms / split_ctas) if split_ctas and sms else 0.0
-    best = min((splits,) if splits else SPLIT_CHOICES,
-               key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting, chain))
-    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting, chain)
+    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting))
+    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting)
     ascending = by_head = coarse = False
     if wave_calls and splits in (0, 1):
         ow = d2d_ms + one_wave_ms(copy_time_ms(host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)
@@ -334,7 +328,7 @@ def stage_instead_of_cascade(host_bytes: int, passes: int, staged: StagedChoice 
 
 
 def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:
-    """fp32 partial O and LSE of one split, written and read back once."""
+    """fp32 partial O and LSE of one split, written and read back once (a split's fold)."""
     return 2 * total_q * num_q_heads * (head_dim + 1) * 4
 
 
@@ -373,30 +367,3 @@ def window_piece_pages(piece_pages: int, ready_page: int, max_pages: int, tile_p
     cands = [c for c in range(math.ceil(lo / tile_pages) * tile_pages, 2 * piece_pages + 1, tile_pages)
              if ready_page % c == 0]
     return min(cands, key=lambda c: (abs(c - piece_pages), c)) if cands else piece_pages
-
-
-# Staged calls in many KV splits end with a tail: the CTAs of the last splits beyond one wave run
-# after their pieces land, then the combine reads every split's partials (73 us of 8 splits at
-# q2048, measured 2026-12-02). ``SPLIT_TAIL`` last history splits run as a launch of their own: the
-# splits before them are combined into one partial while those last pieces still copy, and the
-# final combine reads SPLIT_TAIL + 1 partials. Worth it where those pieces' copy takes at least
-# ``SPLIT_TAIL_MIN_MS`` (measured 2026-12-02 at q2048 over host pages, one launch vs two: 8k 0.764
-# vs 0.771 ms (0.16 ms of tail copy), 16k 1.417 vs 1.385, 32k 2.733 vs 2.697, 128k 10.59 vs 10.55;
-# with the step's own pages in HBM 8k 0.647 vs 0.666, 16k 1.301 vs 1.268, 32k 2.622 vs 2.573).
-SPLIT_TAIL = 2
-SPLIT_TAIL_MIN_MS = 0.25
-
-
-def split_launches(splits: int, ready_first: int = 0, tail: int = SPLIT_TAIL,
-                   copy_ms: float = float("inf")) -> tuple[tuple[int, int, int], ...]:
-    """The Q-tiled launches of a staged call in ``splits`` KV splits, as (splits it runs, first
-    split, first partial slot); ``ready_first``: the first split that reads only pages ready at the
-    start (``ready_split``; 0: none), launched first. With ``tail``, at least two splits left
-    before them and the copy of the last ``tail`` history splits' pieces (``tail`` / history splits
-    of ``copy_ms``, the copy of every host page) at least ``SPLIT_TAIL_MIN_MS``: two launches, every
-    split but those, then those (their slots after the first launch's; the caller combines the
-    first launch's slots into slot ``splits`` between the two); else one over every split."""
-    hist = ready_first or splits
-    if splits > 1 and tail and hist > tail and splits - tail >= 2 and copy_ms * tail / hist >= SPLIT_TAIL_MIN_MS:
-        return (splits - tail, ready_first, 0), (tail, hist - tail, splits - tail)
-    return ((splits, ready_first, 0),)

@@ -59,7 +59,7 @@ def test_one_count_of_kernels_each_compiled_once(fake, capsys):
     assert rc == 0
     kernels = len(f.decode) + len(f.combine)
     assert len(set(f.decode)) == len(f.decode)  # no kernel compiled twice
-    assert len(f.combine) == 3 * len(SUPPORTED_HEAD_DIMS)  # bf16, the fp16 spot check and fp32 out
+    assert len(f.combine) == 2 * len(SUPPORTED_HEAD_DIMS)  # bf16 and the fp16 spot check
     head = re.search(r"^== \(b\) compile for \S+: (\d+) configs \((.*)\)$", out, re.M)
     configs = int(head[1])
     assert sum(int(part.split()[0]) for part in head[2].split(", ")) == configs  # per source
@@ -144,12 +144,12 @@ def test_no_profiles_is_said(capsys, tmp_path):
 
 def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, monkeypatch, capsys):
     """(b2): the op's default QTiledConfig for every head dim, page size, group and (wait_ready,
-    split_out) the op can route to, each once; a failing one is a FAIL line and fails the check."""
+    fold) the op can route to, each once; a failing one is a FAIL line and fails the check."""
     calls = []
 
-    def fake_q_tiled(cfg, dtype, d, page, group, wait_ready, split_out):
-        calls.append((cfg, d, page, group, wait_ready, split_out))
-        if (d, page, group, wait_ready, split_out) == (64, 16, 8, True, True):
+    def fake_q_tiled(cfg, dtype, d, page, group, wait_ready, fold):
+        calls.append((cfg, d, page, group, wait_ready, fold))
+        if (d, page, group, wait_ready, fold) == (64, 16, 8, True, True):
             raise RuntimeError("ptxas: boom\nsecond line")
         return object()
 
@@ -168,7 +168,7 @@ def test_q_tiled_part_compiles_every_routed_variant_and_names_failures(fake, mon
     head = re.search(r"^== \(b2\) Q-tiled kernel, the op's default config( and \d+ profile entries)?: (\d+) kernels", out,
                      re.M)
     assert head and int(head.group(2)) == len(calls) and "2 failed" in out  # with and without the cluster
-    assert "FAIL q_tiled bfloat16 d64 page16 group8 wait_ready=True split_out=True: RuntimeError: ptxas: boom" in out
+    assert "FAIL q_tiled bfloat16 d64 page16 group8 wait_ready=True fold=True: RuntimeError: ptxas: boom" in out
     assert "second line" not in out
     assert re.search(r"^FAIL  q_tiled ", out, re.M)
 

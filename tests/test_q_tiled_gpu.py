@@ -43,10 +43,11 @@ CASES = [
     ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(cluster=2, order=2)),
     ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.3, QTiledConfig(cluster=2, splits=3)),
     ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 1.0, QTiledConfig(cluster=2, tile_n=64)),
-    # 8 splits over a copy long enough for two launches (the last two splits apart, the first
-    # launch's partials combined into one between them), single and ragged
+    # many splits folded in the kernel in launch order (more CTAs per split than SMs: a rank waits
+    # for the one before), single and ragged; a GQA group of 7 (padded rows, 18 tokens per CTA)
     ([20000], [1500], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=8)),
     ([17000, 3000, 9000], [1200, 1, 700], 32, 8, 128, 16, torch.float16, 0.0, QTiledConfig(splits=6, cluster=1)),
+    ([12000, 5000], [900, 300], 28, 4, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=4)),
     # the copy staged head by head, the CTAs remapped head-major (over the batch too)
     ([6000, 900, 3001], [2000, 900, 64], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2)),
     ([6000, 900], [2000, 900], 32, 8, 128, 16, torch.float16, 0.3, QTiledConfig(copy_order=2, cluster=1)),

@@ -522,23 +522,19 @@ def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
     assert made == [625]  # one plan, of one piece: the longest sequence's pages
 
 
-@pytest.mark.parametrize("chain", [True, False])
-@pytest.mark.parametrize("lens,q_lens,P,first,two", [([8192], [2048], 64, 6, False), ([32768], [2048], 64, 8, True),
-                                                      ([16384, 9000], [2048, 1000], 16, 7, True)])
-def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first, two, chain):
+@pytest.mark.parametrize("lens,q_lens,P,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 8),
+                                                ([16384, 9000], [2048, 1000], 16, 7)])
+def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first):
     """A chunk whose own pages are mirrored in HBM (a model step's window; in a ragged batch the
     longest history ends last), staged: its pieces end where every sequence's window has begun,
-    the pieces after are ready at the start, and the first launch starts at the first split that
-    reads only them, every split before it reading history; without a window the splits run in
-    order. Folded in the kernel (``chain``): one launch over every split, no combine. Else, where
-    their pieces' copy is long enough (32k; not at 8k) the last ``SPLIT_TAIL`` history splits run
-    as a second launch after the first launch's partials are combined into the extra slot, and the
-    final combine reads the second launch's slots and the combined one; every split runs exactly
-    once, into its own slot."""
+    the pieces after are ready at the start, and the one launch starts at the first split that
+    reads only them (its z ranks fold in that order), every split before it reading history;
+    without a window the splits run in order. Every split runs exactly once, folded in the kernel
+    into buffers shaped as the call's (no partial slots, no combine)."""
     import contextlib
 
     from directkv_cute.kernels import launch as L
-    from directkv_cute.plan import SPLIT_TAIL, q_tiled_splits
+    from directkv_cute.plan import q_tiled_splits
 
     log = []
 
@@ -551,26 +547,17 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         def finish(self):
             log.append(("finish",))
 
-    def launch(fn, q, o, lse, host, buf, L_, layer, hkv, table, seq_lens, cu_q, flags, n_qt, slots, split_tiles,
-               epoch, piece_tiles, scale, ascending=False, flag_stride=0, heads=None, split_first=0, grid_splits=0,
-               split_wrap=0, slot_base=0, chain=None):
-        runs = [(split_first + r) % split_wrap for r in range(grid_splits)]
-        assert (chain is not None) == folded and (not folded or chain[0].shape == o.shape == q.shape)
-        log.append(("attn", runs, list(range(slot_base, slot_base + grid_splits)), slots, split_tiles, piece_tiles,
-                    slots if folded else o.shape[0]))
-
-    def combine(fn, o_part, lse_part, out, lse, n):
-        assert o_part.shape[0] == n == lse_part.shape[0]
-        log.append(("combine", fn, o_part.storage_offset() // o_part[0].numel(), n, out.dtype))
+    def launch(fn, q_, o, lse, host, buf, L_, layer, hkv, table, seq_lens, cu_q, flags, n_qt, splits, split_tiles,
+               epoch, piece_tiles, scale, ascending=False, flag_stride=0, heads=None, split_first=0, fold=None):
+        acc, acc_lse, turns = fold
+        assert acc.shape == o.shape == q_.shape and acc_lse.shape == lse.shape and acc.dtype == torch.float32
+        assert turns.numel() == L.fold_turn_count(len(lens), hkv, n_qt) and not turns.any()
+        log.append(("attn", fn, [(split_first + r) % splits for r in range(splits)], split_tiles, piece_tiles))
 
     monkeypatch.setattr(ops, "stager", lambda device, stream: FakeStager())
-    monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: "attn")
-    monkeypatch.setattr(ops, "_compiled_combine", lambda d, dtype: f"combine-{dtype}")
+    monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: ("attn", *a[5:]))
     monkeypatch.setattr(L, "launch_q_tiled", launch)
-    monkeypatch.setattr(L, "launch_combine", combine)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(ops, "Q_TILED_CHAIN", chain)
-    folded, two = chain, two and not chain
     for window in (True, False):
         log.clear()
         q, cache, tables, ql, group = _call(lens, q_lens, page=P)
@@ -585,41 +572,28 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
                                 host_pool=torch.empty(0, dtype=q.dtype), hbm_pool=torch.empty(0), num_layers=1)
         ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 0, tables, ql, None, max(ql), None, None,
                             False, cfg, plan)
-        if folded:  # one launch over every split, folded in the kernel
-            (a1, done), a2, t = log, ("attn", [], []), 0
-            fin = ("combine", "combine-torch.bfloat16", 0, len(a1[1]), torch.bfloat16)
-        elif not two:  # one launch over every split, one combine
-            (a1, done, fin), a2, t = log, ("attn", [], []), 0
-        else:
-            (a1, c1, a2, done, fin), t = log, SPLIT_TAIL
-        splits = len(a1[1]) + len(a2[1])
-        piece_tiles, split_tiles = a1[5], a1[4]
+        (a1, done) = log
+        assert a1[1] == ("attn", True, True) and done == ("finish",)  # staged (wait_ready), folding
+        runs, split_tiles, piece_tiles = a1[2:]
+        splits = len(runs)
         ready_tiles = plan.ready_from * piece_tiles
         assert (splits, split_tiles) == q_tiled_splits(math.ceil(max(lens) / 128), piece_tiles, cfg.splits,
                                                        ready_tiles)
-        assert sorted(a1[1] + a2[1]) == list(range(splits)) and a1[2] + a2[2] == list(range(splits))
-        assert a1[3] == a1[6] == splits + bool(t)  # two launches: a slot for the first one's splits combined
-        assert len(a2[1]) == t
-        if t:
-            assert c1 == ("combine", "combine-torch.float32", 0, splits - t, torch.float32)
-        assert fin == ("combine", "combine-torch.bfloat16", splits - t if t else 0, t + 1 if t else splits,
-                       torch.bfloat16)
-        assert done == ("finish",)
+        assert sorted(runs) == list(range(splits))
         if not window:
-            assert plan.ready_from == len(plan.pieces) and a1[1] == list(range(splits - t))
+            assert plan.ready_from == len(plan.pieces) and runs == list(range(splits))
             continue
         assert plan.ready_from * plan.piece_pages == hist  # pieces end where the windows have all begun
-        assert a1[1][0] == first  # the ready splits first, then the history in order
-        assert a1[1] == list(range(first, splits)) + list(range(first - t))
-        assert a2[1] == list(range(first - t, first))
+        assert runs == list(range(first, splits)) + list(range(first))  # the ready splits first, then the history
         assert (first - 1) * split_tiles < ready_tiles <= first * split_tiles
 
 
-def test_launch_q_tiled_checks_split_and_chain_arguments():
-    """The launch refuses split ranges outside the partial slots, a head-by-head copy over some
-    splits, and a chained launch that is not one launch over every split from slot 0 with an fp32
-    accumulator shaped as q and enough turn counters, before the kernel is called; valid
-    arguments reach it (12 pointers: the chain's three after the ready flags)."""
+def test_launch_q_tiled_checks_split_and_fold_arguments():
+    """The launch refuses a first split outside the splits, a head-by-head copy over several
+    splits or some heads, several splits without fold buffers (or one with them), and fold
+    buffers that are not an fp32 accumulator shaped as q, an fp32 LSE shaped as lse and enough
+    turn counters, before the kernel is called; valid arguments reach it (12 pointers: the fold's
+    three after the ready flags, stand-ins that are never read without a fold)."""
     pytest.importorskip("cutlass")
     from directkv_cute.kernels import launch as L
 
@@ -633,24 +607,27 @@ def test_launch_q_tiled_checks_split_and_chain_arguments():
         torch.tensor([0, total_q], dtype=torch.int32)
     ready = torch.zeros(8, dtype=torch.int32)
     acc, acc_lse = torch.zeros(q.shape), torch.zeros(total_q, hq)
-    turns = torch.zeros(L.chain_turn_count(1, hkv, n_qt), dtype=torch.int32)
-    base = (fn, q, out, lse, pool, pool, 1, 0, hkv, table, lens, cu_q, ready, n_qt, 4, 2, 1, 1, 1.0)
-    bad = [dict(split_first=4), dict(grid_splits=3, slot_base=2), dict(flag_stride=4, split_first=1),
-           dict(chain=(acc, acc_lse, turns), grid_splits=3), dict(chain=(acc, acc_lse, turns), slot_base=1, grid_splits=3),
-           dict(chain=(acc.to(torch.bfloat16), acc_lse, turns)), dict(chain=(acc[:-1], acc_lse, turns)),
-           dict(chain=(acc, acc_lse, turns[:-1]))]
-    for kw in bad:
+    turns = torch.zeros(L.fold_turn_count(1, hkv, n_qt), dtype=torch.int32)
+    base = (fn, q, out, lse, pool, pool, 1, 0, hkv, table, lens, cu_q, ready, n_qt)
+    four = (*base, 4, 1, 1, 1, 1.0)
+    one = (*base, 1, 4, 1, 4, 1.0)
+    fold = (acc, acc_lse, turns)
+    bad = [(four, dict(split_first=4, fold=fold)), (four, dict(fold=fold, flag_stride=4)), (four, {}),
+           (one, dict(fold=fold)), (one, dict(flag_stride=1, heads=range(2))),
+           (four, dict(fold=(acc.to(torch.bfloat16), acc_lse, turns))), (four, dict(fold=(acc[:-1], acc_lse, turns))),
+           (four, dict(fold=(acc, acc_lse[:-1], turns))), (four, dict(fold=(acc, acc_lse, turns[:-1])))]
+    for args, kw in bad:
         with pytest.raises(ValueError):
-            L.launch_q_tiled(*base, **kw)
+            L.launch_q_tiled(*args, **kw)
     assert not calls
     monkey_stream = pytest.MonkeyPatch()
     monkey_stream.setattr(L, "_stream", lambda: None)
     try:
-        L.launch_q_tiled(*base, chain=(acc, acc_lse, turns), split_first=2)
-        L.launch_q_tiled(*base, grid_splits=2, split_first=3, slot_base=2)
+        L.launch_q_tiled(*four, fold=fold, split_first=2)
+        L.launch_q_tiled(*one, flag_stride=1)
     finally:
         monkey_stream.undo()
-    assert len(calls) == 2 and all(len(c) == 12 + 21 + 2 for c in calls)
+    assert len(calls) == 2 and all(len(c) == 12 + 18 + 2 for c in calls)
     where = lambda c: [(p._pointer, str(p.dtype)) for p in c[9:12]]  # noqa: E731
     assert where(calls[0]) == [(acc.data_ptr(), "Float32"), (acc_lse.data_ptr(), "Float32"),
                                (turns.data_ptr(), "Int32")]

@@ -346,9 +346,9 @@ def test_bench_check_compiles_and_validates_q_tiled_profile_entries(capsys, tmp_
     assert len(targets) == n_default + 3 * 5  # each entry's 3 variants, and its 2 staged ones without the cluster
     calls = []
 
-    def fake(cfg, dtype, d, page, group, wait_ready, split_out):
-        calls.append((cfg, d, page, group, wait_ready, split_out))
-        if group == 7 and wait_ready and split_out:
+    def fake(cfg, dtype, d, page, group, wait_ready, fold):
+        calls.append((cfg, d, page, group, wait_ready, fold))
+        if group == 7 and wait_ready and fold:
             raise RuntimeError("ptxas: boom\nsecond line")
 
     monkeypatch.setattr(check, "resolve_q_tiled", lambda: fake)
@@ -359,7 +359,7 @@ def test_bench_check_compiles_and_validates_q_tiled_profile_entries(capsys, tmp_
     one_tile = dataclasses.replace(tuned, cluster=1)
     assert {c[1:] for c in calls if c[0] == one_tile} == {(128, p, g, True, so) for p, g in ((64, 4), (16, 7))
                                                           for so in (True, False)}
-    assert problems == [f"q_tiled bfloat16 d128 page16 group7 wait_ready=True split_out=True (NVIDIA_H200.yaml) "
+    assert problems == [f"q_tiled bfloat16 d128 page16 group7 wait_ready=True fold=True (NVIDIA_H200.yaml) "
                         f"{cfg}: RuntimeError: ptxas: boom" for cfg in (tuned, one_tile)]
 
     # through run_check: the part's line counts the entries

@@ -483,8 +483,8 @@ def _resolve_compile():
     return fn, ""
 
 
-# (wait_ready, split_out) of the Q-tiled kernels the op launches: over HBM pages; over staged pages
-# in several KV splits (fp32 partials, combined) or in one.
+# (wait_ready, fold) of the Q-tiled kernels the op launches: over HBM pages; over staged pages in
+# several KV splits (folded in the kernel) or in one.
 Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
 
 
@@ -497,8 +497,8 @@ def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> Non
         from directkv_cute.kernels import specs
 
         compile_q_tiled = specs.get("q_tiled").compile_fn
-        for wait_ready, split_out in Q_TILED_VARIANTS:
-            compile_q_tiled(cfg, torch_dtype(dtype), d, page, group, wait_ready, split_out)
+        for wait_ready, fold in Q_TILED_VARIANTS:
+            compile_q_tiled(cfg, torch_dtype(dtype), d, page, group, wait_ready, fold)
         return
     kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)
     if kernel == "decode_fp8":  # its own compile, over e4m3 pages

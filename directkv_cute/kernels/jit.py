@@ -226,31 +226,30 @@ def _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, split_
 
 
 def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                wait_ready: bool, split_out: bool = False):
+                wait_ready: bool, fold: bool = False):
     # piece_pages, splits, order and copy_order are runtime arguments (piece_tiles, num_splits /
-    # split_tiles, ascending, flag_stride), except that more than one split writes partials
-    # (split_out); the spec fixes them in the key, everything else generates code.
-    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), int(split_out),
+    # split_tiles, ascending, flag_stride), except that more than one split folds them (fold);
+    # the spec fixes them in the key, everything else generates code.
+    return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(fold),
             *specs.get("q_tiled").key_values(cfg, head_dim))
 
 
 def compile_q_tiled(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
-                    wait_ready: bool, split_out: bool = False):
+                    wait_ready: bool, fold: bool = False):
     """Compile (once per key) the Q-tiled kernel over HBM-resident (or staged) KV; ``wait_ready``
-    makes its producer wait for each staged piece's ready flag; ``split_out`` writes fp32
-    partials of several KV splits for the combine kernel."""
+    makes its producer wait for each staged piece's ready flag; ``fold`` runs several KV splits,
+    each query tile's folded into one fp32 accumulator in launch order (the last writing O)."""
     cfg.check(head_dim, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be bfloat16 or float16, got {dtype}")
     problems = specs.get("q_tiled").shape_problems(cfg, group)
     if problems:
         raise ValueError(problems[0])
-    key = q_tiled_key(cfg, dtype, head_dim, page_size, group, wait_ready, split_out)
-    return _cached_compile(key, lambda: _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready,
-                                                         split_out))
+    key = q_tiled_key(cfg, dtype, head_dim, page_size, group, wait_ready, fold)
+    return _cached_compile(key, lambda: _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, fold))
 
 
-def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_out):
+def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, fold):
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
@@ -259,13 +258,12 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, split_o
     from directkv_cute.kernels.q_tiled import QTiledAttention
 
     dt = cutlass_dtype(dtype)
-    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready, int(split_out))
-    o_dt = cutlass.Float32 if int(split_out) == 1 else dt
+    kernel = QTiledAttention(dt, head_dim, page_size, group, cfg, wait_ready, bool(fold))
     args = (
-        _ptr(dt), _ptr(o_dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
+        _ptr(dt), _ptr(dt), _ptr(cutlass.Float32, 4), _ptr(dt), _ptr(dt),
         _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4), _ptr(cutlass.Int32, 4),
         _ptr(cutlass.Float32), _ptr(cutlass.Float32, 4), _ptr(cutlass.Int32, 4),
-        *(Int32(1) for _ in range(21)), Float32(1.0), cuda.CUstream(0),
+        *(Int32(1) for _ in range(18)), Float32(1.0), cuda.CUstream(0),
     )
     return cute.compile(kernel, *args)
 

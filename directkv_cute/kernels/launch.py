@@ -27,15 +27,15 @@ def _ptr_as(t: torch.Tensor, dtype: torch.dtype, align: int = 16):
     return make_ptr(cutlass_dtype(dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def chain_turn_count(batch: int, num_kv_heads: int, n_q_tiles: int) -> int:
-    """Turn counters a chained Q-tiled launch uses: one per (sequence, KV head, grid x, warpgroup),
+def fold_turn_count(batch: int, num_kv_heads: int, n_q_tiles: int) -> int:
+    """Turn counters a folding Q-tiled launch uses: one per (sequence, KV head, grid x, warpgroup),
     grid x rounded up to whole clusters of two."""
     return batch * num_kv_heads * (-(-n_q_tiles // 2) * 2) * 2
 
 
-def chain_turns(batch: int, num_kv_heads: int, n_q_tiles: int, device) -> torch.Tensor:
-    """Zeroed turn counters of one chained Q-tiled launch (``chain_turn_count``)."""
-    return torch.zeros(chain_turn_count(batch, num_kv_heads, n_q_tiles), dtype=torch.int32, device=device)
+def fold_turns(batch: int, num_kv_heads: int, n_q_tiles: int, device) -> torch.Tensor:
+    """Zeroed turn counters of one folding Q-tiled launch (``fold_turn_count``)."""
+    return torch.zeros(fold_turn_count(batch, num_kv_heads, n_q_tiles), dtype=torch.int32, device=device)
 
 
 def _stream():
@@ -103,36 +103,34 @@ def _head_range(heads, num_kv_heads: int) -> range:
 
 def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, page_table, seq_lens, cu_q, ready,
                    n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0,
-                   heads=None, split_first=0, grid_splits=0, split_wrap=0, slot_base=0, chain=None):
+                   heads=None, split_first=0, fold=None):
     """Run the compiled Q-tiled kernel over ``hbm`` (the HBM pool, or a staging buffer with one
     layer); ``host`` only stands in for the unused host pool. ``flag_stride``: ready flags per KV
-    head of a copy staged head by head (0: the heads share each piece's flag). ``heads``: a range
-    of KV heads to run (their query, output and LSE rows; default all). ``num_splits``: the partial
-    slots of ``out``/``lse`` (split_out). The launch runs ``grid_splits`` (default all) splits from
-    ``split_first`` on, wrapping at ``split_wrap`` (default ``num_splits``), into slots from
-    ``slot_base``. ``chain``: (accumulator (total_q, Hq, d) fp32, its LSE (total_q, Hq) fp32,
-    zeroed turn counters (B, Hkv, grid x, 2) int32) of a kernel compiled to fold its splits in launch
-    order (``out``/``lse`` then the final ones); such a launch runs every split into slot 0 on."""
+    head of a copy staged head by head (0: the heads share each piece's flag; one split only).
+    ``heads``: a range of KV heads to run (their query, output and LSE rows; default all). The
+    launch runs ``num_splits`` splits of ``split_tiles`` KV tiles, from ``split_first`` on, wrapping
+    at ``num_splits``; more than one needs a kernel compiled with ``fold`` and ``fold`` = (accumulator
+    (total_q, Hq, d) fp32, its LSE (total_q, Hq) fp32, ``fold_turns``' zeroed counters): the splits
+    fold into them in that order, the last writing ``out`` and ``lse``."""
     from cutlass import Float32, Int32
 
     heads = _head_range(heads, num_kv_heads)
-    grid_splits, split_wrap = grid_splits or num_splits, split_wrap or num_splits
-    if not (0 <= split_first < split_wrap and 0 <= slot_base and slot_base + grid_splits <= num_splits
-            and grid_splits <= split_wrap) or (flag_stride and (split_first or grid_splits != num_splits)):
-        raise ValueError(f"splits {split_first} + [0, {grid_splits}) wrapped at {split_wrap} into slots from {slot_base} "
-                         f"do not fit {num_splits} slots (with flag_stride: every split, from 0)")
-    if chain is not None:
-        acc, acc_lse, turns = chain
-        if slot_base or grid_splits != num_splits or acc.shape != q.shape or acc.dtype != torch.float32 \
-                or acc_lse.shape != lse.shape[-2:] or turns.numel() < chain_turn_count(page_table.shape[0],
-                                                                                        num_kv_heads, n_q_tiles):
-            raise ValueError("a chained launch runs every split from slot 0, with an fp32 accumulator shaped as q, "
-                             "its LSE as lse and chain_turns' counters")
+    if not 0 <= split_first < num_splits or (flag_stride and num_splits != 1):
+        raise ValueError(f"split {split_first} of {num_splits} (a copy staged head by head, flag_stride: one split)")
+    if flag_stride and len(heads) != num_kv_heads:
+        raise ValueError("a copy staged head by head (flag_stride) needs a launch over every KV head")
+    if (fold is not None) != (num_splits > 1):
+        raise ValueError(f"{num_splits} KV splits {'need' if num_splits > 1 else 'take no'} fold buffers")
+    if fold is not None:
+        acc, acc_lse, turns = fold
+        if acc.shape != q.shape or acc.dtype != torch.float32 or acc_lse.shape != lse.shape \
+                or acc_lse.dtype != torch.float32 \
+                or turns.numel() < fold_turn_count(page_table.shape[0], num_kv_heads, n_q_tiles):
+            raise ValueError("fold needs an fp32 accumulator shaped as q, an fp32 LSE shaped as lse and fold_turns' "
+                             "counters")
         acc, acc_lse, turns = _ptr(acc), _ptr(acc_lse, 4), _ptr(turns, 4)
     else:  # never read
         acc, acc_lse, turns = _ptr_as(lse, torch.float32), _ptr_as(lse, torch.float32, 4), _ptr(ready, 4)
-    if flag_stride and len(heads) != num_kv_heads:
-        raise ValueError("a copy staged head by head (flag_stride) needs a launch over every KV head")
     batch, max_pages = page_table.shape
     fn(
         _ptr(q), _ptr(out), _ptr(lse, 4), _ptr(host), _ptr(hbm),
@@ -140,8 +138,7 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
         Int32(batch), Int32(q.shape[0]), Int32(num_kv_heads), Int32(num_layers), Int32(layer),
         Int32(host.shape[0]), Int32(hbm.shape[0]), Int32(max_pages), Int32(n_q_tiles), Int32(num_splits),
         Int32(split_tiles), Int32(int(ascending)), Int32(epoch), Int32(piece_tiles), Int32(flag_stride),
-        Int32(heads.start), Int32(len(heads)), Int32(grid_splits), Int32(split_first), Int32(split_wrap),
-        Int32(slot_base), Float32(scale * LOG2_E),
+        Int32(heads.start), Int32(len(heads)), Int32(split_first), Float32(scale * LOG2_E),
         _stream(),
     )
 

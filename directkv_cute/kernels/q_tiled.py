@@ -9,7 +9,9 @@ with O += P(t-1) V(t-1), the softmax of tile t running while that P V WGMMA is i
 wholly below the first row's causal limit run a step compiled without the mask, the rest one with
 it. With ``cluster`` 2 the CTAs of adjacent query tiles of a KV head form a cluster that walks the
 same KV tiles (the range of its last query token), each issuing half of every tile's TMA boxes
-multicast to both. The CTA writes the final O and LSE: no partials, no combine.
+multicast to both. The CTA writes the final O and LSE; a staged call in several KV splits
+(``fold``) has the CTAs of each query tile's splits fold their rows into one fp32 accumulator in
+launch order, the last one writing O and LSE: no partials, no combine kernel.
 
 The KV must sit in HBM: each CTA reads all of it, so host pages would cross the link once per
 query tile. The op stages host pages into an HBM buffer with the copy engine first
@@ -45,13 +47,11 @@ class QTiledAttention(PagedAttention):
     """Q-outer over HBM-resident KV: each CTA's 128 query rows walk all their KV tiles."""
 
     def __init__(self, dtype, head_dim: int, page_size: int, group: int, cfg: QTiledConfig, wait_ready: bool,
-                 split_out: int = 0):
+                 fold: bool = False):
         ring = cfg.ring_config()
-        super().__init__(dtype, head_dim, page_size, group, ring, split_out == 1, copy_rows=min(page_size, cfg.tile_n),
+        super().__init__(dtype, head_dim, page_size, group, ring, False, copy_rows=min(page_size, cfg.tile_n),
                          occupancy=1, tail=True)
-        # The splits of a launch fold into one fp32 accumulator in launch order, the last writing
-        # the final O and LSE (no partial slots, no combine).
-        self.chain = split_out == 2
+        self.fold_splits = fold
         self.wait_ready = wait_ready
         self.producer.wait_ready = wait_ready
         self.pingpong = bool(cfg.pingpong)
@@ -61,17 +61,17 @@ class QTiledAttention(PagedAttention):
     def __call__(
         self,
         q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
-        o_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype; split_out: (splits, total_q, Hq, d) fp32
-        lse_ptr: cute.Pointer,  # (total_q, Hq) fp32; split_out: (splits, total_q, Hq)
+        o_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
+        lse_ptr: cute.Pointer,  # (total_q, Hq) fp32
         host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d): read only through HBM entries' stand-in
         hbm_ptr: cute.Pointer,  # HBM pool or staging buffer, same layout
         page_table_ptr: cute.Pointer,  # (B, max_pages) int32, HBM entries
         seq_lens_ptr: cute.Pointer,  # (B,) int32
         cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
         ready_ptr: cute.Pointer,  # (pieces,) int32 ready flags of the staged pieces (wait_ready)
-        acc_ptr: cute.Pointer,  # chain: (total_q, Hq, d) fp32 running O of the splits so far
-        acc_lse_ptr: cute.Pointer,  # chain: (total_q, Hq) fp32 their LSE
-        turn_ptr: cute.Pointer,  # chain: (B, Hkv, grid x, 2) int32 splits folded per warpgroup's rows, zeroed
+        acc_ptr: cute.Pointer,  # fold: (total_q, Hq, d) fp32 running O of the splits folded so far
+        acc_lse_ptr: cute.Pointer,  # fold: (total_q, Hq) fp32 their LSE
+        turn_ptr: cute.Pointer,  # fold: (B, Hkv, grid x, 2) int32 splits folded per warpgroup's rows, zeroed
         batch: Int32,
         total_q: Int32,
         num_kv_heads: Int32,
@@ -89,10 +89,7 @@ class QTiledAttention(PagedAttention):
         flag_stride: Int32,
         head_base: Int32,
         grid_heads: Int32,
-        grid_splits: Int32,
         split_first: Int32,
-        split_wrap: Int32,
-        slot_base: Int32,
         scale_log2: Float32,
         stream: cuda.CUstream,
     ):
@@ -109,10 +106,10 @@ class QTiledAttention(PagedAttention):
         mTurn = cute.make_tensor(turn_ptr, cute.make_layout(batch * num_kv_heads * n_x * 2))  # (B * Hkv * n_x * 2,)
         self.kernel(
             h.mQ, h.mO, h.mLSE, h.tma_h, h.mKVh, h.tma_d, h.mKVd, h.mPT, h.mSeqLen, h.mCuQ, mReady, mAcc, mAccLSE, mTurn,
-            num_kv_heads, num_layers, layer, batch, split_tiles, ascending, epoch, piece_tiles, flag_stride, head_base,
-            split_first, split_wrap, slot_base, scale_log2, h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
+            num_kv_heads, num_layers, layer, batch, num_splits, split_tiles, ascending, epoch, piece_tiles, flag_stride,
+            head_base, split_first, scale_log2, h.sQ_layout, h.sKV_layout, h.tiled_mma_qk, h.tiled_mma_pv,
         ).launch(
-            grid=[n_x, grid_heads, batch * grid_splits],
+            grid=[n_x, grid_heads, batch * num_splits],
             block=[self.num_threads, 1, 1],
             cluster=[C, 1, 1] if const_expr(C > 1) else None,
             smem=self.shared_storage.size_in_bytes(),
@@ -135,13 +132,14 @@ class QTiledAttention(PagedAttention):
         mSeqLen: cute.Tensor,  # (B,)
         mCuQ: cute.Tensor,  # (B + 1,)
         mReady: cute.Tensor,  # (flags,) int32: piece p of KV head h at h * flag_stride + p
-        mAcc: cute.Tensor,  # (1, total_q, Hq, d) fp32 (chain)
-        mAccLSE: cute.Tensor,  # (1, total_q, Hq) fp32 (chain)
-        mTurn: cute.Tensor,  # (B * Hkv * n_x * 2,) int32 (chain)
+        mAcc: cute.Tensor,  # (1, total_q, Hq, d) fp32 (fold)
+        mAccLSE: cute.Tensor,  # (1, total_q, Hq) fp32 (fold)
+        mTurn: cute.Tensor,  # (B * Hkv * n_x * 2,) int32 (fold)
         num_kv_heads: Int32,
         num_layers: Int32,
         layer: Int32,
         batch: Int32,
+        num_splits: Int32,
         split_tiles: Int32,
         ascending: Int32,
         epoch: Int32,
@@ -149,8 +147,6 @@ class QTiledAttention(PagedAttention):
         flag_stride: Int32,
         head_base: Int32,
         split_first: Int32,
-        split_wrap: Int32,
-        slot_base: Int32,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -159,8 +155,8 @@ class QTiledAttention(PagedAttention):
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, split_tiles, ascending, flag_stride, head_base,
-                                   split_first, split_wrap, slot_base)
+        cta, tok0 = self.tile_work(mSeqLen, mCuQ, batch, num_kv_heads, num_splits, split_tiles, ascending, flag_stride,
+                                   head_base, split_first)
         sQ, sK, sV, kv_pipe, admit = self.ring(warp_idx, tidx, tma_h, tma_d, sQ_layout, sKV_layout)
 
         if warp_idx < 4:
@@ -182,11 +178,11 @@ class QTiledAttention(PagedAttention):
             softmax_reset(w.acc_O, w.row_max, w.row_sum)
             self.attend_all(w, cta, kv_pipe, tok0, scale_log2)
             softmax_finalize(w.acc_O, w.row_max, w.row_sum, w.lse, scale_log2)
-            if const_expr(self.chain):
+            if const_expr(self.fold_splits):
                 self.fold(mO, mLSE, mAcc, mAccLSE, mTurn, w, cta, tok0, batch, num_kv_heads)
             else:
-                self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, cta.split, cta.q_start, cta.q_len, cta.kvh, w.row0,
-                               tok0, self.q_per_cta)
+                self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0, tok0,
+                               self.q_per_cta)
         if const_expr(self.cluster > 1):
             # No CTA leaves while its peer may still multicast into its SMEM or arrive on its
             # barriers.
@@ -194,23 +190,23 @@ class QTiledAttention(PagedAttention):
             cute.arch.cluster_wait()
 
     @cute.jit
-    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, num_kv_heads, split_tiles, ascending,
-                  flag_stride, head_base, split_first, split_wrap, slot_base):
+    def tile_work(self, mSeqLen: cute.Tensor, mCuQ: cute.Tensor, batch, num_kv_heads, num_splits, split_tiles,
+                  ascending, flag_stride, head_base, split_first):
         """(CtaWork, first query token) of this CTA. Grid x runs over query tiles from the last
         (heaviest) down, or with ``ascending`` from the first (the lightest, whose keys a staged
         copy lands first), y over KV heads, z over (split, sequence), split-major: split s owns KV
         tiles [s * split_tiles, (s + 1) * split_tiles), so the CTAs of early splits (whose staged
-        pages land first) run first. A launch may cover some of the splits: its z rank r runs split
-        ``split_first`` + r, wrapped at ``split_wrap`` (the splits from ``split_first`` on read pages
+        pages land first) run first. Its z rank r (the order the splits fold in) runs split
+        ``split_first`` + r, wrapped at ``num_splits`` (the splits from ``split_first`` on read pages
         that were in HBM before the copy began, a step's own tokens mirrored, whose CTAs then run
-        while the copy lands the history), and writes partial slot ``slot_base`` + r, so the slots of
-        a launch are contiguous whatever its splits. With ``flag_stride`` (a copy staged head by
+        while the copy lands the history). With ``flag_stride`` (a copy staged head by
         head, one split) the launch order (x, then y, then z) is remapped to KV head outermost, the
         order the copy lands the heads in. Grid y covers KV heads [``head_base``, ``head_base`` + grid y): all of
         them (``head_base`` 0, always with ``flag_stride``, whose remap spans every head) or a few,
         as a launch per KV head does. The CTAs of a cluster (adjacent in x) walk the same KV tiles: the
         causal range of the cluster's last query token. A cluster past its sequence's queries or
-        its split's keys walks no KV tiles (with split_out it writes an empty partial, LSE -inf)."""
+        its split's keys walks no KV tiles (folded, its rows add nothing: LSE -inf). The work item's
+        ``split`` is the z rank."""
         tile_n, qpc, C = self.tile_n, self.q_per_cta, self.cluster
         mt, kvh, z = cute.arch.block_idx()
         n_mt, _, _ = cute.arch.grid_dim()
@@ -222,9 +218,8 @@ class QTiledAttention(PagedAttention):
         z_rank = z // batch
         b = z - z_rank * batch
         split = z_rank + split_first
-        if split >= split_wrap:
-            split = split - split_wrap
-        slot = z_rank + slot_base
+        if split >= num_splits:
+            split = split - num_splits
         seq_len = mSeqLen[b]
         q_start = mCuQ[b]
         q_len = mCuQ[b + 1] - q_start
@@ -246,7 +241,7 @@ class QTiledAttention(PagedAttention):
         n_pages = (seq_len + self.page_size - 1) // self.page_size
         if const_expr(C == 1):
             rank = 0
-        return CtaWork(slot, kvh, b, rank, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
+        return CtaWork(z_rank, kvh, b, rank, seq_len, q_start, q_len, n_pages, t_begin, t_end), tok0
 
     @cute.jit
     def attend_all(self, w, cta, kv_pipe, tok0, scale_log2):
@@ -319,7 +314,7 @@ class QTiledAttention(PagedAttention):
 
     @cute.jit
     def fold(self, mO, mLSE, mAcc, mAccLSE, mTurn, w, cta, tok0, batch, num_kv_heads):
-        """Chain: fold this warpgroup's rows into the launch's running O, in launch order. The
+        """Fold this warpgroup's rows into the launch's running O, in launch order. The
         split of z rank r waits until the rows' turn counter reads r (the ranks before it have
         folded theirs; they were dispatched first, so they run or have run), merges the
         accumulator into its registers (``QIO.merge``), then the last rank stores the final O and

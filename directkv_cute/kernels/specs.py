@@ -240,7 +240,7 @@ SPECS: tuple[KernelSpec, ...] = (
         codegen_fields=("tile_n", "stages", "carveout", "pingpong", "cluster"),
         launch_fields=(("piece_pages", 0), ("splits", 0), ("order", 0), ("copy_order", 0)),
         shape_rules=_q_tiled_rules,
-        launches=("q_tiled", "combine"),  # staged calls in KV splits are combined
+        launches=("q_tiled",),  # staged calls in KV splits fold them in the kernel
     ),
     KernelSpec(
         name="kv_proj",
