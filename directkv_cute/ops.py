@@ -40,8 +40,9 @@ import torch
 from directkv_cute.cache import page_bytes as layer_page_bytes
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import (LINK_BOUND_PIECES, LINK_PIECES, causal_flops, choose_staged, compute_bound, kv_bytes,
-                                may_stage, partial_bytes, q_tile_profile, trails_copy, window_piece_pages)
+from directkv_cute.plan import (LINK_PIECES, causal_flops, choose_staged, compute_bound, kv_bytes,
+                                link_bound_pieces, may_stage, partial_bytes, q_tile_profile, trails_copy,
+                                window_piece_pages)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, head_groups, piece_pages_for, plan_staging, \
     stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
@@ -755,7 +756,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     heads = cache.num_kv_heads
     ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     coarse_link = chunk and ctas > _num_sms(device_index) and trails_copy(n_host * page_bytes, flops)
-    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=LINK_BOUND_PIECES if coarse_link else 16)
+    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages,
+                         pieces=link_bound_pieces(max(lens)) if coarse_link else 16)
     hbm_runs = hbm_runs_per_sequence(host_table, n_pages) if chunk else 0
     window = chunk and hbm_runs <= 1
     if hbm_runs == 1 and not cfg.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start

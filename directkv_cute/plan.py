@@ -157,8 +157,19 @@ HYBRID_STAGE_SHARE = 0.05
 PARTIAL_GBPS = 10000.0
 # Pieces of a staged call whose Q-tiled compute trails its copy (``trails_copy``): each costs a
 # copy call and a ready flag (measured at 8k q2048: 8 pieces 2-3% faster than 16 at 2 and 4 splits).
+# From ``LONG_LINK_TOKENS`` keys on, 16 pieces in 16 folded splits (a split of 16 KV tiles or more):
+# the last split's tail after the copy halves (measured 2026-12-02 at q2048, splits folded, 8 pieces
+# / 8 splits vs 16 / 16, ms: 8k 0.713 vs 0.945, 16k 1.349 vs 1.360, 32k 2.663 vs 2.598, 128k 10.51
+# vs 10.14; with the step's window 32k 2.541 vs 2.483).
 LINK_BOUND_PIECES = 8
-SPLIT_CHOICES = (1, 2, 4, 8)
+LONG_LINK_BOUND_PIECES = 16
+LONG_LINK_TOKENS = 32768
+SPLIT_CHOICES = (1, 2, 4, 8, 16)
+
+
+def link_bound_pieces(max_tokens: int) -> int:
+    """Pieces of a staged chunk whose compute trails its copy, by its longest sequence's keys."""
+    return LONG_LINK_BOUND_PIECES if max_tokens >= LONG_LINK_TOKENS else LINK_BOUND_PIECES
 
 
 def copy_time_ms(host_bytes: int, calls: int, flags: int = 0) -> float:

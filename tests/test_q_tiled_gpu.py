@@ -48,6 +48,7 @@ CASES = [
     ([20000], [1500], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=8)),
     ([17000, 3000, 9000], [1200, 1, 700], 32, 8, 128, 16, torch.float16, 0.0, QTiledConfig(splits=6, cluster=1)),
     ([12000, 5000], [900, 300], 28, 4, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=4)),
+    ([33000], [2048], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=16)),
     # the copy staged head by head, the CTAs remapped head-major (over the batch too)
     ([6000, 900, 3001], [2000, 900, 64], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2)),
     ([6000, 900], [2000, 900], 32, 8, 128, 16, torch.float16, 0.3, QTiledConfig(copy_order=2, cluster=1)),

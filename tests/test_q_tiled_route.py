@@ -522,7 +522,7 @@ def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
     assert made == [625]  # one plan, of one piece: the longest sequence's pages
 
 
-@pytest.mark.parametrize("lens,q_lens,P,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 8),
+@pytest.mark.parametrize("lens,q_lens,P,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 15),
                                                 ([16384, 9000], [2048, 1000], 16, 7)])
 def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first):
     """A chunk whose own pages are mirrored in HBM (a model step's window; in a ragged batch the
