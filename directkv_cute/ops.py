@@ -40,9 +40,9 @@ import torch
 from directkv_cute.cache import page_bytes as layer_page_bytes
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import (LINK_PIECES, causal_flops, choose_staged, compute_bound, kv_bytes,
-                                link_bound_pieces, may_stage, partial_bytes, q_tile_profile, trails_copy,
-                                window_piece_pages)
+from directkv_cute.plan import (LINK_PIECES, SPLIT_CHOICES, causal_flops, choose_staged, compute_bound, kv_bytes,
+                                link_bound_pieces, link_bound_split_choices, may_stage, partial_bytes,
+                                q_tile_profile, trails_copy, window_piece_pages)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, head_groups, piece_pages_for, plan_staging, \
     stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
@@ -808,7 +808,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
                            pieces=len(any_plan.pieces),
                            head_flags=0 if head_plan is None else heads * len(head_plan.pieces),
-                           split_ctas=ctas, sms=_num_sms(device_index))
+                           split_ctas=ctas, sms=_num_sms(device_index),
+                           choices=link_bound_split_choices(max(lens)) if coarse_link else SPLIT_CHOICES)
     if plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
     if choice.by_head:

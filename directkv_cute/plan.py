@@ -160,16 +160,23 @@ PARTIAL_GBPS = 10000.0
 # From ``LONG_LINK_TOKENS`` keys on, 16 pieces in 16 folded splits (a split of 16 KV tiles or more):
 # the last split's tail after the copy halves (measured 2026-12-02 at q2048, splits folded, 8 pieces
 # / 8 splits vs 16 / 16, ms: 8k 0.713 vs 0.945, 16k 1.349 vs 1.360, 32k 2.663 vs 2.598, 128k 10.51
-# vs 10.14; with the step's window 32k 2.541 vs 2.483).
+# vs 10.14; with the step's window 32k 2.541 vs 2.483). Only there: offered to compute-bound chunks
+# too, 16 splits displaced the head-by-head copy at 128k q8192 and ran slower (27.88 vs 26.14 ms).
 LINK_BOUND_PIECES = 8
 LONG_LINK_BOUND_PIECES = 16
 LONG_LINK_TOKENS = 32768
-SPLIT_CHOICES = (1, 2, 4, 8, 16)
+SPLIT_CHOICES = (1, 2, 4, 8)
+LONG_LINK_SPLIT_CHOICES = (1, 2, 4, 8, 16)
 
 
 def link_bound_pieces(max_tokens: int) -> int:
     """Pieces of a staged chunk whose compute trails its copy, by its longest sequence's keys."""
     return LONG_LINK_BOUND_PIECES if max_tokens >= LONG_LINK_TOKENS else LINK_BOUND_PIECES
+
+
+def link_bound_split_choices(max_tokens: int) -> tuple[int, ...]:
+    """The split counts the cost model weighs for such a chunk (``choose_staged``'s ``choices``)."""
+    return LONG_LINK_SPLIT_CHOICES if max_tokens >= LONG_LINK_TOKENS else SPLIT_CHOICES
 
 
 def copy_time_ms(host_bytes: int, calls: int, flags: int = 0) -> float:
@@ -276,10 +283,11 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
                   head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
-                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0) -> StagedChoice:
+                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0,
+                  choices: tuple[int, ...] = SPLIT_CHOICES) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
-    ``kv_read_bytes`` from the buffer, at the best of ``SPLIT_CHOICES``, or at ``splits``; with
+    ``kv_read_bytes`` from the buffer, at the best of ``choices``, or at ``splits``; with
     ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading
     ``in_place_bytes`` in place (default ``host_bytes``; more where sequences share pages, which
     the staging copies once), by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a
@@ -300,7 +308,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
     waiting = max(0.0, 1.0 - sms / split_ctas) if split_ctas and sms else 0.0
-    best = min((splits,) if splits else SPLIT_CHOICES, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting))
+    best = min((splits,) if splits else choices, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting))
     est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting)
     ascending = by_head = coarse = False
     if wave_calls and splits in (0, 1):

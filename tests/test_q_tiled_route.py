@@ -632,3 +632,17 @@ def test_launch_q_tiled_checks_split_and_fold_arguments():
     assert where(calls[0]) == [(acc.data_ptr(), "Float32"), (acc_lse.data_ptr(), "Float32"),
                                (turns.data_ptr(), "Int32")]
     assert where(calls[1]) == [(lse.data_ptr(), "Float32"), (lse.data_ptr(), "Float32"), (ready.data_ptr(), "Int32")]
+
+
+@pytest.mark.parametrize("ctx,q_len,splits,pieces,copy_order", [
+    (8192, 2048, 8, 8, 1), (16384, 2048, 8, 8, 1), (32768, 2048, 16, 16, 1), (131072, 2048, 16, 16, 1),
+    (131072, 8192, 1, 4, 2), (131072, 4096, 1, 4, 2), (8192, 4096, 8, 8, 1)])
+def test_long_link_bound_chunks_take_16_folded_splits_and_compute_bound_ones_stay_head_by_head(
+        ctx, q_len, splits, pieces, copy_order):
+    """From 32k keys a link-bound chunk with more CTAs than SMs is staged in 16 pieces and 16
+    folded splits (``link_bound_pieces``; measured faster at 32k and 128k q2048, slower at 8k);
+    the 16-split choice is not offered to compute-bound chunks, which keep the head-by-head copy
+    (measured faster at 128k q8192)."""
+    q, cache, tables, ql, group = _call([ctx], [q_len])
+    cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
+    assert (cfg.splits, len(plan.pieces), cfg.copy_order) == (splits, pieces, copy_order)
