@@ -396,9 +396,9 @@ class QTiledConfig:
     piece_pages: staging only: pages per ready piece (0 = the op's choice): a tile is issued once
                  the copy engine has finished the piece holding its pages, so compute starts after
                  the first piece instead of the whole copy.
-    splits:      staging only: KV splits (0 = the op's choice), each a run of pieces written as
-                 fp32 partials and combined: the CTAs of early splits run while later pieces still
-                 copy, instead of every CTA's walk being paced by the copy. Pages already in HBM
+    splits:      staging only: KV splits (0 = the op's choice), each a run of pieces, folded into
+                 one fp32 accumulator inside the kernel: the CTAs of early splits run while later
+                 pieces still copy, instead of every CTA's walk being paced by the copy. Pages already in HBM
                  at the end of the call (a step's own tokens mirrored) get splits of their own
                  beyond these, launched first (``plan.q_tiled_splits``, ``plan.ready_split``).
     order:       staging only: launch order of the query tiles (0 = the op's choice; 1 = heaviest

@@ -41,8 +41,8 @@ from directkv_cute.cache import page_bytes as layer_page_bytes
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import (LINK_PIECES, SPLIT_CHOICES, causal_flops, choose_staged, compute_bound, kv_bytes,
-                                link_bound_pieces, link_bound_split_choices, may_stage, partial_bytes,
-                                q_tile_profile, trails_copy, window_piece_pages)
+                                link_bound_staging, may_stage, partial_bytes, q_tile_profile, trails_copy,
+                                window_piece_pages)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, head_groups, piece_pages_for, plan_staging, \
     stager, staging_cap
 from directkv_cute.kernels.specs import config_kernel, op_kernel
@@ -756,8 +756,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     heads = cache.num_kv_heads
     ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     coarse_link = chunk and ctas > _num_sms(device_index) and trails_copy(n_host * page_bytes, flops)
-    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages,
-                         pieces=link_bound_pieces(max(lens)) if coarse_link else 16)
+    pieces, split_choices = link_bound_staging(max(lens)) if coarse_link else (16, SPLIT_CHOICES)
+    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=pieces)
     hbm_runs = hbm_runs_per_sequence(host_table, n_pages) if chunk else 0
     window = chunk and hbm_runs <= 1
     if hbm_runs == 1 and not cfg.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start
@@ -809,7 +809,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            pieces=len(any_plan.pieces),
                            head_flags=0 if head_plan is None else heads * len(head_plan.pieces),
                            split_ctas=ctas, sms=_num_sms(device_index),
-                           choices=link_bound_split_choices(max(lens)) if coarse_link else SPLIT_CHOICES)
+                           choices=split_choices)
     if plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
     if choice.by_head:

@@ -166,17 +166,15 @@ LINK_BOUND_PIECES = 8
 LONG_LINK_BOUND_PIECES = 16
 LONG_LINK_TOKENS = 32768
 SPLIT_CHOICES = (1, 2, 4, 8)
-LONG_LINK_SPLIT_CHOICES = (1, 2, 4, 8, 16)
 
 
-def link_bound_pieces(max_tokens: int) -> int:
-    """Pieces of a staged chunk whose compute trails its copy, by its longest sequence's keys."""
-    return LONG_LINK_BOUND_PIECES if max_tokens >= LONG_LINK_TOKENS else LINK_BOUND_PIECES
-
-
-def link_bound_split_choices(max_tokens: int) -> tuple[int, ...]:
-    """The split counts the cost model weighs for such a chunk (``choose_staged``'s ``choices``)."""
-    return LONG_LINK_SPLIT_CHOICES if max_tokens >= LONG_LINK_TOKENS else SPLIT_CHOICES
+def link_bound_staging(max_tokens: int) -> tuple[int, tuple[int, ...]]:
+    """(pieces, split counts the cost model weighs: ``choose_staged``'s ``choices``) of a staged
+    chunk whose compute trails its copy, by its longest sequence's keys: from ``LONG_LINK_TOKENS``
+    on, 16 pieces and up to 16 splits."""
+    if max_tokens >= LONG_LINK_TOKENS:
+        return LONG_LINK_BOUND_PIECES, SPLIT_CHOICES + (LONG_LINK_BOUND_PIECES,)
+    return LINK_BOUND_PIECES, SPLIT_CHOICES
 
 
 def copy_time_ms(host_bytes: int, calls: int, flags: int = 0) -> float:

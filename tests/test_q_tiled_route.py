@@ -640,7 +640,7 @@ def test_launch_q_tiled_checks_split_and_fold_arguments():
 def test_long_link_bound_chunks_take_16_folded_splits_and_compute_bound_ones_stay_head_by_head(
         ctx, q_len, splits, pieces, copy_order):
     """From 32k keys a link-bound chunk with more CTAs than SMs is staged in 16 pieces and 16
-    folded splits (``link_bound_pieces``; measured faster at 32k and 128k q2048, slower at 8k);
+    folded splits (``link_bound_staging``; measured faster at 32k and 128k q2048, slower at 8k);
     the 16-split choice is not offered to compute-bound chunks, which keep the head-by-head copy
     (measured faster at 128k q8192)."""
     q, cache, tables, ql, group = _call([ctx], [q_len])

@@ -12,19 +12,13 @@ from directkv_cute.kernels.jit import cutlass_dtype
 LOG2_E = math.log2(math.e)
 
 
-def _ptr(t: torch.Tensor, align: int = 16):
+def _ptr(t: torch.Tensor, align: int = 16, dtype: torch.dtype | None = None):
+    """A global-memory pointer to ``t``'s storage, typed as ``t`` (or as ``dtype``: an argument
+    the kernel never reads)."""
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    return make_ptr(cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _ptr_as(t: torch.Tensor, dtype: torch.dtype, align: int = 16):
-    """A pointer of ``dtype`` to ``t``'s storage: an argument the kernel never reads."""
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(cutlass_dtype(dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+    return make_ptr(cutlass_dtype(dtype or t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def fold_turn_count(batch: int, num_kv_heads: int, n_q_tiles: int) -> int:
@@ -130,7 +124,7 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
                              "counters")
         acc, acc_lse, turns = _ptr(acc), _ptr(acc_lse, 4), _ptr(turns, 4)
     else:  # never read
-        acc, acc_lse, turns = _ptr_as(lse, torch.float32), _ptr_as(lse, torch.float32, 4), _ptr(ready, 4)
+        acc, acc_lse, turns = _ptr(lse, dtype=torch.float32), _ptr(lse, 4, torch.float32), _ptr(ready, 4)
     batch, max_pages = page_table.shape
     fn(
         _ptr(q), _ptr(out), _ptr(lse, 4), _ptr(host), _ptr(hbm),
