@@ -319,7 +319,7 @@ def compile_targets(targets: list[CompileTarget], progress: bool = True) -> tupl
 # own class, in every variant. (wait_ready, fold): all-HBM (no, no); staged in KV splits folded
 # in the kernel (yes, yes) or in one split (yes, no); staged calls of one query tile (decode) also as
 # ``QTiledConfig.for_query_tiles(1)`` runs them.
-Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
+Q_TILED_VARIANTS = specs.Q_TILED_VARIANTS
 Q_TILED_PAGES = (16, 64)
 Q_TILED_GROUPS = (1, 4, 8)
 

@@ -483,21 +483,18 @@ def _resolve_compile():
     return fn, ""
 
 
-# (wait_ready, fold) of the Q-tiled kernels the op launches: over HBM pages; over staged pages in
-# several KV splits (folded in the kernel) or in one.
-Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
 
 
 def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> None:
     """Compile one entry as the op launches it: multi_token entries with the multi-token kernel,
-    q_tiled entries in each variant the op launches (``Q_TILED_VARIANTS``)."""
+    q_tiled entries in each variant the op launches (``specs.Q_TILED_VARIANTS``)."""
     from .space import torch_dtype
 
     if kernel == "q_tiled":
         from directkv_cute.kernels import specs
 
         compile_q_tiled = specs.get("q_tiled").compile_fn
-        for wait_ready, fold in Q_TILED_VARIANTS:
+        for wait_ready, fold in specs.Q_TILED_VARIANTS:
             compile_q_tiled(cfg, torch_dtype(dtype), d, page, group, wait_ready, fold)
         return
     kw = dict(dtype=torch_dtype(dtype), head_dim=d, page_size=page, group=group, max_q_len=q_len)

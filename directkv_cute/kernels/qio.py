@@ -63,15 +63,21 @@ class QIO:
             row = tQcQ[r, 0][0]
             qi = row // group
             if qi < cutlass.min(q_len - tok0, self.q_per_wg):
-                gQ_row = mQ[q_start + tok0 + qi, kvh * group + row % group, None]  # (d,)
-                for c in cutlass.range_constexpr(cute.size(q_mn, mode=[1]) // 2):
-                    rPair = cute.make_rmem_tensor((2,), self.dtype)  # (2,) columns 2c, 2c + 1
-                    cute.autovec_copy(cute.local_tile(gQ_row, (2,), (tQcQ[r, 2 * c][1] // 2,)), rPair)
-                    q_mn[r, 2 * c] = rPair[0]
-                    q_mn[r, 2 * c + 1] = rPair[1]
+                self.load_pairs(q_mn, tQcQ, r, mQ[q_start + tok0 + qi, kvh * group + row % group, None], self.dtype)
             else:
                 for c in cutlass.range_constexpr(cute.size(q_mn, mode=[1])):
                     q_mn[r, c] = self.dtype(0.0)
+
+    @cute.jit
+    def load_pairs(self, x_mn, tXcX, r, g_row, dtype: cutlass.Constexpr):
+        """Row ``r`` of ``x_mn`` (this thread's (row, column) view of a (64, d) accumulator-layout
+        tensor, ``tXcX`` its coordinates) from ``g_row`` (d,) in ``dtype``: the thread's columns come
+        in adjacent pairs (2c, 2c + 1), one vector load each."""
+        for c in cutlass.range_constexpr(cute.size(x_mn, mode=[1]) // 2):
+            rPair = cute.make_rmem_tensor((2,), dtype)  # (2,) columns 2c, 2c + 1
+            cute.autovec_copy(cute.local_tile(g_row, (2,), (tXcX[r, 2 * c][1] // 2,)), rPair)
+            x_mn[r, 2 * c] = rPair[0]
+            x_mn[r, 2 * c + 1] = rPair[1]
 
     @cute.jit
     def store_q(self, rQ, sQ, ctidx, n_thr):
@@ -151,12 +157,7 @@ class QIO:
             if qi < n_valid:
                 head = kvh * group + row % group
                 rLse[r] = mAccLSE[0, q_start + tok0 + qi, head]
-                gA_row = mAcc[0, q_start + tok0 + qi, head, None]  # (d,)
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
-                    rPair = cute.make_rmem_tensor((2,), Float32)  # (2,) columns 2c, 2c + 1
-                    cute.autovec_copy(cute.local_tile(gA_row, (2,), (tOcO[r, 2 * c][1] // 2,)), rPair)
-                    a_mn[r, 2 * c] = rPair[0]
-                    a_mn[r, 2 * c + 1] = rPair[1]
+                self.load_pairs(a_mn, tOcO, r, mAcc[0, q_start + tok0 + qi, head, None], Float32)
         for r in cutlass.range_constexpr(cute.size(o_mn, mode=[0])):
             top = cutlass.max(rLse[r], lse[r])
             ref = Float32(0.0)
@@ -191,12 +192,7 @@ class QIO:
             qi = row // group
             if qi < cutlass.min(q_len - tok0, self.q_per_wg):
                 head = kvh * group + row % group
-                gO_row = mO[split, q_start + tok0 + qi, head, None]  # (d,)
-                for c in cutlass.range_constexpr(cute.size(o_mn, mode=[1]) // 2):
-                    rO = cute.make_rmem_tensor((2,), Float32)  # (2,) columns 2c, 2c + 1
-                    cute.autovec_copy(cute.local_tile(gO_row, (2,), (tOcO[r, 2 * c][1] // 2,)), rO)
-                    o_mn[r, 2 * c] = rO[0]
-                    o_mn[r, 2 * c + 1] = rO[1]
+                self.load_pairs(o_mn, tOcO, r, mO[split, q_start + tok0 + qi, head, None], Float32)
                 row_max[r] = mLSE[split, q_start + tok0 + qi, head] * to_raw
                 row_sum[r] = Float32(0.25)
             else:

@@ -182,6 +182,10 @@ def _multi_token_occupancy(cfg, head_dim: int) -> int:
 _RING = ("tile_n", "stages", "carveout", "consumer_wgs", "max_inflight", "link_credits")
 _CHUNK_WALK = ("chunk_tiles", "edge_tiles", "q_regs", "q_cluster", "stagger")  # the multi-token kernel's walk
 
+# (wait_ready, fold) of the Q-tiled kernels the op launches: over HBM pages; over staged pages in
+# several KV splits folded in the kernel, or in one.
+Q_TILED_VARIANTS = ((False, False), (True, True), (True, False))
+
 SPECS: tuple[KernelSpec, ...] = (
     KernelSpec(
         name="decode",
