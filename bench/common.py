@@ -416,6 +416,7 @@ class Timer:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.lead(lead_ms)
             start.record()
+            fence_staging()
             work()
             end.record()
             end.synchronize()
@@ -423,6 +424,16 @@ class Timer:
         t0 = time.perf_counter()
         work()
         return (time.perf_counter() - t0) * 1e3
+
+
+def fence_staging() -> None:
+    """directkv_cute's staged copies run ahead of the current stream (``staging.fence``): none of
+    the timed calls' copies may start before the start event, behind the lead."""
+    import sys
+
+    staging = sys.modules.get("directkv_cute.staging")
+    if staging is not None and torch.cuda.is_available():
+        staging.fence()
 
 
 def lead_ms(host_ms_per_call: float, calls: int, cap_ms: float = 200.0) -> float:

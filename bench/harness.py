@@ -26,6 +26,7 @@ import math
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -166,11 +167,31 @@ def load_ours(device: str) -> OursApi:
         except (ImportError, AttributeError) as e:
             raise ImportError(f"directkv_cute.{name} is not importable: {e}") from e
 
+    fresh = weakref.WeakKeyDictionary()  # cache -> {(seq_ids, q_lens): step pages}
+
     def run(q, cache, tables, seq_ids, q_lens, config, out):
+        if device == "cuda" and hasattr(cache, "note_host_write"):
+            # As in a model's step, the call's own tokens were just written: their host pages are
+            # recorded, so a staged copy of them waits for the current stream (the history need not).
+            known = fresh.setdefault(cache, {})
+            key = (tuple(seq_ids), tuple(q_lens or ()))
+            if key not in known:
+                known[key] = step_host_pages(cache, seq_ids, q_lens)
+            cache.note_host_write(known[key])
         target = tables if device == "cuda" else seq_ids
         return op(q, cache, 0, target, q_lens=q_lens, config=config, out=out)
 
     return OursApi(cache_cls=PagedKVCache, run=run, missing_errors=(NotImplementedError, ValueError))
+
+
+def step_host_pages(cache, seq_ids, q_lens) -> list[int]:
+    """The host pages holding each sequence's last ``q_lens[i]`` tokens (1 without q_lens)."""
+    P, pages = cache.page_size, set()
+    for i, sid in enumerate(seq_ids):
+        n, q_len = cache.seq_len(sid), (q_lens[i] if q_lens else 1)
+        table = cache.page_table(sid)
+        pages.update(e for e in table[max(0, n - q_len) // P: -(-n // P)] if e >= 0)
+    return sorted(pages)
 
 
 # ---- one shape -----------------------------------------------------------------------------

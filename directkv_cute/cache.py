@@ -52,6 +52,12 @@ Design choices
   few advanced-index stores covering all touched pages. All data movement (writes, copies,
   moves) is enqueued on the current CUDA stream; host-side reads of ``host_pool`` must
   synchronise first (``read`` works on the device and needs no care).
+* **Host writes are recorded** (``host_writes``): every write path notes the host pages it
+  enqueues a write to, so that a staged attention call (``directkv_cute.staging``) copies a host
+  page only after the writes recorded for it, and the rest of its copy need not wait for the
+  current stream (it overlaps the previous layer's kernel). A caller that writes host pages by
+  other means (``kv_project`` into ``kv_proj.cache_destinations``, a kernel of its own) calls
+  ``note_host_write`` after enqueueing the write, on the same stream.
 
 FP8 pages
 ---------
@@ -83,6 +89,7 @@ from directkv_cute._pinned import PinnedHostBuffer
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.fp8 import FP8_DTYPES, SCALE_DTYPE, dequantize, quantize
 
+MAX_HOST_WRITES = 256  # recorded host writes kept apart; more are merged into one
 Tier = Literal["host", "hbm"]
 TIERS: tuple[Tier, ...] = ("host", "hbm")
 PLACEMENTS = ("recent", "strided")
@@ -157,6 +164,7 @@ class TokenSlots:
     parts: tuple
     mirrored: tuple = ()
     runs: tuple = ()
+    host_pages: np.ndarray | None = None  # int64: the distinct host pages the rows go to (mirrored ones too)
 
     @staticmethod
     def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None) -> "TokenSlots":
@@ -171,8 +179,9 @@ class TokenSlots:
         # tokens' host pages (the part ``defer_host`` leaves to the copy engine).
         groups = [g for g in (("host", plain, entry[plain]), ("hbm", hbm, -entry[hbm] - 1),
                               ("hbm", mir, mirror[mir] if len(mir) else mir), ("host", mir, entry[mir])) if len(g[1])]
+        host_pages = np.unique(entry[~in_hbm]).astype(np.int64)
         if not groups:
-            return TokenSlots(0, ())
+            return TokenSlots(0, (), host_pages=host_pages)
         dev = torch.from_numpy(np.concatenate([a for _, tok, pidx in groups for a in (tok, pidx, off[tok])]))
         dev = dev.to(device)
         parts, at = [], 0
@@ -182,14 +191,14 @@ class TokenSlots:
                           dev[at + 2 * m : at + 3 * m]))
             at += 3 * m
         if not len(mir):
-            return TokenSlots(total, tuple(parts))
+            return TokenSlots(total, tuple(parts), host_pages=host_pages)
         runs: list[list[int]] = []  # (window page, host page, pages) over the distinct pairs, in order
         for w, h in dict.fromkeys(zip(mirror[mir].tolist(), entry[mir].tolist())):
             if runs and runs[-1][0] + runs[-1][2] == w and runs[-1][1] + runs[-1][2] == h:
                 runs[-1][2] += 1
             else:
                 runs.append([w, h, 1])
-        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)))
+        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)), host_pages)
 
 
 @dataclass(frozen=True)
@@ -386,6 +395,9 @@ class PagedKVCache:
         self._free_window = list(range(capacity["hbm"] + window - 1, capacity["hbm"] - 1, -1))
         self._copy_stream = self._copy_done = None
         self._copy_pending = False
+        # Host writes not known to be done: [event (None: enqueued on the current stream, no
+        # event yet), host pages (int64 ndarray; None: every page)] (``host_writes``).
+        self._host_writes: list[list] = []
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
         self._closed = False
@@ -723,6 +735,7 @@ class PagedKVCache:
         enc = self._encode(k, v)
         for tier, tok, pidx, off in slots.parts + (() if defer_host else slots.mirrored):
             self._put(tier, pidx, layer, off, tok, enc)
+        self._wrote_host(slots.host_pages)
         if defer_host:
             self._copy_back(layer, slots.runs)
 
@@ -731,6 +744,56 @@ class PagedKVCache:
         """The host half of ``write_slots(defer_host=True)`` for a writer that stored the slots'
         mirrored tokens itself (``kv_project``): queue the copies of this layer of their pages."""
         self._copy_back(self._check_layer(layer), slots.runs)
+
+    def note_host_write(self, pages=None) -> None:
+        """Record that work already enqueued on the current stream writes host pages ``pages``
+        (a ``TokenSlots``, host page indices, or None: any page). The cache's own writes are
+        recorded; call this after a write by other means (``kv_project`` into
+        ``kv_proj.cache_destinations``), so that staged attention calls copy those pages after it."""
+        if isinstance(pages, TokenSlots):
+            pages = pages.host_pages
+        elif pages is not None:
+            pages = np.unique(np.asarray(pages, dtype=np.int64).reshape(-1))
+            if pages.size and (pages[0] < 0 or pages[-1] >= self._capacity["host"]):
+                raise IndexError(f"host pages {pages[0]}..{pages[-1]} outside the pool's {self._capacity['host']}")
+        with self._lock:
+            self._wrote_host(pages)
+
+    def host_writes(self) -> list[tuple[object, np.ndarray | None]]:
+        """The recorded host writes not known to be done, as (CUDA event, host pages or None: any
+        page): work that waits for the event is ordered after the write. Writes recorded without
+        an event get one now, on the current stream (they were enqueued there); finished ones are
+        dropped. Empty on a CPU cache."""
+        with self._lock:
+            self._settle_writes()
+            return [(ev, pages) for ev, pages in self._host_writes]
+
+    def _settle_writes(self) -> None:
+        """Give the recorded writes without an event one on the current stream; drop the done."""
+        if not self._host_writes:
+            return
+        lazy = [w for w in self._host_writes if w[0] is None]
+        if lazy:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            for w in lazy:
+                w[0] = ev
+        self._host_writes = [w for w in self._host_writes if not w[0].query()]
+
+    def _wrote_host(self, pages, event=None) -> None:
+        """Record a host write (see ``host_writes``): ``event`` marks its end on the stream it was
+        enqueued on; None: the current stream, at the next ``host_writes``."""
+        if self.device.type != "cuda" or (pages is not None and not len(pages)):
+            return
+        self._host_writes.append([event, pages])
+        if len(self._host_writes) > MAX_HOST_WRITES:  # no staged call has read them lately: merge
+            cur = torch.cuda.current_stream(self.device)
+            for ev, _ in self._host_writes:
+                if ev is not None:  # the current stream then orders all of them
+                    cur.wait_event(ev)
+            every = [p for _, p in self._host_writes]
+            union = None if any(p is None for p in every) else np.unique(np.concatenate(every))
+            self._host_writes = [[None, union]]
 
     @_locked
     def read(
@@ -1025,6 +1088,8 @@ class PagedKVCache:
         dst_page.index_copy_(0, zero, _raw(self.device_pool(src_tier))[si : si + 1])
         if self.fp8:
             self.device_scales(dst_tier)[di : di + 1].index_copy_(0, zero, self.device_scales(src_tier)[si : si + 1])
+        if dst_tier == "host":
+            self._wrote_host(np.array([di], np.int64))
 
     def _copy_back(self, layer: int, runs) -> None:
         """Copy one layer of mirrored pages into their host pages: (window page, host page, pages)
@@ -1061,6 +1126,9 @@ class PagedKVCache:
             self._copy_done = torch.cuda.Event()
         self._copy_done.record(self._copy_stream)
         self._copy_pending = True
+        landed = torch.cuda.Event()
+        landed.record(self._copy_stream)
+        self._wrote_host(np.concatenate([np.arange(h, h + count) for _, h, count in runs]), landed)
 
     def _host_current(self) -> None:
         """Make the current stream wait for the copies ``write_slots(defer_host=True)`` queued."""
@@ -1127,3 +1195,4 @@ class PagedKVCache:
         slots = self._seq_slots(seq, start, k.shape[0], mirrors=True)
         for tier, tok, pidx, off in slots.parts + slots.mirrored:  # mirrors written through
             self._put(tier, pidx, lsel, off, tok, enc)
+        self._wrote_host(slots.host_pages)

@@ -714,6 +714,7 @@ class DirectKVCache(Cache):
                 step.fused_dest = cache_destinations(self.kv, step.slots, step.defer_host)
             kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=c.contiguous(), sin=s_.contiguous(), layer=layer_idx,
                        check_slots=False, **step.fused_dest)
+            self.kv.note_host_write(step.slots)  # staged calls copy these host pages after the kernel
             if step.defer_host:
                 self.kv.copy_mirrors_to_host(step.slots, layer_idx)
             q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)

@@ -495,7 +495,9 @@ def cache_destinations(cache, slots, defer_host: bool = False) -> dict:
     host pages name disjoint tokens (only host pages are mirrored), so a step's host pages and
     their window mirrors are both written by the one kernel. Enqueued on the current stream, no
     host synchronisation. ``defer_host``: mirrored tokens go to their mirrors only (then
-    ``cache.copy_mirrors_to_host(slots, layer)``, as ``write_slots(defer_host=True)`` does)."""
+    ``cache.copy_mirrors_to_host(slots, layer)``, as ``write_slots(defer_host=True)`` does).
+    After enqueueing the ``kv_project`` that writes them, call ``cache.note_host_write(slots)``:
+    a staged attention call then copies those host pages after it (``PagedKVCache.host_writes``)."""
     out = {}
     for tier, tok, pidx, off in slots.parts + (() if defer_host else slots.mirrored):
         s = pidx * cache.page_size + off

@@ -15,8 +15,16 @@ KV head (that head's K and V block of each page, a strided 2-D copy), all pieces
 first, with a flag per (head, piece): the kernel's CTAs run head-major, so the copy of head h + 1
 lands while head h computes.
 
-Planning (``plan_staging``) is plain Python on the host page table; the device part is
-``Stager``, one per (device, stream), holding the side stream, the buffer and the flags.
+Consecutive calls alternate between two buffers (and flag sets), and a call's copy waits only
+for what it must: the kernel that last read its buffer (two calls back), and, piece by piece, the
+recorded writes to the host pages it copies (``PagedKVCache.host_writes``; a step's own pages were
+just written, its history was not). So in a model the history of layer l + 1 crosses the link
+while layer l's kernel finishes and the layer's other work runs, instead of after it. A pool
+without that record (the tensor-only op) waits for the current stream's work so far, as does
+every call with ``DIRECTKV_STAGE_OVERLAP=0`` or a buffer over half the staging cap.
+
+Planning (``plan_staging``, ``piece_waits``) is plain Python on the host page table; the device
+part is ``Stager``, one per (device, stream), holding the side stream, the buffers and the flags.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ HEADS_PER_COPY = 1  # KV heads per strided copy of a copy staged head by head (w
 # groups of heads whose rows reach it (``head_groups``).
 MIN_COPY_ROW = 32 * 1024
 _STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
+_OVERLAP_ENV = "DIRECTKV_STAGE_OVERLAP"
+SLOTS = 2  # staging buffers (and flag sets) that consecutive calls alternate between
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,36 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     return StagePlan(pieces, staged, int(len(uniq)), piece_pages, ready_from)
 
 
+def piece_waits(plan: StagePlan, writes) -> list[list[int]]:
+    """For each piece of ``plan``, the recorded host writes (indices into ``writes``: host page
+    indices as int64 arrays, None for any page) its host copies must follow and no earlier
+    piece's did: a write is waited for once, before the first piece copying one of its pages
+    (the side stream keeps the order for the later pieces)."""
+    out = [[] for _ in plan.pieces]
+    runs = [(p, r.src, r.count) for p, piece in enumerate(plan.pieces) for r in piece if not r.hbm]
+    if not runs:
+        return out
+    piece, lo, count = (np.asarray(x, dtype=np.int64) for x in zip(*runs))
+    hi = lo + count
+    for i, pages in enumerate(writes):
+        if pages is None:
+            out[int(piece[0])].append(i)
+            continue
+        pages = np.sort(np.asarray(pages, dtype=np.int64))
+        if not pages.size:
+            continue
+        k = np.minimum(np.searchsorted(pages, lo), pages.size - 1)  # the first page >= each run's start
+        hit = (pages[k] >= lo) & (pages[k] < hi)
+        if hit.any():
+            out[int(piece[hit].min())].append(i)
+    return out
+
+
+def overlap_enabled() -> bool:
+    """Whether staged calls may copy ahead of the current stream (``DIRECTKV_STAGE_OVERLAP``, 1)."""
+    return os.environ.get(_OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 0) -> None:
     """Queue the copy of run ``r``: its pages' blocks of ``layer`` in ``pool`` (pages, L, ...)
     into ``buf`` (pages, 1, ...) from staging page ``r.dst`` on, one strided 2-D copy; whole
@@ -179,8 +219,15 @@ class Stager:
 
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
-        self.flags = torch.zeros(MAX_FLAGS, dtype=torch.int32, device=self.device)
-        self.buffer = None  # (pages, 1, Hkv, 2, P, d)
+        self.flag_sets = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.int32, device=self.device)
+        self.flags = self.flag_sets[0]
+        self.buffer = None  # (pages, 1, Hkv, 2, P, d): slot 0 (and FP8 calls)
+        self.buffer1 = None  # slot 1
+        self.slot = 0  # the slot of the latest call
+        self.freed = [None] * SLOTS  # per slot: an event after the last kernel launched over it
+        # Memory new to the side stream (the flags above, a buffer just allocated: the caching
+        # allocator orders it on the current stream only): the next call waits for that stream.
+        self.fresh = True
         self.scale_buffer = None  # (pages, 1, Hkv, 2, P) fp32: FP8 pages' scales (stage_fp8)
         self.aux_streams = []  # more streams for work run side by side (``streams``)
         self.urgent = None  # a high-priority stream (``urgent_stream``)
@@ -202,17 +249,23 @@ class Stager:
             grow = max(pages, int(buf.shape[0] * 1.25)) if same else pages
             buf = torch.empty((grow, 1, *like_shape), dtype=dtype, device=self.device)
             setattr(self, name, buf)
+            self.fresh = True
         return buf[:pages]
 
-    def _begin(self, plan: StagePlan, layer: int, copies) -> None:
+    def _begin(self, plan: StagePlan, layer: int, copies, ahead: bool = False) -> None:
         """Start a staged call: the side stream waits for the current stream's work so far (new
-        tokens' K/V stored, the buffers' last readers done), and the pages already in HBM are
-        copied on the current stream, ahead of the kernel (a device-to-device copy may run on
-        SMs, which the kernel's waiting CTAs would hold); ``copies``: (buffer, HBM pool) pairs."""
+        tokens' K/V stored, the buffers' last readers done), or with ``ahead`` only for the last
+        kernel over this call's slot; the pages already in HBM are copied on the current stream,
+        ahead of the kernel (a device-to-device copy may run on SMs, which the kernel's waiting
+        CTAs would hold); ``copies``: (buffer, HBM pool) pairs."""
         import torch
 
         cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)
+        if not ahead or self.fresh:
+            self.stream.wait_stream(cur)
+            self.fresh = False
+        elif self.freed[self.slot] is not None:
+            self.stream.wait_event(self.freed[self.slot])
         for runs in plan.pieces:
             for r in runs:
                 if r.hbm:
@@ -227,6 +280,7 @@ class Stager:
         current stream) are flagged first, before any host copy.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
+        import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
         piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
@@ -234,17 +288,28 @@ class Stager:
         n_flags = len(plan.pieces) * (heads if by_head else 1)
         if n_flags > MAX_FLAGS:
             raise ValueError(f"staging: {n_flags} ready flags needed, at most {MAX_FLAGS}")
-        buf = self._buffer("buffer", plan.pages, piece_shape, host.dtype)
+        page_bytes = int(np.prod(piece_shape)) * host.element_size()
+        writes = getattr(cache, "host_writes", None)
+        ahead = (writes is not None and overlap_enabled()
+                 and SLOTS * plan.pages * page_bytes <= staging_cap(torch.cuda.get_device_properties(self.device).total_memory))
+        if ahead:  # the other slot; its copy waits for recorded writes to its pages only
+            self.slot = (self.slot + 1) % SLOTS
+            writes = writes()
+            waits = piece_waits(plan, [pages for _, pages in writes])
+        else:
+            waits = None
+        buf = self._buffer("buffer" if self.slot == 0 else "buffer1", plan.pages, piece_shape, host.dtype)
+        flags = self.flag_sets[self.slot]
         head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
         self.epoch = self.epoch % (2**31 - 2) + 1
         epoch = self.epoch
-        self._begin(plan, layer, ((buf, cache.hbm_pool),))
+        self._begin(plan, layer, ((buf, cache.hbm_pool),), ahead)
         s = self.stream.cuda_stream
         n = len(plan.pieces)
 
         def flag(p: int, h) -> None:
             f = p if h is None else h * n + p
-            _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(self.flags.data_ptr() + 4 * f), epoch, 0),
+            _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(flags.data_ptr() + 4 * f), epoch, 0),
                    "cuStreamWriteValue32")
 
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
@@ -255,6 +320,8 @@ class Stager:
                     flag(p, h)
         for group in groups:
             for p, runs in enumerate(plan.pieces[:plan.ready_from]):
+                for i in waits[p] if waits else ():
+                    self.stream.wait_event(writes[i][0])
                 for r in runs:
                     if not r.hbm:
                         if by_head:  # KV heads [group.start, group.stop)'s blocks of each page
@@ -263,7 +330,8 @@ class Stager:
                             _copy_run(buf, host, r, layer, s)
                 for h in group:
                     flag(p, h)
-        return buf, self.flags, epoch
+            waits = None  # the first group's waits order the rest
+        return buf, flags, epoch
 
     def stage_fp8(self, cache, layer: int, plan: StagePlan, groups=None):
         """FP8 pages and their scale rows (``cache.host_scales`` / ``hbm_scales``, (pages, L, Hkv, 2,
@@ -334,10 +402,21 @@ class Stager:
         return self.urgent
 
     def finish(self):
-        """After the kernel's launch: later work on the current stream waits for the copies."""
+        """After the kernel's launch: later work on the current stream waits for the copies, and
+        the next copy into this call's slot for the kernel."""
         import torch
 
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        cur = torch.cuda.current_stream(self.device)
+        if self.freed[self.slot] is None:
+            self.freed[self.slot] = torch.cuda.Event()
+        self.freed[self.slot].record(cur)
+        cur.wait_stream(self.stream)
+
+    def fence(self):
+        """Make the next copies wait for the current stream's work so far (a timer's start)."""
+        import torch
+
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
 
 _STAGERS: dict = {}
@@ -354,8 +433,21 @@ def stager(device, stream) -> Stager:
         return st
 
 
+def fence(device=None) -> None:
+    """Every stager of ``device`` (default: the current one): its next copies wait for the
+    current stream's work so far. A benchmark calls it after its start event, so that no copy of
+    the calls it times runs before it."""
+    import torch
+
+    dev = str(torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device))
+    with _STAGERS_LOCK:
+        for (d, _), s in _STAGERS.items():
+            if d == dev:
+                s.fence()
+
+
 def _held(s) -> list:
-    return [b for b in (s.buffer, s.scale_buffer) if b is not None]
+    return [b for b in (s.buffer, s.buffer1, s.scale_buffer) if b is not None]
 
 
 def staging_bytes() -> int:
@@ -377,6 +469,6 @@ def release_staging() -> int:
                 if held:
                     torch.cuda.synchronize(s.device)
                     freed += sum(b.numel() * b.element_size() for b in held)
-                    s.buffer = None
+                    s.buffer = s.buffer1 = None
                     s.scale_buffer = None
     return freed

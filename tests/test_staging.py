@@ -288,7 +288,8 @@ def test_order_legality():
 
 
 def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
-    """With a stand-in stager holding a CPU buffer: the bytes are counted, freed once, then 0."""
+    """With a stand-in stager holding CPU buffers in both slots: the bytes are counted, freed
+    once, then 0."""
     import threading
 
     import torch
@@ -299,12 +300,13 @@ def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
         device = torch.device("cpu")
         lock = threading.Lock()
         buffer = torch.empty(10, 4, dtype=torch.bfloat16)
+        buffer1 = torch.empty(3, 4, dtype=torch.bfloat16)  # the second slot
         scale_buffer = None  # a Stager's FP8 scales, none here
 
     monkeypatch.setattr(staging, "_STAGERS", {("cpu", 0): Fake()})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    assert staging.staging_bytes() == 80
-    assert staging.release_staging() == 80
+    assert staging.staging_bytes() == 104
+    assert staging.release_staging() == 104
     assert staging.staging_bytes() == 0 and staging.release_staging() == 0
 
 
@@ -416,16 +418,23 @@ def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):
         return (0,)
 
     def write_value(stream, ptr, value, flags):
-        events.append(("flag", (int(ptr) - st.flags.data_ptr()) // 4, value))
+        slot, flag = divmod((int(ptr) - st.flag_sets.data_ptr()) // 4, staging.MAX_FLAGS)
+        events.append(("flag", flag, value, slot))
         return (0,)
 
     st = object.__new__(staging.Stager)
     st.device = torch.device("cpu")
-    st.stream = SimpleNamespace(cuda_stream=1, wait_stream=lambda other: None)
-    st.flags = torch.zeros(staging.MAX_FLAGS, dtype=torch.int32)
+    st.stream = SimpleNamespace(cuda_stream=1, wait_stream=lambda other: events.append(("wait", "current")),
+                                wait_event=lambda ev: events.append(("wait", ev)))
+    st.flag_sets = torch.zeros(staging.SLOTS, staging.MAX_FLAGS, dtype=torch.int32)
+    st.flags = st.flag_sets[0]
     st.buffer = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
+    st.buffer1 = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
     st.scale_buffer = None
     st.epoch = 0
+    st.slot = 0
+    st.freed = [None] * staging.SLOTS
+    st.fresh = False
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(rt, "cudaMemcpy2DAsync", memcpy2d)
     monkeypatch.setattr(drv, "cuStreamWriteValue32", write_value)
@@ -577,6 +586,8 @@ def test_stager_copies_fp8_pages_and_scales_piece_by_piece(monkeypatch):
     assert len(landed) == len(plan.pieces)
     _assert_fp8_staged(raw, sc, cache, table, plan, lens, P, layer)
     # HBM pages (and their scales) first, on the current stream (0); then the side stream (1)
+    assert events[0] == ("wait", "current")  # FP8 copies follow the current stream's work
+    events = [ev for ev in events if ev[0] != "wait"]
     streams = [ev[1] for ev in events]
     first_side = streams.index(1)
     assert set(streams[:first_side]) == {0} and set(streams[first_side:]) == {1}
@@ -781,3 +792,144 @@ def test_ready_page_is_one_past_every_sequences_last_host_page():
     assert ready_page(t, [2, 2]) == 2
     assert ready_page(np.array([[-1, -2]], dtype=np.int32), [2]) == 0  # every page in HBM
     assert ready_page(np.array([[0, 1]], dtype=np.int32), [2]) == 2  # none
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches(), st.lists(st.one_of(st.none(), st.lists(st.integers(0, 1100), max_size=6)), max_size=5))
+def test_piece_waits_name_each_write_at_the_first_piece_copying_its_pages(case, writes):
+    """Against a direct scan: a recorded write is waited for before the first piece whose host
+    copies read one of its pages (any host copy for a write of unknown pages), once, never for
+    pages the call does not copy from the host."""
+    from directkv_cute.staging import piece_waits
+
+    table, lens, page, pp = case
+    plan = plan_staging(table, lens, page, pp)
+    writes = [None if w is None else np.asarray(w, dtype=np.int64) for w in writes]
+    got = piece_waits(plan, writes)
+    assert len(got) == len(plan.pieces)
+    want = [[] for _ in plan.pieces]
+    for i, pages in enumerate(writes):
+        for p, runs in enumerate(plan.pieces):
+            copied = {r.src + j for r in runs if not r.hbm for j in range(r.count)}
+            if copied and (pages is None or copied & set(pages.tolist())):
+                want[p].append(i)
+                break
+    assert got == want
+
+
+def test_token_slots_name_the_host_pages_they_write(randn):
+    """``TokenSlots.host_pages``: the distinct host pages of a batch write, mirrored pages' host
+    pages included, HBM pages not."""
+    from directkv_cute.cache import PagedKVCache
+
+    cache = PagedKVCache(2, 2, 64, 16, num_host_pages=20, num_hbm_pages=6, num_window_pages=4, device="cpu")
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append(a, randn(40, 2, 2, 64), randn(40, 2, 2, 64))  # host pages 0-2
+    cache.extend(b, 20, "hbm")
+    start = cache.extend(a, 30)  # tokens 40-69: pages 2-4, page 2 shared with the history
+    cache.mirror(a, start, 30)
+    slots = cache.token_slots([a, b], [start, 0], [30, 20])
+    host = [e for e in cache.page_table(a)[2:5]]
+    assert slots.host_pages.tolist() == sorted(host)
+    with pytest.raises(IndexError, match="outside"):
+        cache.note_host_write([20])
+    cache.note_host_write(slots)  # a CPU cache records nothing (no staged calls there)
+    assert cache.host_writes() == []
+
+
+def test_host_writes_get_an_event_at_the_next_staged_call_and_drop_when_done(monkeypatch):
+    """The record of host writes on a CUDA cache (its events faked): writes enqueued on the
+    current stream get one event at the next ``host_writes``; finished ones are dropped; past
+    ``MAX_HOST_WRITES`` they merge into one whose stream waits for the others' events."""
+    import torch
+
+    from directkv_cute import cache as C
+
+    class Event:
+        made = []
+
+        def __init__(self):
+            self.done = False
+            Event.made.append(self)
+
+        def record(self, stream=None):
+            self.stream = stream
+
+        def query(self):
+            return self.done
+
+    class Stream:
+        waited = []
+
+        def wait_event(self, ev):
+            Stream.waited.append(ev)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    cache = C.PagedKVCache(1, 1, 64, 16, num_host_pages=8, device="cpu")
+    monkeypatch.setattr(cache, "device", torch.device("cuda", 0))
+    cache.note_host_write([3, 1, 3])
+    cache.note_host_write(None)
+    own = Event()
+    cache._wrote_host(np.array([5]), own)  # a write on another stream, with its own event
+    got = cache.host_writes()
+    assert [p if p is None else p.tolist() for _, p in got] == [[1, 3], None, [5]]
+    assert got[0][0] is got[1][0] and got[2][0] is own
+    got[0][0].done = True
+    assert [p.tolist() for _, p in cache.host_writes()] == [[5]]
+    own.done = True
+    assert cache.host_writes() == []
+    pending = Event()
+    cache._wrote_host(np.array([7]), pending)
+    for i in range(C.MAX_HOST_WRITES):
+        cache.note_host_write([i % 8])
+    (ev, pages), = [(e, p) for e, p in cache._host_writes]
+    assert ev is None and pages.tolist() == list(range(8)) and Stream.waited[-1] is pending
+
+
+def test_stager_copies_ahead_into_the_other_slot_after_the_writes_to_its_pages(monkeypatch):
+    """Over a cache that records its host writes, a staged call takes the other buffer and flag
+    set, waits for the last kernel over that slot instead of the current stream, and waits for
+    each recorded write right before the first copy of a page it wrote (a write to pages it does
+    not copy is not waited for); over a pool without that record it waits for the current stream."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from directkv_cute import staging
+
+    pages, layers, hkv, P, d, layer = 40, 3, 4, 16, 8, 1
+    host = torch.randn(pages, layers, hkv, 2, P, d).to(torch.bfloat16)
+    hbm = torch.randn(6, layers, hkv, 2, P, d).to(torch.bfloat16)
+    lens, table = _two_sequences(P, pages)
+    plan = plan_staging(table, lens, P, 2)
+    host_pieces = [p for p, runs in enumerate(plan.pieces) if any(not r.hbm for r in runs)]
+    late = next(r for r in plan.pieces[host_pieces[-1]] if not r.hbm).src  # a page of the last host piece
+    writes = [("w-late", np.array([late])), ("w-other", np.array([pages + 5]))]
+    cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_writes=lambda: writes)
+    events = []
+    st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=2**40))
+    st.freed = ["k0", "k1"]
+    buf, flags, epoch = st.stage(cache, layer, plan)
+    assert st.slot == 1 and buf.data_ptr() == st.buffer1.data_ptr() and flags.data_ptr() == st.flag_sets[1].data_ptr()
+    for b, n in enumerate(lens):
+        for j in range(math.ceil(n / P)):
+            e, s = int(table[b, j]), int(plan.table[b, j])
+            assert torch.equal(buf[-s - 1, 0], hbm[-e - 1, layer] if e < 0 else host[e, layer]), (b, j)
+    waits = [ev[1] for ev in events if ev[0] == "wait"]
+    assert waits == ["k1", "w-late"]  # the slot's last kernel, then the one write to a copied page
+    at = events.index(("wait", "w-late"))
+    copies = [i for i, ev in enumerate(events) if ev[0] == "copy" and ev[1] == 1]
+    first_late = min(i for i in copies if (events[i][2] - buf.data_ptr()) // (hkv * 2 * P * d * 2)
+                     in {r.dst + j for r in plan.pieces[host_pieces[-1]] if not r.hbm for j in range(r.count)})
+    assert max(i for i in copies if i < first_late) < at < first_late
+    assert all(ev[3] == 1 for ev in events if ev[0] == "flag")
+    events.clear()
+    plain = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm)
+    st.stage(plain, layer, plan)
+    assert st.slot == 1 and [ev[1] for ev in events if ev[0] == "wait"] == ["current"]
+    events.clear()
+    st.fresh = True  # memory new to the side stream (a buffer just allocated): the current stream first
+    st.stage(cache, layer, plan)
+    assert st.slot == 0 and [ev[1] for ev in events if ev[0] == "wait"] == ["current", "w-late"] and not st.fresh
