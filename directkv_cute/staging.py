@@ -348,6 +348,7 @@ class Stager:
         if groups is not None and len(plan.pieces) != 1:
             raise ValueError(f"staging: FP8 pages staged head by head need a one-piece plan, got "
                              f"{len(plan.pieces)} pieces")
+        self.slot = 0  # its buffer is slot 0's: ``finish`` marks that slot's last reader
         buf = self._buffer("buffer", plan.pages, tuple(host.shape[2:]), host.dtype)
         sbuf = self._buffer("scale_buffer", plan.pages, tuple(host_s.shape[2:]), torch.float32)
         self._begin(plan, layer, ((buf, cache.hbm_pool), (sbuf, cache.hbm_scales)))
