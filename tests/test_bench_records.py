@@ -544,3 +544,20 @@ def test_skip_methods_takes_only_the_slow_baselines():
     assert _skippable("zero_copy,fa4[zero_copy_paged]") == ("zero_copy", "fa4[zero_copy_paged]")
     with pytest.raises(argparse.ArgumentTypeError, match="cannot skip"):
         _skippable("ours")
+
+
+def test_step_host_pages_are_the_pages_of_each_sequences_last_tokens():
+    """The pages the bench records as just written before a timed call: the host pages holding
+    each sequence's last q_len tokens (one token without q_lens), HBM pages left out."""
+    from bench.harness import step_host_pages
+    from directkv_cute.cache import PagedKVCache
+
+    cache = PagedKVCache(1, 2, 64, 16, num_host_pages=20, num_hbm_pages=4, device="cpu", dtype=torch.float32)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.append(a, torch.randn(100, 1, 2, 64), torch.randn(100, 1, 2, 64))  # pages 0-6, last one partial
+    cache.append(b, torch.randn(40, 1, 2, 64), torch.randn(40, 1, 2, 64))
+    cache.move_pages(b, [2], "hbm")  # b's last page (tokens 32-39) in HBM
+    ta, tb = cache.page_table(a), cache.page_table(b)
+    assert step_host_pages(cache, [a], [20]) == sorted(ta[5:7])  # tokens 80-99
+    assert step_host_pages(cache, [a, b], None) == [ta[6]]  # b's last token is in HBM
+    assert step_host_pages(cache, [a, b], [1, 10]) == sorted([ta[6], tb[1]])  # b: tokens 30-39
