@@ -1122,13 +1122,10 @@ class PagedKVCache:
                                             self._copy_stream.cuda_stream)
                 if err != rt.cudaError_t.cudaSuccess:
                     raise RuntimeError(f"cudaMemcpy2DAsync of mirrored pages to the host failed: {err}")
-        if self._copy_done is None:
-            self._copy_done = torch.cuda.Event()
+        self._copy_done = torch.cuda.Event()  # a new one: the record of host writes keeps it
         self._copy_done.record(self._copy_stream)
         self._copy_pending = True
-        landed = torch.cuda.Event()
-        landed.record(self._copy_stream)
-        self._wrote_host(np.concatenate([np.arange(h, h + count) for _, h, count in runs]), landed)
+        self._wrote_host(np.concatenate([np.arange(h, h + count) for _, h, count in runs]), self._copy_done)
 
     def _host_current(self) -> None:
         """Make the current stream wait for the copies ``write_slots(defer_host=True)`` queued."""

@@ -48,6 +48,7 @@ MIN_COPY_ROW = 32 * 1024
 _STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
 _OVERLAP_ENV = "DIRECTKV_STAGE_OVERLAP"
 SLOTS = 2  # staging buffers (and flag sets) that consecutive calls alternate between
+SLOT_BUFFERS = ("buffer", "buffer1")  # the Stager attribute holding each slot's buffer
 
 
 @dataclass(frozen=True)
@@ -219,8 +220,8 @@ class Stager:
 
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        self.total_memory = torch.cuda.get_device_properties(self.device).total_memory
         self.flag_sets = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.int32, device=self.device)
-        self.flags = self.flag_sets[0]
         self.buffer = None  # (pages, 1, Hkv, 2, P, d): slot 0 (and FP8 calls)
         self.buffer1 = None  # slot 1
         self.slot = 0  # the slot of the latest call
@@ -280,7 +281,6 @@ class Stager:
         current stream) are flagged first, before any host copy.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
-        import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
         piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
@@ -288,19 +288,17 @@ class Stager:
         n_flags = len(plan.pieces) * (heads if by_head else 1)
         if n_flags > MAX_FLAGS:
             raise ValueError(f"staging: {n_flags} ready flags needed, at most {MAX_FLAGS}")
-        page_bytes = int(np.prod(piece_shape)) * host.element_size()
-        writes = getattr(cache, "host_writes", None)
-        ahead = (writes is not None and overlap_enabled()
-                 and SLOTS * plan.pages * page_bytes <= staging_cap(torch.cuda.get_device_properties(self.device).total_memory))
+        head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
+        recorded = getattr(cache, "host_writes", None)  # None: a pool without a record of its writes
+        ahead = (recorded is not None and overlap_enabled()
+                 and SLOTS * plan.pages * heads * head_bytes <= staging_cap(self.total_memory))
+        writes, waits = [], None
         if ahead:  # the other slot; its copy waits for recorded writes to its pages only
             self.slot = (self.slot + 1) % SLOTS
-            writes = writes()
+            writes = recorded()
             waits = piece_waits(plan, [pages for _, pages in writes])
-        else:
-            waits = None
-        buf = self._buffer("buffer" if self.slot == 0 else "buffer1", plan.pages, piece_shape, host.dtype)
+        buf = self._buffer(SLOT_BUFFERS[self.slot], plan.pages, piece_shape, host.dtype)
         flags = self.flag_sets[self.slot]
-        head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
         self.epoch = self.epoch % (2**31 - 2) + 1
         epoch = self.epoch
         self._begin(plan, layer, ((buf, cache.hbm_pool),), ahead)
@@ -448,7 +446,7 @@ def fence(device=None) -> None:
 
 
 def _held(s) -> list:
-    return [b for b in (s.buffer, s.buffer1, s.scale_buffer) if b is not None]
+    return [b for b in (*(getattr(s, name) for name in SLOT_BUFFERS), s.scale_buffer) if b is not None]
 
 
 def staging_bytes() -> int:
@@ -470,6 +468,6 @@ def release_staging() -> int:
                 if held:
                     torch.cuda.synchronize(s.device)
                     freed += sum(b.numel() * b.element_size() for b in held)
-                    s.buffer = s.buffer1 = None
-                    s.scale_buffer = None
+                    for name in (*SLOT_BUFFERS, "scale_buffer"):
+                        setattr(s, name, None)
     return freed

@@ -427,7 +427,7 @@ def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):
     st.stream = SimpleNamespace(cuda_stream=1, wait_stream=lambda other: events.append(("wait", "current")),
                                 wait_event=lambda ev: events.append(("wait", ev)))
     st.flag_sets = torch.zeros(staging.SLOTS, staging.MAX_FLAGS, dtype=torch.int32)
-    st.flags = st.flag_sets[0]
+    st.total_memory = 2**40
     st.buffer = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
     st.buffer1 = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
     st.scale_buffer = None
@@ -909,7 +909,6 @@ def test_stager_copies_ahead_into_the_other_slot_after_the_writes_to_its_pages(m
     cache = SimpleNamespace(host_pool_cuda=None, host_pool=host, hbm_pool=hbm, host_writes=lambda: writes)
     events = []
     st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=2**40))
     st.freed = ["k0", "k1"]
     buf, flags, epoch = st.stage(cache, layer, plan)
     assert st.slot == 1 and buf.data_ptr() == st.buffer1.data_ptr() and flags.data_ptr() == st.flag_sets[1].data_ptr()
