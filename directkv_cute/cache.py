@@ -138,6 +138,10 @@ class KernelTables(NamedTuple):
     generation: int = -1  # the cache's page generation when they were built (-1: not checked)
     host_seq_lens: tuple | None = None  # the lengths on the host, for checks without a device read
     host_table: object = None  # numpy int32 (B, max_pages): page_table on the host (staging plans)
+    # Calls over these tables come back to back in long runs (a model step's layers): a staged
+    # chunk called while the previous staged call still runs is planned for its copy running
+    # ahead (``ops._pipelined``), which pays one kernel's time once per run to fill the pipeline.
+    back_to_back: bool = False
 
     @property
     def is_hbm(self) -> torch.Tensor:
@@ -183,7 +187,7 @@ class TokenSlots:
         if not groups:
             return TokenSlots(0, (), host_pages=host_pages)
         dev = torch.from_numpy(np.concatenate([a for _, tok, pidx in groups for a in (tok, pidx, off[tok])]))
-        dev = dev.to(device)
+        dev = dev.to(device, non_blocking=True)  # staged by the driver before it returns; no wait for the GPU
         parts, at = [], 0
         for tier, tok, _ in groups:
             m = len(tok)
@@ -958,8 +962,9 @@ class PagedKVCache:
         self.move_pages(seq_id, to_hbm, "hbm")
 
     @_locked
-    def kernel_tables(self, seq_ids: Sequence[int]) -> KernelTables:
-        """Page tables and lengths of a batch for the kernels (one host-to-device copy)."""
+    def kernel_tables(self, seq_ids: Sequence[int], back_to_back: bool = False) -> KernelTables:
+        """Page tables and lengths of a batch for the kernels (one host-to-device copy);
+        ``back_to_back``: the calls over them come in long runs (``KernelTables.back_to_back``)."""
         self._check_open()
         if isinstance(seq_ids, (int, np.integer)) or len(seq_ids) == 0:
             raise ValueError(f"seq_ids must be a non-empty sequence of ids, got {seq_ids!r}")
@@ -985,7 +990,7 @@ class PagedKVCache:
         # copy (stream synchronize) would on every attention call.
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :], id(self),
-                            self._generation, tuple(seq.length for seq in seqs), table.copy())
+                            self._generation, tuple(seq.length for seq in seqs), table.copy(), bool(back_to_back))
 
     def check_tables(self, tables: KernelTables) -> None:
         """Raise ``StaleTablesError`` unless ``tables`` came from this cache's ``kernel_tables``

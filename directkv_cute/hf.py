@@ -543,7 +543,7 @@ class DirectKVCache(Cache):
                     writers.append(b)
             slots = TokenSlots.build(*(np.concatenate([e[i] for e in entries]) for i in range(2)), self.kv.device,
                                      np.concatenate([e[2] for e in entries]))
-            tables = self.kv.kernel_tables([self._seqs[b] for b in rows]) if rows else None
+            tables = self.kv.kernel_tables([self._seqs[b] for b in rows], back_to_back=True) if rows else None
         except BaseException:
             for sid, length in undo:
                 self.kv.truncate(sid, length)

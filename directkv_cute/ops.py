@@ -40,11 +40,12 @@ import torch
 from directkv_cute.cache import page_bytes as layer_page_bytes
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.trace import current_trace
-from directkv_cute.plan import (LINK_PIECES, SPLIT_CHOICES, causal_flops, choose_staged, compute_bound, kv_bytes,
-                                link_bound_staging, may_stage, partial_bytes, q_tile_profile, trails_copy,
-                                window_piece_pages)
-from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, head_groups, piece_pages_for, plan_staging, \
-    stager, staging_cap
+from directkv_cute.plan import (LINK_PIECES, SPLIT_CHOICES, causal_flops, choose_pipelined, choose_staged,
+                                compute_bound, kv_bytes, link_bound_staging, may_stage, partial_bytes, q_tile_profile,
+                                q_tiled_splits, trails_copy, window_piece_pages)
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, SLOTS, head_groups, overlap_enabled, \
+    piece_pages_for, plan_staging, stager, staging_cap
+from directkv_cute import staging as _staging
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.validate import check_attention, check_config, check_seq_ids
@@ -668,9 +669,26 @@ def _per_tables(kind: str, q, cache, tables, q_lens, config, plan_fn):
 
 
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
-    """``_plan_route``'s answer, made once per KernelTables object and call (``_per_tables``)."""
-    return _per_tables("q_tiled", q, cache, tables, q_lens, config,
-                       lambda: _plan_route(q, cache, tables, q_lens, group, config))
+    """``_plan_route``'s answer, made once per KernelTables object, call and whether its copy
+    would run ahead of its kernel (``_pipelined``; ``_per_tables``)."""
+    piped = _pipelined(q, cache, tables)
+    return _per_tables("q_tiled/pipelined" if piped else "q_tiled", q, cache, tables, q_lens, config,
+                       lambda: _plan_route(q, cache, tables, q_lens, group, config, piped))
+
+
+def _pipelined(q, cache, tables) -> bool:
+    """Whether a call staged now is planned for its copy running ahead of its kernel: the
+    caller's tables say calls come back to back in long runs (``KernelTables.back_to_back``: a
+    model's layers; over a few calls, filling the pipeline would cost more than it gains), its
+    cache records its host writes (``PagedKVCache.host_writes``), the overlap is on, and the
+    latest staged call on this stream is still running on the GPU (``staging.busy``)."""
+    if not getattr(tables, "back_to_back", False):
+        return False
+    if getattr(cache, "host_writes", None) is None or not overlap_enabled():
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return _staging.busy(q.device, torch.cuda.current_stream(q.device))
 
 
 def _fills_a_wave(q_lens, group: int, num_kv_heads: int, device_index) -> bool:
@@ -683,7 +701,7 @@ def _fills_a_wave(q_lens, group: int, num_kv_heads: int, device_index) -> bool:
     return 2 * ctas >= _num_sms(device_index)
 
 
-def _plan_route(q, cache, tables, q_lens, group: int, config):
+def _plan_route(q, cache, tables, q_lens, group: int, config, pipelined: bool = False):
     """(QTiledConfig, StagePlan or None) when the Q-tiled kernel runs this call, else None.
 
     It runs directly when every page of a multi-token call is in HBM, or over host pages staged
@@ -691,7 +709,8 @@ def _plan_route(q, cache, tables, q_lens, group: int, config):
     reading in place: compute-bound chunks, and long link-bound reads (decode included), where the
     copy engine outruns the SMs' reads of host memory. An explicit QTiledConfig always runs it, or
     raises where it cannot; without one the config is the tuned profile's (``q_tiled_config``),
-    looked up once the call is one the kernel may run."""
+    looked up once the call is one the kernel may run. ``pipelined``: the call's copy will run
+    ahead of its kernel (``_pipelined``), which changes the plan the model prefers."""
     explicit = isinstance(config, QTiledConfig)
     host_table, lens = getattr(tables, "host_table", None), getattr(tables, "host_seq_lens", None)
 
@@ -718,7 +737,7 @@ def _plan_route(q, cache, tables, q_lens, group: int, config):
             return (config if explicit else looked_up()), None
         return None
     cfg = config if explicit else looked_up()
-    got = staging_choice(cache, tables, q_lens, hq, d, q.element_size(), q.device.index, cfg, explicit)
+    got = staging_choice(cache, tables, q_lens, hq, d, q.element_size(), q.device.index, cfg, explicit, pipelined)
     if isinstance(got, str):
         return refuse(got)
     if got is None:
@@ -737,10 +756,12 @@ def _plan_route(q, cache, tables, q_lens, group: int, config):
 
 
 def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_bytes: int, device_index: int,
-                   cfg: QTiledConfig | None = None, explicit: bool = False):
+                   cfg: QTiledConfig | None = None, explicit: bool = False, pipelined: bool = False):
     """The cost model's verdict on staging one call over ``tables`` (some pages on the host):
     (StagedChoice, StagePlan); None when staging cannot pay (decided before planning; never for
-    an explicit config); a str saying why it cannot run (over the staging cap). Plain host work."""
+    an explicit config); a str saying why it cannot run (over the staging cap). With
+    ``pipelined`` (the call's copy runs ahead of its kernel) a chunk whose config leaves the
+    launch fields to the op is planned by ``_pipelined_choice``. Plain host work."""
     cfg = cfg or QTiledConfig()
     host_table, lens = tables.host_table, tables.host_seq_lens
     P = cache.page_size
@@ -812,9 +833,79 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                            choices=split_choices)
     if plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, ascending=False, coarse=False)
-    if choice.by_head:
-        return choice, head_plan
-    return choice, wave_plan if choice.coarse else plan
+    out = (choice, head_plan) if choice.by_head else (choice, wave_plan if choice.coarse else plan)
+    if pipelined and chunk and not (cfg.piece_pages or cfg.splits or cfg.order or cfg.copy_order):
+        # Weighed against this plan back to back: the step's own host pages, or a kernel as long
+        # as the copy, may keep it the better one.
+        return _pipelined_choice(cache, host_table, lens, q_lens, used, n_host, page_bytes, flops, chunk_q, ctas,
+                                 cfg, device_index, num_q_heads, head_dim, out) or out
+    return out
+
+
+PIPELINED_PIECES = 1  # pieces over the history of a chunk planned for copies ahead, at least
+
+
+def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_bytes: int, flops: float,
+                      chunk_q: int, ctas: int, cfg: QTiledConfig, device_index: int, num_q_heads: int,
+                      head_dim: int, regular):
+    """(StagedChoice, StagePlan) of a chunk whose copy runs ahead of its kernel: one plan per
+    split count of ``SPLIT_CHOICES``, each in as many pieces as it has splits over the pages before
+    the step's own tokens (the first logical page holding any sequence's new tokens ends a piece,
+    so that the history's copy waits for none of the step's writes), and ``regular`` (the
+    (StagedChoice, StagePlan) planned for one call, paced by its pieces: no pipeline to fill),
+    weighed by ``plan.choose_pipelined``. None where ``regular`` wins, or both buffers exceed the
+    staging cap (the copy would then wait for the current stream: ``Stager.stage``)."""
+    P = cache.page_size
+    n_pages = [math.ceil(n / P) for n in lens]
+    if SLOTS * used.size * page_bytes > staging_cap(_total_memory(device_index)):
+        return None
+    max_pages = max(n_pages)
+    tile_pages = max(1, cfg.tile_n // P)
+    min_pp = math.ceil(max_pages / MAX_PIECES)
+    own = min((n - ql) // P for n, ql in zip(lens, q_lens))  # pages before every sequence's new tokens
+    own -= own % tile_pages  # pieces end on whole KV tiles
+    max_tiles = math.ceil(max(lens) / cfg.tile_n)
+    plans, candidates, wants = [], [], []
+    for want in SPLIT_CHOICES:
+        if own >= tile_pages:
+            pp = max(min_pp, tile_pages * math.ceil(own / max(want, PIPELINED_PIECES) / tile_pages))
+            pp = window_piece_pages(pp, own, max_pages, tile_pages, min_pp)
+        else:
+            pp = piece_pages_for(max_pages, P, cfg.tile_n, pieces=want)
+        if any(p.piece_pages == pp for p in plans):
+            continue
+        plan = plan_staging(host_table, lens, P, pp)
+        piece_tiles = pp * P // cfg.tile_n
+        splits = q_tiled_splits(max_tiles, piece_tiles, want, plan.ready_from * piece_tiles)[0]
+        runs = [r for piece in plan.pieces for r in piece]
+        hbm_calls = sum(r.hbm for r in runs)
+        plans.append(plan)
+        wants.append(want)
+        candidates.append((splits, len(runs) - hbm_calls, hbm_calls, len(plan.pieces), True))
+    reg_choice, reg_plan = regular
+    runs = [r for piece in reg_plan.pieces for r in piece]
+    hbm_calls = sum(r.hbm for r in runs)
+    if reg_choice.by_head:
+        heads = cache.num_kv_heads
+        reg = (1, heads * (len(runs) - hbm_calls), hbm_calls, heads * len(reg_plan.pieces), False)
+    else:
+        piece_tiles = reg_plan.piece_pages * P // cfg.tile_n
+        want = 1 if reg_choice.ascending else reg_choice.splits
+        splits = q_tiled_splits(max_tiles, piece_tiles, want, 0 if want == 1 else reg_plan.ready_from * piece_tiles)[0]
+        reg = (splits, len(runs) - hbm_calls, hbm_calls, len(reg_plan.pieces), False)
+    candidates.append(reg)
+    host_b = plans[0].host_pages * page_bytes
+    # The step's own host pages were just written: their copy waits for the previous kernel.
+    table = np.asarray(host_table)
+    wait_pages = sum(int((table[b, (n - ql) // P:n_pages[b]] >= 0).sum()) for b, (n, ql) in enumerate(zip(lens, q_lens)))
+    choice, best = choose_pipelined(host_b, plans[0].pages * page_bytes - host_b, flops,
+                                    partial_bytes(sum(q_lens), num_q_heads, head_dim), candidates,
+                                    in_place_bytes=n_host * page_bytes, kv_read_bytes=used.size * page_bytes,
+                                    chunk_q=chunk_q, ctas=ctas, sms=_num_sms(device_index),
+                                    wait_bytes=wait_pages * page_bytes)
+    if best == len(plans):
+        return None
+    return dataclasses.replace(choice, splits=wants[best]), plans[best]
 
 
 @functools.lru_cache(maxsize=256)

@@ -115,6 +115,7 @@ class StagedChoice:
     ascending: bool = False  # one split, lightest query tiles first (they follow the copy)
     by_head: bool = False  # one split, the copy and the CTAs head by head (``head_major_ms``)
     coarse: bool = False  # one split in LINK_PIECES pieces, its CTAs one wave (``one_wave_ms``)
+    pipelined: bool = False  # weighed as a call whose copy runs ahead of its kernel (``pipelined_ms``)
 
 
 # Calls whose in-place compute reaches this share of their link time are compute-bound: staged
@@ -231,6 +232,46 @@ def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: i
     return body + partials + STAGE_OVERHEAD_MS
 
 
+# A staged call's Q-tiled kernel once its copy has landed (its copy ran ahead, ``pipelined_ms``):
+# its compute at ``Q_TILED_TFLOPS`` spread over min(CTAs, SMs), and each KV split past the first
+# costs a fold of its fp32 partials at FOLD_GBPS -- more than their bytes suggest, as the splits'
+# folds take turns (measured 2026-12-03, H200, the copy landed before the kernel started: per split
+# about 7.6 us at q512 and 30 us at q2048 over 8k-32k keys; 1 split 0.374 / 1.52 ms at 8k / 32k
+# q2048, the kernel over HBM pages 0.370 / 1.51).
+FOLD_GBPS = 2200.0
+
+
+def kernel_ms(q_ms: float, partial_bytes: float, splits: int, ctas: int = 0, sms: int = 0) -> float:
+    """The Q-tiled kernel of a staged call whose pages have landed, in ``splits`` KV splits:
+    ``q_ms`` (its compute or buffer reads) over the SMs its ``ctas`` x ``splits`` CTAs fill, plus
+    the folds of every split past the first."""
+    busy = min(1.0, ctas * splits / sms) if ctas and sms else 1.0
+    return q_ms / busy + (splits - 1) * partial_bytes / (FOLD_GBPS * 1e6)
+
+
+# Calls that fill a pipeline of staged copies ahead of their kernels: a model's layers. Its first
+# call waits for the whole copy of its first piece, so a plan in few pieces pays about one kernel's
+# time once per run (measured 2026-12-03, H200, 32k q2048 with the step's window: 2.28 ms per call
+# in the run, 3.65 for the call that filled it), weighed as 1 / FILL_CALLS of it per call.
+FILL_CALLS = 32
+
+
+def pipelined_ms(copy_ms: float, q_ms: float, partial_bytes: float, splits: int, ctas: int = 0,
+                 sms: int = 0, wait_ms: float = 0.0, fill: bool = False) -> float:
+    """A staged call whose copy runs ahead of its kernel (the previous staged call's kernel is
+    still running, and its copy waits only for the kernel two calls back): calls follow each other
+    one per max(copy, kernel), so neither the first piece's copy nor the last split's tail is
+    exposed; pieces only cost copy calls and flags, and splits only their folds. Except the copy
+    of host pages the step has just written (``wait_ms`` of it): it waits for the previous kernel,
+    and the kernel's first CTAs (the heaviest query tiles, which read them) wait for it in turn
+    (measured 2026-12-03 at 16k q8192, the step's 8192 tokens on the host: 2.82 ms per call,
+    about the kernel plus that copy, against 2.38 planned for one call). With ``fill`` (a plan
+    whose kernel starts only once its first piece has landed) the run's first call's wait is
+    shared among ``FILL_CALLS`` calls; a plan paced by many pieces has none to share."""
+    k = kernel_ms(q_ms, partial_bytes, splits, ctas, sms)
+    return max(copy_ms, k + wait_ms) + (k / FILL_CALLS if fill else 0.0) + STAGE_OVERHEAD_MS
+
+
 def head_major_ms(copy_ms: float, compute_ms: float, heads: int) -> float:
     """A staged call copied head by head, its CTAs head-major, one split: a two-stage pipeline
     of ``heads`` equal items (copy of head h, then its compute), so the first head's copy and the
@@ -277,6 +318,38 @@ def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
     return float(np.max(np.asarray(release) * copy_ms + rest * compute_ms)) + STAGE_OVERHEAD_MS
 
 
+def in_place_ms(read_bytes: int, flops: float, chunk_q: int = 0) -> float:
+    """The in-place kernel's estimate: max(``read_bytes`` at the link, its compute), plus
+    ``chunk_tail_ms(chunk_q)`` for the chunk kernel."""
+    return max(read_bytes / (LINK_GBPS * 1e6), flops / (CHUNKED_TFLOPS * 1e9)) + chunk_tail_ms(chunk_q)
+
+
+def choose_pipelined(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float, candidates,
+                     in_place_bytes: int | None = None, kv_read_bytes: int = 0, chunk_q: int = 0,
+                     ctas: int = 0, sms: int = 0, wait_bytes: int = 0) -> tuple[StagedChoice, int]:
+    """The best of ``candidates`` -- (KV splits, host copy calls, HBM copy calls, pieces, whether
+    the plan fills a pipeline) of each staging plan weighed -- for a call whose copy runs ahead of its kernel (``pipelined_ms``; the
+    pages already in HBM copied ahead of the kernel on its stream; ``wait_bytes`` of the host
+    pages, the step's own, copied only after the previous kernel), and whether it beats reading ``in_place_bytes`` (default ``host_bytes``) in place by
+    the margin ``choose_staged`` uses. Returns (the verdict, the index of the chosen candidate)."""
+    if not candidates:
+        raise ValueError("choose_pipelined needs at least one candidate plan")
+    in_place = in_place_ms(host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
+    q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
+
+    def est(splits: int, host_calls: int, hbm_calls: int, pieces: int, fill: bool) -> float:
+        d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
+        copy = copy_time_ms(host_bytes, host_calls, pieces)
+        return d2d_ms + pipelined_ms(copy, q_ms, partial_bytes, splits, ctas, sms, wait_bytes / (MEMCPY_GBPS * 1e6),
+                                     fill)
+
+    ests = [est(*c) for c in candidates]
+    best = min(range(len(ests)), key=lambda i: (ests[i], candidates[i][0]))
+    margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN
+    staged = ests[best] < margin * in_place
+    return StagedChoice(in_place, ests[best], staged, candidates[best][0], pipelined=True), best
+
+
 def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
                   splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
@@ -297,10 +370,7 @@ def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: 
     (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
     ``split_ctas`` (CTAs of one split) over ``sms`` SMs: the split's CTAs beyond one per SM run
     after their pieces have landed (``staged_ms``'s ``waiting``)."""
-    read = host_bytes if in_place_bytes is None else in_place_bytes
-    link_ms = read / (LINK_GBPS * 1e6)
-    compute_ms = flops / (CHUNKED_TFLOPS * 1e9)
-    in_place = max(link_ms, compute_ms) + chunk_tail_ms(chunk_q)
+    in_place = in_place_ms(host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
     copy = copy_time_ms(host_bytes, host_calls, pieces)
     # pages already in HBM: copied before the kernel starts
     d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS

@@ -411,6 +411,13 @@ class Stager:
         self.freed[self.slot].record(cur)
         cur.wait_stream(self.stream)
 
+    def busy(self) -> bool:
+        """Whether the latest staged call's kernel is still queued or running on the GPU: a call
+        staged now copies while it runs (``stage`` ahead), so its kernel starts with its copy well
+        under way or landed (``plan.pipelined_ms``)."""
+        ev = self.freed[self.slot]
+        return ev is not None and not ev.query()
+
     def fence(self):
         """Make the next copies wait for the current stream's work so far (a timer's start)."""
         import torch
@@ -430,6 +437,13 @@ def stager(device, stream) -> Stager:
         if st is None:
             st = _STAGERS[key] = Stager(device)
         return st
+
+
+def busy(device, stream) -> bool:
+    """``Stager.busy`` of (device, stream)'s stager; False where it has none (nothing staged yet)."""
+    with _STAGERS_LOCK:
+        st = _STAGERS.get((str(device), int(stream.cuda_stream)))
+    return st is not None and st.busy()
 
 
 def fence(device=None) -> None:
