@@ -477,7 +477,8 @@ def test_kernel_tables_encoding_and_padding(randn):
     fill(cache, c, 33, randn, tier="hbm")  # 3 HBM pages
     cache.move_pages(a, [1, 4], "hbm")
     tables = cache.kernel_tables([b, a, c, b])
-    assert isinstance(tables, KernelTables)
+    assert isinstance(tables, KernelTables) and not tables.back_to_back
+    assert cache.kernel_tables([b], back_to_back=True).back_to_back
     pt, lens = tables.page_table, tables.seq_lens
     assert pt.dtype == torch.int32 and lens.dtype == torch.int32
     assert pt.shape == (4, 5) and pt.is_contiguous() and lens.is_contiguous()

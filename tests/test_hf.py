@@ -415,10 +415,11 @@ def test_window_steps_read_new_tokens_from_hbm_and_generate_like_dynamic_cache(m
     kw = dict(max_new_tokens=20, do_sample=False, prefill_chunk_size=32)
     ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
     cache = _ours(model, window_tokens=window)
-    seen = []
+    seen, marks = [], []
     real = dkhf.DirectKVCache._attend_layer
 
     def watch(self, step, query, key, value, scaling, layer_idx):
+        marks.append(step.tables)
         if layer_idx == 0:
             before = {sid: length for sid, length in step.undo}
             seen.append((step.tables.host_table.copy(), list(step.tables.host_seq_lens),
@@ -430,6 +431,7 @@ def test_window_steps_read_new_tokens_from_hbm_and_generate_like_dynamic_cache(m
     assert torch.equal(out, ref)
     P = 16
     assert seen
+    assert all(t.back_to_back for t in marks)  # a step's layers: staged chunks may plan copies ahead
     for table, seq_lens, hist in seen:
         for row, n, h in zip(table, seq_lens, hist):
             pages = -(-n // P)

@@ -40,7 +40,7 @@ def h200(monkeypatch, tmp_path):
     L.clear_cache()
 
 
-def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True):
+def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True, window=False, marked=False):
     n_pages = [math.ceil(n / page) for n in lens]
     width = max(n_pages)
     table = np.zeros((len(lens), width), dtype=np.int32)
@@ -48,11 +48,15 @@ def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True
     for b, n in enumerate(n_pages):
         ids = np.arange(k, k + n)
         table[b, :n] = -ids - 1 if hbm else ids
+        if window:  # the step's own pages mirrored in HBM
+            own = (lens[b] - q_lens[b]) // page
+            table[b, own:n] = -np.arange(k, k + n - own) - 1
         table[b, n:] = table[b, n - 1]
         k += n
     tables = KernelTables(torch.from_numpy(table), torch.tensor(lens, dtype=torch.int32), 0, -1, tuple(lens),
-                          table if host_table else None)
-    cache = SimpleNamespace(page_size=page, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16)
+                          table if host_table else None, marked)
+    cache = SimpleNamespace(page_size=page, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
+                            host_writes=lambda: [])
     q = torch.empty(sum(q_lens), hq, d, dtype=torch.bfloat16, device="meta")
     return q, cache, tables, tuple(q_lens), hq // hkv
 
@@ -646,3 +650,101 @@ def test_long_link_bound_chunks_take_16_folded_splits_and_compute_bound_ones_sta
     q, cache, tables, ql, group = _call([ctx], [q_len])
     cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
     assert (cfg.splits, len(plan.pieces), cfg.copy_order) == (splits, pieces, copy_order)
+
+
+def _busy(monkeypatch, busy=True):
+    from directkv_cute import staging
+
+    monkeypatch.setattr(staging, "busy", lambda device, stream: busy)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+
+
+def test_marked_tables_behind_a_running_staged_call_plan_copies_ahead(monkeypatch):
+    """8k q2048 with the step's window (measured 2026-12-03, 32 calls back to back: 0.473 ms
+    planned so, 0.620 paced): over tables marked back to back, while a staged call still runs,
+    the history is one piece and the kernel one split; unmarked tables, an idle stager, a cache
+    without a record of its host writes, or the overlap switched off keep the paced plan."""
+    _busy(monkeypatch)
+    cfg, plan = ops._q_tiled_route(*_call([8192], [2048], window=True, marked=True), None)
+    assert (cfg.splits, cfg.copy_order, cfg.order, len(plan.pieces), plan.ready_from) == (1, 1, 1, 2, 1)
+    assert plan.piece_pages == 96  # the history's 96 pages, then the step's 32 in the window
+    paced = ops._q_tiled_route(*_call([8192], [2048], window=True), None)
+    assert paced[0].splits > 1 and len(paced[1].pieces) > 2
+    q, cache, tables, q_lens, group = _call([8192], [2048], window=True, marked=True)
+    for why in ("idle", "no record", "overlap off"):
+        c = cache
+        if why == "idle":
+            _busy(monkeypatch, False)
+        elif why == "no record":
+            c = SimpleNamespace(**{k: v for k, v in vars(cache).items() if k != "host_writes"})
+        else:
+            monkeypatch.setenv("DIRECTKV_STAGE_OVERLAP", "0")
+        got = ops._q_tiled_route(q, c, tables, q_lens, group, None)
+        assert got[0].splits == paced[0].splits and got[1].pieces == paced[1].pieces, why
+        _busy(monkeypatch)
+        monkeypatch.delenv("DIRECTKV_STAGE_OVERLAP", raising=False)
+    # both plans of one step's tables are kept: busy and idle calls alternate without replanning
+    # (the idle plan of these tables was made above; the busy one is made once here)
+    calls = []
+    real = ops._plan_route
+    monkeypatch.setattr(ops, "_plan_route", lambda *a: calls.append(a[-1]) or real(*a))
+    for busy in (True, False, True, False):
+        _busy(monkeypatch, busy)
+        assert ops._q_tiled_route(q, cache, tables, q_lens, group, None)[0].splits == (1 if busy else paced[0].splits)
+    assert calls == [True]
+
+
+def test_copies_ahead_end_a_piece_where_the_steps_own_pages_begin(monkeypatch):
+    """Ragged, host only: the step's own pages were just written, so their copy waits for the
+    previous kernel; the history of every sequence ends before the piece that holds them (the
+    first page holding any sequence's new tokens, on a whole KV tile)."""
+    _busy(monkeypatch)
+    lens, q_lens, page = [6000, 3100], [2000, 700], 64
+    cfg, plan = ops._q_tiled_route(*_call(lens, q_lens, marked=True), None)
+    assert cfg.splits == 1 and plan.piece_pages == 36  # min(62, 37) pages, rounded down to 2-page tiles
+    own_first = [(n - ql) // page for n, ql in zip(lens, q_lens)]
+    table = _call(lens, q_lens)[2].host_table
+    for p, piece in enumerate(plan.pieces):
+        for r in piece:
+            for src in range(r.src, r.src + r.count):
+                b, lp = np.argwhere(table == src)[0]
+                assert (lp >= own_first[b]) <= (p >= 1), (p, b, lp)
+
+
+@pytest.mark.parametrize("lens, q_lens, window", [([131072], [2048], True), ([8192], [8192], False),
+                                                  ([16384], [8192], False), ([32768], [64], True)])
+def test_copies_ahead_keep_the_paced_plan_where_it_wins(monkeypatch, lens, q_lens, window):
+    """Where a run of calls would gain less than filling the pipeline costs (128k q2048: the
+    kernel is 6 ms of a 9.4 ms copy; measured 9.63 vs 9.65 ms paced), where the step's own host
+    pages would stall the kernel (a first chunk, 16k q8192: measured 2.82 ms planned ahead vs 2.38
+    paced), or where one wave is paced already, the paced plan stays."""
+    _busy(monkeypatch)
+    got = ops._q_tiled_route(*_call(lens, q_lens, window=window, marked=True), None)
+    paced = ops._q_tiled_route(*_call(lens, q_lens, window=window), None)
+    assert got[0] == paced[0] and got[1].pieces == paced[1].pieces
+
+
+def test_pipelined_cost_model():
+    """max(copy, kernel + the wait for the step's own pages) + the fill share; a kernel's splits
+    past the first cost their folds, and too few CTAs for the SMs stretch it."""
+    from directkv_cute import plan as pl
+
+    assert pl.kernel_ms(1.0, 0.0, 1, 132, 132) == 1.0
+    assert pl.kernel_ms(1.0, 0.0, 1, 66, 132) == 2.0 and pl.kernel_ms(1.0, 0.0, 2, 66, 132) == 2.0 * 0.5 + 0.0
+    assert pl.kernel_ms(1.0, 2.2e6, 3) == pytest.approx(1.0 + 2 * 1e-3)
+    over = pl.STAGE_OVERHEAD_MS
+    assert pl.pipelined_ms(2.0, 1.0, 0.0, 1) == pytest.approx(2.0 + over)
+    assert pl.pipelined_ms(2.0, 1.0, 0.0, 1, wait_ms=1.5) == pytest.approx(2.5 + over)
+    assert pl.pipelined_ms(2.0, 1.6, 0.0, 1, fill=True) == pytest.approx(2.0 + 1.6 / pl.FILL_CALLS + over)
+    # a paced candidate wins where the fill costs more than the pipelined plan saves
+    paced, piped = (16, 16, 0, 16, False), (1, 1, 0, 2, True)
+    big = int(9.4e-3 * pl.MEMCPY_GBPS * 1e9)  # a 9.4 ms copy, the kernel 6 ms
+    flops = 6.0e-3 * pl.Q_TILED_TFLOPS * 1e12
+    choice, best = pl.choose_pipelined(big, 0, flops, 1e5, [piped, paced])
+    assert best == 1 and choice.splits == 16 and choice.pipelined
+    small = int(0.47e-3 * pl.MEMCPY_GBPS * 1e9)  # 8k q2048's history and kernel: the pipeline wins
+    choice, best = pl.choose_pipelined(small, 0, 0.374e-3 * pl.Q_TILED_TFLOPS * 1e12, 67.6e6,
+                                       [(1, 1, 0, 2, True), (8, 8, 0, 8, False)])
+    assert best == 0 and choice.staged
+    with pytest.raises(ValueError, match="at least one candidate"):
+        pl.choose_pipelined(small, 0, 1.0, 0.0, [])
