@@ -446,12 +446,13 @@ def lead_ms(host_ms_per_call: float, calls: int, cap_ms: float = 200.0) -> float
 
 
 def time_calls(calls: Sequence[Callable[[], object]], timer: Timer, *, warmup: int = 2, reps: int = 7,
-               min_sample_ms: float = 2.0, max_total_s: float = 3.0, max_inner: int = 256) -> Timing:
+               min_sample_ms: float = 2.0, max_total_s: float = 3.0, max_inner: int = 256,
+               min_inner: int = 1) -> Timing:
     """Median per-call time of a method, rotating among ``calls`` (one per input set).
 
     Each call runs a different input set, so consecutive calls do not find their inputs in L2.
     Calls run back to back in samples of ``inner`` calls (a multiple of ``len(calls)``, at least
-    ``min_sample_ms`` of work) between two events, each sample behind a GPU sleep that covers
+    ``min_sample_ms`` of work, and at least ``min_inner`` calls: a model's layers) between two events, each sample behind a GPU sleep that covers
     the host's time to enqueue it (``lead_ms``; see ``Timer``); the result is the median over
     the samples of the mean per call. Slow methods get fewer samples so that the timed part
     stays under about ``max_total_s`` seconds (at least one sample).
@@ -465,7 +466,7 @@ def time_calls(calls: Sequence[Callable[[], object]], timer: Timer, *, warmup: i
         host = (time.perf_counter() - t0) * 1e3  # the last warm-up call's host path (GPU work may go on)
     timer.sync()
     est = max(timer.measure(calls[0], lead_ms(host, 1)), 1e-4)
-    inner = min(max_inner, max(n, math.ceil(min_sample_ms / est)))
+    inner = max(min_inner, min(max_inner, max(n, math.ceil(min_sample_ms / est))))
     inner = n * math.ceil(inner / n)
     n_samples = max(1, min(reps, int(max_total_s * 1e3 / (est * inner))))
     lead = lead_ms(host, inner)

@@ -68,10 +68,13 @@ class BenchOptions:
     window: bool = False  # ours[window]: the query tokens' pages mirrored in HBM (multi-token, host only)
     kv_dtype: str | None = None  # "fp8" / "e5m2": also ours[fp8] / ours[e5m2] over FP8 host pages
     skip_methods: tuple[str, ...] = ()  # of SKIPPABLE: listed as missing, not run
+    # Samples of at least this many calls back to back (a model's layers); ours' tables marked so
+    # (``KernelTables.back_to_back``: staged chunks may plan their copies to run ahead).
+    layers: int = 1
 
     def timing(self) -> dict:
         return {"warmup": self.warmup, "reps": self.reps, "max_total_s": self.max_rep_s,
-                "min_sample_ms": self.min_sample_ms}
+                "min_sample_ms": self.min_sample_ms, "min_inner": self.layers}
 
 
 # The methods that read host pages once per query tile (naive zero-copy SDPA, FA4's page table over
@@ -694,7 +697,8 @@ class ShapeBench:
         resident = len(placed[0][0]) * s.batch * page_bytes
         q_lens = None if s.q_len == 1 else [s.q_len] * s.batch
         kw = {"host_bytes": host_b, "hbm_bytes": hbm_b, **(bytes_kw or {}), "hbm_fraction": fraction}
-        tables = [cache.kernel_tables(ids) for ids in seq_ids]
+        marked = {"back_to_back": True} if self.opts.layers > 1 else {}
+        tables = [cache.kernel_tables(ids, **marked) for ids in seq_ids]
         outs = [torch.empty_like(q) for q in self.inputs.qs]
         config = _decode_config(cfg)
 

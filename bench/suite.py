@@ -73,7 +73,7 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         host_read_kernel=details.get("host_read", {}).get("kernel", "sum_f32"),
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"),
         peers=not getattr(ns, "no_peers", False), window=getattr(ns, "window", False),
-        skip_methods=tuple(getattr(ns, "skip_methods", ()) or ()),
+        skip_methods=tuple(getattr(ns, "skip_methods", ()) or ()), layers=getattr(ns, "layers", 1),
         kv_dtype=getattr(ns, "kv_dtype", None))
 
 
@@ -244,12 +244,22 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--window", action="store_true",
                    help="also ours[window]: multi-token shapes with the query tokens' own pages mirrored in "
                         "HBM (the HBM window of a model step), host only")
+    g.add_argument("--layers", type=_positive, default=1,
+                   help="time every method in runs of at least this many calls back to back (a model's "
+                        "layers), ours over tables marked back to back (KernelTables.back_to_back)")
     g.add_argument("--no-peers", action="store_true",
                    help="leave out FlashAttention-4's methods (fa4[hbm], fa4[zero_copy_paged], swap+fa4)")
     g.add_argument("--skip-methods", type=_skippable, default=(),
                    help="leave out these slow baselines, comma-separated: " + ", ".join(SKIPPABLE)
                         + " (they read host pages once per query tile)")
     g.add_argument("--no-progress", action="store_true")
+
+
+def _positive(s: str) -> int:
+    n = int(s)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def _skippable(s: str) -> tuple[str, ...]:

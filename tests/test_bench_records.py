@@ -561,3 +561,27 @@ def test_step_host_pages_are_the_pages_of_each_sequences_last_tokens():
     assert step_host_pages(cache, [a], [20]) == sorted(ta[5:7])  # tokens 80-99
     assert step_host_pages(cache, [a, b], None) == [ta[6]]  # b's last token is in HBM
     assert step_host_pages(cache, [a, b], [1, 10]) == sorted([ta[6], tb[1]])  # b: tokens 30-39
+
+
+def test_layers_time_runs_of_calls_over_tables_marked_back_to_back(tmp_path, monkeypatch):
+    """--layers N: every method's samples hold at least N calls back to back, and ours' tables
+    are marked back to back (a model step's layers); without it ours' tables are not marked."""
+    counts, marks = [], []
+    real = FakeCache.kernel_tables
+
+    def kernel_tables(self, ids, back_to_back=False):
+        marks.append(back_to_back)
+        return real(self, ids)
+
+    monkeypatch.setattr(FakeCache, "kernel_tables", kernel_tables)
+    t = time_calls([lambda: counts.append(1)], Timer("cpu"), warmup=1, reps=2, min_sample_ms=1e-6,
+                   max_total_s=1.0, min_inner=5)
+    assert t.inner == 5 and len(counts) >= 1 + 1 + 2 * 5
+    shape = Shape("prefill", 1, 64, 16, 4, 2, 64, "bfloat16")
+    for layers, want in ((3, True), (1, False)):
+        marks.clear()
+        opts = BenchOptions(**FAST, layers=layers)
+        assert opts.timing()["min_inner"] == layers
+        doc = _run(tmp_path, [shape], opts, _loader(fake_attention))
+        assert doc["passed"], [c for c in doc["checks"] if not c["ok"]]
+        assert (True in marks) == want  # ours' tables (the peers' own tables are never marked)
