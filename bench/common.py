@@ -452,8 +452,9 @@ def time_calls(calls: Sequence[Callable[[], object]], timer: Timer, *, warmup: i
 
     Each call runs a different input set, so consecutive calls do not find their inputs in L2.
     Calls run back to back in samples of ``inner`` calls (a multiple of ``len(calls)``, at least
-    ``min_sample_ms`` of work, and at least ``min_inner`` calls: a model's layers) between two events, each sample behind a GPU sleep that covers
-    the host's time to enqueue it (``lead_ms``; see ``Timer``); the result is the median over
+    ``min_sample_ms`` of work and at least ``min_inner`` calls, e.g. a model's layers) between two
+    events, each sample behind a GPU sleep that covers the host's time to enqueue it
+    (``lead_ms``; see ``Timer``); the result is the median over
     the samples of the mean per call. Slow methods get fewer samples so that the timed part
     stays under about ``max_total_s`` seconds (at least one sample).
     """

@@ -842,9 +842,6 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     return out
 
 
-PIPELINED_PIECES = 1  # pieces over the history of a chunk planned for copies ahead, at least
-
-
 def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_bytes: int, flops: float,
                       chunk_q: int, ctas: int, cfg: QTiledConfig, device_index: int, num_q_heads: int,
                       head_dim: int, regular):
@@ -868,7 +865,7 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     plans, candidates, wants = [], [], []
     for want in SPLIT_CHOICES:
         if own >= tile_pages:
-            pp = max(min_pp, tile_pages * math.ceil(own / max(want, PIPELINED_PIECES) / tile_pages))
+            pp = max(min_pp, tile_pages * math.ceil(own / want / tile_pages))
             pp = window_piece_pages(pp, own, max_pages, tile_pages, min_pp)
         else:
             pp = piece_pages_for(max_pages, P, cfg.tile_n, pieces=want)
@@ -897,7 +894,8 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     host_b = plans[0].host_pages * page_bytes
     # The step's own host pages were just written: their copy waits for the previous kernel.
     table = np.asarray(host_table)
-    wait_pages = sum(int((table[b, (n - ql) // P:n_pages[b]] >= 0).sum()) for b, (n, ql) in enumerate(zip(lens, q_lens)))
+    wait_pages = sum(int((table[b, (n - ql) // P:n_pages[b]] >= 0).sum())
+                     for b, (n, ql) in enumerate(zip(lens, q_lens)))
     choice, best = choose_pipelined(host_b, plans[0].pages * page_bytes - host_b, flops,
                                     partial_bytes(sum(q_lens), num_q_heads, head_dim), candidates,
                                     in_place_bytes=n_host * page_bytes, kv_read_bytes=used.size * page_bytes,

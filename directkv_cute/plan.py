@@ -328,9 +328,10 @@ def choose_pipelined(host_bytes: int, hbm_bytes: int, flops: float, partial_byte
                      in_place_bytes: int | None = None, kv_read_bytes: int = 0, chunk_q: int = 0,
                      ctas: int = 0, sms: int = 0, wait_bytes: int = 0) -> tuple[StagedChoice, int]:
     """The best of ``candidates`` -- (KV splits, host copy calls, HBM copy calls, pieces, whether
-    the plan fills a pipeline) of each staging plan weighed -- for a call whose copy runs ahead of its kernel (``pipelined_ms``; the
-    pages already in HBM copied ahead of the kernel on its stream; ``wait_bytes`` of the host
-    pages, the step's own, copied only after the previous kernel), and whether it beats reading ``in_place_bytes`` (default ``host_bytes``) in place by
+    the plan fills a pipeline) of each staging plan weighed -- for a call whose copy runs ahead
+    of its kernel (``pipelined_ms``; the pages already in HBM copied ahead of the kernel on its
+    stream; ``wait_bytes`` of the host pages, the step's own, copied only after the previous
+    kernel), and whether it beats reading ``in_place_bytes`` (default ``host_bytes``) in place by
     the margin ``choose_staged`` uses. Returns (the verdict, the index of the chosen candidate)."""
     if not candidates:
         raise ValueError("choose_pipelined needs at least one candidate plan")
