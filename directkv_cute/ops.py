@@ -42,8 +42,8 @@ from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits,
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import (LINK_PIECES, SPLIT_CHOICES, causal_flops, choose_pipelined, choose_staged,
                                 compute_bound, kv_bytes, link_bound_staging, may_stage, partial_bytes, q_tile_profile,
-                                q_tiled_splits, trails_copy, window_piece_pages)
-from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, SLOTS, head_groups, overlap_enabled, \
+                                q_tiled_splits, ready_split, trails_copy, window_piece_pages)
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, copies_ahead, head_groups, may_copy_ahead, \
     piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute import staging as _staging
 from directkv_cute.kernels.specs import config_kernel, op_kernel
@@ -679,12 +679,11 @@ def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
 def _pipelined(q, cache, tables) -> bool:
     """Whether a call staged now is planned for its copy running ahead of its kernel: the
     caller's tables say calls come back to back in long runs (``KernelTables.back_to_back``: a
-    model's layers; over a few calls, filling the pipeline would cost more than it gains), its
-    cache records its host writes (``PagedKVCache.host_writes``), the overlap is on, and the
-    latest staged call on this stream is still running on the GPU (``staging.busy``)."""
-    if not getattr(tables, "back_to_back", False):
-        return False
-    if getattr(cache, "host_writes", None) is None or not overlap_enabled():
+    model's layers; over a few calls, filling the pipeline would cost more than it gains), the
+    copy may run ahead (``staging.may_copy_ahead``; the staging cap is checked by
+    ``_pipelined_choice``), and the latest staged call on this stream is still running on the GPU
+    (``staging.busy``)."""
+    if not getattr(tables, "back_to_back", False) or not may_copy_ahead(cache):
         return False
     if torch.cuda.is_current_stream_capturing():
         return False
@@ -812,19 +811,16 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
                 "(DIRECTKV_MAX_STAGING_GB)")
     host_b = any_plan.host_pages * page_bytes
     tiles = q_tile_profile(lens, q_lens, cfg.rows // group) if cfg.order in (0, 2) and plan is not None else None
-    runs = [r for piece in any_plan.pieces for r in piece]
-    hbm_calls = sum(r.hbm for r in runs)
-    head_calls = 0
-    if head_plan is not None:
-        head_calls = heads * sum(not r.hbm for piece in head_plan.pieces for r in piece)
-    wave_calls = 0 if wave_plan is None else sum(not r.hbm for piece in wave_plan.pieces for r in piece)
+    host_calls, hbm_calls = any_plan.copy_calls
+    head_calls = 0 if head_plan is None else heads * head_plan.copy_calls[0]
+    wave_calls = 0 if wave_plan is None else wave_plan.copy_calls[0]
     # What the Q-tiled kernel reads from the buffer beyond its compute: each sequence's pages
     # (its query tiles read them together, through the L2), however many sequences share them.
     kv_read = used.size * page_bytes
     one_split = 2 in (cfg.order, cfg.copy_order)
     choice = choose_staged(host_b, need - host_b, flops,
                            partial_bytes(sum(q_lens), num_q_heads, head_dim), 1 if one_split else cfg.splits,
-                           tiles, host_calls=len(runs) - hbm_calls, hbm_calls=hbm_calls,
+                           tiles, host_calls=host_calls, hbm_calls=hbm_calls,
                            in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read, heads=heads,
                            head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
                            pieces=len(any_plan.pieces),
@@ -850,11 +846,11 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     the step's own tokens (the first logical page holding any sequence's new tokens ends a piece,
     so that the history's copy waits for none of the step's writes), and ``regular`` (the
     (StagedChoice, StagePlan) planned for one call, paced by its pieces: no pipeline to fill),
-    weighed by ``plan.choose_pipelined``. None where ``regular`` wins, or both buffers exceed the
-    staging cap (the copy would then wait for the current stream: ``Stager.stage``)."""
+    weighed by ``plan.choose_pipelined``. None where ``regular`` wins, or where the copy would not
+    run ahead after all (``staging.copies_ahead``: two buffers over the staging cap)."""
     P = cache.page_size
     n_pages = [math.ceil(n / P) for n in lens]
-    if SLOTS * used.size * page_bytes > staging_cap(_total_memory(device_index)):
+    if not copies_ahead(cache, used.size * page_bytes, _total_memory(device_index)):
         return None
     max_pages = max(n_pages)
     tile_pages = max(1, cfg.tile_n // P)
@@ -872,25 +868,19 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
         if any(p.piece_pages == pp for p in plans):
             continue
         plan = plan_staging(host_table, lens, P, pp)
-        piece_tiles = pp * P // cfg.tile_n
-        splits = q_tiled_splits(max_tiles, piece_tiles, want, plan.ready_from * piece_tiles)[0]
-        runs = [r for piece in plan.pieces for r in piece]
-        hbm_calls = sum(r.hbm for r in runs)
         plans.append(plan)
         wants.append(want)
-        candidates.append((splits, len(runs) - hbm_calls, hbm_calls, len(plan.pieces), True))
+        candidates.append((_staged_splits(plan, P, cfg.tile_n, max_tiles, want)[0], *plan.copy_calls,
+                           len(plan.pieces), True))
     reg_choice, reg_plan = regular
-    runs = [r for piece in reg_plan.pieces for r in piece]
-    hbm_calls = sum(r.hbm for r in runs)
+    host_calls, hbm_calls = reg_plan.copy_calls
     if reg_choice.by_head:
         heads = cache.num_kv_heads
-        reg = (1, heads * (len(runs) - hbm_calls), hbm_calls, heads * len(reg_plan.pieces), False)
+        candidates.append((1, heads * host_calls, hbm_calls, heads * len(reg_plan.pieces), False))
     else:
-        piece_tiles = reg_plan.piece_pages * P // cfg.tile_n
         want = 1 if reg_choice.ascending else reg_choice.splits
-        splits = q_tiled_splits(max_tiles, piece_tiles, want, 0 if want == 1 else reg_plan.ready_from * piece_tiles)[0]
-        reg = (splits, len(runs) - hbm_calls, hbm_calls, len(reg_plan.pieces), False)
-    candidates.append(reg)
+        candidates.append((_staged_splits(reg_plan, P, cfg.tile_n, max_tiles, want)[0], host_calls, hbm_calls,
+                           len(reg_plan.pieces), False))
     host_b = plans[0].host_pages * page_bytes
     # The step's own host pages were just written: their copy waits for the previous kernel.
     table = np.asarray(host_table)
@@ -904,6 +894,15 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     if best == len(plans):
         return None
     return dataclasses.replace(choice, splits=wants[best]), plans[best]
+
+
+def _staged_splits(plan, page_size: int, tile_n: int, max_tiles: int, want: int, ready: bool = True):
+    """(splits, tiles per split, tiles per piece) of a staged launch over ``plan`` asking for
+    ``want`` splits (``plan.q_tiled_splits``); ``ready``: the pieces ready at the start get
+    splits of their own."""
+    piece_tiles = plan.piece_pages * page_size // tile_n
+    splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, want, plan.ready_from * piece_tiles if ready else 0)
+    return splits, split_tiles, piece_tiles
 
 
 @functools.lru_cache(maxsize=256)
@@ -921,7 +920,6 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     (``ready_split``), each query tile's splits folded into one fp32 accumulator in launch order
     inside the kernel, the last writing the output (no partials, no combine)."""
     from directkv_cute.kernels.launch import fold_turns, launch_q_tiled, link_counters
-    from directkv_cute.plan import q_tiled_splits, ready_split
 
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
@@ -935,11 +933,9 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     if plan is None:
         splits, split_tiles, piece_tiles = 1, max_tiles, 1
     else:
-        piece_tiles = plan.piece_pages * P // cfg.tile_n
-        if by_head or cfg.order == 2:  # one split, in the order the copy lands
-            splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits)
-        else:
-            splits, split_tiles = q_tiled_splits(max_tiles, piece_tiles, cfg.splits, plan.ready_from * piece_tiles)
+        in_order = by_head or cfg.order == 2  # one split, in the order the copy lands
+        splits, split_tiles, piece_tiles = _staged_splits(plan, P, cfg.tile_n, max_tiles, cfg.splits, not in_order)
+        if not in_order:
             first = ready_split(plan.ready_from, piece_tiles, split_tiles, splits)
     fn = _compiled_q_tiled(cfg, q.dtype, d, P, group, plan is not None, splits > 1)
     if out is None:

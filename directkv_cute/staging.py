@@ -79,6 +79,12 @@ class StagePlan:
     def host_pages(self) -> int:
         return sum(r.count for piece in self.pieces for r in piece if not r.hbm)
 
+    @property
+    def copy_calls(self) -> tuple[int, int]:
+        """(copies from the host pool, copies of pages already in HBM): one per run."""
+        hbm = sum(r.hbm for piece in self.pieces for r in piece)
+        return sum(len(piece) for piece in self.pieces) - hbm, hbm
+
 
 def piece_pages_for(max_pages: int, page_size: int, tile_n: int, want: int = 0, pieces: int = 16) -> int:
     """Pages per ready piece: ``want`` (0: about ``pieces`` pieces over the longest sequence),
@@ -186,6 +192,19 @@ def overlap_enabled() -> bool:
     return os.environ.get(_OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def may_copy_ahead(cache) -> bool:
+    """Whether staged calls over ``cache`` may copy ahead of the current stream: it records its
+    host writes (``PagedKVCache.host_writes``) and the overlap is on."""
+    return getattr(cache, "host_writes", None) is not None and overlap_enabled()
+
+
+def copies_ahead(cache, buffer_bytes: int, total_memory: int) -> bool:
+    """Whether a staged call over ``cache`` with a buffer of ``buffer_bytes`` copies ahead of the
+    current stream (``Stager.stage``): ``may_copy_ahead``, and a buffer for each slot fits in the
+    staging cap."""
+    return may_copy_ahead(cache) and SLOTS * buffer_bytes <= staging_cap(total_memory)
+
+
 def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 0) -> None:
     """Queue the copy of run ``r``: its pages' blocks of ``layer`` in ``pool`` (pages, L, ...)
     into ``buf`` (pages, 1, ...) from staging page ``r.dst`` on, one strided 2-D copy; whole
@@ -289,13 +308,11 @@ class Stager:
         if n_flags > MAX_FLAGS:
             raise ValueError(f"staging: {n_flags} ready flags needed, at most {MAX_FLAGS}")
         head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
-        recorded = getattr(cache, "host_writes", None)  # None: a pool without a record of its writes
-        ahead = (recorded is not None and overlap_enabled()
-                 and SLOTS * plan.pages * heads * head_bytes <= staging_cap(self.total_memory))
+        ahead = copies_ahead(cache, plan.pages * heads * head_bytes, self.total_memory)
         writes, waits = [], None
         if ahead:  # the other slot; its copy waits for recorded writes to its pages only
             self.slot = (self.slot + 1) % SLOTS
-            writes = recorded()
+            writes = cache.host_writes()
             waits = piece_waits(plan, [pages for _, pages in writes])
         buf = self._buffer(SLOT_BUFFERS[self.slot], plan.pages, piece_shape, host.dtype)
         flags = self.flag_sets[self.slot]
@@ -429,9 +446,13 @@ _STAGERS: dict = {}
 _STAGERS_LOCK = threading.Lock()
 
 
+def _key(device, stream) -> tuple[str, int]:
+    return str(device), int(stream.cuda_stream)
+
+
 def stager(device, stream) -> Stager:
     """The Stager of (device, stream): each stream stages into its own buffer."""
-    key = (str(device), int(stream.cuda_stream))
+    key = _key(device, stream)
     with _STAGERS_LOCK:
         st = _STAGERS.get(key)
         if st is None:
@@ -442,7 +463,7 @@ def stager(device, stream) -> Stager:
 def busy(device, stream) -> bool:
     """``Stager.busy`` of (device, stream)'s stager; False where it has none (nothing staged yet)."""
     with _STAGERS_LOCK:
-        st = _STAGERS.get((str(device), int(stream.cuda_stream)))
+        st = _STAGERS.get(_key(device, stream))
     return st is not None and st.busy()
 
 

@@ -932,3 +932,25 @@ def test_stager_copies_ahead_into_the_other_slot_after_the_writes_to_its_pages(m
     st.fresh = True  # memory new to the side stream (a buffer just allocated): the current stream first
     st.stage(cache, layer, plan)
     assert st.slot == 0 and [ev[1] for ev in events if ev[0] == "wait"] == ["current", "w-late"] and not st.fresh
+
+
+def test_copy_calls_count_the_runs_of_each_tier_and_copies_ahead_needs_a_record_the_overlap_and_two_buffers(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    from directkv_cute import staging
+
+    # host pages 0-2, then 7, then two HBM pages, in two pieces of 3 pages
+    table = np.array([[0, 1, 2, 7, -1, -2]], dtype=np.int32)
+    plan = plan_staging(table, [6 * 16], 16, 3)
+    assert plan.copy_calls == (2, 1) and plan.host_pages == 4
+    assert sum(len(p) for p in plan.pieces) == 3
+    recording, bare = SimpleNamespace(host_writes=lambda: []), SimpleNamespace()
+    monkeypatch.delenv("DIRECTKV_STAGE_OVERLAP", raising=False)
+    monkeypatch.delenv("DIRECTKV_MAX_STAGING_GB", raising=False)
+    total = 8 * 2**30  # a cap of 1 GiB
+    assert staging.copies_ahead(recording, 2**29, total)
+    assert not staging.copies_ahead(recording, 2**29 + 1, total)  # two buffers over the cap
+    assert not staging.copies_ahead(bare, 1, total)
+    monkeypatch.setenv("DIRECTKV_STAGE_OVERLAP", "0")
+    assert not staging.copies_ahead(recording, 1, total)
