@@ -42,9 +42,9 @@ from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits,
 from directkv_cute.kernels.trace import current_trace
 from directkv_cute.plan import (LINK_PIECES, SPLIT_CHOICES, causal_flops, choose_pipelined, choose_staged,
                                 compute_bound, kv_bytes, link_bound_staging, may_stage, partial_bytes, q_tile_profile,
-                                q_tiled_splits, ready_split, trails_copy, window_piece_pages)
-from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, copies_ahead, head_groups, may_copy_ahead, \
-    piece_pages_for, plan_staging, stager, staging_cap
+                                q_tiled_splits, ready_split, split_work, trails_copy, window_piece_pages)
+from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, copies_ahead, hbm_in_place, head_groups, \
+    in_place_layers, may_copy_ahead, piece_pages_for, plan_staging, stager, staging_cap
 from directkv_cute import staging as _staging
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.fp8 import is_fp8
@@ -763,7 +763,7 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     launch fields to the op is planned by ``_pipelined_choice``. Plain host work."""
     cfg = cfg or QTiledConfig()
     host_table, lens = tables.host_table, tables.host_seq_lens
-    P = cache.page_size
+    P, L = cache.page_size, in_place_layers(cache)
     group = num_q_heads // cache.num_kv_heads
     n_pages, used, n_host = _pages_used(host_table, lens, P)
     page_bytes = 2 * cache.num_kv_heads * P * head_dim * elem_bytes
@@ -789,11 +789,11 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
         return None
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
     # only the first head's copy is exposed, so finer pieces would only add copy calls.
-    plan = plan_staging(host_table, lens, P, pp) if cfg.copy_order != 2 else None
+    plan = plan_staging(host_table, lens, P, pp, L) if cfg.copy_order != 2 else None
     head_plan = None  # weighed where compute binds (elsewhere the pieces of all heads win: measured)
     if cfg.copy_order == 2 or (cfg.copy_order == 0 and cfg.splits <= 1 and bound):
         pp_h = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=HEAD_PIECES)
-        head_plan = plan if plan is not None and pp_h == pp else plan_staging(host_table, lens, P, pp_h)
+        head_plan = plan if plan is not None and pp_h == pp else plan_staging(host_table, lens, P, pp_h, L)
         if len(head_plan.pieces) * heads > MAX_FLAGS:
             head_plan = None
     if plan is None and head_plan is None:
@@ -802,7 +802,8 @@ def staging_choice(cache, tables, q_lens, num_q_heads: int, head_dim: int, elem_
     wave_plan = None
     if (chunk and plan is not None and cfg.splits <= 1 and cfg.order != 2 and not cfg.piece_pages
             and ctas <= _num_sms(device_index)):
-        wave_plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, pieces=LINK_PIECES))
+        wave_plan = plan_staging(host_table, lens, P, piece_pages_for(max(n_pages), P, cfg.tile_n, pieces=LINK_PIECES),
+                                 L)
     any_plan = plan if plan is not None else head_plan
     need = any_plan.pages * page_bytes
     cap = staging_cap(_total_memory(device_index))
@@ -850,7 +851,8 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     run ahead after all (``staging.copies_ahead``: two buffers over the staging cap)."""
     P = cache.page_size
     n_pages = [math.ceil(n / P) for n in lens]
-    if not copies_ahead(cache, used.size * page_bytes, _total_memory(device_index)):
+    staged = n_host if in_place_layers(cache) else used.size  # the pages a buffer takes
+    if not copies_ahead(cache, staged * page_bytes, _total_memory(device_index)):
         return None
     max_pages = max(n_pages)
     tile_pages = max(1, cfg.tile_n // P)
@@ -867,20 +869,22 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
             pp = piece_pages_for(max_pages, P, cfg.tile_n, pieces=want)
         if any(p.piece_pages == pp for p in plans):
             continue
-        plan = plan_staging(host_table, lens, P, pp)
+        plan = plan_staging(host_table, lens, P, pp, in_place_layers(cache))
         plans.append(plan)
         wants.append(want)
         candidates.append((_staged_splits(plan, P, cfg.tile_n, max_tiles, want)[0], *plan.copy_calls,
-                           len(plan.pieces), True))
+                           len(plan.pieces), _split_layout(plan, P, cfg.tile_n, max_tiles, want, lens, q_lens)))
     reg_choice, reg_plan = regular
     host_calls, hbm_calls = reg_plan.copy_calls
     if reg_choice.by_head:
         heads = cache.num_kv_heads
-        candidates.append((1, heads * host_calls, hbm_calls, heads * len(reg_plan.pieces), False))
+        candidates.append((1, heads * host_calls, hbm_calls, heads * len(reg_plan.pieces), None))
     else:
         want = 1 if reg_choice.ascending else reg_choice.splits
+        layout = None if reg_choice.ascending else _split_layout(reg_plan, P, cfg.tile_n, max_tiles, want, lens,
+                                                                 q_lens)
         candidates.append((_staged_splits(reg_plan, P, cfg.tile_n, max_tiles, want)[0], host_calls, hbm_calls,
-                           len(reg_plan.pieces), False))
+                           len(reg_plan.pieces), layout))
     host_b = plans[0].host_pages * page_bytes
     # The step's own host pages were just written: their copy waits for the previous kernel.
     table = np.asarray(host_table)
@@ -894,6 +898,24 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     if best == len(plans):
         return None
     return dataclasses.replace(choice, splits=wants[best]), plans[best]
+
+
+def _split_layout(plan, page_size: int, tile_n: int, max_tiles: int, want: int, lens, q_lens):
+    """The splits of a staged launch over ``plan`` (``_staged_splits``, the ready ones first) in
+    launch order, as ``plan.pipelined_tail_ms`` weighs them: (each one's share of the causal work,
+    the share of the host copy after which its pages have all landed, None where they are ready
+    before it starts). Plain host work."""
+    splits, split_tiles, piece_tiles = _staged_splits(plan, page_size, tile_n, max_tiles, want)
+    first = ready_split(plan.ready_from, piece_tiles, split_tiles, splits)
+    work = split_work(lens, q_lens, tile_n, split_tiles, splits)
+    copied = np.cumsum([sum(r.count for r in piece if not r.hbm) for piece in plan.pieces], dtype=np.float64)
+    copied /= max(copied[-1], 1.0)
+    landed = []
+    for s in range(splits):
+        lo, hi = s * split_tiles // piece_tiles, min(((s + 1) * split_tiles - 1) // piece_tiles, len(plan.pieces) - 1)
+        landed.append(None if lo >= plan.ready_from else float(copied[hi]))
+    order = [(first + r) % splits for r in range(splits)]
+    return [work[s] for s in order], [landed[s] for s in order]
 
 
 def _staged_splits(plan, page_size: int, tile_n: int, max_tiles: int, want: int, ready: bool = True):
@@ -955,6 +977,8 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
         with st.lock:
             buf, flags, epoch = st.stage(cache, layer, plan, by_head)
+            if plan.hbm_in_place:  # the pages already in HBM, read where they are
+                host = hbm_in_place(cache.hbm_pool, layer)
             launch_q_tiled(fn, q, out, lse, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
                            split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,
                            flag_stride=len(plan.pieces) if by_head else 0, split_first=first, fold=fold)

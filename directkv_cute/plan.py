@@ -249,27 +249,56 @@ def kernel_ms(q_ms: float, partial_bytes: float, splits: int, ctas: int = 0, sms
     return q_ms / busy + (splits - 1) * partial_bytes / (FOLD_GBPS * 1e6)
 
 
-# Calls that fill a pipeline of staged copies ahead of their kernels: a model's layers. Its first
-# call waits for the whole copy of its first piece, so a plan in few pieces pays about one kernel's
-# time once per run (measured 2026-12-03, H200, 32k q2048 with the step's window: 2.28 ms per call
-# in the run, 3.65 for the call that filled it), weighed as 1 / FILL_CALLS of it per call.
-FILL_CALLS = 32
+# Calls whose staged copies run ahead of their kernels, back to back: a model's layers. The copies
+# follow each other, so the run lasts about its calls' copies plus what the last call's kernel
+# still has to do once its copy has landed (its tail): one per run, weighed as 1 / RUN_CALLS of it
+# per call (measured 2026-12-03, H200, 32k q2048 with the step's window, history in one piece: 2.28
+# ms per call in the run, 3.65 for the call that waited for a whole copy and then its whole kernel).
+RUN_CALLS = 32
 
 
 def pipelined_ms(copy_ms: float, q_ms: float, partial_bytes: float, splits: int, ctas: int = 0,
-                 sms: int = 0, wait_ms: float = 0.0, fill: bool = False) -> float:
+                 sms: int = 0, wait_ms: float = 0.0, tail_ms: float = 0.0) -> float:
     """A staged call whose copy runs ahead of its kernel (the previous staged call's kernel is
     still running, and its copy waits only for the kernel two calls back): calls follow each other
-    one per max(copy, kernel), so neither the first piece's copy nor the last split's tail is
-    exposed; pieces only cost copy calls and flags, and splits only their folds. Except the copy
-    of host pages the step has just written (``wait_ms`` of it): it waits for the previous kernel,
-    and the kernel's first CTAs (the heaviest query tiles, which read them) wait for it in turn
-    (measured 2026-12-03 at 16k q8192, the step's 8192 tokens on the host: 2.82 ms per call,
-    about the kernel plus that copy, against 2.38 planned for one call). With ``fill`` (a plan
-    whose kernel starts only once its first piece has landed) the run's first call's wait is
-    shared among ``FILL_CALLS`` calls; a plan paced by many pieces has none to share."""
+    one per max(copy, kernel), so the first piece's copy is not exposed; pieces only cost copy
+    calls and flags, and splits only their folds. Except the copy of host pages the step has just
+    written (``wait_ms`` of it): it waits for the previous kernel, and the kernel's first CTAs
+    (the heaviest query tiles, which read them) wait for it in turn (measured 2026-12-03 at 16k
+    q8192, the step's 8192 tokens on the host: 2.82 ms per call, about the kernel plus that copy,
+    against 2.38 planned for one call). The run's last kernel's ``tail_ms`` (``pipelined_tail_ms``)
+    is shared among ``RUN_CALLS`` calls."""
     k = kernel_ms(q_ms, partial_bytes, splits, ctas, sms)
-    return max(copy_ms, k + wait_ms) + (k / FILL_CALLS if fill else 0.0) + STAGE_OVERHEAD_MS
+    return max(copy_ms, k + wait_ms) + tail_ms / RUN_CALLS + STAGE_OVERHEAD_MS
+
+
+def split_work(seq_lens, q_lens, tile_n: int, split_tiles: int, splits: int) -> list[float]:
+    """Each KV split's share of a causal chunk's attention work (split s: keys [s, s + 1) x
+    ``split_tiles`` x ``tile_n``; a query row sees the keys before it and itself)."""
+    import numpy as np
+
+    work = np.zeros(splits)
+    lo = np.arange(splits)[:, None] * split_tiles * tile_n
+    for n, q in zip(seq_lens, q_lens):
+        seen = (n - q + 1 + np.arange(q))[None, :]  # (1, q): keys each row sees
+        work += np.clip(np.minimum(lo + split_tiles * tile_n, seen) - lo, 0, None).sum(axis=1)
+    total = work.sum()
+    return (work / total).tolist() if total else [1.0 / splits] * splits
+
+
+def pipelined_tail_ms(copy_ms: float, q_ms: float, fold_ms: float, work, landed, busy: float = 1.0) -> float:
+    """What the last kernel of a run of back-to-back staged calls does after its copy has landed:
+    its splits run in launch order, ``work[i]`` the share of ``q_ms`` of the i-th launched and
+    ``landed[i]`` the share of the copy after which its pages are all in (None: pages ready before
+    the copy starts, run while it goes); each split after the first folds (``fold_ms``), and the
+    CTAs of one split fill ``busy`` of the SMs. A list-scheduling bound: T = max over copied
+    splits j of (landed_j x copy + the work from j on), the tail T - copy (at least 0)."""
+    end, rest = copy_ms, 0.0
+    for i in range(len(work) - 1, -1, -1):
+        rest += work[i] * q_ms / busy + (fold_ms if i else 0.0)
+        if landed[i] is not None:
+            end = max(end, landed[i] * copy_ms + rest)
+    return end - copy_ms
 
 
 def head_major_ms(copy_ms: float, compute_ms: float, heads: int) -> float:
@@ -327,22 +356,28 @@ def in_place_ms(read_bytes: int, flops: float, chunk_q: int = 0) -> float:
 def choose_pipelined(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float, candidates,
                      in_place_bytes: int | None = None, kv_read_bytes: int = 0, chunk_q: int = 0,
                      ctas: int = 0, sms: int = 0, wait_bytes: int = 0) -> tuple[StagedChoice, int]:
-    """The best of ``candidates`` -- (KV splits, host copy calls, HBM copy calls, pieces, whether
-    the plan fills a pipeline) of each staging plan weighed -- for a call whose copy runs ahead
-    of its kernel (``pipelined_ms``; the pages already in HBM copied ahead of the kernel on its
-    stream; ``wait_bytes`` of the host pages, the step's own, copied only after the previous
-    kernel), and whether it beats reading ``in_place_bytes`` (default ``host_bytes``) in place by
-    the margin ``choose_staged`` uses. Returns (the verdict, the index of the chosen candidate)."""
+    """The best of ``candidates`` -- (KV splits, host copy calls, HBM copy calls, pieces, the
+    splits' (work, landed) in launch order as ``pipelined_tail_ms`` takes them, or None for a plan
+    paced by its pieces, whose tail is left out) of each staging plan weighed -- for a call whose
+    copy runs ahead of its kernel (``pipelined_ms``; the pages already in HBM copied ahead of the
+    kernel on its stream, or read in place: no HBM copy calls; ``wait_bytes`` of the host pages,
+    the step's own, copied only after the previous kernel), and whether it beats reading
+    ``in_place_bytes`` (default ``host_bytes``) in place by the margin ``choose_staged`` uses.
+    Returns (the verdict, the index of the chosen candidate)."""
     if not candidates:
         raise ValueError("choose_pipelined needs at least one candidate plan")
     in_place = in_place_ms(host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
     q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
 
-    def est(splits: int, host_calls: int, hbm_calls: int, pieces: int, fill: bool) -> float:
+    fold_ms = partial_bytes / (FOLD_GBPS * 1e6)
+    busy = min(1.0, ctas / sms) if ctas and sms else 1.0
+
+    def est(splits: int, host_calls: int, hbm_calls: int, pieces: int, layout) -> float:
         d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
         copy = copy_time_ms(host_bytes, host_calls, pieces)
+        tail = 0.0 if layout is None else pipelined_tail_ms(copy, q_ms, fold_ms, *layout, busy=busy)
         return d2d_ms + pipelined_ms(copy, q_ms, partial_bytes, splits, ctas, sms, wait_bytes / (MEMCPY_GBPS * 1e6),
-                                     fill)
+                                     tail)
 
     ests = [est(*c) for c in candidates]
     best = min(range(len(ests)), key=lambda i: (ests[i], candidates[i][0]))

@@ -74,6 +74,9 @@ class StagePlan:
     # step's own tokens mirrored): copied ahead of the kernel, so ready when it starts (len(pieces):
     # none).
     ready_from: int
+    # Pages already in HBM are read where they are (entries >= 0 into ``hbm_in_place``'s view),
+    # not copied: ``plan_staging``'s ``hbm_layers``.
+    hbm_in_place: bool = False
 
     @property
     def host_pages(self) -> int:
@@ -122,11 +125,15 @@ def _runs(entries: np.ndarray, piece: np.ndarray, n_pieces: int) -> tuple[tuple[
     return tuple(tuple(runs) for runs in out)
 
 
-def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: int) -> StagePlan:
+def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: int,
+                 hbm_layers: int = 0) -> StagePlan:
     """The copies and staged page table for a batch. Piece p holds logical pages
     [p * piece_pages, (p + 1) * piece_pages) of every sequence; each distinct page entry is
     copied once, in the first piece that needs it, to the next free staging page, so pages that
-    sequences share (forks of one prompt) cross the link once per call."""
+    sequences share (forks of one prompt) cross the link once per call.
+    With ``hbm_layers`` (the pool's L) pages already in HBM are not copied: the kernel reads them
+    where they are, their entries ``page * hbm_layers`` (>= 0) indexing ``hbm_in_place``'s view of
+    the HBM pool; only host pages are staged."""
     table = np.asarray(host_table, dtype=np.int32)
     if table.ndim != 2 or table.shape[0] != len(seq_lens):
         raise ValueError(f"host_table {table.shape} does not match {len(seq_lens)} sequences")
@@ -145,12 +152,19 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     order = np.lexsort((cols, rows, piece_of))  # by piece, then row, then page
     rows, cols, piece_of = rows[order], cols[order], piece_of[order]
     flat = table[rows, cols]
+    if hbm_layers and flat.size and int(-flat.min()) * hbm_layers >= 2**31:
+        raise ValueError(f"HBM pages read in place: page {-int(flat.min()) - 1} x {hbm_layers} layers overflows int32")
     uniq, first, inv = np.unique(flat, return_index=True, return_inverse=True)
     order = np.argsort(first, kind="stable")  # distinct entries by first use
-    dst_of = np.empty(len(uniq), dtype=np.int64)
-    dst_of[order] = np.arange(len(uniq))
+    if hbm_layers:  # only host entries take staging pages
+        order = order[uniq[order] >= 0]
+    dst_of = np.zeros(len(uniq), dtype=np.int64)
+    dst_of[order] = np.arange(len(order))
     staged = np.empty_like(table)
     staged[rows, cols] = -dst_of[inv.reshape(-1)] - 1
+    if hbm_layers:
+        in_hbm = flat < 0
+        staged[rows[in_hbm], cols[in_hbm]] = (-flat[in_hbm].astype(np.int64) - 1) * hbm_layers
     # Past a sequence's pages, its last one repeats.
     width = table.shape[1]
     past = np.arange(width)[None, :] >= counts[:, None]  # (B, width)
@@ -159,7 +173,7 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     pieces = _runs(flat[first[order]], piece_of[first[order]], n_pieces)  # entries in staging order
     host = flat >= 0
     ready_from = int(piece_of[host].max()) + 1 if host.any() else 0
-    return StagePlan(pieces, staged, int(len(uniq)), piece_pages, ready_from)
+    return StagePlan(pieces, staged, int(len(order)), piece_pages, ready_from, bool(hbm_layers))
 
 
 def piece_waits(plan: StagePlan, writes) -> list[list[int]]:
@@ -217,6 +231,23 @@ def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 
     dst = buf.data_ptr() + r.dst * width + part
     _check(rt.cudaMemcpy2DAsync(dst, width, src, layers * width, cols or width, r.count,
                                 rt.cudaMemcpyKind.cudaMemcpyDefault, stream), "cudaMemcpy2DAsync")
+
+
+def in_place_layers(cache) -> int:
+    """``plan_staging``'s ``hbm_layers`` for ``cache``: its layer count, so that its pages already in
+    HBM are read in place; 0 (copy them) where ``page * L`` of its HBM pool overflows int32."""
+    pages, layers = cache.hbm_pool.shape[:2]
+    return layers if pages * layers < 2**31 else 0
+
+
+def hbm_in_place(hbm_pool, layer: int):
+    """The HBM pool (pages, L, Hkv, 2, P, d) as the one-layer pool (pages * L - layer, 1, Hkv, 2,
+    P, d) whose page ``page * L`` is pool page ``page``'s block of ``layer``: what a staged launch
+    reads the entries of ``plan_staging(..., hbm_layers=L)`` for pages already in HBM through (the
+    kernel indexes both of its sources with the buffer's one layer)."""
+    pages, layers = hbm_pool.shape[:2]
+    block = hbm_pool[0, 0].numel()
+    return hbm_pool.view(-1)[layer * block:].view(pages * layers - layer, 1, *hbm_pool.shape[2:])
 
 
 def staging_cap(total_memory: int) -> int:
@@ -296,10 +327,11 @@ class Stager:
         """Queue the plan's copies and ready flags on the side stream after the current stream's
         work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
         of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h. The
-        pieces from ``plan.ready_from`` on (pages already in HBM, copied ahead of the kernel on the
-        current stream) are flagged first, before any host copy.
+        pieces from ``plan.ready_from`` on (pages already in HBM: read in place, or copied ahead of
+        the kernel on the current stream) are flagged on the current stream.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
+        import torch
 
         host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
         piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
@@ -322,17 +354,20 @@ class Stager:
         s = self.stream.cuda_stream
         n = len(plan.pieces)
 
-        def flag(p: int, h) -> None:
+        def flag(p: int, h, stream=s) -> None:
             f = p if h is None else h * n + p
-            _check(drv.cuStreamWriteValue32(drv.CUstream(s), drv.CUdeviceptr(flags.data_ptr() + 4 * f), epoch, 0),
+            _check(drv.cuStreamWriteValue32(drv.CUstream(stream), drv.CUdeviceptr(flags.data_ptr() + 4 * f), epoch, 0),
                    "cuStreamWriteValue32")
 
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
         groups = [range(h0, min(heads, h0 + g)) for h0 in range(0, heads, g)] if by_head else [(None,)]
+        # The pieces already in HBM are ready once the current stream gets to the kernel: their flags
+        # are written there, off the side stream, whose copies pace back-to-back calls.
+        cur = torch.cuda.current_stream(self.device).cuda_stream
         for group in groups:
             for p in range(plan.ready_from, n):
                 for h in group:
-                    flag(p, h)
+                    flag(p, h, cur)
         for group in groups:
             for p, runs in enumerate(plan.pieces[:plan.ready_from]):
                 for i in waits[p] if waits else ():

@@ -144,11 +144,12 @@ def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, p
     matches the reference over the whole sequences, every output row written."""
     from directkv_cute.kernels import launch as L
 
-    firsts = []
+    firsts, sources = [], []
     real = L.launch_q_tiled
 
     def spy(*a, **k):
         firsts.append(k.get("split_first", 0))
+        sources.append(a[4].shape[0])
         return real(*a, **k)
 
     monkeypatch.setattr(L, "launch_q_tiled", spy)
@@ -178,13 +179,15 @@ def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, p
     torch.cuda.synchronize()
     _check(o, lse, q, ks, vs, q_lens, dtype)
     assert firsts and firsts[-1] > 0, firsts
+    # the window's pages read where they are: the launch's other source is the HBM pool seen as
+    # one-layer pages from the layer read on
+    assert sources[-1] == cache.hbm_pool.shape[0] * layers - (layers - 1), sources
     cache.close()
 
 
 def test_hybrid_staging_with_more_ctas_than_sms_finishes():
     """Hybrid tiers with a grid far larger than the GPU (1024 CTAs): the pages already in HBM
-    are copied before the kernel, so no copy waits for SMs that CTAs spinning on ready flags
-    hold. Run in a child process so a deadlock fails the test instead of hanging it."""
+    are read where they are, and no copy waits for SMs that CTAs spinning on ready flags hold. Run in a child process so a deadlock fails the test instead of hanging it."""
     import os
     import subprocess
     import sys

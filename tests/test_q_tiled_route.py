@@ -56,7 +56,8 @@ def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True
     tables = KernelTables(torch.from_numpy(table), torch.tensor(lens, dtype=torch.int32), 0, -1, tuple(lens),
                           table if host_table else None, marked)
     cache = SimpleNamespace(page_size=page, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
-                            host_writes=lambda: [])
+                            host_writes=lambda: [],
+                            hbm_pool=torch.empty(max(k, 1), 32, hkv, 2, page, d, dtype=torch.bfloat16, device="meta"))
     q = torch.empty(sum(q_lens), hq, d, dtype=torch.bfloat16, device="meta")
     return q, cache, tables, tuple(q_lens), hq // hkv
 
@@ -540,7 +541,7 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
     from directkv_cute.kernels import launch as L
     from directkv_cute.plan import q_tiled_splits
 
-    log = []
+    log, hosts = [], []
 
     class FakeStager:
         lock = contextlib.nullcontext()
@@ -557,6 +558,7 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         assert acc.shape == o.shape == q_.shape and acc_lse.shape == lse.shape and acc.dtype == torch.float32
         assert turns.numel() == L.fold_turn_count(len(lens), hkv, n_qt) and not turns.any()
         log.append(("attn", fn, [(split_first + r) % splits for r in range(splits)], split_tiles, piece_tiles))
+        hosts.append(host)
 
     monkeypatch.setattr(ops, "stager", lambda device, stream: FakeStager())
     monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: ("attn", *a[5:]))
@@ -573,8 +575,9 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
         assert cfg.splits > 1 and cfg.copy_order == 1
         cache = SimpleNamespace(page_size=P, num_kv_heads=8, host_pool_cuda=None,
-                                host_pool=torch.empty(0, dtype=q.dtype), hbm_pool=torch.empty(0), num_layers=1)
-        ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 0, tables, ql, None, max(ql), None, None,
+                                host_pool=torch.empty(0, dtype=q.dtype), num_layers=32,
+                                hbm_pool=torch.empty(5, 32, 8, 2, P, 128, dtype=q.dtype, device="meta"))
+        ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 3, tables, ql, None, max(ql), None, None,
                             False, cfg, plan)
         (a1, done) = log
         assert a1[1] == ("attn", True, True) and done == ("finish",)  # staged (wait_ready), folding
@@ -587,6 +590,13 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         if not window:
             assert plan.ready_from == len(plan.pieces) and runs == list(range(splits))
             continue
+        # The window's pages are read where they are: their entries index the HBM pool's layer 3 as
+        # one-layer pages (page * L), the launch's stand-in source that view of the pool.
+        assert plan.hbm_in_place and hosts[-1].shape == (5 * 32 - 3, 1, 8, 2, P, 128)
+        for b, (n, m) in enumerate(zip(lens, q_lens)):
+            own = np.arange((n - m) // P, math.ceil(n / P))
+            assert (plan.table[b, own] == (own + 1000 * (b + 1)) * 32).all()
+            assert (plan.table[b, :own[0]] < 0).all()
         assert plan.ready_from * plan.piece_pages == hist  # pieces end where the windows have all begun
         assert runs == list(range(first, splits)) + list(range(first))  # the ready splits first, then the history
         assert (first - 1) * split_tiles < ready_tiles <= first * split_tiles
@@ -660,14 +670,15 @@ def _busy(monkeypatch, busy=True):
 
 
 def test_marked_tables_behind_a_running_staged_call_plan_copies_ahead(monkeypatch):
-    """8k q2048 with the step's window (measured 2026-12-03, 32 calls back to back: 0.473 ms
-    planned so, 0.620 paced): over tables marked back to back, while a staged call still runs,
-    the history is one piece and the kernel one split; unmarked tables, an idle stager, a cache
-    without a record of its host writes, or the overlap switched off keep the paced plan."""
+    """8k q2048 with the step's window (measured 2026-12-03, 32 calls back to back: 0.471 ms
+    planned so, 0.621 paced, 0.474 with the history in one piece and one split): over tables
+    marked back to back, while a staged call still runs, the history is two pieces and the kernel
+    three splits, the window's first; unmarked tables, an idle stager, a cache without a record of
+    its host writes, or the overlap switched off keep the paced plan."""
     _busy(monkeypatch)
     cfg, plan = ops._q_tiled_route(*_call([8192], [2048], window=True, marked=True), None)
-    assert (cfg.splits, cfg.copy_order, cfg.order, len(plan.pieces), plan.ready_from) == (1, 1, 1, 2, 1)
-    assert plan.piece_pages == 96  # the history's 96 pages, then the step's 32 in the window
+    assert (cfg.splits, cfg.copy_order, cfg.order, len(plan.pieces), plan.ready_from) == (2, 1, 1, 3, 2)
+    assert plan.piece_pages == 48  # the history's 96 pages in two, then the step's 32 in the window
     paced = ops._q_tiled_route(*_call([8192], [2048], window=True), None)
     assert paced[0].splits > 1 and len(paced[1].pieces) > 2
     q, cache, tables, q_lens, group = _call([8192], [2048], window=True, marked=True)
@@ -690,7 +701,7 @@ def test_marked_tables_behind_a_running_staged_call_plan_copies_ahead(monkeypatc
     monkeypatch.setattr(ops, "_plan_route", lambda *a: calls.append(a[-1]) or real(*a))
     for busy in (True, False, True, False):
         _busy(monkeypatch, busy)
-        assert ops._q_tiled_route(q, cache, tables, q_lens, group, None)[0].splits == (1 if busy else paced[0].splits)
+        assert ops._q_tiled_route(q, cache, tables, q_lens, group, None)[0].splits == (2 if busy else paced[0].splits)
     assert calls == [True]
 
 
@@ -711,21 +722,32 @@ def test_copies_ahead_end_a_piece_where_the_steps_own_pages_begin(monkeypatch):
                 assert (lp >= own_first[b]) <= (p >= 1), (p, b, lp)
 
 
-@pytest.mark.parametrize("lens, q_lens, window", [([131072], [2048], True), ([8192], [8192], False),
-                                                  ([16384], [8192], False), ([32768], [64], True)])
-def test_copies_ahead_keep_the_paced_plan_where_it_wins(monkeypatch, lens, q_lens, window):
-    """Where a run of calls would gain less than filling the pipeline costs (128k q2048: the
-    kernel is 6 ms of a 9.4 ms copy; measured 9.63 vs 9.65 ms paced), where the step's own host
-    pages would stall the kernel (a first chunk, 16k q8192: measured 2.82 ms planned ahead vs 2.38
-    paced), or where one wave is paced already, the paced plan stays."""
+@pytest.mark.parametrize("lens, q_lens", [([8192], [8192]), ([16384], [8192])])
+def test_copies_ahead_keep_the_paced_plan_where_the_steps_own_pages_would_stall_it(monkeypatch, lens, q_lens):
+    """A first chunk (every page on the host, the step's own just written): planned ahead, the
+    copy of its own pages would wait for the previous kernel and stall the kernel (16k q8192:
+    measured 2.82 ms planned ahead vs 2.38 paced), so the paced plan stays."""
     _busy(monkeypatch)
-    got = ops._q_tiled_route(*_call(lens, q_lens, window=window, marked=True), None)
-    paced = ops._q_tiled_route(*_call(lens, q_lens, window=window), None)
+    got = ops._q_tiled_route(*_call(lens, q_lens, marked=True), None)
+    paced = ops._q_tiled_route(*_call(lens, q_lens), None)
     assert got[0] == paced[0] and got[1].pieces == paced[1].pieces
 
 
+def test_copies_ahead_split_long_histories_so_the_runs_last_kernel_ends_soon_after_its_copy(monkeypatch):
+    """The run's last kernel is exposed after its copy lands (its tail, ``plan.pipelined_tail_ms``):
+    planned ahead, a history is copied in as many pieces as it has splits, the window's split
+    launched first (measured 2026-12-03, 32 calls back to back: 32k q2048 with the window 2.311
+    ms in 4 history pieces vs 2.335 in one; 128k q2048 9.61 in 8 vs 9.63 paced in 16)."""
+    _busy(monkeypatch)
+    for lens, q_lens, least in (([32768], [2048], 4), ([131072], [2048], 8)):
+        cfg, plan = ops._q_tiled_route(*_call(lens, q_lens, window=True, marked=True), None)
+        own = (lens[0] - q_lens[0]) // 64
+        assert cfg.splits >= least and plan.ready_from * plan.piece_pages == own, (lens, cfg, plan.piece_pages)
+        assert len(plan.pieces) == plan.ready_from + 1  # the history's pieces, then the window's
+
+
 def test_pipelined_cost_model():
-    """max(copy, kernel + the wait for the step's own pages) + the fill share; a kernel's splits
+    """max(copy, kernel + the wait for the step's own pages) + the tail's share; a kernel's splits
     past the first cost their folds, and too few CTAs for the SMs stretch it."""
     from directkv_cute import plan as pl
 
@@ -735,16 +757,27 @@ def test_pipelined_cost_model():
     over = pl.STAGE_OVERHEAD_MS
     assert pl.pipelined_ms(2.0, 1.0, 0.0, 1) == pytest.approx(2.0 + over)
     assert pl.pipelined_ms(2.0, 1.0, 0.0, 1, wait_ms=1.5) == pytest.approx(2.5 + over)
-    assert pl.pipelined_ms(2.0, 1.6, 0.0, 1, fill=True) == pytest.approx(2.0 + 1.6 / pl.FILL_CALLS + over)
-    # a paced candidate wins where the fill costs more than the pipelined plan saves
-    paced, piped = (16, 16, 0, 16, False), (1, 1, 0, 2, True)
+    assert pl.pipelined_ms(2.0, 1.6, 0.0, 1, tail_ms=1.6) == pytest.approx(2.0 + 1.6 / pl.RUN_CALLS + over)
+    # each split's share of the causal work: 8 keys, 4 new rows (seeing 5..8 keys), splits of 4 keys
+    assert pl.split_work([8], [4], 2, 2, 2) == pytest.approx([16 / 26, 10 / 26])
+    assert pl.split_work([8, 4], [4, 4], 2, 2, 2) == pytest.approx([(16 + 10) / 36, 10 / 36])
+    # the run's last kernel after its copy: one split waits for the whole copy, then all its work;
+    # two pieces: the first split's work runs under the second piece's copy; a ready split (the
+    # step's window, launched first) runs under the copy, and the history split folds after it
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [1.0], [1.0]) == pytest.approx(1.0)
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [0.5, 0.5], [0.5, 1.0]) == pytest.approx(0.6)
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [0.2, 0.8], [None, 1.0]) == pytest.approx(0.9)
+    assert pl.pipelined_tail_ms(1.0, 2.0, 0.0, [0.9, 0.1], [0.5, 1.0]) == pytest.approx(1.5)  # the first split's
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.0, [0.5], [1.0], busy=0.5) == pytest.approx(1.0)  # half the SMs
+    # a paced candidate wins where the whole kernel's tail costs more than the pipelined plan saves
+    paced, piped = (16, 16, 0, 16, None), (1, 1, 0, 2, ([1.0], [1.0]))
     big = int(9.4e-3 * pl.MEMCPY_GBPS * 1e9)  # a 9.4 ms copy, the kernel 6 ms
     flops = 6.0e-3 * pl.Q_TILED_TFLOPS * 1e12
     choice, best = pl.choose_pipelined(big, 0, flops, 1e5, [piped, paced])
     assert best == 1 and choice.splits == 16 and choice.pipelined
     small = int(0.47e-3 * pl.MEMCPY_GBPS * 1e9)  # 8k q2048's history and kernel: the pipeline wins
     choice, best = pl.choose_pipelined(small, 0, 0.374e-3 * pl.Q_TILED_TFLOPS * 1e12, 67.6e6,
-                                       [(1, 1, 0, 2, True), (8, 8, 0, 8, False)])
+                                       [(1, 1, 0, 2, ([1.0], [1.0])), (8, 8, 0, 8, None)])
     assert best == 0 and choice.staged
     with pytest.raises(ValueError, match="at least one candidate"):
         pl.choose_pipelined(small, 0, 1.0, 0.0, [])

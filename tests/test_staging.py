@@ -43,13 +43,19 @@ def batches(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(batches())
-def test_plan_copies_every_page_once_to_its_staged_slot(case):
+@given(batches(), st.sampled_from([0, 3]))
+def test_plan_copies_every_page_once_to_its_staged_slot(case, hbm_layers):
+    """Each distinct page the batch reads is copied once, no later than the piece that first needs
+    it; with ``hbm_layers`` the pages already in HBM are not copied, their entries index the HBM
+    pool's one-layer view (page * L)."""
     table, lens, page, pp = case
-    plan = plan_staging(table, lens, page, pp)
+    plan = plan_staging(table, lens, page, pp, hbm_layers)
     n_pages = [math.ceil(n / page) for n in lens]
     used = {int(table[b, j]) for b, n in enumerate(n_pages) for j in range(n)}
+    if hbm_layers:
+        used = {e for e in used if e >= 0}
     assert plan.pages == len(used), "each distinct page is copied once"
+    assert plan.hbm_in_place == bool(hbm_layers)
     assert len(plan.pieces) == math.ceil(max(n_pages) / pp)
     # Replay the copies: staging slot -> (tier, source page).
     landed = {}
@@ -63,6 +69,9 @@ def test_plan_copies_every_page_once_to_its_staged_slot(case):
     for b, n in enumerate(n_pages):
         for j in range(n):
             e = int(plan.table[b, j])
+            if hbm_layers and table[b, j] < 0:
+                assert e == (-int(table[b, j]) - 1) * hbm_layers, "an HBM page read in place"
+                continue
             assert e < 0, "staged entries are HBM entries"
             slot = -e - 1
             hbm, src, piece = landed[slot]
@@ -92,6 +101,29 @@ def test_plan_merges_consecutive_pages_into_one_copy():
     plan = plan_staging(table, [8 * 64], 64, 8)
     runs = plan.pieces[0]
     assert [(r.hbm, r.src, r.dst, r.count) for r in runs] == [(False, 5, 0, 4), (True, 0, 4, 2), (False, 20, 6, 2)]
+
+
+def test_hbm_pages_read_in_place_through_a_one_layer_view_of_the_pool():
+    """``hbm_in_place(pool, layer)``: its page ``page * L`` is ``pool[page, layer]`` (the entries
+    ``plan_staging(..., hbm_layers=L)`` writes), and it ends where the pool does; a pool whose
+    ``page * L`` overflows int32 is copied instead (``in_place_layers``)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from directkv_cute.staging import hbm_in_place, in_place_layers
+
+    pool = torch.randn(5, 3, 2, 2, 4, 8)  # (pages, L, Hkv, 2, P, d)
+    for layer in range(3):
+        view = hbm_in_place(pool, layer)
+        assert view.shape == (5 * 3 - layer, 1, 2, 2, 4, 8) and view.data_ptr() >= pool.data_ptr()
+        for page in range(5):
+            assert torch.equal(view[page * 3, 0], pool[page, layer])
+    assert in_place_layers(SimpleNamespace(hbm_pool=pool)) == 3
+    big = torch.empty(2**27, 32, 1, device="meta")
+    assert in_place_layers(SimpleNamespace(hbm_pool=big)) == 0
+    with pytest.raises(ValueError, match="overflows int32"):
+        plan_staging(np.array([[0, -(2**27)]], dtype=np.int32), [128], 64, 1, hbm_layers=32)
 
 
 def test_plan_rejects_bad_input():
@@ -419,7 +451,7 @@ def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):
 
     def write_value(stream, ptr, value, flags):
         slot, flag = divmod((int(ptr) - st.flag_sets.data_ptr()) // 4, staging.MAX_FLAGS)
-        events.append(("flag", flag, value, slot))
+        events.append(("flag", flag, value, slot, stream))
         return (0,)
 
     st = object.__new__(staging.Stager)
@@ -759,6 +791,8 @@ def test_stager_flags_the_ready_pieces_before_any_host_copy(monkeypatch):
     assert sorted(flags) == list(range(5))
     assert flags[3] < host_copies[0] and flags[4] < host_copies[0]
     assert flags[0] > host_copies[0] and flags[2] > host_copies[-1]
+    # The ready pieces' flags on the current stream (0), the copied pieces' on the side stream (1).
+    assert [events[flags[p]][4] for p in range(5)] == [1, 1, 1, 0, 0]
     for j in range(10):
         e, s = int(table[0, j]), int(plan.table[0, j])
         assert torch.equal(buf[-s - 1, 0], hbm[-e - 1, layer] if e < 0 else host[e, layer]), j
