@@ -74,8 +74,8 @@ class StagePlan:
     # step's own tokens mirrored): copied ahead of the kernel, so ready when it starts (len(pieces):
     # none).
     ready_from: int
-    # Pages already in HBM are read where they are (entries >= 0 into ``hbm_in_place``'s view),
-    # not copied: ``plan_staging``'s ``hbm_layers``.
+    # Pages already in HBM, where the call reads any, are read where they are (entries >= 0 into
+    # ``hbm_in_place``'s view), not copied: ``plan_staging``'s ``hbm_layers``.
     hbm_in_place: bool = False
 
     @property
@@ -173,7 +173,7 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     pieces = _runs(flat[first[order]], piece_of[first[order]], n_pieces)  # entries in staging order
     host = flat >= 0
     ready_from = int(piece_of[host].max()) + 1 if host.any() else 0
-    return StagePlan(pieces, staged, int(len(order)), piece_pages, ready_from, bool(hbm_layers))
+    return StagePlan(pieces, staged, int(len(order)), piece_pages, ready_from, bool(hbm_layers) and not host.all())
 
 
 def piece_waits(plan: StagePlan, writes) -> list[list[int]]:
@@ -246,7 +246,9 @@ def hbm_in_place(hbm_pool, layer: int):
     reads the entries of ``plan_staging(..., hbm_layers=L)`` for pages already in HBM through (the
     kernel indexes both of its sources with the buffer's one layer)."""
     pages, layers = hbm_pool.shape[:2]
-    block = hbm_pool[0, 0].numel()
+    if not 0 <= layer < layers or not pages:
+        raise ValueError(f"hbm_in_place: layer {layer} of an HBM pool of {pages} pages x {layers} layers")
+    block = math.prod(hbm_pool.shape[2:])
     return hbm_pool.view(-1)[layer * block:].view(pages * layers - layer, 1, *hbm_pool.shape[2:])
 
 

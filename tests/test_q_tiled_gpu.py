@@ -109,6 +109,32 @@ def test_staged_calls_back_to_back_reuse_the_buffer():
     cache.close()
 
 
+def test_a_cache_without_hbm_pages_stages_its_chunks():
+    """A cache with no HBM pages at all (no window, no HBM tier: a model run without the window)
+    stages a chunk over its host pages, the kernel's other source left the host pool, and matches
+    the reference; ragged, both with the op's own plan and with an explicit config."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    lens, q_lens, hkv, d, page, layers = [5000, 1800], [2048, 900], 8, 128, 64, 3
+    cache = PagedKVCache(layers, hkv, d, page, num_host_pages=sum(math.ceil(n / page) for n in lens) + 2,
+                         num_hbm_pages=0, dtype=torch.bfloat16, device="cuda")
+    ids, ks, vs = [], [], []
+    for n in lens:
+        sid = cache.add_sequence()
+        k = torch.randn(n, layers, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+        v = torch.randn(n, layers, hkv, d, generator=g, device="cuda").to(torch.bfloat16)
+        cache.append(sid, k, v)
+        ids.append(sid)
+        ks.append(k[:, 1])
+        vs.append(v[:, 1])
+    q = torch.randn(sum(q_lens), 32, d, generator=g, device="cuda").to(torch.bfloat16)
+    for config in (None, QTiledConfig()):
+        out = torch.full_like(q, float("nan"))
+        o, lse = paged_attention(q, cache, 1, ids, q_lens, config=config, out=out, return_lse=True)
+        torch.cuda.synchronize()
+        _check(o, lse, q, ks, vs, q_lens, torch.bfloat16)
+    cache.close()
+
+
 def test_auto_route_stages_a_compute_bound_chunk():
     """Without a config, a long chunk over host pages is staged (the cost model) and matches."""
     from directkv_cute import staging

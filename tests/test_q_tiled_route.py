@@ -587,8 +587,9 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         assert (splits, split_tiles) == q_tiled_splits(math.ceil(max(lens) / 128), piece_tiles, cfg.splits,
                                                        ready_tiles)
         assert sorted(runs) == list(range(splits))
-        if not window:
+        if not window:  # host pages only: the launch's other source stays the host pool
             assert plan.ready_from == len(plan.pieces) and runs == list(range(splits))
+            assert not plan.hbm_in_place and hosts[-1] is cache.host_pool
             continue
         # The window's pages are read where they are: their entries index the HBM pool's layer 3 as
         # one-layer pages (page * L), the launch's stand-in source that view of the pool.
