@@ -849,9 +849,9 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
     (StagedChoice, StagePlan) planned for one call, paced by its pieces: no pipeline to fill),
     weighed by ``plan.choose_pipelined``. None where ``regular`` wins, or where the copy would not
     run ahead after all (``staging.copies_ahead``: two buffers over the staging cap)."""
-    P = cache.page_size
+    P, L = cache.page_size, in_place_layers(cache)
     n_pages = [math.ceil(n / P) for n in lens]
-    staged = n_host if in_place_layers(cache) else used.size  # the pages a buffer takes
+    staged = n_host if L else used.size  # the pages a buffer takes
     if not copies_ahead(cache, staged * page_bytes, _total_memory(device_index)):
         return None
     max_pages = max(n_pages)
@@ -869,7 +869,7 @@ def _pipelined_choice(cache, host_table, lens, q_lens, used, n_host: int, page_b
             pp = piece_pages_for(max_pages, P, cfg.tile_n, pieces=want)
         if any(p.piece_pages == pp for p in plans):
             continue
-        plan = plan_staging(host_table, lens, P, pp, in_place_layers(cache))
+        plan = plan_staging(host_table, lens, P, pp, L)
         plans.append(plan)
         wants.append(want)
         candidates.append((_staged_splits(plan, P, cfg.tile_n, max_tiles, want)[0], *plan.copy_calls,

@@ -200,12 +200,12 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     ``copy_calls`` calls, plus the staged call's overhead, beats reading the same bytes in place by
     ``LINK_STAGE_MARGIN``.
     A link-bound call with more than ``HYBRID_STAGE_SHARE`` of its bytes in HBM reads in place:
-    the streaming kernel overlaps those pages with the host reads, staging copies them first
-    (measured: decode at 25% HBM, batch 1-64, 8k-128k, 12-37% slower staged). A few pages in
-    HBM (the window mirroring a step's new tokens) are modelled as copies by ``choose_staged``,
-    and so are any number where they form one run per sequence (``window``, given for chunks:
-    one device-to-device copy per sequence, ahead of the kernel; measured 2026-12-02 with a
-    chunk's own pages mirrored: 8k q512 0.644 ms staged, 0.701 in place the day before).
+    the streaming kernel overlaps those pages with the host reads (measured with staging that
+    copied them first: decode at 25% HBM, batch 1-64, 8k-128k, 12-37% slower staged). A few
+    pages in HBM (the window mirroring a step's new tokens) may be staged, and so may any number
+    where they form one run per sequence (``window``, given for chunks; the staged kernel reads
+    them where they are; measured 2026-12-02 with a chunk's own pages mirrored and copied: 8k
+    q512 0.644 ms staged, 0.701 in place the day before).
     ``chunk_q``: the query tokens of a call the chunk kernel would run in place (its
     ``chunk_tail_ms`` past the link); 0 for the streaming kernel."""
     if compute_bound(host_bytes, flops):

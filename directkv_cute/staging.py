@@ -1,17 +1,17 @@
 """Staging host KV into HBM for compute-bound chunks, overlapped with the attention kernel.
 
 When a chunk's attention costs more compute than its KV costs link time (long prefills), the
-Q-tiled kernel (``kernels/q_tiled.py``) runs at the GPU's compute speed only over KV in HBM:
-read in place from host it would pull every page across the link once per query tile. So the
-op copies the batch's pages of one layer into an HBM buffer with the copy engine (one
-``cudaMemcpy2DAsync`` per run of consecutive pages, which also runs faster than SM reads of
-host memory) on a side stream, *piece by piece*: after each piece (``piece_pages`` logical pages
-of every sequence) the stream writes the call's epoch into that piece's ready flag
-(``cuStreamWriteValue32``, executed by the stream front end after the copies, behind a memory
-fence). The kernel is launched right away; its producer issues a tile once its piece is ready,
-so compute starts after the first piece and overlaps the rest of the copy. Host bytes moved =
-the unique KV, once. Staged head by head (``by_head``), each piece's copies are made once per
-KV head (that head's K and V block of each page, a strided 2-D copy), all pieces of head 0
+Q-tiled kernel (``kernels/q_tiled.py``) runs at the GPU's compute speed only over KV in HBM: read
+in place from host it would pull every page across the link once per query tile. So the op copies
+the batch's host pages of one layer (pages already in HBM are read where they are) into an HBM
+buffer with the copy engine (one ``cudaMemcpy2DAsync`` per run of consecutive pages, which also
+runs faster than SM reads of host memory) on a side stream, *piece by piece*: after each piece
+(``piece_pages`` logical pages of every sequence) the stream writes the call's epoch into that
+piece's ready flag (``cuStreamWriteValue32``, executed by the stream front end after the copies,
+behind a memory fence). The kernel is launched right away; its producer issues a tile once its
+piece is ready, so compute starts after the first piece and overlaps the rest of the copy. Host
+bytes moved = the unique KV, once. Staged head by head (``by_head``), each piece's copies are made
+once per KV head (that head's K and V block of each page, a strided 2-D copy), all pieces of head 0
 first, with a flag per (head, piece): the kernel's CTAs run head-major, so the copy of head h + 1
 lands while head h computes.
 
@@ -308,7 +308,8 @@ class Stager:
     def _begin(self, plan: StagePlan, layer: int, copies, ahead: bool = False) -> None:
         """Start a staged call: the side stream waits for the current stream's work so far (new
         tokens' K/V stored, the buffers' last readers done), or with ``ahead`` only for the last
-        kernel over this call's slot; the pages already in HBM are copied on the current stream,
+        kernel over this call's slot; the pages already in HBM that the plan copies (FP8 pages, a
+        pool whose entries would overflow: ``in_place_layers``) are copied on the current stream,
         ahead of the kernel (a device-to-device copy may run on SMs, which the kernel's waiting
         CTAs would hold); ``copies``: (buffer, HBM pool) pairs."""
         import torch

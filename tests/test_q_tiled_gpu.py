@@ -213,7 +213,8 @@ def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, p
 
 def test_hybrid_staging_with_more_ctas_than_sms_finishes():
     """Hybrid tiers with a grid far larger than the GPU (1024 CTAs): the pages already in HBM
-    are read where they are, and no copy waits for SMs that CTAs spinning on ready flags hold. Run in a child process so a deadlock fails the test instead of hanging it."""
+    are read where they are, and no copy waits for SMs that CTAs spinning on ready flags hold.
+    Run in a child process so a deadlock fails the test instead of hanging it."""
     import os
     import subprocess
     import sys

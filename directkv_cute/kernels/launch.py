@@ -99,7 +99,9 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
                    n_q_tiles, num_splits, split_tiles, epoch, piece_tiles, scale, ascending=False, flag_stride=0,
                    heads=None, split_first=0, fold=None):
     """Run the compiled Q-tiled kernel over ``hbm`` (the HBM pool, or a staging buffer with one
-    layer); ``host`` only stands in for the unused host pool. ``flag_stride``: ready flags per KV
+    layer) and, for page entries >= 0, ``host``: the host pool, unread unless the table holds such
+    entries, or for a staged launch ``staging.hbm_in_place``'s one-layer view of the HBM pool (the
+    pages it reads where they are). ``flag_stride``: ready flags per KV
     head of a copy staged head by head (0: the heads share each piece's flag; one split only).
     ``heads``: a range of KV heads to run (their query, output and LSE rows; default all). The
     launch runs ``num_splits`` splits of ``split_tiles`` KV tiles, from ``split_first`` on, wrapping

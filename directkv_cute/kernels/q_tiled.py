@@ -63,9 +63,9 @@ class QTiledAttention(PagedAttention):
         q_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
         o_ptr: cute.Pointer,  # (total_q, Hq, d) q dtype
         lse_ptr: cute.Pointer,  # (total_q, Hq) fp32
-        host_ptr: cute.Pointer,  # host pool (pages, L, Hkv, 2, P, d): read only through HBM entries' stand-in
+        host_ptr: cute.Pointer,  # the pool of entries >= 0 (a staged call's: staging.hbm_in_place), same layout
         hbm_ptr: cute.Pointer,  # HBM pool or staging buffer, same layout
-        page_table_ptr: cute.Pointer,  # (B, max_pages) int32, HBM entries
+        page_table_ptr: cute.Pointer,  # (B, max_pages) int32: < 0 hbm_ptr's pages, >= 0 host_ptr's
         seq_lens_ptr: cute.Pointer,  # (B,) int32
         cu_q_ptr: cute.Pointer,  # (B + 1,) int32 query row offsets
         ready_ptr: cute.Pointer,  # (pieces,) int32 ready flags of the staged pieces (wait_ready)
@@ -125,7 +125,7 @@ class QTiledAttention(PagedAttention):
         mO: cute.Tensor,  # (1, total_q, Hq, d)
         mLSE: cute.Tensor,  # (1, total_q, Hq)
         tma_h: cute.CopyAtom,
-        mKVh: cute.Tensor,  # TMA coordinate view of the host pool (P, d, Xh)
+        mKVh: cute.Tensor,  # TMA coordinate view of host_ptr's pool (P, d, Xh)
         tma_d: cute.CopyAtom,
         mKVd: cute.Tensor,  # TMA coordinate view of the HBM pool (P, d, Xd)
         mPT: cute.Tensor,  # (B, max_pages) int32
