@@ -6,14 +6,14 @@ in place from host it would pull every page across the link once per query tile.
 the batch's host pages of one layer (pages already in HBM are read where they are) into an HBM
 buffer with the copy engine (one ``cudaMemcpy2DAsync`` per run of consecutive pages, which also
 runs faster than SM reads of host memory) on a side stream, *piece by piece*: after each piece
-(``piece_pages`` logical pages of every sequence) the stream writes the call's epoch into that
-piece's ready flag (``cuStreamWriteValue32``, executed by the stream front end after the copies,
-behind a memory fence). The kernel is launched right away; its producer issues a tile once its
-piece is ready, so compute starts after the first piece and overlaps the rest of the copy. Host
-bytes moved = the unique KV, once. Staged head by head (``by_head``), each piece's copies are made
-once per KV head (that head's K and V block of each page, a strided 2-D copy), all pieces of head 0
-first, with a flag per (head, piece): the kernel's CTAs run head-major, so the copy of head h + 1
-lands while head h computes.
+(``piece_pages`` logical pages of every sequence) the call's epoch is written into that piece's
+ready flag (``cuStreamWriteValue32``, behind a memory fence, on a flag stream that waits for an
+event the side stream records after the piece's copies). The kernel is launched right away; its
+producer issues a tile once its piece is ready, so compute starts after the first piece and
+overlaps the rest of the copy. Host bytes moved = the unique KV, once. Staged head by head
+(``by_head``), each piece's copies are made once per KV head (that head's K and V block of each
+page, a strided 2-D copy), all pieces of head 0 first, with a flag per (head, piece): the kernel's
+CTAs run head-major, so the copy of head h + 1 lands while head h computes.
 
 Consecutive calls alternate between two buffers (and flag sets), and a call's copy waits only
 for what it must: the kernel that last read its buffer (two calls back), and, piece by piece, the
@@ -272,6 +272,12 @@ class Stager:
 
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        # The copied pieces' ready flags are written here, each after an event the side stream
+        # records behind the piece's copies: the side stream holds only copies and event records
+        # (a flag write there kept the copy engine idle about 4 us after each piece; measured
+        # 2026-12-03, H200: 32 calls of 8k q2048 0.625 -> 0.619 ms, with the window 0.471 -> 0.465).
+        self.flag_stream = torch.cuda.Stream(self.device)
+        self.landed = torch.cuda.Event()  # re-recorded after each piece (a wait takes its latest record)
         self.total_memory = torch.cuda.get_device_properties(self.device).total_memory
         self.flag_sets = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d): slot 0 (and FP8 calls)
@@ -327,8 +333,9 @@ class Stager:
                         _copy_run(buf, pool, r, layer, cur.cuda_stream)
 
     def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
-        """Queue the plan's copies and ready flags on the side stream after the current stream's
-        work so far; returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
+        """Queue the plan's copies on the side stream after the current stream's work so far, and
+        each copied piece's ready flag on the flag stream after an event behind the piece's copies;
+        returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
         of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h. The
         pieces from ``plan.ready_from`` on (pages already in HBM: read in place, or copied ahead of
         the kernel on the current stream) are flagged on the current stream.
@@ -357,7 +364,7 @@ class Stager:
         s = self.stream.cuda_stream
         n = len(plan.pieces)
 
-        def flag(p: int, h, stream=s) -> None:
+        def flag(p: int, h, stream) -> None:
             f = p if h is None else h * n + p
             _check(drv.cuStreamWriteValue32(drv.CUstream(stream), drv.CUdeviceptr(flags.data_ptr() + 4 * f), epoch, 0),
                    "cuStreamWriteValue32")
@@ -381,8 +388,10 @@ class Stager:
                             _copy_run(buf, host, r, layer, s, group.start * head_bytes, len(group) * head_bytes)
                         else:
                             _copy_run(buf, host, r, layer, s)
+                self.landed.record(self.stream)
+                self.flag_stream.wait_event(self.landed)
                 for h in group:
-                    flag(p, h)
+                    flag(p, h, self.flag_stream.cuda_stream)
             waits = None  # the first group's waits order the rest
         return buf, flags, epoch
 

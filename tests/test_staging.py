@@ -466,6 +466,8 @@ def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):
     st.stream = SimpleNamespace(cuda_stream=1, wait_stream=lambda other: events.append(("wait", "current")),
                                 wait_event=lambda ev: events.append(("wait", ev)))
     st.flag_sets = torch.zeros(staging.SLOTS, staging.MAX_FLAGS, dtype=torch.int32)
+    st.flag_stream = SimpleNamespace(cuda_stream=2, wait_event=lambda ev: events.append(("flag wait", ev)))
+    st.landed = SimpleNamespace(record=lambda stream: events.append(("landed", stream.cuda_stream)))
     st.total_memory = 2**40
     st.buffer = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
     st.buffer1 = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
@@ -798,8 +800,13 @@ def test_stager_flags_the_ready_pieces_before_any_host_copy(monkeypatch):
     assert sorted(flags) == list(range(5))
     assert flags[3] < host_copies[0] and flags[4] < host_copies[0]
     assert flags[0] > host_copies[0] and flags[2] > host_copies[-1]
-    # The ready pieces' flags on the current stream (0), the copied pieces' on the side stream (1).
-    assert [events[flags[p]][4] for p in range(5)] == [1, 1, 1, 0, 0]
+    # The ready pieces' flags on the current stream (0); each copied piece's on the flag stream (2),
+    # after it waited for an event the side stream (1) recorded behind the piece's copies.
+    assert [events[flags[p]][4] for p in range(5)] == [2, 2, 2, 0, 0]
+    for p in range(3):
+        at = flags[p]
+        assert events[at - 2:at] == [("landed", 1), ("flag wait", st.landed)]
+        assert max(i for i in host_copies if i < at) < at - 2
     for j in range(10):
         e, s = int(table[0, j]), int(plan.table[0, j])
         assert torch.equal(buf[-s - 1, 0], hbm[-e - 1, layer] if e < 0 else host[e, layer]), j
