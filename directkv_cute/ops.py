@@ -977,7 +977,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
         table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
         with st.lock:
             buf, flags, epoch = st.stage(cache, layer, plan, by_head)
-            if plan.hbm_in_place:  # the pages already in HBM, read where they are
+            if plan.reads_in_place:  # the pages already in HBM, read where they are
                 host = hbm_in_place(cache.hbm_pool, layer)
             launch_q_tiled(fn, q, out, lse, host, buf, 1, 0, hkv, table, tables.seq_lens, cu_q, flags, n_qt, splits,
                            split_tiles, epoch, piece_tiles, scale, ascending=cfg.order == 2,

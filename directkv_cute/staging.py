@@ -76,7 +76,7 @@ class StagePlan:
     ready_from: int
     # Pages already in HBM, where the call reads any, are read where they are (entries >= 0 into
     # ``hbm_in_place``'s view), not copied: ``plan_staging``'s ``hbm_layers``.
-    hbm_in_place: bool = False
+    reads_in_place: bool = False
 
     @property
     def host_pages(self) -> int:

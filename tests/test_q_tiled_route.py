@@ -589,11 +589,11 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         assert sorted(runs) == list(range(splits))
         if not window:  # host pages only: the launch's other source stays the host pool
             assert plan.ready_from == len(plan.pieces) and runs == list(range(splits))
-            assert not plan.hbm_in_place and hosts[-1] is cache.host_pool
+            assert not plan.reads_in_place and hosts[-1] is cache.host_pool
             continue
         # The window's pages are read where they are: their entries index the HBM pool's layer 3 as
         # one-layer pages (page * L), the launch's stand-in source that view of the pool.
-        assert plan.hbm_in_place and hosts[-1].shape == (5 * 32 - 3, 1, 8, 2, P, 128)
+        assert plan.reads_in_place and hosts[-1].shape == (5 * 32 - 3, 1, 8, 2, P, 128)
         for b, (n, m) in enumerate(zip(lens, q_lens)):
             own = np.arange((n - m) // P, math.ceil(n / P))
             assert (plan.table[b, own] == (own + 1000 * (b + 1)) * 32).all()

@@ -56,7 +56,7 @@ def test_plan_copies_every_page_once_to_its_staged_slot(case, hbm_layers):
         used = {e for e in used if e >= 0}
     assert plan.pages == len(used), "each distinct page is copied once"
     hbm_read = any(table[b, j] < 0 for b, n in enumerate(n_pages) for j in range(n))
-    assert plan.hbm_in_place == (bool(hbm_layers) and hbm_read)
+    assert plan.reads_in_place == (bool(hbm_layers) and hbm_read)
     assert len(plan.pieces) == math.ceil(max(n_pages) / pp)
     # Replay the copies: staging slot -> (tier, source page).
     landed = {}
@@ -126,7 +126,7 @@ def test_hbm_pages_read_in_place_through_a_one_layer_view_of_the_pool():
     with pytest.raises(ValueError, match="0 pages"):  # a cache without HBM pages has none to read
         hbm_in_place(pool[:0], 0)
     # a call over host pages only keeps its source: nothing is read in place
-    assert not plan_staging(np.array([[4, 5]], dtype=np.int32), [128], 64, 1, hbm_layers=3).hbm_in_place
+    assert not plan_staging(np.array([[4, 5]], dtype=np.int32), [128], 64, 1, hbm_layers=3).reads_in_place
     big = torch.empty(2**27, 32, 1, device="meta")
     assert in_place_layers(SimpleNamespace(hbm_pool=big)) == 0
     with pytest.raises(ValueError, match="overflows int32"):
