@@ -668,6 +668,28 @@ def _per_tables(kind: str, q, cache, tables, q_lens, config, plan_fn):
     return got
 
 
+_STAGED_TABLES: collections.OrderedDict = collections.OrderedDict()
+_STAGED_TABLES_KEPT = 16
+
+
+def _staged_table(plan, device) -> torch.Tensor:
+    """``plan.table`` on ``device``, copied there once per plan and stream on that stream (its
+    launches follow the copy; the layers of a step share their plan, ``_per_tables``): a staged
+    launch's page table without a copy from pageable memory on the current stream per call."""
+    key = (id(plan), device.index, getattr(torch.cuda.current_stream(device), "cuda_stream", None))
+    with _PLANS_LOCK:
+        hit = _STAGED_TABLES.get(key)
+        if hit is not None and hit[0] is plan:
+            _STAGED_TABLES.move_to_end(key)
+            return hit[1]
+    table = torch.from_numpy(plan.table).to(device, non_blocking=True)
+    with _PLANS_LOCK:
+        _STAGED_TABLES[key] = (plan, table)
+        while len(_STAGED_TABLES) > _STAGED_TABLES_KEPT:
+            _STAGED_TABLES.popitem(last=False)
+    return table
+
+
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):
     """``_plan_route``'s answer, made once per KernelTables object, call and whether its copy
     would run ahead of its kernel (``_pipelined``; ``_per_tables``)."""
@@ -941,7 +963,7 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     ``copy_order`` 2. One launch: the splits that read only pages ready at the start first
     (``ready_split``), each query tile's splits folded into one fp32 accumulator in launch order
     inside the kernel, the last writing the output (no partials, no combine)."""
-    from directkv_cute.kernels.launch import fold_turns, launch_q_tiled, link_counters
+    from directkv_cute.kernels.launch import fold_turn_count, launch_q_tiled, link_counters
 
     total_q, hq, d = q.shape
     hkv, P = cache.num_kv_heads, cache.page_size
@@ -963,19 +985,19 @@ def _launch_q_tiled(q, cache, layer, tables, q_lens, cu_q, max_q_len, softmax_sc
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    fold = None
-    if splits > 1:  # (accumulator, its LSE, turn counters)
-        fold = (torch.empty(total_q, hq, d, dtype=torch.float32, device=q.device),
-                torch.empty(total_q, hq, dtype=torch.float32, device=q.device),
-                fold_turns(len(tables.host_seq_lens), hkv, n_qt, q.device))
     if plan is None:
         ready = link_counters(q.device)  # never read without wait_ready
         launch_q_tiled(fn, q, out, lse, host, cache.hbm_pool, cache.num_layers, layer, hkv, tables.page_table,
                        tables.seq_lens, cu_q, ready, n_qt, splits, split_tiles, 0, 1, scale)
     else:
         st = stager(q.device, torch.cuda.current_stream(q.device))
-        table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
+        table = _staged_table(plan, q.device)
         with st.lock:
+            fold = None
+            if splits > 1:  # (accumulator, its LSE, turn counters)
+                fold = (torch.empty(total_q, hq, d, dtype=torch.float32, device=q.device),
+                        torch.empty(total_q, hq, dtype=torch.float32, device=q.device),
+                        st.fold_turns(fold_turn_count(len(tables.host_seq_lens), hkv, n_qt)))
             buf, flags, epoch = st.stage(cache, layer, plan, by_head)
             if plan.reads_in_place:  # the pages already in HBM, read where they are
                 host = hbm_in_place(cache.hbm_pool, layer)

@@ -291,6 +291,7 @@ class Stager:
         self.aux_streams = []  # more streams for work run side by side (``streams``)
         self.urgent = None  # a high-priority stream (``urgent_stream``)
         self.epoch = 0
+        self.turns = None  # (n,) int32 fold turn counters of this stream's launches, at zero between them
         self.lock = threading.Lock()
 
     def _buffer(self, name: str, pages: int, like_shape, dtype):
@@ -463,6 +464,16 @@ class Stager:
             self.urgent = torch.cuda.Stream(self.device, priority=-64)  # clamped to the highest
         self.urgent.wait_stream(torch.cuda.current_stream(self.device))
         return self.urgent
+
+    def fold_turns(self, count: int):
+        """``count`` turn counters for a folding Q-tiled launch on this stager's stream, at zero
+        (each launch leaves its counters at zero, and launches on one stream run one after
+        another): no zeroing per call, no kernel between two launches. Grown as needed."""
+        import torch
+
+        if self.turns is None or self.turns.numel() < count:
+            self.turns = torch.zeros(count, dtype=torch.int32, device=self.device)
+        return self.turns[:count]
 
     def finish(self):
         """After the kernel's launch: later work on the current stream waits for the copies, and

@@ -77,8 +77,9 @@ def test_q_tiled_random_shapes(seed):
 
 
 def test_staged_calls_back_to_back_reuse_the_buffer():
-    """Two layers, then the first again, staged through one buffer: each call waits for its own
-    epoch's copies, never a previous call's."""
+    """Two layers, then the first again, staged through one buffer in three folded splits: each
+    call waits for its own epoch's copies, never a previous call's, and takes the stream's fold
+    turn counters as the previous launch left them (at zero)."""
     from directkv_cute import staging
 
     dtype = torch.bfloat16
@@ -88,11 +89,13 @@ def test_staged_calls_back_to_back_reuse_the_buffer():
     outs = []
     for layer in (0, 1, 0):
         out = torch.full_like(q, float("nan"))
-        outs.append(paged_attention(q, cache, layer, ids, [3000, 1200], config=QTiledConfig(piece_pages=3), out=out,
+        outs.append(paged_attention(q, cache, layer, ids, [3000, 1200], config=QTiledConfig(piece_pages=3, splits=3),
+                                    out=out,
                                     return_lse=True))
     torch.cuda.synchronize()
     st = staging.stager(q.device, torch.cuda.current_stream())
     assert st.epoch >= 3
+    assert st.turns is not None and st.turns.numel() > 0 and not st.turns.any()
     held = staging.staging_bytes()
     assert held >= (3000 + 1200) * 2 * 8 * 128 * 2  # one layer of both sequences
     assert staging.release_staging() == held and staging.staging_bytes() == 0

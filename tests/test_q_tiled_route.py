@@ -552,6 +552,9 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         def finish(self):
             log.append(("finish",))
 
+        def fold_turns(self, count):
+            return torch.zeros(count, dtype=torch.int32)
+
     def launch(fn, q_, o, lse, host, buf, L_, layer, hkv, table, seq_lens, cu_q, flags, n_qt, splits, split_tiles,
                epoch, piece_tiles, scale, ascending=False, flag_stride=0, heads=None, split_first=0, fold=None):
         acc, acc_lse, turns = fold

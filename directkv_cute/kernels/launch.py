@@ -27,11 +27,6 @@ def fold_turn_count(batch: int, num_kv_heads: int, n_q_tiles: int) -> int:
     return batch * num_kv_heads * (-(-n_q_tiles // 2) * 2) * 2
 
 
-def fold_turns(batch: int, num_kv_heads: int, n_q_tiles: int, device) -> torch.Tensor:
-    """Zeroed turn counters of one folding Q-tiled launch (``fold_turn_count``)."""
-    return torch.zeros(fold_turn_count(batch, num_kv_heads, n_q_tiles), dtype=torch.int32, device=device)
-
-
 def _stream():
     import cuda.bindings.driver as cuda
 
@@ -106,8 +101,9 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
     ``heads``: a range of KV heads to run (their query, output and LSE rows; default all). The
     launch runs ``num_splits`` splits of ``split_tiles`` KV tiles, from ``split_first`` on, wrapping
     at ``num_splits``; more than one needs a kernel compiled with ``fold`` and ``fold`` = (accumulator
-    (total_q, Hq, d) fp32, its LSE (total_q, Hq) fp32, ``fold_turns``' zeroed counters): the splits
-    fold into them in that order, the last writing ``out`` and ``lse``."""
+    (total_q, Hq, d) fp32, its LSE (total_q, Hq) fp32, ``fold_turn_count`` zeroed int32 counters,
+    which the launch leaves at zero: ``Stager.fold_turns``): the splits fold into them in that
+    order, the last writing ``out`` and ``lse``."""
     from cutlass import Float32, Int32
 
     heads = _head_range(heads, num_kv_heads)
@@ -122,8 +118,8 @@ def launch_q_tiled(fn, q, out, lse, host, hbm, num_layers, layer, num_kv_heads, 
         if acc.shape != q.shape or acc.dtype != torch.float32 or acc_lse.shape != lse.shape \
                 or acc_lse.dtype != torch.float32 \
                 or turns.numel() < fold_turn_count(page_table.shape[0], num_kv_heads, n_q_tiles):
-            raise ValueError("fold needs an fp32 accumulator shaped as q, an fp32 LSE shaped as lse and fold_turns' "
-                             "counters")
+            raise ValueError("fold needs an fp32 accumulator shaped as q, an fp32 LSE shaped as lse and fold_turn_count "
+                             "zeroed turn counters")
         acc, acc_lse, turns = _ptr(acc), _ptr(acc_lse, 4), _ptr(turns, 4)
     else:  # never read
         acc, acc_lse, turns = _ptr(lse, dtype=torch.float32), _ptr(lse, 4, torch.float32), _ptr(ready, 4)

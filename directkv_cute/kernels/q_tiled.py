@@ -71,7 +71,7 @@ class QTiledAttention(PagedAttention):
         ready_ptr: cute.Pointer,  # (pieces,) int32 ready flags of the staged pieces (wait_ready)
         acc_ptr: cute.Pointer,  # fold: (total_q, Hq, d) fp32 running O of the splits folded so far
         acc_lse_ptr: cute.Pointer,  # fold: (total_q, Hq) fp32 their LSE
-        turn_ptr: cute.Pointer,  # fold: (B, Hkv, grid x, 2) int32 splits folded per warpgroup's rows, zeroed
+        turn_ptr: cute.Pointer,  # fold: (B, Hkv, grid x, 2) int32 splits folded per warpgroup's rows: 0, left 0
         batch: Int32,
         total_q: Int32,
         num_kv_heads: Int32,
@@ -318,9 +318,10 @@ class QTiledAttention(PagedAttention):
         split of z rank r waits until the rows' turn counter reads r (the ranks before it have
         folded theirs; they were dispatched first, so they run or have run), merges the
         accumulator into its registers (``QIO.merge``), then the last rank stores the final O and
-        LSE, any other stores the accumulator and publishes turn r + 1 (the warpgroup's stores
-        ordered before it by its barrier and a GPU-scope fence). A warpgroup with no valid row
-        (the same for every rank) skips it all."""
+        LSE and sets the counter back to 0 (the next launch on the stream starts from it), any other
+        stores the accumulator and publishes turn r + 1 (the warpgroup's stores ordered before it by
+        its barrier and a GPU-scope fence). A warpgroup with no valid row (the same for every rank)
+        skips it all."""
         if w.row0 // self.group < cutlass.min(cta.q_len - tok0, self.q_per_cta):
             mt, _, _ = cute.arch.block_idx()
             n_x, _, n_z = cute.arch.grid_dim()
@@ -340,6 +341,8 @@ class QTiledAttention(PagedAttention):
             if rank == ranks - 1:
                 self.qio.store(mO, mLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0, tok0,
                                self.q_per_cta)
+                if w.wg_tidx == 0:  # the only reader left of this counter
+                    cute.arch.store(turn, Int32(0), sem="relaxed", scope="gpu")
             else:
                 self.qio.store(mAcc, mAccLSE, w.acc_O, w.lse, w.thr_pv, 0, cta.q_start, cta.q_len, cta.kvh, w.row0,
                                tok0, self.q_per_cta)
