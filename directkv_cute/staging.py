@@ -278,6 +278,7 @@ class Stager:
         # 2026-12-03, H200: 32 calls of 8k q2048 0.625 -> 0.619 ms, with the window 0.471 -> 0.465).
         self.flag_stream = torch.cuda.Stream(self.device)
         self.landed = torch.cuda.Event()  # re-recorded after each piece (a wait takes its latest record)
+        self.ready = torch.cuda.Event()  # re-recorded on the current stream before a call's ready flags
         self.total_memory = torch.cuda.get_device_properties(self.device).total_memory
         self.flag_sets = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d): slot 0 (and FP8 calls)
@@ -339,7 +340,8 @@ class Stager:
         returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
         of every head, or with ``by_head`` flag h * len(plan.pieces) + p piece p of KV head h. The
         pieces from ``plan.ready_from`` on (pages already in HBM: read in place, or copied ahead of
-        the kernel on the current stream) are flagged on the current stream.
+        the kernel on the current stream) are flagged on the flag stream after the current stream's
+        work so far.
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
         import torch
@@ -372,13 +374,17 @@ class Stager:
 
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
         groups = [range(h0, min(heads, h0 + g)) for h0 in range(0, heads, g)] if by_head else [(None,)]
-        # The pieces already in HBM are ready once the current stream gets to the kernel: their flags
-        # are written there, off the side stream, whose copies pace back-to-back calls.
-        cur = torch.cuda.current_stream(self.device).cuda_stream
-        for group in groups:
-            for p in range(plan.ready_from, n):
-                for h in group:
-                    flag(p, h, cur)
+        # The pieces already in HBM are ready once the current stream's work so far is done (the
+        # pages it copies ahead of the kernel): their flags are written on the flag stream after an
+        # event there, off the side stream, whose copies pace back-to-back calls, and off the
+        # current stream, where a stream memory operation between two kernels delays the second.
+        if plan.ready_from < n:
+            self.ready.record(torch.cuda.current_stream(self.device))
+            self.flag_stream.wait_event(self.ready)
+            for group in groups:
+                for p in range(plan.ready_from, n):
+                    for h in group:
+                        flag(p, h, self.flag_stream.cuda_stream)
         for group in groups:
             for p, runs in enumerate(plan.pieces[:plan.ready_from]):
                 for i in waits[p] if waits else ():

@@ -468,6 +468,7 @@ def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):
     st.flag_sets = torch.zeros(staging.SLOTS, staging.MAX_FLAGS, dtype=torch.int32)
     st.flag_stream = SimpleNamespace(cuda_stream=2, wait_event=lambda ev: events.append(("flag wait", ev)))
     st.landed = SimpleNamespace(record=lambda stream: events.append(("landed", stream.cuda_stream)))
+    st.ready = SimpleNamespace(record=lambda stream: events.append(("ready", stream.cuda_stream)))
     st.total_memory = 2**40
     st.buffer = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
     st.buffer1 = torch.full((plan_pages, 1, *buf_shape), float("nan"), dtype=torch.bfloat16)
@@ -780,7 +781,8 @@ def test_plan_knows_the_pieces_that_read_only_pages_already_in_hbm():
 
 def test_stager_flags_the_ready_pieces_before_any_host_copy(monkeypatch):
     """A window (a step's pages mirrored in HBM) staged: the flags of the pieces that read only
-    HBM pages are written before the first host copy, every other flag after its piece's copies."""
+    HBM pages are written before the first host copy, every other flag after its piece's copies;
+    none on the current stream."""
     from types import SimpleNamespace
 
     import torch
@@ -800,9 +802,11 @@ def test_stager_flags_the_ready_pieces_before_any_host_copy(monkeypatch):
     assert sorted(flags) == list(range(5))
     assert flags[3] < host_copies[0] and flags[4] < host_copies[0]
     assert flags[0] > host_copies[0] and flags[2] > host_copies[-1]
-    # The ready pieces' flags on the current stream (0); each copied piece's on the flag stream (2),
-    # after it waited for an event the side stream (1) recorded behind the piece's copies.
-    assert [events[flags[p]][4] for p in range(5)] == [2, 2, 2, 0, 0]
+    # Every flag on the flag stream (2): the ready pieces' after it waited for an event the current
+    # stream (0) recorded, each copied piece's after it waited for an event the side stream (1)
+    # recorded behind the piece's copies.
+    assert [events[flags[p]][4] for p in range(5)] == [2, 2, 2, 2, 2]
+    assert events[flags[3] - 2:flags[3]] == [("ready", 0), ("flag wait", st.ready)] and flags[4] == flags[3] + 1
     for p in range(3):
         at = flags[p]
         assert events[at - 2:at] == [("landed", 1), ("flag wait", st.landed)]
