@@ -377,7 +377,7 @@ class Stager:
         # The pieces already in HBM are ready once the current stream's work so far is done (the
         # pages it copies ahead of the kernel): their flags are written on the flag stream after an
         # event there, off the side stream, whose copies pace back-to-back calls, and off the
-        # current stream, where a stream memory operation between two kernels delays the second.
+        # current stream, which so holds no stream memory operation between two kernels.
         if plan.ready_from < n:
             self.ready.record(torch.cuda.current_stream(self.device))
             self.flag_stream.wait_event(self.ready)
