@@ -407,7 +407,7 @@ def _staged_tables(plan, tables, lens, device):
     """KernelTables over a staging buffer: the plan's HBM-encoded table, the call's lengths."""
     from directkv_cute.cache import KernelTables
 
-    return KernelTables(torch.from_numpy(plan.table).to(device, non_blocking=True), tables.seq_lens,
+    return KernelTables(_staged_table(plan, device), tables.seq_lens,
                         host_seq_lens=tuple(lens), host_table=plan.table)
 
 
@@ -557,7 +557,7 @@ def _fp8_by_head(q, cache, layer: int, plan, tables, lens, q_lens, softmax_scale
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)
-    table = torch.from_numpy(plan.table).to(q.device, non_blocking=True)
+    table = _staged_table(plan, q.device)
     seq_lens = tables.seq_lens
     counters = link_counters(q.device)  # never read: the launches wait for no ready flag
     max_tiles = math.ceil(max(lens) / cfg.tile_n)
@@ -640,6 +640,24 @@ def q_tiled_config(gpu_name: str, cache, group: int, batch: int, context: int, q
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 _PLANS_LOCK = threading.Lock()
 _PLANS_KEPT = 8
+_STAGED_TABLES: collections.OrderedDict = collections.OrderedDict()
+_STAGED_TABLES_KEPT = 16
+
+
+def _kept(store: collections.OrderedDict, kept: int, key, owner, make):
+    """``make()``, kept in ``store`` under ``key`` while ``owner`` (held by the entry, so its id in
+    the key stays its own) is the object the caller has, the ``kept`` latest used entries."""
+    with _PLANS_LOCK:
+        hit = store.get(key)
+        if hit is not None and hit[0] is owner:
+            store.move_to_end(key)
+            return hit[1]
+    got = make()
+    with _PLANS_LOCK:
+        store[key] = (owner, got)
+        while len(store) > kept:
+            store.popitem(last=False)
+    return got
 
 
 def _per_tables(kind: str, q, cache, tables, q_lens, config, plan_fn):
@@ -655,21 +673,7 @@ def _per_tables(kind: str, q, cache, tables, q_lens, config, plan_fn):
     key = (kind, id(host_table), tables.host_seq_lens, tuple(q_lens or ()), tuple(q.shape[1:]), q.dtype, index,
            cache.page_size, cache.num_kv_heads, cache.dtype, config, _gpu_name(index or 0), _num_sms(index),
            staging_cap(_total_memory(index)), cache_epoch())
-    with _PLANS_LOCK:
-        hit = _PLANS.get(key)
-        if hit is not None and hit[0] is host_table:
-            _PLANS.move_to_end(key)
-            return hit[1]
-    got = plan_fn()
-    with _PLANS_LOCK:
-        _PLANS[key] = (host_table, got)
-        while len(_PLANS) > _PLANS_KEPT:
-            _PLANS.popitem(last=False)
-    return got
-
-
-_STAGED_TABLES: collections.OrderedDict = collections.OrderedDict()
-_STAGED_TABLES_KEPT = 16
+    return _kept(_PLANS, _PLANS_KEPT, key, host_table, plan_fn)
 
 
 def _staged_table(plan, device) -> torch.Tensor:
@@ -677,17 +681,8 @@ def _staged_table(plan, device) -> torch.Tensor:
     launches follow the copy; the layers of a step share their plan, ``_per_tables``): a staged
     launch's page table without a copy from pageable memory on the current stream per call."""
     key = (id(plan), device.index, getattr(torch.cuda.current_stream(device), "cuda_stream", None))
-    with _PLANS_LOCK:
-        hit = _STAGED_TABLES.get(key)
-        if hit is not None and hit[0] is plan:
-            _STAGED_TABLES.move_to_end(key)
-            return hit[1]
-    table = torch.from_numpy(plan.table).to(device, non_blocking=True)
-    with _PLANS_LOCK:
-        _STAGED_TABLES[key] = (plan, table)
-        while len(_STAGED_TABLES) > _STAGED_TABLES_KEPT:
-            _STAGED_TABLES.popitem(last=False)
-    return table
+    return _kept(_STAGED_TABLES, _STAGED_TABLES_KEPT, key, plan,
+                 lambda: torch.from_numpy(plan.table).to(device, non_blocking=True))
 
 
 def _q_tiled_route(q, cache, tables, q_lens, group: int, config):

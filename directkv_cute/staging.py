@@ -367,9 +367,10 @@ class Stager:
         s = self.stream.cuda_stream
         n = len(plan.pieces)
 
-        def flag(p: int, h, stream) -> None:
+        def flag(p: int, h) -> None:  # on the flag stream
             f = p if h is None else h * n + p
-            _check(drv.cuStreamWriteValue32(drv.CUstream(stream), drv.CUdeviceptr(flags.data_ptr() + 4 * f), epoch, 0),
+            _check(drv.cuStreamWriteValue32(drv.CUstream(self.flag_stream.cuda_stream),
+                                            drv.CUdeviceptr(flags.data_ptr() + 4 * f), epoch, 0),
                    "cuStreamWriteValue32")
 
         g = max(1, min(heads, HEADS_PER_COPY)) if by_head else heads
@@ -384,7 +385,7 @@ class Stager:
             for group in groups:
                 for p in range(plan.ready_from, n):
                     for h in group:
-                        flag(p, h, self.flag_stream.cuda_stream)
+                        flag(p, h)
         for group in groups:
             for p, runs in enumerate(plan.pieces[:plan.ready_from]):
                 for i in waits[p] if waits else ():
@@ -398,7 +399,7 @@ class Stager:
                 self.landed.record(self.stream)
                 self.flag_stream.wait_event(self.landed)
                 for h in group:
-                    flag(p, h, self.flag_stream.cuda_stream)
+                    flag(p, h)
             waits = None  # the first group's waits order the rest
         return buf, flags, epoch
 
