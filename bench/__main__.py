@@ -217,7 +217,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
         print(f"{ns.results} is not a results document: {problems[0]}", file=sys.stderr)
         return 2
     if ns.prefix:
-        checked_out_dir(Path(ns.prefix).parent)
+        checked_out_dir(Path(ns.prefix).parent, "--prefix's folder")
         prefix = ns.prefix
     else:
         prefix = str(checked_out_dir(ns.out_dir) / Path(ns.results).with_suffix("").name)

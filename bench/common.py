@@ -372,18 +372,19 @@ def add_device_argument(p, cpu_run: str) -> None:
                         f"{cpu_run} (a smoke run: no meaningful timing, no ceilings, no targets)")
 
 
-def checked_out_dir(path: str | Path) -> Path:
+def checked_out_dir(path: str | Path, option: str = "--out-dir") -> Path:
     """``path`` as a usable output directory, checked before any long work: not a file, not under
-    a file, and writable (or creatable). Raises UsageError otherwise; creates nothing."""
+    a file, and writable (or creatable). Raises UsageError (naming ``option``) otherwise; creates
+    nothing."""
     out = Path(path)
     for p in (out, *out.parents):
         if p.exists() and not p.is_dir():
             where = "is a file" if p == out else f"is under the file {p}"
-            raise UsageError(f"--out-dir {out} {where}: give a directory")
+            raise UsageError(f"{option} {out} {where}: give a directory")
     existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
     if not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == out else f"cannot be created: {existing} is not writable"
-        raise UsageError(f"--out-dir {out} {what}")
+        raise UsageError(f"{option} {out} {what}")
     return out
 
 
