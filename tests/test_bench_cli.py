@@ -150,12 +150,15 @@ def test_fp8_accuracy_needs_no_gpu_and_writes_its_plain_name(no_gpu, cwd, capsys
 
 
 # ---- --out-dir -------------------------------------------------------------------------------
-def test_every_writer_takes_out_dir_with_one_default():
+def test_every_writer_takes_out_dir_with_one_default(capsys):
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.dest == "command").choices
     for name in WRITERS:
-        dests = {a.dest: a.default for a in sub[name]._actions}
-        assert dests.get("out_dir") == DEFAULT_OUT_DIR, name
+        required = ["--results", "run.json"] if name == "plot" else []
+        assert parser.parse_args([name] + required).out_dir == DEFAULT_OUT_DIR, name
+        assert parser.parse_args([name, "--out-dir", "elsewhere"] + required).out_dir == "elsewhere"
+        with pytest.raises(SystemExit):
+            parser.parse_args([name, "--help"])
+        assert "--out-dir" in capsys.readouterr().out
     assert DEFAULT_OUT_DIR == "bench-results" and not Path(DEFAULT_OUT_DIR).is_absolute()
 
 
