@@ -404,8 +404,9 @@ NO_GPU = "no CUDA GPU here: the benches time GPU kernels."
 
 def require_gpu(requested: str = "auto", *, command: str, cpu_run: bool = True) -> str:
     """The device a bench runs on: "cuda", or "cpu" when ``--device cpu`` asks for a smoke run
-    (``cpu_run``: the bench has one). ``command`` names it in messages ("bench e2e"). Every GPU bench calls this first; without a GPU it raises
-    UsageError (exit status 2, nothing written) unless the CPU was asked for."""
+    (``cpu_run``: the bench has one); ``command`` names the bench in messages ("bench e2e").
+    Every GPU bench calls this first: without a GPU it raises UsageError (exit status 2, nothing
+    written) unless the CPU was asked for."""
     if requested == "cpu":
         if cpu_run:
             return "cpu"

@@ -82,8 +82,8 @@ ours[host] <= 1.15 x physics, ours[host] >= 5x faster than hf-offloaded at 32k a
 dynamic fits, and for llama3-70b >= 1 token/s. A CPU smoke run (``--device cpu``) has no
 physics rows and no targets, and prints no ceilings: its timings mean nothing.
 
-Files under ``--out-dir`` (default ./bench-results): ``<gpu>-<date>-e2e-<preset>.json`` (schema ``directkv-bench-e2e/1``:
-the header, ceilings, args, ``rows``, ``targets``), the table as ``.txt`` and ``.png`` (decode
+Files under ``--out-dir`` (default ./bench-results): ``<gpu>-<date>-e2e-<preset>.json`` (schema
+``directkv-bench-e2e/1``: the header, ceilings, args, ``rows``, ``targets``), the table as ``.txt`` and ``.png`` (decode
 ms/token and prefill s per method against context, one column per batch) when matplotlib is
 installed (GPU runs). The JSON is rewritten after every row.
 """

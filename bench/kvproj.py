@@ -35,7 +35,6 @@ from bench.common import (GB, MiB, Timer, add_device_argument, add_out_dir_argum
                           env_info, is_cpu_run, progress_bar, require_gpu, results_path, time_calls, torch_dtype,
                           write_json)
 
-
 BENCH = "kvproj"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 512, 1024, 2048, 4096, 8192)
 QUICK_TOKENS = (1, 16, 64, 512, 4096)
@@ -227,8 +226,9 @@ def format_table(doc: dict) -> str:
     the times and checks alone)."""
     c = doc["ceilings"]
     gpu = not is_cpu_run(doc["header"])
-    lines = [f"kvproj on {doc['header']['gpu']}" + (f": HBM read {c['hbm_read_gbps']:.0f} GB/s, host write "
-             f"{c['host_write_gbps']:.1f} GB/s (store kernel), memcpy D2H {c['memcpy_d2h_gbps']:.1f} GB/s" if gpu else ""),
+    ceilings = (f": HBM read {c['hbm_read_gbps']:.0f} GB/s, host write {c['host_write_gbps']:.1f} GB/s (store "
+                f"kernel), memcpy D2H {c['memcpy_d2h_gbps']:.1f} GB/s") if gpu else ""
+    lines = [f"kvproj on {doc['header']['gpu']}{ceilings}",
              f"{'tokens':>6} {'hidden':>6} " + " ".join(f"{m:>15}" for m in METHODS)
              + (f" {'ideal':>8} {'ideal,hbm':>9}  target (fused<=separate | hbm)" if gpu else "") + "  check"]
     for r in doc["rows"]:

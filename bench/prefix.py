@@ -104,9 +104,8 @@ import torch
 
 from bench import peers
 from bench.common import (CEILING_METHODS, GiB, MiB, Ceilings, Shape, UsageError, add_check, add_device_argument,
-                          add_out_dir_argument, checked_out_dir, dtype_name, env_info, is_cpu_run, new_results, problem_lines, progress_bar,
-                          require_gpu, results_path, shape_key, write_json)
-
+                          add_out_dir_argument, checked_out_dir, dtype_name, env_info, is_cpu_run, new_results,
+                          problem_lines, progress_bar, require_gpu, results_path, shape_key, write_json)
 from bench.harness import BenchOptions, ShapeBench, _Inputs, memory_problem, _short_error, peak_extra_bytes
 from bench.hostmem import PinnedBuffer
 from bench.methods import q_as_4d

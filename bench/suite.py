@@ -20,7 +20,6 @@ from bench.harness import SKIPPABLE
 from bench.common import (GiB, MiB, Ceilings, add_device_argument, add_out_dir_argument, checked_out_dir, env_info,
                           format_table, is_cpu_run, merge_results, new_results, problem_lines, require_gpu,
                           results_path, write_json)
-
 from bench.harness import BenchOptions, load_ours, run_shapes
 from bench.plots import plot_decode, plot_prefill
 
@@ -207,7 +206,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     preset.add_argument("--full", dest="preset", action="store_const", const="full", help="the whole grid")
     p.set_defaults(preset="quick")
     add_out_dir_argument(g)
-    add_device_argument(g, "the same code on CPU-sized shapes (contexts <= 2048, q_len <= 64, batch <= 2)")
+    add_device_argument(g, f"the same code on CPU-sized shapes (contexts <= {CPU_MAX_CONTEXT}, q_len <= "
+                           f"{CPU_MAX_Q_LEN}, batch <= {CPU_MAX_BATCH})")
     g.add_argument("--max-gb", type=float, default=32.0, help="skip shapes whose one-layer KV exceeds this (GiB)")
     g.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new shape after this many seconds (decode gets 60%% when both run)")
