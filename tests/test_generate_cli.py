@@ -132,11 +132,6 @@ def test_other_usage_errors(capsys):
         assert "is_available" in _usage_error(["--preset", "tiny", "--device", "cuda"], capsys)
 
 
-def test_missing_model_folder_is_a_runtime_error(tmp_path, capsys):
-    assert gen.main(["--model", str(tmp_path / "nope"), "--context", "8", "--device", "cpu"]) == 1
-    assert "not a folder" in capsys.readouterr().err
-
-
 def test_cache_kwargs_follows_the_forward_signature():
     class New:
         def forward(self, input_ids=None, cache=None):
