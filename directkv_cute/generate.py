@@ -349,7 +349,7 @@ computes in --dtype.
 
 --device cpu runs the reference attention (float32 by default): slow, for checking results.
 The request is checked before the model loads: its length against the model's
-max_position_embeddings and its KV cache (and a preset's weights) against the memory available.
+max_position_embeddings and its KV cache (and a preset's weights) against the machine's memory.
 A mistake in the command line is one line on stderr and exit status 2.
 """
 
@@ -541,16 +541,10 @@ class _Plan:
     weight_bytes: int | None  # the weights, estimated (None: unknown)
 
 
-def available_host_memory() -> int | None:
-    """Bytes of host memory available to a new allocation: MemAvailable of /proc/meminfo on
-    Linux, else the physical memory (None when neither can be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+def host_memory() -> int | None:
+    """Bytes of this machine's physical memory (None where the OS does not say). The requests
+    refused against it cannot fit at all; free memory is not the bound, because a virtual
+    machine may grow its memory as it is used (its reading starts low)."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -631,7 +625,7 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
     """Read the model's config (and tokenizer), size the request and refuse it (``p.error``)
     when it cannot run: the prompt plus the new tokens beyond the model's positions, a model the
     DirectKV attention does not support, a KV cache beyond the int32 page ids, or the KV cache
-    and weights beyond the memory available. Nothing large is allocated."""
+    and weights beyond the machine's memory or the GPU's free memory. Nothing large is allocated."""
     import directkv_cute.hf as dkhf
     from directkv_cute.cache import page_bytes
 
@@ -665,7 +659,7 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
                 "lower --batch, --context or --max-new-tokens, or raise --page-size")
     host_kv, device_kv = host_pages * one, (hbm_pages + window_pages) * one
     weights = _estimate_weight_bytes(ns, config, a.dtype)
-    avail = available_host_memory()
+    memory = host_memory()
     if a.device.type == "cuda":
         free, total_gpu = torch.cuda.mem_get_info(a.device)
         if a.hbm_budget > total_gpu:
@@ -676,18 +670,18 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
             p.error(f"the weights ({format_bytes(weights)}) and the cache's HBM tier and window "
                     f"({format_bytes(device_kv)}) need {format_bytes(need_gpu)} of GPU memory, {a.device} has "
                     f"{format_bytes(free)} free")
-        if avail is not None and host_kv > avail:
+        if memory is not None and host_kv > memory:
             p.error(f"a KV cache for {rows} needs {format_bytes(host_kv)} ({host_kv} bytes) of pinned host memory, "
-                    f"{format_bytes(avail)} is available")
-    elif avail is not None:
-        if a.hbm_budget > avail:
-            p.error(f"--hbm-budget {ns.hbm_budget} ({format_bytes(a.hbm_budget)}) is more than the host memory "
-                    f"available ({format_bytes(avail)}; on the CPU the HBM tier lives in host memory)")
+                    f"this machine has {format_bytes(memory)}")
+    elif memory is not None:
+        if a.hbm_budget > memory:
+            p.error(f"--hbm-budget {ns.hbm_budget} ({format_bytes(a.hbm_budget)}) is more than this machine's "
+                    f"memory ({format_bytes(memory)}; on the CPU the HBM tier lives in host memory)")
         need = host_kv + device_kv + (weights or 0)
-        if need > avail:
+        if need > memory:
             p.error(f"{rows} need {format_bytes(need)} ({need} bytes) of host memory on the CPU (KV cache "
-                    f"{format_bytes(host_kv + device_kv)}, weights {format_bytes(weights)}), "
-                    f"{format_bytes(avail)} is available")
+                    f"{format_bytes(host_kv + device_kv)}, weights {format_bytes(weights)}), this machine has "
+                    f"{format_bytes(memory)}")
     return _Plan(config=config, tok=tok, batch=batch, prompt_len=prompt_len, encoded=encoded, host_kv_bytes=host_kv,
                  device_kv_bytes=device_kv, weight_bytes=weights)
 

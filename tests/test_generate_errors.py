@@ -68,7 +68,7 @@ def test_sizes_that_are_not_numbers(capsys, tmp_path, monkeypatch):
 def test_hbm_budget_beyond_memory(capsys, tmp_path, monkeypatch):
     _no_model_built(monkeypatch)
     err = _refused(TINY + ["--hbm-budget", "100TB"], capsys, tmp_path)
-    assert "--hbm-budget 100TB (90.95 TiB) is more than the host memory available" in err
+    assert "--hbm-budget 100TB (90.95 TiB) is more than this machine's memory" in err
 
 
 @pytest.mark.parametrize("extra,words", [
@@ -94,8 +94,8 @@ def test_kv_cache_beyond_host_memory(capsys, tmp_path, monkeypatch):
     weights = 4 * params + 2 * 4 * 32  # fp32, and the rotary inv_freq / original_inv_freq buffers
     assert f"({need + window + weights} bytes)" in err
     # a preset whose weights alone exceed the memory
-    avail = gen.available_host_memory()
-    if avail is not None and avail < 250 << 30:
+    memory = gen.host_memory()
+    if memory is not None and memory < 250 << 30:
         assert "weights 262.83 GiB" in _refused(["--preset", "llama3-70b", "--device", "cpu", "--context", "64"],
                                                capsys, tmp_path)
 
@@ -151,6 +151,30 @@ def test_devices_that_do_not_exist(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     err = _refused(argv + ["--device", "cuda:3"], capsys, tmp_path)
     assert "--device cuda:3: this machine has 1 CUDA device (cuda:0)" in err
+
+
+def test_gpu_memory_checked_before_the_model_loads(capsys, tmp_path, monkeypatch):
+    """On a GPU (one with 80 GiB, 8 GiB of it free, as torch.cuda reports it): a budget beyond
+    the GPU, weights plus the HBM tier beyond its free memory, pinned KV beyond the machine."""
+    _no_model_built(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 80 << 30))
+    gpu = ["--device", "cuda", "--no-progress"]
+    err = _refused(["--preset", "tiny", "--hbm-budget", "100TB"] + gpu, capsys, tmp_path)
+    assert "--hbm-budget 100TB (90.95 TiB) is more than the memory of cuda (80.00 GiB)" in err
+    err = _refused(["--preset", "llama3-8b", "--context", "64"] + gpu, capsys, tmp_path)
+    weights = 2 * 8_030_261_248 + 2 * 4 * 64  # bf16 parameters of Llama 3 8B, fp32 rotary buffers
+    assert f"the weights ({gen.format_bytes(weights)}) and the cache's HBM tier and window" in err
+    assert "cuda has 8.00 GiB free" in err
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    memory = gen.host_memory()
+    if memory is not None and memory < 1 << 40:
+        err = _refused(["--preset", "llama3-8b", "--context", "131000", "--batch", "64"] + gpu, capsys, tmp_path)
+        # 64 rows of 131032 tokens in pages of 64, a partial page per row; 32 layers x 8 KV heads x K/V x
+        # 64 tokens x 128 x bf16 a page
+        host = (64 * 131032 // 64 + 64) * (32 * 8 * 2 * 64 * 128 * 2)
+        assert f"a KV cache for 64 x (131000 + 32) tokens needs 1.00 TiB ({host} bytes) of pinned host memory" in err
 
 
 def test_model_paths_that_are_not_model_folders(capsys, tmp_path):
