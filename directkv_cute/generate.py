@@ -582,19 +582,21 @@ def _load_config(p: argparse.ArgumentParser, ns: argparse.Namespace):
 
 
 def _encode(p: argparse.ArgumentParser, ns: argparse.Namespace, tok) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded text prompts: (input_ids, attention_mask) on the CPU."""
+    """Left-padded text prompts: (input_ids, attention_mask) on the CPU. One prompt for --batch
+    rows is encoded once and expanded (a view: the batch is sized before anything is copied)."""
     prompts = list(ns.prompt)
-    if ns.batch and len(prompts) == 1:
-        prompts = prompts * ns.batch
-    elif ns.batch and ns.batch != len(prompts):
+    if ns.batch and len(prompts) != 1 and ns.batch != len(prompts):
         p.error(f"--batch {ns.batch} with {len(prompts)} prompts (give one prompt, or as many as rows)")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
     tok.padding_side = "left"
     enc = tok(prompts, return_tensors="pt", padding=True)
-    if enc["input_ids"].shape[1] == 0:
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if ids.shape[1] == 0:
         p.error("--prompt: the prompts encode to no tokens")
-    return enc["input_ids"], enc["attention_mask"]
+    if ns.batch and len(prompts) == 1:
+        ids, mask = ids.expand(ns.batch, -1), mask.expand(ns.batch, -1)
+    return ids, mask
 
 
 def _estimate_weight_bytes(ns: argparse.Namespace, config, dtype: torch.dtype) -> int | None:
@@ -732,6 +734,15 @@ def _load_model(ns, a: _Args, plan: _Plan):
     return model, f"{path}"
 
 
+def _model_error(ns, e: BaseException) -> str | None:
+    """The one-line refusal of a model folder transformers cannot load (unreadable or mismatched
+    weights, an unknown architecture); None for a preset, whose failure is a bug."""
+    if ns.model is None:
+        return None
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return f"--model {ns.model}: cannot load the model: {type(e).__name__}: {first}"
+
+
 def _write_json(path: Path, doc: dict) -> None:
     """Replace ``path`` whole: write a temporary file beside it, then rename it over."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -760,11 +771,13 @@ def main(argv: list[str] | None = None) -> int:
         model, desc = _load_model(ns, a, plan)
     except Exception as e:
         if not _is_oom(e):
-            raise
+            if _model_error(ns, e) is None:
+                raise
+            p.error(_model_error(ns, e))
         p.error(_oom_line(f"loading the weights (about {format_bytes(plan.weight_bytes)}) onto {a.device}", e))
     tok = plan.tok
     if plan.encoded is not None:
-        input_ids, mask = (t.to(a.device) for t in plan.encoded)
+        input_ids, mask = (t.contiguous().to(a.device) for t in plan.encoded)
     else:
         vocab = (model.config.get_text_config() if hasattr(model.config, "get_text_config")
                  else model.config).vocab_size

@@ -86,6 +86,11 @@ def test_cli_model_folder_with_text_prompts(tmp_path, capsys):
     assert d["seq_lengths"] == [9 + 5, 2 + 5]
     assert d["text"] == tok.batch_decode(ref, skip_special_tokens=True)
     assert "[1] " in capsys.readouterr().out
+    # one prompt for 10**9 rows: sized (and refused) before the rows are copied
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--model", str(folder), "--prompt", "hello world", "--batch", str(10**9), "--device", "cpu"])
+    assert e.value.code == 2
+    assert f"{10**9} x (2 + 32) tokens need" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,expect", [

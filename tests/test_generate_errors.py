@@ -113,6 +113,7 @@ def test_page_counts_beyond_int32(capsys, tmp_path, monkeypatch):
     (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
     (["--sink-pages", "-1"], "--sink-pages must be >= 0"),
     (["--page-size", "48"], "invalid choice: 48"),
+    (["--prompt", "hi"], "--prompt needs a tokenizer"),
 ])
 def test_counts_out_of_range(capsys, tmp_path, monkeypatch, extra, words):
     _no_model_built(monkeypatch)
@@ -192,6 +193,18 @@ def test_model_paths_that_are_not_model_folders(capsys, tmp_path):
     (folder / "model.safetensors").write_bytes(b"")
     (folder / "config.json").write_text("{not json")
     assert "cannot read config.json" in _refused(["--model", str(folder)] + argv, capsys, tmp_path)
+    # a real config with a weights file that is not one: refused when transformers reads it
+    from directkv_cute.presets import preset_config
+
+    preset_config("tiny").save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--model", str(folder), "--json", str(tmp_path / "out" / "run.json")] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"directkv-generate: error: --model {folder}: cannot load the model: ")
+    assert err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_json_paths_that_cannot_be_written(capsys, tmp_path, monkeypatch):
