@@ -693,11 +693,9 @@ _OOM_ERRORS = tuple(e for e in (MemoryError, getattr(torch, "OutOfMemoryError", 
                                 getattr(torch.cuda, "OutOfMemoryError", None)) if e is not None)
 
 
-class _OutOfMemory(Exception):
-    """An allocation failed; the message is the one line the command prints."""
-
-
 def _is_oom(e: BaseException) -> bool:
+    """An allocation failed: MemoryError, torch's OutOfMemoryError, or the RuntimeError of torch's
+    CPU allocator ("can't allocate memory: you tried to allocate N bytes")."""
     if isinstance(e, _OOM_ERRORS):
         return True
     text = str(e).lower()
