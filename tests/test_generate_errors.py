@@ -290,3 +290,29 @@ def test_progress_bars(capsys):
     err = capsys.readouterr().err
     assert "prefill: 100%" in err and "40/40" in err
     assert "decode: 100%" in err and "5/5" in err
+
+
+def test_json_record_kept_when_its_folder_goes_away(tmp_path, capsys, monkeypatch):
+    """The folder checked at the start is replaced by a file during the run: the record is kept
+    in the temporary folder, named in one line on stderr, exit status 1."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    real = gen.timed_generate
+
+    def generate_then_break_the_folder(*args, **kwargs):
+        res = real(*args, **kwargs)
+        folder.rmdir()
+        folder.write_text("now a file")
+        return res
+
+    monkeypatch.setattr(gen, "timed_generate", generate_then_break_the_folder)
+    rc = gen.main(TINY + ["--context", "16", "--max-new-tokens", "3", "--json", str(folder / "run.json")])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"directkv-generate: cannot write --json {folder / 'run.json'} (")
+    spare = err.rstrip().rsplit(" ", 1)[1]
+    try:
+        record = json.loads(open(spare).read())
+        assert len(record["tokens"][0]) == 3 and record["max_new_tokens"] == 3
+    finally:
+        os.unlink(spare)
