@@ -50,6 +50,7 @@ import numpy as np
 from directkv_cute import plan as cm
 from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.specs import config_kernel, op_kernel
+from directkv_cute.kernels.specs import get as get_spec
 from directkv_cute.machine import DeviceInfo, MachineModel
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS, MAX_PIECES, SLOTS, StagePlan, head_groups, \
     piece_pages_for, plan_staging
@@ -410,8 +411,9 @@ def _in_place(shape: CallShape, device: DeviceInfo, configs, config) -> Attentio
         cfg, source = configs.get(kernel, shape, group, shape.batch, shape.context, q_len)
         why = f"{kernel} config: profile {source}"
     cfg.check(shape.head_dim, shape.page_size)
-    if group > cfg.rows:
-        raise ValueError(f"GQA group {group} exceeds one CTA's {cfg.rows} query rows")
+    problems = get_spec(kernel).shape_problems(cfg, group, q_len)
+    if problems:  # what the compiler would raise, said before anything runs
+        raise PlanError(f"{kernel}: {problems[0]}")
     hkv, d = shape.num_kv_heads, shape.head_dim
     if kernel == "multi_token":
         # Sized from the page table's width (a bound the host knows), never from a caller's hint.
