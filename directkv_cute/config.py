@@ -248,23 +248,30 @@ def default_decode_config(head_dim: int, rows: int = 8, page_size: int | None = 
 
 # Device-wide host tiles in flight of the multi-token default: 16 x 32 KB is several times the
 # link's bandwidth x round trip, yet keeps host requests from queueing in front of the consumers'
-# HBM traffic (H200 A/B: bench/results/NVIDIA_H200-2026-11-29-s4-ab.txt).
+# HBM traffic (an H200 A/B of ``python -m bench prefill --compare-configs ...``:
+# ``git show 7747519:bench/results/NVIDIA_H200-2026-11-29-s4-ab1.json``, ``...-s4-ab2.json``,
+# ``...-s4-ab3.json``).
 MULTI_TOKEN_LINK_CREDITS = 16
 # Query rows per KV head (q_len x group) up to which the multi-token default walks chunks of four
-# tiles: H200 A/B of session 5 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, run K):
+# tiles: an H200 A/B of ``python -m bench prefill`` (``git show
+# 7747519:bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt``, run K):
 # chunks of 4 won at 2048 query tokens x group 4 (8k: 1.30 vs 1.39 ms at 5, 32k: 4.29 vs 4.38),
 # chunks of 6 at 8192 tokens (32k: 13.64 vs 14.32 ms at 5, 15.39 at 4); 512 tokens and below tie.
 MULTI_TOKEN_CHUNK4_ROWS = 8192
 # Query rows per KV head from which the multi-token default runs clusters of two CTAs (up to
-# MULTI_TOKEN_CHUNK4_ROWS): H200 A/B of session 6 (bench/results/NVIDIA_H200-2026-11-30-s6-ab*.txt),
-# s7 k4 in clusters of two against the session-5 default, ms: 8k q512 0.783 vs 0.858, 32k q512
+# MULTI_TOKEN_CHUNK4_ROWS): an H200 A/B of ``python -m bench prefill --compare-configs ...``
+# (``git show 7747519:bench/results/NVIDIA_H200-2026-11-30-s6-ab1.txt`` to ``...-s6-ab4.txt``),
+# seven stages in chunks of 4 in clusters of two against the unclustered default, ms: 8k q512
+# 0.783 vs 0.858, 32k q512
 # 2.928 vs 3.002, 128k q512 11.07 vs 11.17, 8k q2048 1.232 vs 1.309, 32k q2048 4.180 vs 4.341;
 # but 32k q64 (256 rows) 2.776 vs 2.721 and 32k q8192 15.39 vs 13.91. Clusters of four lost
 # everywhere (fewer 4-CTA clusters fit the GPCs at one CTA per SM: 128k q512 14.5 ms).
 MULTI_TOKEN_CLUSTER_ROWS = 2048
 # Query rows per KV head from which the clusters (up to MULTI_TOKEN_CHUNK4_ROWS) stagger their blocks'
-# chunk boundaries in four groups under 8 link credits (rank 0 admits for the cluster): H200 A/B
-# of session 9 (bench/results/NVIDIA_H200-2026-11-30-s9-ab*.txt), ms, against the cluster default:
+# chunk boundaries in four groups under 8 link credits (rank 0 admits for the cluster): an H200 A/B
+# of ``python -m bench prefill --compare-configs ...`` (``git show
+# 7747519:bench/results/NVIDIA_H200-2026-11-30-s9-ab-stagger-credits.txt`` and
+# ``...-s9-ab-stagger.txt``), ms, against the cluster default:
 # 8k q2048 1.082 vs 1.217, 16k q2048 2.048 vs 2.161. Without credits the link served some clusters
 # late (round 0 done at max 380 vs med 228 us: 1.242 ms). At 8k q512 (2048 rows) four groups
 # without credits were 0.747 vs 0.740 ms, so the smaller shapes keep the plain walk.
@@ -393,21 +400,23 @@ class QTiledConfig:
     tile_n:      KV tokens per ring stage.
     stages:      depth of the SMEM ring.
     carveout:    percent of the unified L1/SMEM reserved as SMEM.
-    piece_pages: staging only: pages per ready piece (0 = the op's choice): a tile is issued once
+    piece_pages: staging only: pages per ready piece (0 = the planner's choice): a tile is issued once
                  the copy engine has finished the piece holding its pages, so compute starts after
                  the first piece instead of the whole copy.
-    splits:      staging only: KV splits (0 = the op's choice), each a run of pieces, folded into
+    splits:      staging only: KV splits (0 = the planner's choice), each a run of pieces, folded into
                  one fp32 accumulator inside the kernel: the CTAs of early splits run while later
                  pieces still copy, instead of every CTA's walk being paced by the copy. Pages already in HBM
                  at the end of the call (a step's own tokens mirrored) get splits of their own
                  beyond these, launched first (``plan.q_tiled_splits``, ``plan.ready_split``).
-    order:       staging only: launch order of the query tiles (0 = the op's choice; 1 = heaviest
+    The four staging fields generate no code (the compile key holds them at 0): an explicit
+    config's staging request, which the plan takes into its layout.
+    order:       staging only: launch order of the query tiles (0 = the planner's choice; 1 = heaviest
                  first; 2 = lightest first, one split: the tiles that need the fewest keys run
                  while the copy lands the rest, as in a prefill from the first token).
     pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
                  handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
                  busy; 0 = each issues as soon as it is ready.
-    copy_order:  staging only: 0 = the op's choice; 1 = each piece copies the pages of every KV
+    copy_order:  staging only: 0 = the planner's choice; 1 = each piece copies the pages of every KV
                  head; 2 = head by head (one split): the copy lands KV head 0's pages, then head
                  1's, ..., and the CTAs run head-major, so only the first head's copy is exposed
                  (about 1/Hkv of it) and no partials are written.
@@ -415,7 +424,7 @@ class QTiledConfig:
                  query tiles of one KV head walk the same KV tiles (the cluster's longest causal
                  range), each CTA issues half of a tile's TMA boxes multicast to both, halving
                  the KV bytes the SMs pull from L2/HBM (measured 1.06-1.10x faster than 1 on
-                 8k/32k x q512-8192, 2026-12-02).
+                 8k/32k x q512-8192).
     """
 
     tile_n: int = 128

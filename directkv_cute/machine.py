@@ -173,6 +173,11 @@ class DeviceInfo:
         if not self.workspace_cap:
             object.__setattr__(self, "workspace_cap", workspace_cap(self.total_memory))
 
+    def fits_staging(self, buffer_bytes: int, buffers: int = 1) -> bool:
+        """Whether ``buffers`` staging buffers of ``buffer_bytes`` each fit the staging cap (a call
+        whose copy runs ahead alternates between two)."""
+        return buffers * buffer_bytes <= self.staging_cap
+
     @property
     def cpu(self) -> bool:
         """A CPU cache: the float32 reference runs (no kernel, nothing staged)."""

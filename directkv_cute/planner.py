@@ -544,7 +544,7 @@ def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, config
     first = 0 if in_order else cm.ready_split(stage_plan.ready_from, piece_tiles, split_tiles, splits)
     heads = shape.num_kv_heads
     buffer_bytes = stage_plan.pages * shape.layer_page_bytes()
-    ahead = device.copies_ahead and SLOTS * buffer_bytes <= device.staging_cap
+    ahead = device.copies_ahead and device.fits_staging(buffer_bytes, SLOTS)
     bound = "compute-bound" if cm.compute_bound(m, n_host * shape.layer_page_bytes(shape.compute_dtype),
                                                 cm.causal_flops(lens, q_lens, shape.num_q_heads, shape.head_dim)) \
         else "link-bound"
@@ -617,7 +617,7 @@ def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: Q
                                  piece_pages_for(max(n_pages), P, cfg.tile_n, pieces=cm.LINK_PIECES), L)
     any_plan = stage_plan if stage_plan is not None else head_plan
     need = any_plan.pages * page_bytes
-    if need > device.staging_cap:
+    if not device.fits_staging(need):
         return (f"staging needs {need / 2**30:.2f} GiB of HBM, over the {device.staging_cap / 2**30:.2f} GiB cap "
                 "(DIRECTKV_MAX_STAGING_GB)")
     host_b = any_plan.host_pages * page_bytes
@@ -659,7 +659,7 @@ def _pipelined_choice(shape, device, m, used, n_host: int, page_bytes: int, flop
     P, L = shape.page_size, shape.in_place_layers
     n_pages = [math.ceil(n / P) for n in lens]
     staged = n_host if L else used.size  # the pages a buffer takes
-    if SLOTS * staged * page_bytes > device.staging_cap:
+    if not device.fits_staging(staged * page_bytes, SLOTS):
         return None
     max_pages = max(n_pages)
     tile_pages = max(1, cfg.tile_n // P)
@@ -818,7 +818,7 @@ def _fp8_stage_plan(shape: CallShape, device: DeviceInfo, m: MachineModel) -> St
     if max(q_lens) == 1 and longest > 1:
         pp = min(longest - 1, math.ceil(longest * (1 - FP8_TAIL_SHARE)))
     sp = plan_staging(shape.host_table, lens, P, pp)
-    if sp.pages * page_bytes > device.staging_cap:
+    if not device.fits_staging(sp.pages * page_bytes):
         return None
     return sp
 
@@ -838,7 +838,7 @@ def _plan_fp8_chunk(shape: CallShape, device: DeviceInfo, m: MachineModel, confi
     lens, P, hkv, d = shape.seq_lens, shape.page_size, shape.num_kv_heads, shape.head_dim
     sp = plan_staging(shape.host_table, lens, P, max(math.ceil(n / P) for n in lens))  # one piece
     need = sp.pages * (shape.layer_page_bytes() + shape.layer_page_bytes(shape.compute_dtype))
-    if need > device.staging_cap:
+    if not device.fits_staging(need):
         raise PlanError(f"paged_attention: a multi-token call over FP8 pages stages and dequantizes "
                         f"{sp.pages} pages ({need / 2**30:.2f} GiB of HBM), over the "
                         f"{device.staging_cap / 2**30:.2f} GiB cap (DIRECTKV_MAX_STAGING_GB); feed fewer sequences "

@@ -349,7 +349,7 @@ def test_staging_buffer_grows_by_a_quarter_only_for_its_own_kind(monkeypatch):
 
 
 def test_a_batch_sharing_a_prompt_stages_once_or_runs_the_cascade_as_measured():
-    """bench prefix rows (2026-12-01, one layer, 32k shared prompt, 32/8 heads, page 64): one
+    """``python -m bench prefix`` rows (one layer, 32k shared prompt, 32/8 heads, page 64): one
     staged call (each distinct page copied once) against the cascade, the faster one chosen."""
     from directkv_cute.plan import cascade_ms, stage_instead_of_cascade
 

@@ -458,7 +458,7 @@ def _cmd_show(a, out) -> int:
     return rc
 
 
-_COMPILE_MODULE = "directkv_cute.kernels.jit"  # where the op gets its kernels (ops._compiled)
+_COMPILE_MODULE = "directkv_cute.kernels.jit"  # where the runner gets its kernels (runner._compiled)
 
 
 def _resolve_compile():
