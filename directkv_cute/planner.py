@@ -347,7 +347,8 @@ class AttentionPlan:
                          f" at {c.splits} split(s)" + (" (copies ahead)" if c.pipelined else ""))
         lines += [f"  - {w}" for w in self.why]
         if self.inner is not None:
-            lines.append("  then over the dequantized pages: " + self.inner.explain().replace("\n", "\n  "))
+            what = "the whole batch" if self.route == "cascade_staged" else "then over the dequantized pages"
+            lines.append(f"  {what}: " + self.inner.explain().replace("\n", "\n  "))
         for p in self.passes:
             lines.append(f"  pass over {'every row' if p.rows is None else f'rows {_brief(p.rows)}'}: "
                          + p.plan.explain().replace("\n", "\n  "))

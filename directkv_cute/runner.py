@@ -198,7 +198,10 @@ def run(plan: AttentionPlan, bound: Bound, q: torch.Tensor, cache, layer: int, s
 def _run(plan, bound, q, cache, layer, scale, out):
     if not q.is_cuda:
         return _reference(plan, bound, q, cache, layer, scale, out)
-    if plan.capture is not None and plan.staging is not None and torch.cuda.is_current_stream_capturing():
+    if plan.staging is not None and torch.cuda.is_current_stream_capturing():
+        if plan.capture is None:  # planned outside the capture, with nothing that reads in place
+            raise RuntimeError(f"paged_attention: the {plan.route} plan copies pages planned per call and cannot be "
+                               "captured in a CUDA graph; plan inside the capture (decode-sized calls can be captured)")
         plan, bound = plan.capture, bound.capture  # a capture reads in place: no copies planned per call
     route = plan.route
     if route == "cascade":
