@@ -76,6 +76,7 @@ from pathlib import Path
 
 import yaml
 
+from directkv_cute import env as envvars
 from directkv_cute.config import ConfigError
 from directkv_cute.kernels import sources
 
@@ -83,7 +84,7 @@ from .space import get_space, kernels, normalize_dtype
 
 SCHEMA_VERSION = 3
 TUNE_VERSION = 1
-PROFILE_DIR_ENV = "DIRECTKV_PROFILE_DIR"
+PROFILE_DIR_ENV = envvars.PROFILE_DIR
 TUNE_COMMAND = "directkv-tune"
 USER_DIR_PARTS = ("directkv_cute", "profiles")  # under $XDG_CONFIG_HOME (else ~/.config)
 MAX_PROFILE_BYTES = 4 << 20  # a tuned profile is tens of KB; refuse anything larger before parsing
@@ -160,7 +161,7 @@ def user_profile_dir() -> Path:
 
 
 def _env_dirs() -> list[Path]:
-    return [Path(d) for d in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if d]
+    return envvars.profile_dirs()  # a bad value raises envvars.EnvironmentVariableError
 
 
 def is_source_checkout() -> bool:
