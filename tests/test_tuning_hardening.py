@@ -437,6 +437,7 @@ def test_multi_token_preset_leaves_out_the_q_len_1_buckets(capsys):
     assert "left out 1 bucket(s) with q_len 1" in err and "--kernel decode" in err
     rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "multi_token", "--preset", "llama3-8b")
     assert rc == 2 and "no bucket left for the multi_token kernel" in err and "--q-lens" in err
+    assert err.count("\n") == 1 and "--kernel decode" in err  # a failure is one line
     rc, out, err = run(capsys, "run", "--dry-run", "--preset", "llama3-8b", "--q-lens", "1,64",
                        "--batches", "1", "--contexts", "4096")  # decode: q_len 64 x group 4 = 256 rows
     assert rc == 0 and "1 bucket(s)" in out and "with q_len 64" in err

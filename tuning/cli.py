@@ -290,15 +290,17 @@ def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
     runs = RUNS_ON.get(kernel, kernel)
     kept = [s for s in shapes if op_kernel(s.group, s.q_len) == runs]
     left = [s for s in shapes if op_kernel(s.group, s.q_len) != runs]
-    if left:
+    other = "multi_token" if runs == "decode" else "decode"
+    if not kept:  # a failure: one line
+        print(f"directkv-tune: no bucket left for the {kernel} kernel: the op runs every one given with the "
+              f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token); pick --q-lens "
+              f"(or --shape QLEN) with group x q_len {'<=' if runs == 'decode' else '>'} {STREAM_MAX_ROWS}, or "
+              f"tune them with --kernel {other}", file=sys.stderr)
+    elif left:
         qs = sorted({s.q_len for s in left})
-        other = "multi_token" if runs == "decode" else "decode"
         print(f"directkv-tune: left out {len(left)} bucket(s) with q_len {_listing(qs)}: the op runs them with the "
               f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token); "
               f"tune them with --kernel {other}", file=sys.stderr)
-    if not kept:
-        print(f"directkv-tune: no bucket left for the {kernel} kernel; pick --q-lens (or --shape QLEN) with "
-              f"group x q_len {'<=' if runs == 'decode' else '>'} {STREAM_MAX_ROWS}", file=sys.stderr)
     return kept
 
 
