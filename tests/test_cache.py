@@ -756,7 +756,7 @@ def test_gpu_head_dims_are_named_at_construction():
 
 
 def test_host_allocation_failure_names_the_bytes(monkeypatch):
-    import directkv_cute.cache as cache_mod
+    import directkv_cute.cache.pools as cache_mod
 
     def fail(nbytes, device):
         raise OSError(12, "Cannot allocate memory")
