@@ -349,18 +349,19 @@ def test_identical_rows_and_shared_prefixes_on_cpu_tensors():
 
 
 def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
-    """Beams fork the prompt's pages; from the first reorder on, the decode steps attend the
-    shared prompt once for all beams (cascade) and the tokens equal transformers' own."""
-    import directkv_cute.cascade as cascade
+    """Beams fork the prompt's pages; from the first reorder on, the decode steps are planned as a
+    cascade (the shared prompt read once for all beams), every layer runs its step's plan, and
+    the tokens equal transformers' own."""
+    from directkv_cute.attention import DirectKVAttention
 
-    calls = []
-    real = cascade.cascade_attention
+    plans = []
+    real = DirectKVAttention.run
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("prepared"))
-        return real(*args, **kwargs)
+    def recording(self, q, layer, *args, **kwargs):
+        plans.append((self.current, layer))
+        return real(self, q, layer, *args, **kwargs)
 
-    monkeypatch.setattr(cascade, "cascade_attention", counting)
+    monkeypatch.setattr(DirectKVAttention, "run", recording)
     model = _llama(seed=9)
     ids, mask = _prompts([300, 283])
     kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, early_stopping=False)
@@ -368,8 +369,14 @@ def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
     cache = _ours(model, batch=6, max_tokens=4000)
     out = _generate(model, cache, ids, mask, **kw)
     assert torch.equal(out, ref)
-    assert calls and all(p is not None and p.plan.shared for p in calls)
-    assert max(len(s.rows) for p in calls for s in p.plan.spans) >= 3
+    layers = model.config.num_hidden_layers
+    assert len(plans) % layers == 0
+    steps = [plans[i:i + layers] for i in range(0, len(plans), layers)]
+    assert all(len({id(p) for p, _ in step}) == 1 and [l for _, l in step] == list(range(layers))
+               for step in steps)  # one plan per step, run by every layer in order
+    cascades = [step[0][0] for step in steps if step[0][0].route == "cascade"]
+    assert cascades and all(p.cascade.shared for p in cascades)
+    assert max(len(s.rows) for p in cascades for s in p.cascade.spans) >= 3
 
 
 def test_return_sequences_store_the_prompt_once_and_fork_when_they_diverge():

@@ -12,11 +12,12 @@ How a forward step runs. transformers calls, per decoder layer, ``cache.update(k
 returned. ``update`` only hands the new K/V to the attention function (it cannot see the padding
 mask); the attention function of the first layer plans the step once -- which of the new tokens
 are real (left padding from the 2-D attention mask never enters the cache), how many pages each
-sequence grows by and in which tier, the page tables and the store slots -- and every layer then
-stores its new K/V straight into their pages (GPU stores into pinned host memory, no staging
-buffer) and runs ``paged_attention_tables`` over the sequences' whole history (a long prefill
-chunk whose attention is compute-bound is staged into HBM by the op, see ``directkv_cute.ops``).
-Query rows of pad tokens get zeros.
+sequence grows by and in which tier, the page tables, the store slots and the attention plan
+(``DirectKVAttention.plan``: the kernel, whether a long prefill chunk is staged into HBM, the
+cascade over pages that forked sequences share) -- and every layer then stores its new K/V
+straight into their pages (GPU stores into pinned host memory, no staging buffer) and runs that
+plan over the sequences' whole history (``DirectKVAttention.run``). Query rows of pad tokens get
+zeros.
 
 Placement: host only by default. With ``hbm_budget`` (bytes) an HBM tier holds each sequence's
 first ``sink_pages`` pages and its most recent pages, an equal share of the budget per sequence;

@@ -2,9 +2,9 @@
 view transformers keeps a list of, ``DirectKVLayer``.
 
 ``update`` only hands a layer's new K/V to the attention function (it cannot see the padding
-mask); the attention function of the first layer plans the step once (``step.BatchSequences``)
-and every layer then stores its new K/V into their pages and attends over the whole history
-(``Step.attention``). Pad tokens never enter the cache; their query rows get zeros.
+mask); the attention function of the first layer plans the step once (``step.BatchSequences``,
+the attention included: ``DirectKVAttention.plan``) and every layer then stores its new K/V into
+their pages and runs that plan over the whole history (``Step.attention``). Pad tokens never enter the cache; their query rows get zeros.
 """
 
 from __future__ import annotations
@@ -343,7 +343,7 @@ class DirectKVCache(Cache):
         """The step's attention of one layer, q (total real tokens, Hq, d), back in the batch's
         shape (B, S, Hq, d) with zeros for pad rows."""
         batch, hq, q_len, d = query.shape
-        o = step.attention(self.kv, q, scaling, layer_idx)  # (total, Hq, d)
+        o = step.attention(q, scaling, layer_idx)  # (total, Hq, d)
         if step.tok_idx is None:
             return o.view(batch, q_len, hq, d)
         out = query.new_zeros(batch * q_len, hq, d)

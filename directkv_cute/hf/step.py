@@ -1,18 +1,19 @@
 """A model step over the batch's sequences: ``BatchSequences`` maps batch rows to ``PagedKVCache``
 sequences (rows with identical tokens share one), plans each step once -- the real new tokens,
 forks of diverging rows and shared prompt prefixes, growth and placement (``step_plan``), window
-mirrors, the store slots and the kernel tables -- and undoes a failed step. ``Step`` is the plan
-every layer of the step reuses; ``Step.attention`` runs one layer's attention over it.
+mirrors, the store slots, the kernel tables and the attention plan (``DirectKVAttention.plan``:
+kernel, staging, the cascade over shared pages) -- and undoes a failed step. ``Step`` is what
+every layer of the step reuses; ``Step.attention`` runs one layer under the step's plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from directkv_cute.attention import DirectKVAttention
 from directkv_cute.cache import CacheCapacityError, PagedKVCache, TokenSlots
 from directkv_cute.hf.step_plan import (
     fork_needs,
@@ -40,30 +41,15 @@ class Step:
     max_seq_len: int
     undo: list[tuple[int, int]]  # (seq_id, length before the step)
     processed_before: int
-    cascade: object = None  # cascade.PreparedCascade when `rows` share pages (forks), else None
+    attn: DirectKVAttention | None = None  # planned for this step's tables (None when no row has tokens)
     write_idx: torch.Tensor | None = None  # int64: the real tokens stored (merged rows store once), None: all
     defer_host: bool = False  # mirrored pages reach their host pages by the copy engine (write_slots)
     fused_dest: dict | None = None  # kv_project's destinations of the step's slots (fused layers)
 
-    def attention(self, kv: PagedKVCache, q: torch.Tensor, scaling, layer_idx: int) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, scaling, layer_idx: int) -> torch.Tensor:
         """One layer's attention of every row over its whole history, the step's new tokens
-        stored: q (total real tokens, Hq, d) -> (total, Hq, d)."""
-        q = q.contiguous()
-        if self.cascade is not None:
-            from directkv_cute.cascade import cascade_attention
-
-            return cascade_attention(q, kv, layer_idx, self.seq_ids, self.q_lens, scaling, tables=self.tables,
-                                     prepared=self.cascade)
-        if q.is_cuda:
-            from directkv_cute.ops import paged_attention_tables
-
-            return paged_attention_tables(q, kv, layer_idx, self.tables, self.q_lens, scaling,
-                                          max_seq_len=self.max_seq_len)
-        from directkv_cute.reference import cache_scales, tables_attention_ref
-
-        o, _ = tables_attention_ref(q, kv.device_pool("host"), kv.device_pool("hbm"), self.tables.page_table,
-                                    self.tables.seq_lens, layer_idx, self.q_lens, scaling, **cache_scales(kv))
-        return o
+        stored, under the step's plan: q (total real tokens, Hq, d) -> (total, Hq, d)."""
+        return self.attn.run(q.contiguous(), layer_idx, softmax_scale=scaling)
 
 
 class BatchSequences:
@@ -73,6 +59,7 @@ class BatchSequences:
 
     def __init__(self, kv: PagedKVCache, sink_pages: int, share_prompts: bool) -> None:
         self.kv = kv
+        self.attention = DirectKVAttention(kv)  # planned once per step, run by every layer
         self.sink_pages = sink_pages
         self.share_prompts = share_prompts
         self.seqs: list[int] = []
@@ -203,12 +190,17 @@ class BatchSequences:
             slots = TokenSlots.build(*(np.concatenate([e[i] for e in entries]) for i in range(2)), kv.device,
                                      np.concatenate([e[2] for e in entries]))
             seq_ids = [self.seqs[b] for b in rows]
-            tables = kv.kernel_tables(seq_ids, back_to_back=True) if rows else None
+            q_lens = [int(counts[b]) for b in rows]
+            max_seq_len = max((kv.seq_len(sid) for sid in seq_ids), default=0)
+            tables = attn = None
+            if rows:  # the step's layers run back to back over these tables
+                tables = kv.kernel_tables(seq_ids, back_to_back=True)
+                attn = self.attention
+                attn.plan(tables=tables, q_lens=q_lens, num_q_heads=hq, max_seq_len=max_seq_len, q=query)
         except BaseException:
             for sid, length in undo:
                 kv.truncate(sid, length)
             raise
-        q_lens = [int(counts[b]) for b in rows]
         tok_idx = None
         if valid is not None and sum(counts) != batch * q_len:
             tok_idx = valid.reshape(-1).nonzero().squeeze(1).to(query.device)  # (total,) row-major
@@ -220,9 +212,8 @@ class BatchSequences:
         # copy engine, off the layer's path (a decode step's few rows are stored directly). Not
         # when prompts were forked in this step: the forks read the shared pages from the host.
         defer = not prefixes and max(q_lens, default=0) >= kv.page_size
-        return Step(batch, q_len, rows, q_lens, seq_ids, tok_idx, slots, tables,
-                    max((kv.seq_len(sid) for sid in seq_ids), default=0), undo, processed,
-                    self._cascade(tables, q_lens, hq, query.device) if len(rows) > 1 else None, write_idx, defer)
+        return Step(batch, q_len, rows, q_lens, seq_ids, tok_idx, slots, tables, max_seq_len, undo, processed, attn,
+                    write_idx, defer)
 
     def rollback(self, step: Step) -> None:
         """Every sequence the step grew (or forked) back at its length before the step."""
@@ -247,11 +238,3 @@ class BatchSequences:
             child = self.kv.fork(sid)
             for b in g:
                 self.seqs[b] = child
-
-    def _cascade(self, tables, q_lens: Sequence[int], num_q_heads: int, device):
-        """The step's cascade (shared pages read once for all their sharers: forks made by
-        ``batch_repeat_interleave``, beam search or ``fork``), or None when nothing is shared."""
-        from directkv_cute.cascade import plan_cascade, prepare_cascade
-
-        plan = plan_cascade(tables.host_table, tables.host_seq_lens, q_lens, self.kv.page_size)
-        return prepare_cascade(self.kv, tables, plan, num_q_heads, device) if plan.shared else None
