@@ -2,8 +2,8 @@
 (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
-                        tables, write bench/results/<gpu>-<date>[-bench].json and PNG plots
-                        (``--out-dir`` elsewhere); exit 1 if a correctness check failed.
+                        tables, write <out-dir>/<gpu>-<date>[-bench].json, the tables and PNG
+                        plots; exit 1 if a correctness check failed.
 prefix                  batches forked from one shared prompt: cascade attention (shared
                         pages read once per batch) vs the per-sequence kernels and the
                         baselines, with targets (``bench/prefix.py``; ``--device cpu`` smoke).
@@ -12,8 +12,8 @@ kvproj                  the fused K/V projection + RoPE + store kernel vs cuBLAS
                         per row (``bench/kvproj.py``; ``--device cpu`` smoke).
 fp8-accuracy            FP8 KV pages: op output error vs float64 for bf16 and FP8 pages per scale
                         granularity (random and heavy-tailed K), and end-to-end greedy agreement
-                        and logit error of FP8 vs bf16 KV on a random-weight Llama (CPU;
-                        ``bench/fp8_accuracy.py``).
+                        and logit error of FP8 vs bf16 KV on a random-weight Llama (CPU by
+                        design; ``bench/fp8_accuracy.py``).
 check                   the GPU-free CI part: profiles validate, every default / profile config
                         compiles for sm_90a, the host-traffic model reads each byte once.
 regress                 compare a run (``--results FILE``, or a fresh run replaying the
@@ -22,11 +22,17 @@ regress                 compare a run (``--results FILE``, or a fresh run replay
 refresh                 make a run (``--results FILE`` or a fresh one) the baseline of its GPU,
                         only if it passed every correctness check.
 timeline                per-CTA chunk and pass timeline of the multi-token kernel, compiled
-                        with its timeline stamps (GPU; ``bench/timeline.py``).
+                        with its timeline stamps (GPU only; ``bench/timeline.py``).
 breakdown               the kernels and copies of one op call, their GPU times and the gaps
-                        between them, from torch.profiler (GPU; ``bench/breakdown.py``).
+                        between them, from torch.profiler (GPU only; ``bench/breakdown.py``).
 plot                    PNG plots of a results JSON (``--results FILE``; a prefix run's too),
                         for runs made where matplotlib is missing; exit 2 if it cannot plot.
+
+Every command that writes files writes them under ``--out-dir`` (default ./bench-results under
+the current directory, created on demand; ``refresh`` writes bench/baselines/, its job). Without
+a CUDA GPU the GPU benches refuse (exit status 2) unless ``--device cpu`` asks for a smoke run;
+a CPU run prints no ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and
+``regress`` / ``refresh`` of given ``--results`` files need no GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import argparse
 import sys
 
 from bench.breakdown import add_arguments as add_breakdown_arguments
+from bench.common import add_out_dir_argument
 from bench.breakdown import cmd_breakdown
 from bench.e2e import add_arguments as add_e2e_arguments
 from bench.e2e import cmd_e2e
@@ -80,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
     pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all / prefix")
-    pl.add_argument("--prefix", default=None, help="PNG path prefix (default: the JSON's path without .json)")
+    pl.add_argument("--prefix", default=None,
+                    help="PNG path prefix (default: <out-dir>/<the JSON's name without .json>)")
+    add_out_dir_argument(pl, "the PNG files")
 
     for name, text in (("regress", "compare a run with the committed baseline of its GPU"),
                        ("refresh", "make a passing run the baseline of its GPU")):
@@ -154,12 +163,14 @@ def _replay(ns: argparse.Namespace, args: dict) -> dict:
 
 
 def cmd_regress(ns: argparse.Namespace) -> int:
-    from bench.common import env_info, load_json
+    from bench.common import env_info, load_json, require_gpu
     from bench.regress import compare, format_report, load_baseline
-    from bench.suite import resolve_device
 
     fresh = load_json(ns.results) if ns.results else None
-    gpu_key = fresh["header"]["gpu_key"] if fresh else env_info(resolve_device(ns.device))["gpu_key"]
+    if fresh is None:  # a fresh run: the GPU rule applies
+        gpu_key = env_info(require_gpu(ns.device, command="bench regress"))["gpu_key"]
+    else:
+        gpu_key = fresh["header"]["gpu_key"]
     try:
         baseline = load_baseline(gpu_key, ns.baseline, _baseline_dir(ns))
     except FileNotFoundError as e:
@@ -193,7 +204,7 @@ def cmd_refresh(ns: argparse.Namespace) -> int:
 def cmd_plot(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from bench.common import load_json, validate_results
+    from bench.common import checked_out_dir, load_json, validate_results
     from bench.plots import PlotError, plot_results
 
     try:
@@ -205,17 +216,27 @@ def cmd_plot(ns: argparse.Namespace) -> int:
     if problems:
         print(f"{ns.results} is not a results document: {problems[0]}", file=sys.stderr)
         return 2
+    if ns.prefix:
+        checked_out_dir(Path(ns.prefix).parent, "--prefix's folder")
+        prefix = ns.prefix
+    else:
+        prefix = str(checked_out_dir(ns.out_dir) / Path(ns.results).with_suffix("").name)
+    folder = Path(prefix).parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
     try:
         if doc.get("bench") == "prefix":
             from bench.prefix import plot_prefix
 
-            png = plot_prefix(doc, (ns.prefix or str(Path(ns.results).with_suffix(""))) + ".png")
+            png = plot_prefix(doc, prefix + ".png")
             if png is None:
                 raise PlotError("matplotlib is not installed or the document has no measured prefix rows")
             files = [png]
         else:
-            files = plot_results(doc, ns.prefix or str(Path(ns.results).with_suffix("")))
+            files = plot_results(doc, prefix)
     except PlotError as e:
+        if created and not any(folder.iterdir()):
+            folder.rmdir()
         print(f"no plots: {e}", file=sys.stderr)
         return 2
     for f in files:
@@ -230,8 +251,12 @@ COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a command line this machine cannot run (``UsageError``: no GPU, an unusable
+    ``--out-dir``) is one line on stderr and exit status 2."""
+    from bench.common import exit_status
+
     ns = build_parser().parse_args(argv)
-    return COMMANDS[ns.command](ns)
+    return exit_status(COMMANDS[ns.command], ns)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 End-to-end timings say how long a call takes; this says what the GPU did in it. The op runs on
 one shape (the same cache build as ``bench timeline``), first timed back to back with CUDA events,
 then a few calls under ``torch.profiler``: every kernel and copy it launched, with its median
-duration and the median idle gap before it, and the GPU span per call. Session 7 found the
-split combine's 19 µs and the per-call host-to-device copy of the query offsets this way.
+duration and the median idle gap before it, and the GPU span per call: a split combine's
+kernel time, or a host-to-device copy a call should not make, shows up here.
+
+It needs a CUDA GPU (no CPU run). ``--json`` also writes the summary as
+``<out-dir>/<gpu>-<date>-breakdown.json`` (``--out-dir``, default ./bench-results).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+from bench.common import add_out_dir_argument, checked_out_dir, require_gpu, results_path, write_json
 
 
 def build_shape(spec: dict):
@@ -158,19 +163,15 @@ def add_shape_arguments(p, context: int, config_help: str) -> None:
     p.add_argument("--config", default=None,
                    help=f"DecodeConfig as JSON, or a QTiledConfig with \"kernel\": \"q_tiled\" "
                         f"(default: {config_help})")
-    p.add_argument("--json", default=None, help="also write the summary here")
+    p.add_argument("--json", action="store_true",
+                   help="also write the summary as <out-dir>/<gpu>-<date>-<command>.json")
+    add_out_dir_argument(p, "the --json summary")
 
 
-def shape_spec(ns, command: str) -> dict | None:
-    """The spec of ``ns``'s shape, or None (with the reason on stderr) without a GPU; a bad
-    config raises here, before anything is built."""
-    import torch
-
+def shape_spec(ns, command: str) -> dict:
+    """The spec of ``ns``'s shape; a bad config raises here, before anything is built."""
     from bench.harness import _decode_config
 
-    if not torch.cuda.is_available():
-        print(f"bench {command} needs a CUDA GPU", file=sys.stderr)
-        return None
     hq, hkv = (int(x) for x in ns.heads.split("/"))
     config = json.loads(ns.config) if ns.config else None
     _decode_config(config)
@@ -184,19 +185,33 @@ def add_arguments(p) -> None:
     p.add_argument("--calls", type=int, default=10, help="calls under the profiler")
 
 
+def prepare(ns, command: str) -> tuple[dict, Path | None]:
+    """The GPU diagnostics' checks before any work: a GPU (``require_gpu``), the shape's spec and,
+    with ``--json``, the file the summary goes to (under a checked ``--out-dir``)."""
+    from bench.common import env_info
+
+    require_gpu(command=f"bench {command}", cpu_run=False)
+    spec = shape_spec(ns, command)
+    out = results_path(checked_out_dir(ns.out_dir), env_info("cuda"), command) if ns.json else None
+    return spec, out
+
+
+def write_summary(path: Path | None, spec: dict, res: dict) -> None:
+    if path is not None:
+        write_json(path, dict(spec=spec, **res))
+        print(f"wrote {path}")
+
+
 def cmd_breakdown(ns) -> int:
     if ns.calls < 1:
-        print("--calls must be >= 1", file=sys.stderr)
+        print("bench breakdown: --calls must be >= 1", file=sys.stderr)
         return 2
-    spec = shape_spec(ns, "breakdown")
-    if spec is None:
-        return 2
+    spec, out = prepare(ns, "breakdown")
     res = run_breakdown(spec, calls=ns.calls)
     print(format_breakdown(res))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(dict(spec=spec, **res), indent=1))
+    write_summary(out, spec, res)
     return 0
 
 
 __all__ = ["add_arguments", "add_shape_arguments", "build_shape", "cmd_breakdown", "format_breakdown", "last_call",
-           "run_breakdown", "shape_spec", "summarize_events"]
+           "prepare", "run_breakdown", "shape_spec", "summarize_events", "write_summary"]

@@ -341,6 +341,92 @@ def validate_record(rec: Mapping) -> list[str]:
     return problems
 
 
+# ---- command line: where files go, which device runs ----------------------------------------
+DEFAULT_OUT_DIR = "bench-results"  # relative to the current directory, never the source tree
+
+
+class UsageError(SystemExit):
+    """A command line this machine cannot run (no GPU, an unusable ``--out-dir``): the commands
+    print its one-line message on stderr and exit with status 2, before anything is written."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def add_out_dir_argument(p, what: str = "the JSON, table and PNG files") -> None:
+    """The ``--out-dir`` option every writing command shares (one default: ``DEFAULT_OUT_DIR``)."""
+    p.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                   help=f"directory for {what} (default ./{DEFAULT_OUT_DIR}/ under the current directory, "
+                        "created on demand)")
+
+
+def add_device_argument(p, cpu_run: str) -> None:
+    """The ``--device`` option of a GPU bench with a CPU smoke run (``cpu_run`` says what it runs);
+    ``require_gpu`` applies it."""
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
+                   help="auto / cuda: the GPU (without one the bench refuses, exit status 2); cpu: "
+                        f"{cpu_run} (a smoke run: no meaningful timing, no ceilings, no targets)")
+
+
+def checked_out_dir(path: str | Path, option: str = "--out-dir") -> Path:
+    """``path`` as a usable output directory, checked before any long work: not a file, not under
+    a file, and writable (or creatable). Raises UsageError (naming ``option``) otherwise; creates
+    nothing."""
+    out = Path(path)
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            where = "is a file" if p == out else f"is under the file {p}"
+            raise UsageError(f"{option} {out} {where}: give a directory")
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == p.parent)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == out else f"cannot be created: {existing} is not writable"
+        raise UsageError(f"{option} {out} {what}")
+    return out
+
+
+def exit_status(command: Callable[..., int], *args) -> int:
+    """``command(*args)``'s exit status, or 2 with the UsageError's line on stderr."""
+    import sys
+
+    try:
+        return command(*args)
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
+
+
+NO_GPU = "no CUDA GPU here: the benches time GPU kernels."
+
+
+def require_gpu(requested: str = "auto", *, command: str, cpu_run: bool = True) -> str:
+    """The device a bench runs on: "cuda", or "cpu" when ``--device cpu`` asks for a smoke run
+    (``cpu_run``: the bench has one); ``command`` names the bench in messages ("bench e2e").
+    Every GPU bench calls this first: without a GPU it raises UsageError (exit status 2, nothing
+    written) unless the CPU was asked for."""
+    if requested == "cpu":
+        if cpu_run:
+            return "cpu"
+        raise UsageError(f"{command} has no CPU run: it times GPU kernels")
+    if requested not in ("auto", "cuda"):
+        raise UsageError(f"{command}: unknown device {requested!r} (auto, cuda or cpu)")
+    if not torch.cuda.is_available():
+        if cpu_run:
+            raise UsageError(f"{NO_GPU} Pass --device cpu for a smoke run on CPU-sized shapes, or "
+                             "`python -m bench check` for the GPU-free checks")
+        raise UsageError(f"{NO_GPU} {command} needs CUDA (it has no CPU run); "
+                         "`python -m bench check` runs the GPU-free checks")
+    return "cuda"
+
+
+def is_cpu_run(header: Mapping) -> bool:
+    """A smoke run on the CPU: its timings mean nothing, so it prints no ceilings and no targets."""
+    return header.get("device", header.get("gpu")) == "cpu"
+
+
 def results_path(out_dir: str | Path, header: Mapping, suffix: str = "", ext: str = "json") -> Path:
     """<out_dir>/<gpu>-<date>[-suffix].<ext>."""
     name = f"{header['gpu_key']}-{header['date']}" + (f"-{suffix}" if suffix else "")
@@ -377,10 +463,10 @@ class Timer:
     On a GPU each measured stretch starts behind a GPU-side sleep (``lead_ms``) queued before the
     start event, so that the host has enqueued the work before the GPU reaches it: the events then
     time the device, not the host's launch latency of the first call. Without the lead the first
-    call's host path (about 150 µs for the op, measured on the H200 in session 8) was charged to
-    every sample's few calls: 0.759 ms per call at 8k q512 against 0.740 ms behind a lead or in a
-    CUDA graph. A method whose host path is slower than its GPU work still shows it once the
-    lead is used up."""
+    call's host path (about 150 µs for the op on an H200) is charged to every sample's few calls:
+    0.759 ms per call at 8k q512 against 0.740 ms behind a lead or in a CUDA graph (``python -m
+    bench prefill --contexts 8192 --q-lens 512``). A method whose host path is slower than its GPU
+    work still shows it once the lead is used up."""
 
     def __init__(self, device: str):
         self.device = device
@@ -504,23 +590,31 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+# Records that are ceilings (the floor from the run's host ceiling, streaming reads of the shape's
+# bytes), not methods: a CPU smoke run does not print them.
+CEILING_METHODS = ("floor", "host_read", "hbm_read")
 TABLE_COLUMNS = ("method", "shape", "hbm%", "ms", "GB/s", "%host", "%ideal", "staging", "gpu")
 
 
-def format_table(records: Iterable[Mapping], ceilings: Ceilings, variants: Mapping | None = None) -> str:
+def format_table(records: Iterable[Mapping], ceilings: Ceilings | None, variants: Mapping | None = None) -> str:
     """A fixed-width table: method, shape, ms, effective GB/s, % of the host ceiling,
-    % of the ideal time (frac_of_ceiling), staging and extra GPU bytes. ``variants`` maps
-    (shape_key, method) to the formulation a baseline used (shown after the method)."""
+    % of the ideal time (frac_of_ceiling), staging and extra GPU bytes, under a line of the
+    ceilings. ``ceilings`` None (a CPU smoke run): no ceilings line, no percentages and no
+    ceiling rows (``CEILING_METHODS``).
+    ``variants`` maps (shape_key, method) to the formulation a baseline used (shown after the
+    method)."""
     rows = [TABLE_COLUMNS]
     for rec in records:
+        if ceilings is None and rec["method"] in CEILING_METHODS:
+            continue
         method = rec["method"]
         variant = (variants or {}).get(f"{shape_key(rec)}|{method}")
         if variant:
             method = f"{method}[{variant}]"
         shape = (f"B{rec['batch']} ctx{_kilo(rec['context'])} q{rec['q_len']} "
                  f"{rec['hq']}/{rec['hkv']} d{rec['head_dim']}")
-        pct_host = None if rec["gbps"] is None else 100.0 * rec["gbps"] / ceilings.host_read_gbps
-        pct_ideal = None if rec["frac_of_ceiling"] is None else 100.0 * rec["frac_of_ceiling"]
+        pct_host = None if rec["gbps"] is None or ceilings is None else 100.0 * rec["gbps"] / ceilings.host_read_gbps
+        pct_ideal = None if rec["frac_of_ceiling"] is None or ceilings is None else 100.0 * rec["frac_of_ceiling"]
         ms = "missing" if rec["ms"] is None else f"{rec['ms']:.3f}"
         rows.append((method, shape, f"{100 * float(rec['hbm_fraction']):.0f}", ms, _fmt(rec["gbps"], ".1f"),
                      _fmt(pct_host, ".1f"), _fmt(pct_ideal, ".1f"), _fmt_bytes(rec["staging_bytes"]),
@@ -529,6 +623,8 @@ def format_table(records: Iterable[Mapping], ceilings: Ceilings, variants: Mappi
     lines = ["  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    if ceilings is None:
+        return "\n".join(lines)
     head = (f"ceilings: host read {ceilings.host_read_gbps:.1f} GB/s, HBM read {ceilings.hbm_read_gbps:.0f} GB/s, "
             f"memcpy H2D {ceilings.memcpy_h2d_gbps:.1f} GB/s")
     return head + "\n" + "\n".join(lines)

@@ -3,21 +3,24 @@ all in HBM pages (ours) and dense in HBM (``fa4[hbm]``, as ``bench.peers`` calls
 Hq/Hkv 32/8, d 128, page 64, batch 1, causal; every config of ours timed as the benches time
 (``bench.common.time_calls``), checked against FA4's output, with TFLOP/s.
 
-usage: python -m bench.compute_ab SHAPES CONFIGS_JSON [out.json]
+usage: python -m bench.compute_ab SHAPES CONFIGS_JSON [--out-dir DIR]
   SHAPES: CONTEXTxQ_LEN,... e.g. 8192x512,32768x8192; CONFIGS_JSON: a list of QTiledConfig dicts.
-A kernel-source A/B runs this twice in one command, once per copy of the package.
+Writes <out-dir>/<gpu>-<date>-compute-ab.json (default ./bench-results). A kernel-source A/B runs
+this twice in one command, once per copy of the package (with an --out-dir each). It needs a CUDA
+GPU (no CPU run).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 
 import torch
 
 from bench import peers
-from bench.common import Timer, time_calls
+from bench.common import (Timer, add_out_dir_argument, checked_out_dir, env_info, exit_status, require_gpu,
+                          results_path, time_calls, write_json)
 from bench.hostmem import PinnedBuffer
 from bench.methods import rel_error
 from directkv_cute.cache import PagedKVCache
@@ -71,13 +74,34 @@ def run_shape(context: int, q_len: int, cfgs, timer: Timer) -> dict:
         torch.cuda.empty_cache()
 
 
+def _shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(v) for v in s.split("x", 1)) for s in text.split(",") if s]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CONTEXTxQ_LEN,..., got {text!r}") from None
+
+
+def _configs(text: str) -> list[QTiledConfig]:
+    try:
+        return [QTiledConfig.from_dict(d) for d in json.loads(text)]
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of QTiledConfig dicts: {e}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.compute_ab", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", type=_shapes, help="CONTEXTxQ_LEN,..., e.g. 8192x512,32768x8192")
+    p.add_argument("configs", type=_configs, help='a JSON list of QTiledConfig dicts, e.g. \'[{}, {"cluster": 1}]\'')
+    add_out_dir_argument(p, "the JSON")
+    return p
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not torch.cuda.is_available():
-        print("bench.compute_ab times kernels: it needs a CUDA GPU", file=sys.stderr)
-        return 2
-    shapes = [tuple(int(v) for v in s.split("x")) for s in argv[0].split(",")]
-    cfgs = [QTiledConfig.from_dict(d) for d in json.loads(argv[1])]
+    ns = parser().parse_args(argv)
+    require_gpu(command="python -m bench.compute_ab", cpu_run=False)
+    out = results_path(checked_out_dir(ns.out_dir), env_info("cuda"), "compute-ab")
+    shapes, cfgs = ns.shapes, ns.configs
     why = peers.unavailable("cuda")
     if why is not None:
         print("no FA4:", why)
@@ -89,11 +113,10 @@ def main(argv=None) -> int:
                  if isinstance(v, float) and k not in ("tflop",) and ":" not in k]
         print(f"{context // 1024}k q{q_len}: " + " ".join(timed), flush=True)
         print("   ", {k: v for k, v in res.items() if ":" in k}, flush=True)
-    if len(argv) > 2:
-        with open(argv[2], "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(out, {"bench": "compute-ab", "rows": rows})
+    print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -1,17 +1,20 @@
 """The copy engine's rates for the staging copies (``directkv_cute.staging``).
 
-``python -m bench.copy_rates [OUT.json]``: 32 MB of pages (256 KB each: Hkv 8 x K/V x 64 tokens x
+``python -m bench.copy_rates [--out-dir DIR]``: 32 MB of pages (256 KB each: Hkv 8 x K/V x 64 tokens x
 d 128 in bf16) copied from pinned host memory into HBM as strided 2-D copies of 32 / 64 / 128 KB
 rows (one call per group of KV heads, as a copy staged head by head) or whole pages, in 1 / 4 /
 16 pieces, with and without a ready flag (``cuStreamWriteValue32``) after each piece. CUDA
 events around each pattern, median of 10 after 3 warm-ups. The per-call and per-flag costs in
-``plan`` (``COPY_CALL_MS``, ``FLAG_MS``, ``LINK_PIECES``) are read off this table.
+``plan`` (``COPY_CALL_MS``, ``FLAG_MS``, ``LINK_PIECES``) are read off this table. Writes
+``<out-dir>/<gpu>-<date>-copy-rates.json`` (default ./bench-results). It needs a CUDA GPU (no CPU
+run).
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import argparse
+
+from bench.common import add_out_dir_argument, checked_out_dir, exit_status, require_gpu
 
 PAGE = 256 << 10
 PAGES = 128
@@ -22,8 +25,6 @@ def measure() -> dict:
     import cuda.bindings.runtime as rt
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.copy_rates needs CUDA")
     host = torch.empty(PAGES * PAGE, dtype=torch.uint8).pin_memory()
     dev = torch.empty(PAGES * PAGE, dtype=torch.uint8, device="cuda")
     flags = torch.zeros(4096, dtype=torch.int32, device="cuda")
@@ -64,13 +65,18 @@ def measure() -> dict:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    rows = measure()
-    if argv:
-        with open(argv[0], "w") as f:
-            json.dump(rows, f, indent=1)
+    from bench.common import env_info, results_path, write_json
+
+    p = argparse.ArgumentParser(prog="python -m bench.copy_rates", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_out_dir_argument(p, "the JSON")
+    ns = p.parse_args(argv)
+    require_gpu(command="python -m bench.copy_rates", cpu_run=False)
+    out = results_path(checked_out_dir(ns.out_dir), env_info("cuda"), "copy-rates")
+    write_json(out, {"bench": "copy-rates", "rows": measure()})
+    print(f"wrote {out}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

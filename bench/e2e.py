@@ -5,6 +5,7 @@ generating over a long context, ours against transformers' own caches, in one ru
     python -m bench e2e --quick              # 32k, batch 1, 8 timed tokens
     python -m bench e2e --preset llama3-70b --contexts 131072 --batches 1   # HF rows record their OOM
     python -m bench e2e --device cpu         # smoke: tiny preset, 128 tokens, ours[host] + dynamic
+                                             # (no ceilings, physics rows or targets)
 
 Methods (``--methods``), each through ``model.generate`` with greedy decoding on random prompts of
 ``--contexts`` tokens, ``--batches`` rows, ``--prefill-chunk`` tokens per prefill forward:
@@ -32,7 +33,7 @@ and hf-offloaded+fa4 another seconds-per-token decode); ask for them with ``--me
 FA4 cannot run (no CUDA, no SM90, flash-attn-4 not importable: ``bench.peers.unavailable``) their
 rows are ``skipped`` with the reason. FA4's attention refuses padding masks, dropout and other
 mask patterns (the prompts here are random, unpadded). The targets list ours[host]'s speedup over
-hf-offloaded+fa4 (reported; no target of the issue).
+hf-offloaded+fa4 (reported, with no limit).
 
 The model (``--preset``, random weights from ``directkv_cute.presets.build_random_model``) is built
 once on the GPU and kept there; every method builds its cache, runs and frees it (then
@@ -75,15 +76,16 @@ budget can run out. The JSON is rewritten after every row, so a run cut short ke
 **Ceilings and physics, same run.** The host-read, HBM-read and memcpy ceilings are measured first
 (``bench.ceilings``). ``dynamic`` also runs at ``--physics-context`` (4k) for each batch: the
 model's non-attention time per token. The ``physics`` row of a (context, batch) is ours' KV bytes
-per step / the host ceiling + that time; the targets of the issue are checked against it:
+per step / the host ceiling + that time; the bench's targets are checked against it:
 ours[host] <= 1.15 x physics, ours[host] >= 5x faster than hf-offloaded at 32k and >= 7x at 128k
 (at less peak GPU memory), ours[hbm] faster than ours[host], ours' prefill <= 1.3x dynamic's where
-dynamic fits, and for llama3-70b >= 1 token/s.
+dynamic fits, and for llama3-70b >= 1 token/s. A CPU smoke run (``--device cpu``) has no
+physics rows and no targets, and prints no ceilings: its timings mean nothing.
 
-Files under ``--out-dir``: ``<gpu>-<date>-e2e-<preset>.json`` (schema ``directkv-bench-e2e/1``:
-the header, ceilings, args, ``rows``, ``targets``), the table as ``.txt`` and ``.png`` (decode
+Files under ``--out-dir`` (default ./bench-results): ``<gpu>-<date>-e2e-<preset>.json`` (schema
+``directkv-bench-e2e/1``: the header, ceilings, args, ``rows``, ``targets``), the table as ``.txt`` and ``.png`` (decode
 ms/token and prefill s per method against context, one column per batch) when matplotlib is
-installed. The JSON is rewritten after every row.
+installed (GPU runs). The JSON is rewritten after every row.
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ from pathlib import Path
 
 import torch
 
+from bench.common import (UsageError, add_device_argument, add_out_dir_argument, checked_out_dir, is_cpu_run,
+                          require_gpu)
+
 E2E_SCHEMA = "directkv-bench-e2e/1"
 GiB = 1 << 30
 BASE_METHODS = ("dynamic", "hf-offloaded", "ours")
@@ -108,7 +113,6 @@ DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
 FA4_METHODS = ("fa4", "hf-offloaded+fa4")
 METHOD_ORDER = {"dynamic": 0, "fa4": 1, "hf-offloaded": 2, "hf-offloaded+fa4": 3, "ours[readback]": 4,
                 "ours[host]": 5, "ours[fused]": 6, "ours[fp8]": 7, "ours[hbm]": 8}
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 ROW_FIELDS = (
     "bench", "preset", "method", "label", "role", "context", "batch", "dtype", "status", "error",
@@ -118,7 +122,7 @@ ROW_FIELDS = (
 )
 STATUSES = ("ok", "OOM", "skipped", "error", "computed")
 
-# The issue's targets: ours[host] at least this many times faster than hf-offloaded per context.
+# The targets: ours[host] at least this many times faster than hf-offloaded per context.
 OFFLOAD_SPEEDUP = {32768: 5.0, 131072: 7.0}
 PHYSICS_FACTOR = 1.15
 PREFILL_FACTOR = 1.3
@@ -304,7 +308,7 @@ def physics_rows(rows: list[dict], ceilings: dict, *, preset: str, dtype: str, t
 
 
 def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
-    """The issue's targets, each {target, context, batch, value, limit, ok, detail} (ok None when a
+    """The bench's targets, each {target, context, batch, value, limit, ok, detail} (ok None when a
     side is missing)."""
     out = []
 
@@ -367,7 +371,7 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
                     off["peak_gpu_bytes"] / GiB, host["peak_gpu_bytes"] < off["peak_gpu_bytes"],
                     f"{host['peak_gpu_bytes'] / GiB:.2f} vs {off['peak_gpu_bytes'] / GiB:.2f} GiB")
         off_fa4 = _one(rows, method="hf-offloaded+fa4", role="measured", **m)
-        if off_fa4 is not None:  # the swap + FA4 peer: reported, no target of the issue
+        if off_fa4 is not None:  # the swap + FA4 peer: reported, with no limit
             add("ours[host] speedup over hf-offloaded+fa4 (swap + FA4)", ctx, batch,
                 off_fa4["decode_ms"] / host["decode_ms"], None, None,
                 f"{off_fa4['decode_ms']:.1f} / {host['decode_ms']:.1f} ms")
@@ -432,7 +436,8 @@ TABLE_COLUMNS = ("method", "B", "ctx", "status", "prefill s", "ms/token", "tok/s
 
 
 def format_table(doc: dict) -> str:
-    """The rows as a fixed-width table, then the ceilings and the targets."""
+    """The rows as a fixed-width table under the ceilings, then the targets (a CPU run: the table
+    alone)."""
     rows = sorted(doc["rows"], key=lambda r: (r["role"] == "non-attention" and -1 or 0, r["batch"], r["context"],
                                               METHOD_ORDER.get(r["method"], 9)))
     lines = [TABLE_COLUMNS]
@@ -461,9 +466,10 @@ def format_table(doc: dict) -> str:
     body.insert(1, "  ".join("-" * w for w in widths))
     c = doc["ceilings"]
     head = [f"== e2e {doc['args'].get('preset')} on {doc['header']['gpu']} {doc['header']['date']} "
-            f"({doc['header'].get('dtype', '')}, transformers {doc['header']['versions'].get('transformers')})",
-            f"ceilings: host read {c['host_read_gbps']:.1f} GB/s, HBM read {c['hbm_read_gbps']:.0f} GB/s, "
-            f"memcpy H2D {c['memcpy_h2d_gbps']:.1f} GB/s"]
+            f"({doc['header'].get('dtype', '')}, transformers {doc['header']['versions'].get('transformers')})"]
+    if not is_cpu_run(doc["header"]):
+        head.append(f"ceilings: host read {c['host_read_gbps']:.1f} GB/s, HBM read {c['hbm_read_gbps']:.0f} GB/s, "
+                    f"memcpy H2D {c['memcpy_h2d_gbps']:.1f} GB/s")
     tail = []
     for t in doc["targets"]:
         mark = {True: "MET ", False: "MISS", None: "    "}[t["ok"]]
@@ -876,22 +882,18 @@ def run_rows(runner: Runner, doc: dict, write) -> None:
 def _resolve(ns: argparse.Namespace) -> Options:
     from directkv_cute.generate import DTYPES, parse_size
 
-    device = ns.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    device = require_gpu(ns.device, command="bench e2e")
     defaults = dict(CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS)
     if ns.quick and device == "cuda":
         defaults.update(QUICK_GPU)
     val = {k: (getattr(ns, k) if getattr(ns, k) is not None else d) for k, d in defaults.items()}
     dtype = DTYPES[val["dtype"]]
     if dtype == torch.float32 and device == "cuda":
-        raise SystemExit("--dtype fp32 runs only on the CPU (the GPU kernels take bf16 / fp16)")
+        raise UsageError("bench e2e: --dtype fp32 runs only on the CPU (the GPU kernels take bf16 / fp16)")
     budget = parse_size(ns.hbm_budget) if ns.hbm_budget is not None else None
     for name in ("new_tokens", "offloaded_tokens"):
         if val[name] < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+            raise UsageError(f"bench e2e: --{name.replace('_', '-')} must be >= 1")
     return Options(preset=val["preset"], device=device, dtype=dtype, contexts=list(val["contexts"]),
                    batches=list(val["batches"]), methods=parse_methods(val["methods"]), new_tokens=val["new_tokens"],
                    warmup_tokens=val["warmup_tokens"], offloaded_tokens=val["offloaded_tokens"],
@@ -901,13 +903,16 @@ def _resolve(ns: argparse.Namespace) -> Options:
 
 
 def finish_doc(doc: dict, opts: Options, token_bytes: int) -> dict:
-    """Physics rows and targets from the measured rows (idempotent)."""
+    """Physics rows and targets from the measured rows (idempotent); none on a CPU smoke run."""
     doc["rows"] = [r for r in doc["rows"] if r["method"] != "physics"]
+    doc["passed"] = not any(r["status"] == "error" for r in doc["rows"])
+    if opts.device != "cuda":
+        doc["targets"] = []
+        return doc
     doc["rows"] += physics_rows(doc["rows"], doc["ceilings"], preset=opts.preset,
                                 dtype=str(opts.dtype).removeprefix("torch."), token_bytes=token_bytes,
                                 warmup=opts.warmup_tokens, timed=opts.new_tokens, physics_context=opts.physics_context)
     doc["targets"] = evaluate_targets(doc["rows"], preset=opts.preset)
-    doc["passed"] = not any(r["status"] == "error" for r in doc["rows"])
     return doc
 
 
@@ -919,6 +924,7 @@ def run_e2e(ns: argparse.Namespace) -> int:
     from directkv_cute.presets import build_random_model, preset_config, weight_bytes
 
     opts = _resolve(ns)
+    out_dir = checked_out_dir(ns.out_dir)
     try:
         preset_config(opts.preset)
     except ValueError as e:
@@ -927,15 +933,15 @@ def run_e2e(ns: argparse.Namespace) -> int:
     header = env_info(opts.device)
     header["versions"]["transformers"] = transformers.__version__
     header["dtype"] = str(opts.dtype).removeprefix("torch.")
-    out_dir = Path(ns.out_dir)
     path = results_path(out_dir, header, f"e2e-{opts.preset}")
     print(f"directkv bench e2e ({opts.preset}, {header['dtype']}) on {header['gpu']} -> {path}", flush=True)
     small = opts.device != "cuda"
     ceilings, details = measure_ceilings(opts.device, host_bytes=64 * MiB if small else int(ns.ceiling_gb * GiB),
                                          hbm_bytes=64 * MiB if small else int(2 * ns.ceiling_gb * GiB))
     _free(opts.device)
-    print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s, HBM read {ceilings.hbm_read_gbps:.1f} GB/s, "
-          f"memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s", flush=True)
+    if not small:
+        print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s, HBM read {ceilings.hbm_read_gbps:.1f} GB/s, "
+              f"memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s", flush=True)
     t0 = time.perf_counter()
     model = build_random_model(opts.preset, opts.dtype, opts.device, seed=opts.seed, attn_implementation="sdpa")
     print(f"model: {opts.preset}, {weight_bytes(model) / GiB:.2f} GiB of weights, built in "
@@ -962,7 +968,7 @@ def run_e2e(ns: argparse.Namespace) -> int:
     txt = results_path(out_dir, header, f"e2e-{opts.preset}", ext="txt")
     txt.write_text(text + "\n")
     files = [path, txt]
-    if not ns.no_plot:
+    if not (ns.no_plot or small):
         try:
             png = plot_e2e(doc, results_path(out_dir, header, f"e2e-{opts.preset}", ext="png"))
         except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
@@ -998,9 +1004,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="[bf16] (cpu: fp32)")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="32k, batch 1, 8 timed tokens (about a minute and a half)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="cpu: the tiny preset at 128 tokens, ours[host] and dynamic (a smoke test)")
-    p.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
+    add_device_argument(p, "the tiny preset at 128 tokens, ours[host] and dynamic")
+    add_out_dir_argument(p)
     p.add_argument("--time-budget-s", type=float, default=540.0,
                    help="start no new row after this many seconds [540]; the rest are listed as skipped")
     p.add_argument("--no-skip", action="store_true", help="attempt batch > 1 rows that clearly cannot fit")

@@ -19,12 +19,17 @@
    (|logits - logits_bf16|_inf / |logits_bf16|_inf per step), and the free-running greedy
    agreement (the steps until the FP8 run's own greedy tokens first differ).
 
-Result (bench/results/cpu-2026-12-01-s13-fp8-accuracy.txt): token scales win. On random inputs
+Result (``python -m bench fp8-accuracy``; the run docs/FP8.md quotes: ``git show
+7747519:bench/results/cpu-2026-12-01-s13-fp8-accuracy.txt``): token scales win. On random inputs
 token, full-page and calibrated tensor scales are alike (RMS ~3.7e-2 vs 2.4e-3 for bf16); on
 heavy-tailed K token scales are ~2x better than full-page scales (which would need requantizing
 as a page fills) and 2-4x better than a tensor scale, because each row's largest element (the
 outlier channel) is stored exactly; page scales fixed at the first write clamp (error > 1). End
 to end, FP8 KV keeps all 200 greedy tokens of the bf16 run. docs/FP8.md has the table.
+
+It runs on the CPU by design (the errors are the storage's, not a kernel's), so it needs no GPU
+and takes no ``--device``. Files: ``<out-dir>/cpu-fp8-accuracy.json`` and ``.txt`` (``--out-dir``,
+default ./bench-results; ``--name`` renames them).
 """
 
 from __future__ import annotations
@@ -36,11 +41,11 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_out_dir_argument
 from directkv_cute import fp8
 from directkv_cute.reference import dense_attention_ref
 
-RESULTS = Path(__file__).parent / "results"
-NAME = "cpu-2026-12-01-s13-fp8-accuracy"
+NAME = "cpu-fp8-accuracy"
 HQ, HKV, D, PAGE = 8, 2, 128, 64
 CALIBRATION_TOKENS = 256
 
@@ -53,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens end to end (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-e2e", action="store_true", help="op level only")
-    p.add_argument("--out-dir", default=str(RESULTS))
+    add_out_dir_argument(p, "the JSON and the report")
     p.add_argument("--name", default=NAME, help=f"file name without extension (default {NAME})")
 
 
@@ -213,8 +218,11 @@ def format_report(doc: dict) -> str:
 
 
 def cmd_fp8_accuracy(ns: argparse.Namespace) -> int:
-    from bench.common import env_info, write_json
+    from bench.common import UsageError, checked_out_dir, env_info, write_json
 
+    out = checked_out_dir(ns.out_dir)
+    if not ns.name or Path(ns.name).name != ns.name or ns.name in (".", ".."):
+        raise UsageError(f"bench fp8-accuracy: --name {ns.name!r} must be a plain file name (no directories)")
     torch.manual_seed(ns.seed)
     contexts = [int(c) for c in str(ns.contexts).split(",") if c]
     doc = {"bench": "fp8-accuracy", "header": env_info("cpu"),
@@ -227,7 +235,6 @@ def cmd_fp8_accuracy(ns: argparse.Namespace) -> int:
         doc["e2e"] = end_to_end(ns.steps, ns.prompt, ns.seed)
     text = format_report(doc)
     print(text, end="")
-    out = Path(ns.out_dir)
     write_json(out / f"{ns.name}.json", doc)
     (out / f"{ns.name}.txt").write_text(text)
     print(f"wrote {out / (ns.name + '.json')} and .txt")
@@ -237,4 +244,6 @@ def cmd_fp8_accuracy(ns: argparse.Namespace) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="python -m bench.fp8_accuracy")
     add_arguments(p)
-    sys.exit(cmd_fp8_accuracy(p.parse_args()))
+    from bench.common import exit_status
+
+    sys.exit(exit_status(cmd_fp8_accuracy, p.parse_args()))

@@ -78,7 +78,8 @@ class BenchOptions:
 
 
 # The methods that read host pages once per query tile (naive zero-copy SDPA, FA4's page table over
-# UVA): 14-47x slower than the floor from q 512 (measured 2026-12-01), minutes of a grid's time.
+# UVA): 14-47x slower than the floor from q 512 (``python -m bench prefill --full`` on an H200),
+# minutes of a grid's time.
 SKIPPABLE = ("zero_copy", "fa4[zero_copy_paged]")
 
 
@@ -794,7 +795,8 @@ def run_shapes(shapes: Sequence[Shape], opts: BenchOptions, ceilings: Ceilings, 
             continue
         doc["records"].extend(r.to_dict() for r in records)
         write_json(out_path, doc)
-        _say(bar, format_table([r.to_dict() for r in records], ceilings, doc["notes"].get("variants")))
+        _say(bar, format_table([r.to_dict() for r in records], ceilings if opts.device == "cuda" else None,
+                               doc["notes"].get("variants")))
     return doc
 
 

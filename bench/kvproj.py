@@ -18,25 +18,24 @@ ours[fused,hbm] <= separate[hbm] (MET / MISS). Every method rotates over several
 (together more than twice the L2), as a model's layers do. Times are medians of CUDA-event samples
 behind a GPU-side lead (``bench.common.time_calls``).
 
-Writes <out-dir>/<gpu>-<date>-kvproj.json and .txt. ``--device cpu`` is a smoke run of the code
-path on tiny shapes (no meaningful timing). Exit 1 if a correctness check failed.
+Writes <out-dir>/<gpu>-<date>-kvproj.json and .txt (``--out-dir``, default ./bench-results).
+``--device cpu`` is a smoke run of the code path on tiny shapes (no meaningful timing: no ceilings,
+ideal times or targets). Exit 1 if a correctness check failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from bench.common import GB, MiB, Timer, dtype_name, env_info, progress_bar, results_path, time_calls, torch_dtype, \
-    write_json
+from bench.common import (GB, MiB, Timer, add_device_argument, add_out_dir_argument, checked_out_dir, dtype_name,
+                          env_info, is_cpu_run, progress_bar, require_gpu, results_path, time_calls, torch_dtype,
+                          write_json)
 
 BENCH = "kvproj"
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 512, 1024, 2048, 4096, 8192)
 QUICK_TOKENS = (1, 16, 64, 512, 4096)
 HIDDEN = (4096, 8192)
@@ -65,9 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bias", action="store_true", help="with k/v biases (Qwen2-style)")
     p.add_argument("--sets", type=int, default=0,
                    help="weight sets rotated per method (0: enough for 150 MB, beyond the L2)")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="cpu: a smoke run of the code path on tiny shapes")
-    p.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR))
+    add_device_argument(p, "the code path on tiny shapes")
+    add_out_dir_argument(p, "the JSON and table")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=7, help="timed samples per method")
     p.add_argument("--max-rep-s", type=float, default=1.5, help="timed seconds per method, about")
@@ -199,7 +197,7 @@ class Row:
         return ok, f"max rel gap {worst:.2e}, {exact:.4f} bit-equal"
 
 
-def _row_result(row: Row, ceil: dict, timer: Timer, timing: dict, page_size: int) -> dict:
+def _row_result(row: Row, ceil: dict, timer: Timer, timing: dict, page_size: int, targets: bool = True) -> dict:
     out = {"tokens": row.tokens, "hidden": row.hidden, "kv_heads": row.kv_heads, "head_dim": HEAD_DIM,
            "page_size": page_size, "dtype": dtype_name(row.dtype), "weight_bytes": row.weight_bytes,
            "kv_bytes": row.kv_bytes, "sets": len(row.sets), "methods": {}, "checks": {}}
@@ -217,39 +215,45 @@ def _row_result(row: Row, ceil: dict, timer: Timer, timing: dict, page_size: int
         t = time_calls(calls[name], timer, **timing)
         out["methods"][name] = {"ms": t.ms, "samples": t.samples, "inner": t.inner}
     out["targets"] = {}
-    for ours, theirs in TARGETS:
+    for ours, theirs in TARGETS if targets else ():
         a, b = out["methods"][ours]["ms"], out["methods"][theirs]["ms"]
         out["targets"][f"{ours} <= {theirs}"] = {"met": a <= b, "ratio": a / b}
     return out
 
 
 def format_table(doc: dict) -> str:
+    """The rows' times under the ceilings, with the ideal times and the targets (a CPU smoke run:
+    the times and checks alone)."""
     c = doc["ceilings"]
-    lines = [f"kvproj on {doc['header']['gpu']}: HBM read {c['hbm_read_gbps']:.0f} GB/s, host write "
-             f"{c['host_write_gbps']:.1f} GB/s (store kernel), memcpy D2H {c['memcpy_d2h_gbps']:.1f} GB/s",
+    gpu = not is_cpu_run(doc["header"])
+    ceilings = (f": HBM read {c['hbm_read_gbps']:.0f} GB/s, host write {c['host_write_gbps']:.1f} GB/s (store "
+                f"kernel), memcpy D2H {c['memcpy_d2h_gbps']:.1f} GB/s") if gpu else ""
+    lines = [f"kvproj on {doc['header']['gpu']}{ceilings}",
              f"{'tokens':>6} {'hidden':>6} " + " ".join(f"{m:>15}" for m in METHODS)
-             + f" {'ideal':>8} {'ideal,hbm':>9}  target (fused<=separate | hbm)  check"]
+             + (f" {'ideal':>8} {'ideal,hbm':>9}  target (fused<=separate | hbm)" if gpu else "") + "  check"]
     for r in doc["rows"]:
         ms = " ".join(f"{r['methods'][m]['ms']:15.4f}" for m in METHODS)
-        tg = " | ".join(("MET " if t["met"] else "MISS") + f" {t['ratio']:.2f}x" for t in r["targets"].values())
         chk = "ok" if all(v["ok"] for v in r["checks"].values()) else "FAIL " + "; ".join(
             f"{k}: {v['detail']}" for k, v in r["checks"].items() if not v["ok"])
+        if not gpu:
+            lines.append(f"{r['tokens']:>6} {r['hidden']:>6} {ms}  {chk}")
+            continue
+        tg = " | ".join(("MET " if t["met"] else "MISS") + f" {t['ratio']:.2f}x" for t in r["targets"].values())
         ceil = r["ceilings_ms"]
         lines.append(f"{r['tokens']:>6} {r['hidden']:>6} {ms} {ceil['ideal_host']:8.4f} {ceil['ideal_hbm']:9.4f}  "
                      f"{tg:<29}  {chk}")
-    met = sum(t["met"] for r in doc["rows"] for t in r["targets"].values())
-    total = sum(len(r["targets"]) for r in doc["rows"])
-    lines.append(f"(ms per call, medians) targets met: {met}/{total}")
+    if gpu:
+        met = sum(t["met"] for r in doc["rows"] for t in r["targets"].values())
+        total = sum(len(r["targets"]) for r in doc["rows"])
+        lines.append(f"(ms per call, medians) targets met: {met}/{total}")
+    else:
+        lines.append("(ms per call on the CPU: a smoke run, no meaningful timing)")
     return "\n".join(lines)
 
 
 def run_kvproj(ns: argparse.Namespace) -> int:
-    device = ns.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("bench kvproj: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
+    device = require_gpu(ns.device, command="bench kvproj")
+    out_dir = checked_out_dir(ns.out_dir)
     cpu = device == "cpu"
     tokens = ns.tokens or (CPU_DEFAULTS["tokens"] if cpu else QUICK_TOKENS if ns.quick else TOKENS)
     hidden = ns.hidden or (CPU_DEFAULTS["hidden"] if cpu else (4096,) if ns.quick else HIDDEN)
@@ -259,7 +263,6 @@ def run_kvproj(ns: argparse.Namespace) -> int:
               dict(warmup=ns.warmup, reps=ns.reps, max_total_s=ns.max_rep_s, min_sample_ms=2.0))
     timer = Timer(device)
     header = env_info(device)
-    out_dir = Path(ns.out_dir)
     path = results_path(out_dir, header, BENCH)
     print(f"directkv bench kvproj on {header['gpu']} -> {path}", flush=True)
     ceil = measure_ceilings(device, (16 if cpu else ns.ceiling_mb) * MiB, timer, timing)
@@ -276,7 +279,7 @@ def run_kvproj(ns: argparse.Namespace) -> int:
         t0 = time.monotonic()
         row = Row(t, h, kv_heads, ns.page_size, dtype, ns.bias, sets, device, seed=t + h)
         try:
-            result = _row_result(row, ceil, timer, timing, ns.page_size)
+            result = _row_result(row, ceil, timer, timing, ns.page_size, targets=not cpu)
         finally:
             row.close()
             del row

@@ -1,5 +1,5 @@
 """Shared prefixes: ``python -m bench prefix`` -- batches of sequences forked from one prompt,
-the cascade (``directkv_cute.cascade``: a shared page read once per batch) against today's
+the cascade (``directkv_cute.cascade``: a shared page read once per batch) against the
 per-sequence kernels (a shared page read once per sequence) and the baselines.
 
     python -m bench prefix                          # the 18 rows below + the no-sharing control
@@ -28,7 +28,7 @@ no sharing; ``--no-control`` leaves it out) runs last, so the time budget drops 
   step), ``prepare_cascade`` as ``prepare_ms``, in the row's summary and in ``notes``;
 * ``ours[per-seq]``: ``paged_attention_tables`` over the same tables with the in-place kernel's
   config given explicitly (each sequence's pages read in place by the paged kernels: the path
-  before cascades);
+  of every sequence without a cascade);
 * ``ours[op]``: ``paged_attention_tables`` with no config, the op's own choice without a cascade:
   a long link-bound read is staged through the copy engine, and staging copies each distinct page
   once (its host bytes are then the unique pages);
@@ -74,7 +74,7 @@ every row.
   reaches naive / unique bytes times the link rate, printed with each line);
 * the control row: ours[cascade] no slower than ours[per-seq] (<= 1.03x: timing noise).
 
-**Files** under ``--out-dir`` (default bench/results): ``<gpu>-<date>-prefix.json`` (the
+**Files** under ``--out-dir`` (default ./bench-results): ``<gpu>-<date>-prefix.json`` (the
 ``directkv-bench/1`` results document of the other benches, plus ``rows``: one summary per row,
 and ``targets``), the table as ``.txt`` and ``-prefix.png`` (time per method against batch, one
 panel per own-token count and q_len) when matplotlib is installed (else ``python -m bench plot
@@ -83,7 +83,8 @@ panel per own-token count and q_len) when matplotlib is installed (else ``python
 **``--device cpu``**: a smoke run of the whole code path in seconds (a 512-token prompt, batch
 4, 0 / 40 own tokens, q_len 1 / 4, Hq/Hkv 4/2, d 64, page 16, float32): ``cascade_attention``
 and the per-sequence op run through the project's reference there, the SDPA baselines on the
-CPU; no meaningful timing.
+CPU; no meaningful timing, so it prints no ceilings, no targets and no ``x floor``, and draws no
+plot.
 """
 
 from __future__ import annotations
@@ -102,21 +103,21 @@ import numpy as np
 import torch
 
 from bench import peers
-from bench.common import (GiB, MiB, Ceilings, Shape, add_check, env_info, new_results, problem_lines, progress_bar,
-                          results_path, shape_key, write_json, dtype_name)
+from bench.common import (CEILING_METHODS, GiB, MiB, Ceilings, Shape, UsageError, add_check, add_device_argument,
+                          add_out_dir_argument, checked_out_dir, dtype_name, env_info, is_cpu_run, new_results,
+                          problem_lines, progress_bar, require_gpu, results_path, shape_key, write_json)
 from bench.harness import BenchOptions, ShapeBench, _Inputs, memory_problem, _short_error, peak_extra_bytes
 from bench.hostmem import PinnedBuffer
 from bench.methods import q_as_4d
 
 BENCH = "prefix"
 CONTROL_BENCH = "prefix-distinct"
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 
 CASCADE, PER_SEQ, OP = "ours[cascade]", "ours[per-seq]", "ours[op]"
 FA4_METHODS = ("fa4[hbm]", "fa4[zero_copy_paged]")
 METHOD_ORDER = ("floor", CASCADE, PER_SEQ, OP, "hbm", "zero_copy", "swap") + FA4_METHODS
 
-# The issue's targets.
+# The targets.
 SPEEDUP_TARGET = 8.0  # ours[cascade] over ours[per-seq] at SPEEDUP_ROW
 SPEEDUP_ROW = (16, 1024, 1)  # (batch, own tokens, q_len)
 FLOOR_FACTOR = 1.15  # link-bound rows: ours[cascade] <= this x floor
@@ -534,7 +535,7 @@ def _order(method: str) -> int:
 
 
 def evaluate_targets(doc: dict) -> list[dict]:
-    """The issue's targets, each {target, row, value, limit, ok, detail} (ok None: not
+    """The bench's targets, each {target, row, value, limit, ok, detail} (ok None: not
     applicable or a side not measured)."""
     out = []
     ceil_gbps = doc["ceilings"]["host_read_gbps"]
@@ -595,18 +596,21 @@ TABLE_COLUMNS = ("method", "row", "hbm%", "ms", "host MB", "KV tok/s", "x floor"
 
 def format_table(doc: dict) -> str:
     """Every row's methods as a fixed-width table, then missing / skipped / failed items and the
-    targets."""
+    targets (a CPU smoke run: no ceilings line and no ``x floor``)."""
     c = doc["ceilings"]
+    cpu = is_cpu_run(doc["header"])
     lines = [TABLE_COLUMNS]
     variants = doc["notes"].get("variants", {})
     for r in doc.get("rows", []):
         recs = _by_method(doc["records"], r["key"])
         floor = recs.get(("floor", 0.0))
         for (m, f), rec in sorted(recs.items(), key=lambda kv: (kv[0][1], _order(kv[0][0]))):
+            if cpu and m in CEILING_METHODS:
+                continue
             name = m + (f"[{variants[r['key'] + '|' + m]}]" if variants.get(f"{r['key']}|{m}") else "")
             ms = rec["ms"]
             tps = None if not ms else r["attended_tokens"] / (ms * 1e-3)
-            xf = None if not (ms and floor and floor["ms"]) else ms / floor["ms"]
+            xf = None if cpu or not (ms and floor and floor["ms"]) else ms / floor["ms"]
             sp = None
             if m == CASCADE:
                 sp = r["speedup_cascade_vs_per_seq"] if f == 0.0 else r["speedup_cascade_vs_per_seq_hbm"]
@@ -622,8 +626,8 @@ def format_table(doc: dict) -> str:
     body.insert(1, "  ".join("-" * w for w in widths))
     h = doc["header"]
     head = [f"== prefix on {h['gpu']} {h['date']}: {len(doc.get('rows', []))} rows, {len(doc['records'])} records",
-            f"ceilings: host read {c['host_read_gbps']:.1f} GB/s, HBM read {c['hbm_read_gbps']:.0f} GB/s, "
-            f"memcpy H2D {c['memcpy_h2d_gbps']:.1f} GB/s; KV tok/s = sum of seq_len over the batch / time"]
+            ("" if cpu else f"ceilings: host read {c['host_read_gbps']:.1f} GB/s, HBM read {c['hbm_read_gbps']:.0f} "
+             f"GB/s, memcpy H2D {c['memcpy_h2d_gbps']:.1f} GB/s; ") + "KV tok/s = sum of seq_len over the batch / time"]
     plan = [f"plan ({r['row']}): plan_cascade {r['plan_ms']:.3f} ms + prepare_cascade {r['prepare_ms']:.3f} ms on "
             f"the host per step, {r['spans']} span(s), {r['host_pages_read']} of {r['host_pages_naive']} host pages "
             "read" for r in doc.get("rows", []) if "plan_ms" in r]
@@ -693,19 +697,12 @@ def plot_prefix(doc: dict, path) -> Path | None:
 
 # ---- a run -----------------------------------------------------------------------------------
 def _resolve(ns: argparse.Namespace) -> tuple[str, dict]:
-    device = ns.device
-    if device == "auto":
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA GPU here: bench prefix times GPU kernels. Pass --device cpu for a smoke run "
-                             "(a 512-token prompt, batch 4, the reference path)")
-        device = "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda but torch.cuda.is_available() is False")
+    device = require_gpu(ns.device, command="bench prefix")
     defaults = CPU_DEFAULTS if device == "cpu" else GPU_DEFAULTS
     val = {k: (getattr(ns, k) if getattr(ns, k, None) is not None else d) for k, d in defaults.items()}
     val["dtype"] = dtype_name(val["dtype"])
     if val["dtype"] == "float32" and device == "cuda":
-        raise SystemExit("--dtype float32 runs only on the CPU (the GPU kernels take bf16 / fp16)")
+        raise UsageError("bench prefix: --dtype float32 runs only on the CPU (the GPU kernels take bf16 / fp16)")
     return device, val
 
 
@@ -713,6 +710,7 @@ def run_prefix(ns: argparse.Namespace) -> int:
     from bench.ceilings import measure_ceilings
 
     device, val = _resolve(ns)
+    out_dir = checked_out_dir(ns.out_dir)
     cpu = device == "cpu"
     # A CPU run checks the plumbing, not speed: as few timed calls as the timer allows.
     timing = dict(CPU_TIMING) if cpu else dict(warmup=ns.warmup, reps=ns.reps, max_rep_s=ns.max_rep_s,
@@ -723,13 +721,14 @@ def run_prefix(ns: argparse.Namespace) -> int:
                     heads=val["heads"], head_dim=val["head_dim"], dtype=val["dtype"], control=not ns.no_control,
                     control_batch=val["control_batch"])
     header = env_info(device)
-    out_dir = Path(ns.out_dir)
     path = results_path(out_dir, header, BENCH)
     print(f"directkv bench prefix ({len(rows)} rows, prompt {val['prompt']}) on {header['gpu']} -> {path}", flush=True)
     ceilings, details = measure_ceilings(device, host_bytes=64 * MiB if cpu else int(ns.ceiling_gb * GiB),
                                          hbm_bytes=64 * MiB if cpu else int(2 * ns.ceiling_gb * GiB))
-    print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s ({details['host_read']['kernel']}), "
-          f"HBM read {ceilings.hbm_read_gbps:.1f} GB/s, memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s", flush=True)
+    if not cpu:
+        print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s ({details['host_read']['kernel']}), "
+              f"HBM read {ceilings.hbm_read_gbps:.1f} GB/s, memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s",
+              flush=True)
     args = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, tuple, type(None)))
             and k != "func"}
     args.update(val, device=device, benches=[BENCH], timing=timing)
@@ -765,14 +764,14 @@ def run_prefix(ns: argparse.Namespace) -> int:
         write_json(path, doc)
         _say(bar, format_table({**doc, "rows": doc["rows"][-1:], "targets": [], "missing": [], "skipped": [],
                                 "checks": [c for c in doc["checks"] if c["shape"] == row.shape.label]}))
-    doc["targets"] = evaluate_targets(doc)
+    doc["targets"] = [] if cpu else evaluate_targets(doc)
     write_json(path, doc)
     text = format_table(doc)
     print(text, flush=True)
     txt = results_path(out_dir, header, BENCH, ext="txt")
     txt.write_text(text + "\n")
     files = [path, txt]
-    if not ns.no_plot:
+    if not (ns.no_plot or cpu):
         try:
             png = plot_prefix(doc, results_path(out_dir, header, BENCH, ext="png"))
         except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
@@ -820,9 +819,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-hbm", action="store_true", help="leave out ours with every page in HBM")
     p.add_argument("--no-peers", action="store_true",
                    help="leave out FlashAttention-4 (fa4[hbm], fa4[zero_copy_paged])")
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="cpu: a smoke run of the whole code path on tiny rows (no meaningful timing)")
-    p.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), help="where the JSON, table and PNG go")
+    add_device_argument(p, "the whole code path on tiny rows")
+    add_out_dir_argument(p)
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new row after this many seconds (rows run cheapest first, the control row last)")
     p.add_argument("--max-gb", type=float, default=32.0, help="skip rows whose dense KV exceeds this (GiB)")

@@ -8,10 +8,10 @@ Tracked ratios, per ``ours`` record (bench, shape, HBM fraction):
 * ``frac_of_fa4_limit``: max(floor, fa4[hbm]) / our time, the honest limit of a kernel over host
   KV (the link, or FlashAttention-4's compute with the KV in HBM); only where the run has FA4;
 * ``frac_of_memcpy``: the same ideal with the run's cudaMemcpy H2D rate as the host ceiling.
-  The copy engine's rate was the steadiest number across H200 leases (55.1 GB/s on two
-  leases), while the SM-read ceiling (47.1 vs 49.1 GB/s) and the zero-copy baseline (up to 15%)
-  moved more than our kernel did (0.5%): this ratio keeps a tight gate on our kernel when the
-  other two need wide, spread-derived tolerances.
+  The copy engine's rate was the steadiest number across H200 machines (55.1 GB/s on two of
+  them), while the SM-read ceiling (47.1 vs 49.1 GB/s) and the zero-copy baseline (up to 15%)
+  moved more than our kernel did (0.5%), in ``python -m bench all`` runs on each: this ratio
+  keeps a tight gate on our kernel when the other two need wide, spread-derived tolerances.
 
 A ratio *regresses* when it drops by more than ``max(rtol * |baseline|, atol)``: the relative
 tolerance absorbs run-to-run noise, the absolute one keeps tiny ratios from flagging on noise.
@@ -22,12 +22,12 @@ check unless allowed; a fresh run whose correctness checks failed always fails.
 Records whose baseline time is under ``min_ms`` (default 1 ms) do not gate: at such times a few
 microseconds of jitter (clocks, L2 state, launch gaps between back-to-back calls) are a large,
 machine-dependent share of the time, and a drop there is reported as ``noisy`` instead of
-``REGRESSED`` (the same idea as a minimum absolute delta in pytest benchmark plugins).
+``REGRESSED``.
 ``--min-ms 0`` gates everything.
 
 ``refresh`` writes the baseline from a run only if that run passed every correctness check.
-Given several runs (``--results A --results B ...``, e.g. from different leases of the same GPU
-model) it stores each tracked ratio's median and its relative spread (max - min) / median; a
+Given several runs (``--results A --results B ...``, e.g. from different machines with the same
+GPU model) it stores each tracked ratio's median and its relative spread (max - min) / median; a
 ratio's tolerance is then max(rtol, its spread), so ratios that swing between machines do not
 flag while steady ones keep the tight gate.
 The comparison takes two JSON dicts, so all of it runs without a GPU.

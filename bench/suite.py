@@ -1,9 +1,9 @@
 """Running the GPU benchmarks: ceilings once per run, then each bench's shapes, then files.
 
-Files (under ``--out-dir``, default bench/results): ``<gpu>-<date>-<bench>.json`` per bench
+Files (under ``--out-dir``, default ./bench-results): ``<gpu>-<date>-<bench>.json`` per bench
 and its table as ``.txt``, ``<gpu>-<date>.json`` with every record when several benches ran
-(``all``), and PNG plots next to them. JSON files are rewritten after every shape, so a run cut short keeps what it
-measured.
+(``all``), and PNG plots next to them (GPU runs). JSON files are rewritten after every shape, so a
+run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -14,18 +14,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from bench import decode, prefill
 from bench.ceilings import measure_ceilings
 from bench.harness import SKIPPABLE
-from bench.common import (GiB, MiB, Ceilings, env_info, format_table, merge_results, new_results, problem_lines,
+from bench.common import (GiB, MiB, Ceilings, add_device_argument, add_out_dir_argument, checked_out_dir, env_info,
+                          format_table, is_cpu_run, merge_results, new_results, problem_lines, require_gpu,
                           results_path, write_json)
 from bench.harness import BenchOptions, load_ours, run_shapes
 from bench.plots import plot_decode, plot_prefill
 
 BENCHES = {"decode": decode, "prefill": prefill}
-DEFAULT_OUT_DIR = Path(__file__).resolve().parent / "results"
 DECODE_SHARE = 0.6  # of --time-budget-s, when both benches run
 
 
@@ -41,15 +39,6 @@ class SuiteResult:
 CPU_MAX_CONTEXT = 2048
 CPU_MAX_Q_LEN = 64
 CPU_MAX_BATCH = 2
-
-
-def resolve_device(requested: str) -> str:
-    """The benches time GPU kernels: without a GPU they run only when --device cpu asks for it."""
-    if requested in ("auto", "cuda") and not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU here: the benches time GPU kernels. Pass --device cpu for a smoke run on "
-                         f"CPU-sized shapes (contexts <= {CPU_MAX_CONTEXT}, q_len <= {CPU_MAX_Q_LEN}, batch <= "
-                         f"{CPU_MAX_BATCH}), or `python -m bench check` for the GPU-free checks")
-    return "cuda" if requested == "auto" else requested
 
 
 def cpu_shapes(shapes: list) -> list:
@@ -92,16 +81,19 @@ def _json_args(ns: argparse.Namespace) -> dict:
 
 
 def run_suite(ns: argparse.Namespace, benches: list[str], ours_loader=load_ours) -> SuiteResult:
-    """Measure the ceilings, run each bench, write JSON, tables and plots."""
-    device = resolve_device(ns.device)
-    out_dir = Path(ns.out_dir)
+    """Measure the ceilings, run each bench, write JSON, tables and plots (a CPU smoke run prints
+    no ceilings and no targets, and draws no plots)."""
+    device = require_gpu(ns.device, command="bench " + (getattr(ns, "command", None) or "+".join(benches)))
+    out_dir = checked_out_dir(ns.out_dir)
     header = env_info(device)
     small = device != "cuda"
     print(f"directkv bench {'+'.join(benches)} ({ns.preset}) on {header['gpu']} -> {out_dir}", flush=True)
     ceilings, details = measure_ceilings(device, host_bytes=64 * MiB if small else int(ns.ceiling_gb * GiB),
                                          hbm_bytes=64 * MiB if small else int(2 * ns.ceiling_gb * GiB))
-    print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s ({details['host_read']['kernel']}), "
-          f"HBM read {ceilings.hbm_read_gbps:.1f} GB/s, memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s", flush=True)
+    if not small:
+        print(f"ceilings: host read {ceilings.host_read_gbps:.2f} GB/s ({details['host_read']['kernel']}), "
+              f"HBM read {ceilings.hbm_read_gbps:.1f} GB/s, memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s",
+              flush=True)
     result = SuiteResult(exit_code=0)
     start = time.monotonic()
     args = _json_args(ns) | {"benches": benches}
@@ -119,7 +111,7 @@ def run_suite(ns: argparse.Namespace, benches: list[str], ours_loader=load_ours)
         txt = results_path(out_dir, header, bench, ext="txt")
         txt.write_text(text + "\n")
         result.files.append(txt)
-        if not ns.no_plot:
+        if not (ns.no_plot or small):
             result.files += _plots(doc, bench, out_dir, header)
     if len(benches) > 1:
         result.combined = merge_results("all", list(result.docs.values()))
@@ -154,18 +146,21 @@ def _plots(doc: dict, bench: str, out_dir: Path, header: dict) -> list[Path]:
 
 
 def summarize(doc: dict) -> str:
-    """The full table of a bench plus its missing, skipped and failed items."""
-    ceilings = Ceilings.from_dict(doc["ceilings"])
+    """The full table of a bench plus its missing, skipped and failed items (and, on a GPU, the
+    ceilings and the FP8 targets)."""
+    cpu = is_cpu_run(doc["header"])
+    ceilings = None if cpu else Ceilings.from_dict(doc["ceilings"])
     parts = [f"== {doc['bench']}: {len(doc['records'])} records",
              format_table(doc["records"], ceilings, doc["notes"].get("variants"))]
     for m in doc["missing"]:
         parts.append(f"missing: ours on {m['shape']} (hbm {m['hbm_fractions']}): {m['reason']}")
     parts += problem_lines(doc)
-    parts += fp8_target_lines(doc)
+    if not cpu:
+        parts += fp8_target_lines(doc)
     return "\n".join(parts)
 
 
-# Issue targets of FP8 pages (bench --kv-dtype): decode from FP8_MIN_CONTEXT up at least
+# Targets of FP8 pages (bench --kv-dtype): decode from FP8_MIN_CONTEXT up at least
 # FP8_MIN_SPEEDUP x faster than ours over bf16 pages, at FP8_MIN_CEILING of the host-read ceiling
 # in FP8 bytes; multi-token shapes no slower than bf16 where compute-bound.
 FP8_MIN_CONTEXT = 32768
@@ -210,9 +205,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         help="a few shapes of each grid, meant to take a few minutes on an H200 (default)")
     preset.add_argument("--full", dest="preset", action="store_const", const="full", help="the whole grid")
     p.set_defaults(preset="quick")
-    g.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), help="where JSON and PNG files go")
-    g.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
-                   help="cpu runs the same code on tiny shapes (a smoke test, no meaningful timing)")
+    add_out_dir_argument(g)
+    add_device_argument(g, f"the same code on CPU-sized shapes (contexts <= {CPU_MAX_CONTEXT}, q_len <= "
+                           f"{CPU_MAX_Q_LEN}, batch <= {CPU_MAX_BATCH})")
     g.add_argument("--max-gb", type=float, default=32.0, help="skip shapes whose one-layer KV exceeds this (GiB)")
     g.add_argument("--time-budget-s", type=float, default=None,
                    help="start no new shape after this many seconds (decode gets 60%% when both run)")

@@ -11,13 +11,14 @@ a kernel of its own (a separate compile key, never cached on disk) whose first c
 of each CTA reads ``%globaltimer`` at those points into a device buffer at that address. The
 op's own kernels, outside the block, have none of it (their code is unchanged). The timeline runs
 in this process: the op is timed untraced, then run traced on the same inputs.
+
+It needs a CUDA GPU (no CPU run). ``--json`` also writes the summary as
+``<out-dir>/<gpu>-<date>-timeline.json`` (``--out-dir``, default ./bench-results).
 """
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from directkv_cute.kernels.trace import SLOTS
 
@@ -124,11 +125,9 @@ def add_arguments(p) -> None:
 
 
 def cmd_timeline(ns) -> int:
-    from bench.breakdown import shape_spec
+    from bench.breakdown import prepare, write_summary
 
-    spec = shape_spec(ns, "timeline")
-    if spec is None:
-        return 2
+    spec, out = prepare(ns, "timeline")
     if spec["kv_dtype"] or (spec["config"] or {}).get("kernel") == "q_tiled":
         print("bench timeline stamps the multi-token kernel over 16-bit pages: no --kv-dtype, no q_tiled config "
               "(bench breakdown lists any call's kernels and copies)", file=sys.stderr)
@@ -136,8 +135,7 @@ def cmd_timeline(ns) -> int:
     spec.update(chunk=ns.chunk, skip_passes=bool(ns.skip_passes))
     res = run_timeline(spec) | {"skip_passes": bool(ns.skip_passes)}
     print(format_timeline(res))
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(dict(spec=spec, **res), indent=1))
+    write_summary(out, spec, res)
     return 0
 
 

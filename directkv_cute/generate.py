@@ -1,38 +1,42 @@
-"""``directkv-generate``: generate text (or tokens) with a Hugging Face model whose KV cache lives in
-pinned host memory (``directkv_cute.hf.DirectKVCache``), and report the timings.
+"""``directkv-generate``: generate tokens with a Hugging Face model whose KV cache lives in pinned
+host memory (``directkv_cute.hf.DirectKVCache``), and report the timings. ``--help`` is the user's
+guide (``DESCRIPTION``); this docstring says how the timings are taken.
 
-    directkv-generate --preset tiny --context 512 --max-new-tokens 16        # CPU: the reference path
+    directkv-generate --preset tiny --context 512 --max-new-tokens 16 --device cpu
     directkv-generate --preset llama3-8b --context 131072 --max-new-tokens 64 --hbm-budget 8GiB
     directkv-generate --model /path/to/Llama-3.1-8B-Instruct --prompt "Hello" --max-new-tokens 64
 
-A local model folder (``--model``, with its tokenizer; nothing is downloaded) or a random-weight
-preset (``--preset``, see ``directkv_cute.presets``); a prompt as text (``--prompt``, repeatable
-for a batch of different prompts, left-padded) or ``--context N`` random token ids (``--batch``
-rows). The cache is sized for ``batch * (prompt + max_new_tokens)`` tokens and the request is
-checked against it before anything runs.
+Everything a user can get wrong (numbers, sizes, the device, the model folder, the JSON path, a
+request beyond the model's positions or the machine's memory) is checked before the model loads
+and refused with one line on stderr and exit status 2; so is running out of memory while the
+weights or the cache are allocated, or while generating.
 
 How it is timed: ``model.generate`` runs everything, chunked prefill included
 (``prefill_chunk_size``), and two observers watch it: a forward hook on the input embedding
-counts the prompt tokens each prefill forward consumes (the progress bar), and a
+counts the prompt tokens each prefill forward consumes (the prefill progress bar), and a
 ``LogitsProcessor`` (``StepClock``) is called once per generated token, right after that token's
 forward pass: its first call marks the end of the prefill (the device is synchronized there: time
 to first token), and every call records a CUDA event (a host timestamp on a CPU), so the
 intervals between consecutive calls are the per-token decode times, with no synchronization
-added to the decode loop. Letting ``generate`` do the work, rather than driving prefill with our
-own forward calls and handing a half-filled cache to ``generate``, keeps us on the path users
-run and off the input slicing that changed between transformers releases (5.17's
-``past_key_values`` / 5.24's ``cache``, ``next_sequence_length``); the same function times
-transformers' own caches in the end-to-end bench (``bench/e2e.py``).
+added to the decode loop (the decode progress bar advances on the same calls). Letting
+``generate`` do the work, rather than driving prefill with our own forward calls and handing a
+half-filled cache to ``generate``, keeps us on the path users run and off the input slicing that
+changed between transformers releases (5.17's ``past_key_values`` / 5.24's ``cache``,
+``next_sequence_length``); the same function times transformers' own caches in the end-to-end
+bench (``bench/e2e.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +67,8 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size (e.g. 8GiB, 512MiB, 4GB, 1073741824)")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):
+        raise ValueError(f"{text!r} is not a finite size")
     if value != int(value) and m.group(2).lower() in ("", "b"):
         raise ValueError(f"a size in bytes must be whole, got {text!r}")
     return int(value)
@@ -71,7 +77,7 @@ def parse_size(text: str | int) -> int:
 def format_bytes(n: int | float | None) -> str:
     if n is None:
         return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
@@ -105,12 +111,13 @@ class StepClock:
     (on a GPU) and a host timestamp; ``step_ms()`` are the intervals between consecutive calls:
     each one token's decode step (sampling of the previous token, bookkeeping, the forward)."""
 
-    def __init__(self, device, on_first=None):
+    def __init__(self, device, on_first=None, on_step=None):
         self.cuda = torch.device(device).type == "cuda"
         self.events: list = []
         self.host: list[float] = []
         self.prefill_end: float | None = None
-        self.on_first = on_first
+        self.on_first = on_first  # called once, at the first call (the prefill is over)
+        self.on_step = on_step  # called at every call, after its timestamp
 
     @property
     def calls(self) -> int:
@@ -128,6 +135,8 @@ class StepClock:
             ev.record()
             self.events.append(ev)
         self.host.append(time.perf_counter())
+        if self.on_step is not None:
+            self.on_step()
         return scores
 
     def step_ms(self) -> list[float]:
@@ -137,25 +146,37 @@ class StepClock:
         return [1e3 * (b - a) for a, b in zip(self.host, self.host[1:])]
 
 
-class _PrefillProgress:
-    """A forward hook on the input embedding: the prompt tokens each prefill forward consumes,
-    until the clock's first call (the first token); drives a tqdm bar when enabled."""
+def _bar(total: int, desc: str, delay: float):
+    """A tqdm bar on stderr (None without tqdm). ``delay``: seconds before it appears (a phase
+    that ends sooner never shows one)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="tok", dynamic_ncols=True, file=sys.stderr, delay=delay)
 
-    def __init__(self, model, clock: StepClock, total: int, enabled: bool, device):
+
+class _Progress:
+    """Progress of one ``generate`` call: a forward hook on the input embedding counts the prompt
+    tokens each prefill forward consumes, until the clock's first call (the first token); the
+    clock's calls then count the generated tokens. With ``enabled``, a tqdm bar for each phase
+    (the prefill in prompt tokens, the decode in new tokens), shown once the phase has run
+    ``delay`` seconds."""
+
+    def __init__(self, model, clock: StepClock, total: int, new_tokens: int, enabled: bool, device,
+                 delay: float = 0.0):
         self.clock = clock
         clock.on_first = self.finish
+        clock.on_step = self.step
         self.forwards = 0
         self.tokens = 0
         self._last = 0
-        self.bar = None
+        self.enabled = enabled
+        self.delay = delay
+        self.new_tokens = new_tokens
+        self.bar = _bar(total, "prefill", delay) if enabled else None
+        self.decode_bar = None
         self.cuda = torch.device(device).type == "cuda"
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="prefill", unit="tok", dynamic_ncols=True, file=sys.stderr)
-            except ImportError:
-                self.bar = None
         self.handle = model.get_input_embeddings().register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
@@ -173,15 +194,28 @@ class _PrefillProgress:
         return None
 
     def finish(self) -> None:
-        """The prefill is over (the clock's first call, device synchronized): close the bar."""
+        """The prefill is over (the clock's first call, device synchronized): close its bar and
+        open the decode's."""
         if self.bar is not None:
             self.bar.update(self._last)
             self.bar.close()
             self.bar = None
+        if self.enabled and self.decode_bar is None and self.new_tokens > 1:
+            self.decode_bar = _bar(self.new_tokens, "decode", self.delay)
+
+    def step(self) -> None:
+        """One generated token (every clock call, the first included)."""
+        if self.decode_bar is not None:
+            self.decode_bar.update(1)
 
     def close(self) -> None:
         self.handle.remove()
-        self.finish()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.decode_bar is not None:
+            self.decode_bar.close()
+            self.decode_bar = None
 
 
 @dataclass
@@ -212,13 +246,15 @@ def timed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
                    max_new_tokens: int, cache=None, cache_implementation: str | None = None,
                    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, do_sample: bool = False,
                    temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                   pad_token_id: int | None = 0, progress: bool = False, return_cache: bool = False,
-                   **generate_kwargs) -> GenerateResult:
+                   pad_token_id: int | None = 0, progress: bool = False, progress_delay: float = 0.0,
+                   return_cache: bool = False, **generate_kwargs) -> GenerateResult:
     """``model.generate`` with the prefill and every decode step timed (see the module docstring).
 
     ``cache``: a Cache object (passed under ``cache_kwargs``'s keyword) or None (transformers
     builds its own, ``cache_implementation`` e.g. "offloaded"). ``prefill_chunk``: tokens per
-    prefill forward (``prefill_chunk_size``; None or >= the prompt: one forward)."""
+    prefill forward (``prefill_chunk_size``; None or >= the prompt: one forward). ``progress``:
+    tqdm bars on stderr for the prefill and the decode, each shown once its phase has run
+    ``progress_delay`` seconds."""
     from transformers import LogitsProcessorList
 
     device = input_ids.device
@@ -239,7 +275,7 @@ def timed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
         kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k)
     else:
         kwargs.update(do_sample=False)
-    watcher = _PrefillProgress(model, clock, prompt_len, progress, device)
+    watcher = _Progress(model, clock, prompt_len, int(max_new_tokens), progress, device, progress_delay)
     try:
         _sync(device)
         t0 = time.perf_counter()
@@ -292,40 +328,109 @@ def versions() -> dict:
 
 
 # ---- the command ----------------------------------------------------------------------------
+DESCRIPTION = """\
+Generate tokens with a Hugging Face causal language model whose KV cache lives in pinned host
+memory, read in place by the DirectKV GPU kernels, and report the time to first token, the
+per-token decode time and where the KV cache lives.
+
+The model: --model PATH, a local Hugging Face model folder (its config.json, weights and
+tokenizer; nothing is downloaded), or --preset NAME, the shapes of a real model with random
+weights built directly on the device ({presets}).
+
+The prompt: --prompt TEXT (needs --model's tokenizer; repeat it for a batch, shorter prompts are
+left-padded), or --context N random token ids per row for --batch rows.
+
+The KV cache: pinned host memory sized for batch x (prompt + --max-new-tokens) tokens, in pages
+of --page-size tokens. --hbm-budget adds a tier in GPU memory that holds each sequence's first
+--sink-pages pages and its most recent pages. --kv-dtype fp8 stores float8_e4m3fn pages with
+per-token scales: half the bytes of bf16 per token over the link, read in place by the FP8 GPU
+kernels (on a GPU, with a bf16 or fp16 model) and by the CPU reference path; the model still
+computes in --dtype.
+
+--device cpu runs the reference attention (float32 by default): slow, for checking results.
+The request is checked before the model loads: its length against the model's
+max_position_embeddings and its KV cache (and a preset's weights) against the machine's memory.
+A mistake in the command line is one line on stderr and exit status 2.
+"""
+
+EPILOG = """\
+examples:
+  directkv-generate --preset tiny --context 512 --max-new-tokens 16 --device cpu
+  directkv-generate --preset llama3-8b --context 131072 --max-new-tokens 64 --hbm-budget 8GiB
+  directkv-generate --preset llama3-8b --context 32768 --batch 4 --kv-dtype fp8 --json run.json
+  directkv-generate --model /path/to/Llama-3.1-8B-Instruct --prompt "Hello" --max-new-tokens 64
+"""
+
+MAX_SEED = 2**64 - 1  # torch's generators take seeds in [0, 2**64)
+MAX_PAGE_ID = 2**31 - 1  # the cache's page tables hold int32 page ids
+PAGE_SIZES = (16, 32, 64, 128)
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (no usage block), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from directkv_cute.presets import preset_names
 
-    p = argparse.ArgumentParser(prog="directkv-generate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="directkv-generate", description=DESCRIPTION.format(presets=", ".join(preset_names())),
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="PATH", help="a local Hugging Face model folder (with its tokenizer)")
-    src.add_argument("--preset", choices=None, metavar="NAME",
-                     help=f"a random-weight model: {', '.join(preset_names())}")
+    src.add_argument("--model", metavar="PATH",
+                     help="a local Hugging Face model folder: config.json, weights, tokenizer (nothing is downloaded)")
+    src.add_argument("--preset", metavar="NAME",
+                     help=f"a model of real shapes with random weights: {', '.join(preset_names())}")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append", metavar="TEXT",
                         help="prompt text (needs --model's tokenizer); give it several times for a batch")
-    prompt.add_argument("--context", type=int, metavar="N", help="N random prompt token ids per row (default 512)")
-    p.add_argument("--batch", type=int, default=None, help="rows (default 1, or the number of --prompt)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--hbm-budget", default="0", help="bytes of GPU memory for the HBM tier of the cache, "
-                   "e.g. 8GiB, 512MiB (default 0: host only)")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per cache page (16, 32, 64, 128)")
-    p.add_argument("--sink-pages", type=int, default=1, help="first pages of each sequence kept in HBM (with a budget)")
-    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
-                   help=f"prompt tokens per prefill forward (default {DEFAULT_PREFILL_CHUNK}; 0: the whole prompt)")
+    prompt.add_argument("--context", type=int, metavar="N",
+                        help="N random prompt token ids per row (default 512 when there is no --prompt)")
+    p.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="rows (default 1, or the number of --prompt; one --prompt is repeated B times)")
+    p.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                   help="tokens to generate per row (default 32); the prompt plus these must stay within the "
+                        "model's max_position_embeddings")
+    p.add_argument("--hbm-budget", default="0", metavar="SIZE",
+                   help="GPU memory for the cache's HBM tier, e.g. 8GiB, 512MiB, 4GB (default 0: every page in "
+                        "pinned host memory)")
+    p.add_argument("--page-size", type=int, default=64, choices=PAGE_SIZES, metavar="TOKENS",
+                   help=f"tokens per cache page: {', '.join(map(str, PAGE_SIZES))} (default 64)")
+    p.add_argument("--sink-pages", type=int, default=1, metavar="N",
+                   help="with --hbm-budget: the first N pages of each sequence stay in HBM (default 1)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
+                   help=f"prompt tokens per prefill forward (default {DEFAULT_PREFILL_CHUNK}; 0: the whole prompt "
+                        "in one forward)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
-                   help="model and cache dtype (default bf16 on CUDA, fp32 on the CPU; fp32 only on the CPU)")
+                   help="model dtype (default bf16 on CUDA, fp32 on the CPU; fp32 only on the CPU)")
     p.add_argument("--kv-dtype", choices=("auto", "bf16", "fp16", "fp8"), default="auto",
-                   help="K/V page dtype (default auto: the model dtype); fp8: float8_e4m3fn pages with per-token "
-                        "scales, half the bytes (CPU only until the FP8 GPU kernels exist)")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default cuda if available, else cpu)")
-    p.add_argument("--sample", action="store_true", help="sample (default greedy)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k most likely tokens (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="weights of a preset, random prompts, sampling")
-    p.add_argument("--json", metavar="PATH", help="write the measurements and tokens as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no prefill progress bar")
+                   help="K/V page dtype: auto (default: the model dtype; bf16 / fp16 name it and must match it) "
+                        "or fp8: float8_e4m3fn pages with per-token scales, half the bytes of bf16, on the GPU "
+                        "and the CPU")
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:N or cpu (default cuda if available, else cpu)")
+    p.add_argument("--sample", action="store_true",
+                   help="sample the next token (default greedy: the most likely token)")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T",
+                   help="with --sample: divide the logits by T > 0 (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="with --sample: sample from the smallest set of tokens whose probability reaches P, "
+                        "0 < P <= 1 (default 1.0: all)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="with --sample: sample from the K most likely tokens (default 0: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S",
+                   help=f"seeds a preset's weights, the random prompt and sampling, 0 <= S <= {MAX_SEED} "
+                        "(default 0)")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the measurements and tokens to PATH as JSON (replaced whole at the end of the run)")
+    bars = p.add_mutually_exclusive_group()
+    bars.add_argument("--progress", action="store_true",
+                      help="always show the prefill and decode progress bars (default: when stderr is a "
+                           "terminal, once a phase has run 2 s)")
+    bars.add_argument("--no-progress", action="store_true", help="never show progress bars")
     return p
 
 
@@ -335,78 +440,287 @@ class _Args:
     dtype: torch.dtype
     hbm_budget: int
     kv_dtype: torch.dtype | None = None  # None: the model dtype
+    json_path: Path | None = None
+
+
+def _check_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        p.error(f"--device {text!r}: {e}")
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            p.error(f"--device {text}: the CPU has no device index (use cpu)")
+        return torch.device("cpu")
+    if device.type != "cuda":
+        p.error(f"--device {text!r}: only cuda, cuda:N and cpu are supported")
+    if not torch.cuda.is_available():
+        p.error(f"--device {text}, but torch.cuda.is_available() is False (use --device cpu)")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        p.error(f"--device {text}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    return device
+
+
+def _check_json_path(p: argparse.ArgumentParser, text: str) -> Path:
+    """The JSON record's path, refused now if the file could not be written there at the end:
+    a folder, a path under a file, or a folder where no file can be created (probed by creating
+    and removing a temporary file in the nearest existing folder)."""
+    path = Path(text).expanduser()
+    if not path.name or path.is_dir():
+        p.error(f"--json {text}: is a folder (give a file name)")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        p.error(f"--json {text}: {parent} is a file, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".directkv-generate-", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        p.error(f"--json {text}: cannot write in {parent}: {e.strerror or e}")
+    return path
 
 
 def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
-    """Parse-level checks (no GPU needed): ``p.error`` (exit 2) on a bad combination."""
+    """Command-line checks that need no model: ``p.error`` (one line, exit 2) on a bad value."""
     from directkv_cute.presets import preset_names
 
     if ns.preset is not None and ns.preset not in preset_names():
         p.error(f"unknown preset {ns.preset!r}; choose one of {', '.join(preset_names())}")
     if ns.prompt and ns.preset is not None:
         p.error("--prompt needs a tokenizer: use --model PATH, or --context N random tokens with a preset")
-    try:
-        device = torch.device(ns.device) if ns.device else None
-    except (RuntimeError, ValueError) as e:
-        p.error(f"--device {ns.device!r}: {e}")
-    if device is not None and device.type not in ("cuda", "cpu"):
-        p.error(f"--device {ns.device!r}: only cuda and cpu are supported")
-    if ns.dtype == "fp32" and device is not None and device.type == "cuda":
+    if ns.dtype == "fp32" and ns.device and ns.device.startswith("cuda"):  # before touching a GPU
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
-    for name in ("max_new_tokens", "page_size"):
-        if getattr(ns, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if ns.context is not None and ns.context < 1:
-        p.error("--context must be >= 1")
-    if ns.batch is not None and ns.batch < 1:
-        p.error("--batch must be >= 1")
-    if ns.prefill_chunk < 0:
-        p.error("--prefill-chunk must be >= 0")
-    if ns.sink_pages < 0:
-        p.error("--sink-pages must be >= 0")
+    for flag, value in (("--max-new-tokens", ns.max_new_tokens), ("--context", ns.context), ("--batch", ns.batch)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--prefill-chunk", ns.prefill_chunk), ("--sink-pages", ns.sink_pages),
+                        ("--top-k", ns.top_k)):
+        if value < 0:
+            p.error(f"{flag} must be >= 0, got {value}")
+    if not 0 <= ns.seed <= MAX_SEED:
+        p.error(f"--seed must be in [0, {MAX_SEED}] (2**64 - 1), got {ns.seed}")
+    if not (math.isfinite(ns.temperature) and ns.temperature > 0):
+        p.error(f"--temperature must be a finite number > 0, got {ns.temperature}")
+    if not 0 < ns.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {ns.top_p}")
     try:
         budget = parse_size(ns.hbm_budget)
     except ValueError as e:
         p.error(f"--hbm-budget: {e}")
-    if device is None:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kv = getattr(ns, "kv_dtype", "auto") or "auto"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda, but torch.cuda.is_available() is False (use --device cpu)")
+    device = _check_device(p, ns.device)
     if ns.dtype == "fp32" and device.type == "cuda":
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
     dtype = DTYPES[ns.dtype] if ns.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    kv = ns.kv_dtype or "auto"
     kv_dtype = None
     if kv == "fp8":
         kv_dtype = torch.float8_e4m3fn
-    elif kv != "auto":
-        if DTYPES[kv] != dtype:
-            p.error(f"--kv-dtype {kv} differs from the model dtype {str(dtype).removeprefix('torch.')}: pages hold "
-                    "the model dtype (auto) or fp8")
-    return _Args(device=device, dtype=dtype, hbm_budget=budget, kv_dtype=kv_dtype)
+    elif kv != "auto" and DTYPES[kv] != dtype:
+        p.error(f"--kv-dtype {kv} differs from the model dtype {str(dtype).removeprefix('torch.')}: pages hold "
+                "the model dtype (auto) or fp8")
+    json_path = _check_json_path(p, ns.json) if ns.json else None
+    return _Args(device=device, dtype=dtype, hbm_budget=budget, kv_dtype=kv_dtype, json_path=json_path)
 
 
-def _load(ns, a: _Args):
-    """(model, tokenizer or None, description)."""
-    import directkv_cute.hf as dkhf
+# ---- planning: everything checked before the model loads ---------------------------------
+@dataclass
+class _Plan:
+    config: object  # the model's transformers config
+    tok: object | None  # the folder's tokenizer (None for a preset, or a folder without one)
+    batch: int
+    prompt_len: int  # columns of the (left-padded) prompt
+    encoded: tuple | None  # (input_ids, attention_mask) on the CPU for text prompts
+    host_kv_bytes: int  # the cache's host tier
+    device_kv_bytes: int  # the cache's HBM tier and write window (on the cache's device)
+    weight_bytes: int | None  # the weights, estimated (None: unknown)
 
+
+def host_memory() -> int | None:
+    """Bytes of this machine's physical memory (None where the OS does not say). The requests
+    refused against it cannot fit at all; free memory is not the bound, because a virtual
+    machine may grow its memory as it is used (its reading starts low)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _load_config(p: argparse.ArgumentParser, ns: argparse.Namespace):
+    """(config, tokenizer or None): the preset's, or the folder's, checked to be a HF model folder."""
     if ns.preset is not None:
-        from directkv_cute.presets import build_random_model
+        from directkv_cute.presets import preset_config
 
-        model = build_random_model(ns.preset, a.dtype, a.device, seed=ns.seed,
-                                   attn_implementation=dkhf.ATTN_IMPLEMENTATION)
-        return model, None, f"preset {ns.preset} (random weights, seed {ns.seed})"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(ns.model)
+        return preset_config(ns.preset), None
+    path = Path(ns.model).expanduser()
+    if not path.exists():
+        p.error(f"--model {ns.model}: no such folder (a local Hugging Face model folder is needed)")
     if not path.is_dir():
-        raise FileNotFoundError(f"--model {ns.model}: not a folder (a local Hugging Face model folder is needed)")
+        p.error(f"--model {ns.model}: not a folder (a local Hugging Face model folder is needed)")
+    if not (path / "config.json").is_file():
+        p.error(f"--model {ns.model}: no config.json, not a Hugging Face model folder")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        p.error(f"--model {ns.model}: no weight files ({', '.join(WEIGHT_FILES)})")
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable config is the folder's fault
+        p.error(f"--model {ns.model}: cannot read config.json: {e}")
     tok = None
     try:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a model folder without a tokenizer still runs on --context
         if ns.prompt:
-            raise RuntimeError(f"cannot load the tokenizer of {path}: {e}") from e
+            p.error(f"--model {ns.model}: cannot load its tokenizer for --prompt: {e}")
+    return config, tok
+
+
+def _encode(p: argparse.ArgumentParser, ns: argparse.Namespace, tok) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded text prompts: (input_ids, attention_mask) on the CPU. One prompt for --batch
+    rows is encoded once and expanded (a view: the batch is sized before anything is copied)."""
+    prompts = list(ns.prompt)
+    if ns.batch and len(prompts) != 1 and ns.batch != len(prompts):
+        p.error(f"--batch {ns.batch} with {len(prompts)} prompts (give one prompt, or as many as rows)")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
+    tok.padding_side = "left"
+    enc = tok(prompts, return_tensors="pt", padding=True)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    if ids.shape[1] == 0:
+        p.error("--prompt: the prompts encode to no tokens")
+    if ns.batch and len(prompts) == 1:
+        ids, mask = ids.expand(ns.batch, -1), mask.expand(ns.batch, -1)
+    return ids, mask
+
+
+def _estimate_weight_bytes(ns: argparse.Namespace, config, dtype: torch.dtype) -> int | None:
+    """A preset's weights in ``dtype`` (counted on the meta device: nothing is allocated); a
+    folder's weight files as stored."""
+    if ns.preset is not None:
+        from transformers import AutoModelForCausalLM
+
+        from directkv_cute.presets import weight_bytes
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(dtype))
+        return weight_bytes(model.to(dtype=dtype))
+    path = Path(ns.model).expanduser()
+    return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in path.glob(pattern) if f.is_file())
+
+
+def _window_tokens() -> int:
+    """DirectKVCache's write window (its default), part of the device memory it allocates."""
+    import inspect
+
+    from directkv_cute.hf import DirectKVCache
+
+    return int(inspect.signature(DirectKVCache.__init__).parameters["window_tokens"].default)
+
+
+def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _Plan:
+    """Read the model's config (and tokenizer), size the request and refuse it (``p.error``)
+    when it cannot run: the prompt plus the new tokens beyond the model's positions, a model the
+    DirectKV attention does not support, a KV cache beyond the int32 page ids, or the KV cache
+    and weights beyond the machine's memory or the GPU's free memory. Nothing large is allocated."""
+    import directkv_cute.hf as dkhf
+    from directkv_cute.cache import page_bytes
+
+    config, tok = _load_config(p, ns)
+    encoded = None
+    if ns.prompt:
+        encoded = _encode(p, ns, tok)
+        batch, prompt_len = (int(x) for x in encoded[0].shape)
+    else:
+        batch, prompt_len = ns.batch or 1, ns.context or 512
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    total = prompt_len + ns.max_new_tokens
+    if positions is not None and total > positions:
+        p.error(f"the prompt ({prompt_len} tokens) + --max-new-tokens {ns.max_new_tokens} = {total} tokens, "
+                f"beyond the model's max_position_embeddings {positions}")
+    try:
+        spec = dkhf.model_spec(config)
+    except dkhf.UnsupportedModelError as e:
+        p.error(str(e))
+    page_dtype = a.kv_dtype or a.dtype
+    one = page_bytes(spec.num_layers, spec.num_kv_heads, ns.page_size, spec.head_dim, page_dtype)
+    ps = ns.page_size
+    host_pages = -(-batch * total // ps) + batch  # DirectKVCache's host tier for max_tokens = batch * total
+    window = _window_tokens()
+    window_pages = -(-window // ps) + 2 * batch if window else 0
+    hbm_pages = a.hbm_budget // one
+    rows = f"{batch} x ({prompt_len} + {ns.max_new_tokens}) tokens"
+    if host_pages > MAX_PAGE_ID or hbm_pages + window_pages > MAX_PAGE_ID:
+        p.error(f"a KV cache for {rows} needs more than {MAX_PAGE_ID} pages of {ps} tokens (int32 page ids); "
+                "lower --batch, --context or --max-new-tokens, or raise --page-size")
+    host_kv, device_kv = host_pages * one, (hbm_pages + window_pages) * one
+    weights = _estimate_weight_bytes(ns, config, a.dtype)
+    memory = host_memory()
+    if a.device.type == "cuda":
+        free, total_gpu = torch.cuda.mem_get_info(a.device)
+        if a.hbm_budget > total_gpu:
+            p.error(f"--hbm-budget {ns.hbm_budget} ({format_bytes(a.hbm_budget)}) is more than the memory of "
+                    f"{a.device} ({format_bytes(total_gpu)})")
+        need_gpu = device_kv + (weights or 0)
+        if need_gpu > free:
+            p.error(f"the weights ({format_bytes(weights)}) and the cache's HBM tier and window "
+                    f"({format_bytes(device_kv)}) need {format_bytes(need_gpu)} of GPU memory, {a.device} has "
+                    f"{format_bytes(free)} free")
+        if memory is not None and host_kv > memory:
+            p.error(f"a KV cache for {rows} needs {format_bytes(host_kv)} ({host_kv} bytes) of pinned host memory, "
+                    f"this machine has {format_bytes(memory)}")
+    elif memory is not None:
+        if a.hbm_budget > memory:
+            p.error(f"--hbm-budget {ns.hbm_budget} ({format_bytes(a.hbm_budget)}) is more than this machine's "
+                    f"memory ({format_bytes(memory)}; on the CPU the HBM tier lives in host memory)")
+        need = host_kv + device_kv + (weights or 0)
+        if need > memory:
+            p.error(f"{rows} need {format_bytes(need)} ({need} bytes) of host memory on the CPU (KV cache "
+                    f"{format_bytes(host_kv + device_kv)}, weights {format_bytes(weights)}), this machine has "
+                    f"{format_bytes(memory)}")
+    return _Plan(config=config, tok=tok, batch=batch, prompt_len=prompt_len, encoded=encoded, host_kv_bytes=host_kv,
+                 device_kv_bytes=device_kv, weight_bytes=weights)
+
+
+# ---- running ------------------------------------------------------------------------------
+_OOM_ERRORS = tuple(e for e in (MemoryError, getattr(torch, "OutOfMemoryError", None),
+                                getattr(torch.cuda, "OutOfMemoryError", None)) if e is not None)
+
+
+def _is_oom(e: BaseException) -> bool:
+    """An allocation failed: MemoryError, torch's OutOfMemoryError, or the RuntimeError of torch's
+    CPU allocator ("can't allocate memory: you tried to allocate N bytes")."""
+    if isinstance(e, _OOM_ERRORS):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and ("out of memory" in text or "can't allocate" in text
+                                            or "cannot allocate" in text or "tried to allocate" in text)
+
+
+def _oom_line(what: str, e: BaseException) -> str:
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return f"out of memory {what}: {first}"
+
+
+def _load_model(ns, a: _Args, plan: _Plan):
+    """(model, description)."""
+    import directkv_cute.hf as dkhf
+
+    if ns.preset is not None:
+        from directkv_cute.presets import build_random_model
+
+        model = build_random_model(plan.config, a.dtype, a.device, seed=ns.seed,
+                                   attn_implementation=dkhf.ATTN_IMPLEMENTATION)
+        return model, f"preset {ns.preset} (random weights, seed {ns.seed})"
+    from transformers import AutoModelForCausalLM
+
+    path = Path(ns.model).expanduser()
     kw = dict(local_files_only=True, attn_implementation=dkhf.ATTN_IMPLEMENTATION, **dtype_kwargs(a.dtype))
     try:
         model = AutoModelForCausalLM.from_pretrained(str(path), device_map=str(a.device), **kw)
@@ -415,64 +729,82 @@ def _load(ns, a: _Args):
             raise
         model = AutoModelForCausalLM.from_pretrained(str(path), **kw).to(a.device)
     model.eval()
-    return model, tok, f"{path}"
+    return model, f"{path}"
 
 
-def _prompt(ns, model, tok, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) on the device: left-padded text prompts or random ids."""
-    if ns.prompt:
-        prompts = list(ns.prompt)
-        if ns.batch and len(prompts) == 1:
-            prompts = prompts * ns.batch
-        elif ns.batch and ns.batch != len(prompts):
-            raise ValueError(f"--batch {ns.batch} with {len(prompts)} prompts (give one prompt, or as many as rows)")
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.convert_ids_to_tokens(0)
-        tok.padding_side = "left"
-        enc = tok(prompts, return_tensors="pt", padding=True)
-        return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    vocab = config.vocab_size
-    ids = random_prompt(ns.batch or 1, ns.context or 512, vocab, ns.seed)
-    return ids.to(device), torch.ones_like(ids).to(device)
+def _model_error(ns, e: BaseException) -> str | None:
+    """The one-line refusal of a model folder transformers cannot load (unreadable or mismatched
+    weights, an unknown architecture); None for a preset, whose failure is a bug."""
+    if ns.model is None:
+        return None
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    return f"--model {ns.model}: cannot load the model: {type(e).__name__}: {first}"
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """Replace ``path`` whole: write a temporary file beside it, then rename it over."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     ns = p.parse_args(argv)
     a = check_args(p, ns)
+    plan = plan_run(p, ns, a)
     import directkv_cute.hf as dkhf
     from directkv_cute.hf import CacheCapacityError, DirectKVCache, UnsupportedModelError
 
     torch.manual_seed(ns.seed)
+    cuda = a.device.type == "cuda"
     t_load = time.perf_counter()
     try:
-        model, tok, desc = _load(ns, a)
-        input_ids, mask = _prompt(ns, model, tok, a.device)
-    except (FileNotFoundError, RuntimeError, ValueError) as e:
-        print(f"directkv-generate: {e}", file=sys.stderr)
-        return 1
+        model, desc = _load_model(ns, a, plan)
+    except Exception as e:
+        if not _is_oom(e):
+            if _model_error(ns, e) is None:
+                raise
+            p.error(_model_error(ns, e))
+        p.error(_oom_line(f"loading the weights (about {format_bytes(plan.weight_bytes)}) onto {a.device}", e))
+    tok = plan.tok
+    if plan.encoded is not None:
+        input_ids, mask = (t.contiguous().to(a.device) for t in plan.encoded)
+    else:
+        vocab = (model.config.get_text_config() if hasattr(model.config, "get_text_config")
+                 else model.config).vocab_size
+        ids = random_prompt(plan.batch, plan.prompt_len, vocab, ns.seed)
+        input_ids, mask = ids.to(a.device), torch.ones_like(ids).to(a.device)
     load_s = time.perf_counter() - t_load
     spec = dkhf.model_spec(model.config)
     batch, prompt_len = input_ids.shape
     lengths = mask.sum(dim=1).tolist()
-    cuda = a.device.type == "cuda"
-    cuda = a.device.type == "cuda"
     params = sum(t.numel() for t in model.parameters())
+    size = f"{params / 1e9:.2f}B" if params >= 1e8 else f"{params / 1e6:.1f}M"
     print(f"model: {desc}: {spec.num_layers} layers, {spec.num_q_heads}/{spec.num_kv_heads} heads, head_dim "
-          f"{spec.head_dim}, {params / 1e9:.2f}B parameters" if params >= 1e8 else
-          f"model: {desc}: {spec.num_layers} layers, {spec.num_q_heads}/{spec.num_kv_heads} heads, head_dim "
-          f"{spec.head_dim}, {params / 1e6:.1f}M parameters", end="")
-    print(f", {str(a.dtype).removeprefix('torch.')} on {a.device} (loaded in {load_s:.1f} s)", flush=True)
+          f"{spec.head_dim}, {size} parameters, {str(a.dtype).removeprefix('torch.')} on {a.device} "
+          f"(loaded in {load_s:.1f} s)", flush=True)
     host_kind = "pinned host memory" if cuda else "host memory"
+    pages_per_row = -(-(prompt_len + ns.max_new_tokens) // ns.page_size)
     try:
         cache = DirectKVCache(model, max_tokens=batch * (prompt_len + ns.max_new_tokens), max_batch_size=batch,
-                              page_size=ns.page_size, hbm_budget=a.hbm_budget, sink_pages=ns.sink_pages,
-                              dtype=a.dtype, device=a.device, kv_dtype=a.kv_dtype)
+                              page_size=ns.page_size, hbm_budget=a.hbm_budget,
+                              sink_pages=min(ns.sink_pages, pages_per_row), dtype=a.dtype, device=a.device,
+                              kv_dtype=a.kv_dtype)
         cache.check_request(lengths, ns.max_new_tokens)
     except (CacheCapacityError, UnsupportedModelError, ValueError, TypeError) as e:
-        print(f"directkv-generate: {e}", file=sys.stderr)
-        return 1
+        p.error(str(e))
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        p.error(_oom_line(f"allocating the KV cache ({format_bytes(plan.host_kv_bytes)} of {host_kind}, "
+                          f"{format_bytes(plan.device_kv_bytes)} on {a.device})", e))
     print(f"prompt: {batch} x {prompt_len} tokens ({'text' if ns.prompt else 'random ids'}); cache: "
           f"{'host only' if not a.hbm_budget else 'HBM budget ' + format_bytes(a.hbm_budget)}, page {ns.page_size}, "
           f"{str(cache.kv_dtype).removeprefix('torch.')} pages, "
@@ -481,9 +813,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.reset_peak_memory_stats(a.device)
     compiled_before = kernels_compiled()
     pad = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0)
-    res = timed_generate(model, input_ids, mask, max_new_tokens=ns.max_new_tokens, cache=cache,
-                         prefill_chunk=ns.prefill_chunk or None, do_sample=ns.sample, temperature=ns.temperature,
-                         top_p=ns.top_p, top_k=ns.top_k, pad_token_id=pad, progress=not ns.no_progress)
+    progress = not ns.no_progress and (ns.progress or sys.stderr.isatty())
+    try:
+        res = timed_generate(model, input_ids, mask, max_new_tokens=ns.max_new_tokens, cache=cache,
+                             prefill_chunk=ns.prefill_chunk or None, do_sample=ns.sample,
+                             temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, pad_token_id=pad,
+                             progress=progress, progress_delay=0.0 if ns.progress else 2.0)
+    except Exception as e:
+        if not _is_oom(e):
+            raise
+        cache.close()
+        p.error(_oom_line(f"while generating ({batch} x {prompt_len} prompt tokens, prefill chunk "
+                          f"{ns.prefill_chunk or prompt_len}; a smaller --prefill-chunk or --batch needs less)", e))
     compiled = None if compiled_before is None else kernels_compiled() - compiled_before
     peak = torch.cuda.max_memory_allocated(a.device) if cuda else None
     host_kv, hbm_kv = cache.host_bytes(), cache.hbm_bytes()
@@ -510,7 +851,8 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(batch):
         shown = repr(texts[i]) if texts is not None else " ".join(map(str, new[i].tolist()))
         print(f"[{i}] {shown}")
-    if ns.json:
+    rc = 0
+    if a.json_path is not None:
         doc = {
             "command": "directkv-generate", "argv": list(sys.argv[1:] if argv is None else argv),
             "model": desc, "preset": ns.preset, "model_path": ns.model,
@@ -530,12 +872,18 @@ def main(argv: list[str] | None = None) -> int:
             "peak_gpu_bytes": peak, "host_kv_bytes": host_kv, "hbm_kv_bytes": hbm_kv, "seq_lengths": seq_lengths,
             "kernels_compiled": compiled, "tokens": new.tolist(), "text": texts,
         }
-        path = Path(ns.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"json: {path}")
+        try:
+            _write_json(a.json_path, doc)
+            print(f"json: {a.json_path}")
+        except OSError as e:  # the folder changed during the run: keep the record elsewhere
+            fd, spare = tempfile.mkstemp(prefix="directkv-generate-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(doc, indent=1) + "\n")
+            print(f"directkv-generate: cannot write --json {a.json_path} ({e.strerror or e}); the record is in "
+                  f"{spare}", file=sys.stderr)
+            rc = 1
     cache.close()
-    return 0
+    return rc
 
 
 if __name__ == "__main__":

@@ -67,6 +67,17 @@ FP8_TAIL_SHARE = 1 / 16
 FP8_HEAD_STREAMS = 4
 
 
+# The in-place kernel (``kernels.specs.op_kernel``) of the calls whose profile buckets each tuned
+# kernel's entries serve: the planner looks decode_fp8 up for decode-sized calls over FP8 pages
+# and q_tiled for multi-token calls (staged, or over pages in HBM).
+TUNED_BUCKETS = {"decode": "decode", "decode_fp8": "decode", "multi_token": "multi_token", "q_tiled": "multi_token"}
+
+
+def tuned_buckets(kernel: str) -> str:
+    """``op_kernel``'s answer for the buckets the planner looks ``kernel``'s tuned entries up for."""
+    return TUNED_BUCKETS.get(kernel, kernel)
+
+
 # ---- inputs ----------------------------------------------------------------------------------
 @dataclass(frozen=True, eq=False)
 class CallShape:

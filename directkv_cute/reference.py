@@ -6,7 +6,7 @@ float32. ``dense_attention_ref`` works on unpaged per-sequence K/V in float64 by
 a separate formulation (grouped heads, explicit masked exponentials), so that the two are
 independent checks of one another and of the kernels.
 
-Semantics (docs/CONTRACT.md): q is packed by sequence, ``q_lens[i]`` rows each; query row j of a
+Semantics (docs/ARCHITECTURE.md, "Interfaces between the modules"): q is packed by sequence, ``q_lens[i]`` rows each; query row j of a
 sequence of length L sits at position ``L - q_len + j`` and sees keys ``[0, L - q_len + j]``.
 Query head h uses KV head ``h // (Hq // Hkv)``. LSE is the natural log of the sum of
 ``exp(scale * q . k)`` over the visible keys.

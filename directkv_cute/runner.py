@@ -127,8 +127,10 @@ class Bound:
     capture: "Bound | None" = None
 
 
-def bind(plan: AttentionPlan, tables, device) -> Bound:
-    """The device side of ``plan`` over ``tables`` (see ``Bound``)."""
+def bind(plan: AttentionPlan, tables, device, staged: dict | None = None) -> Bound:
+    """The device side of ``plan`` over ``tables`` (see ``Bound``). ``staged``: device copies of
+    the plan's staged page table already made, by (device, stream), filled here (a plan made
+    again for the same shape reuses them: no copy from pageable memory per call)."""
     device = torch.device(device)
     shape = plan.shape
     if device.type != "cuda":
@@ -136,7 +138,14 @@ def bind(plan: AttentionPlan, tables, device) -> Bound:
     else:
         b = Bound(tables, cu_seqlens(tuple(shape.q_lens), device))
     if plan.staging is not None and device.type == "cuda":
-        b.staged_table = torch.from_numpy(plan.staging.table).to(device, non_blocking=True)
+        # Copied on the current stream: the launches over it follow the copy.
+        key = (str(device), torch.cuda.current_stream(device).cuda_stream)
+        made = None if staged is None else staged.get(key)
+        if made is None:
+            made = torch.from_numpy(plan.staging.table).to(device, non_blocking=True)
+            if staged is not None:
+                staged[key] = made
+        b.staged_table = made
     if plan.fp8_parts and device.type == "cuda":
         flat = torch.from_numpy(np.concatenate([np.concatenate([p.table.ravel(), p.lens]) for p in plan.fp8_parts])
                                 ).to(device, non_blocking=True)

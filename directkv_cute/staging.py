@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,7 +66,9 @@ class StagePlan:
     """The copies of one staged call, piece by piece, and the page table over the buffer."""
 
     pieces: tuple[tuple[Run, ...], ...]  # piece p: the runs of logical pages [p * pp, (p + 1) * pp)
-    table: np.ndarray  # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1)
+    # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1); follows from the host table
+    # and the pieces, so plans compare by their pieces
+    table: np.ndarray = field(compare=False)
     pages: int  # staging pages used
     piece_pages: int  # pp
     # The first piece whose pages, and every later piece's, were all in HBM before the call (a

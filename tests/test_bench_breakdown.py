@@ -53,9 +53,12 @@ def test_format_lists_every_activity():
 
 
 def test_cli_needs_a_gpu(capsys, monkeypatch):
+    from bench.common import NO_GPU
+
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["breakdown", "--context", "4096", "--q-len", "64"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(NO_GPU) and "bench breakdown needs CUDA (it has no CPU run)" in err
 
 
 def test_last_call_lists_the_final_calls_activities_from_its_start():

@@ -32,7 +32,7 @@ def _doc(measured: bool = True) -> dict:
 def test_plot_writes_the_decode_and_prefill_pngs(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = write_json(tmp_path / "run.json", _doc())
-    assert main(["plot", "--results", str(path)]) == 0
+    assert main(["plot", "--results", str(path), "--out-dir", str(tmp_path)]) == 0
     names = sorted(p.name for p in tmp_path.glob("*.png"))
     assert names == ["run-decode-gbps.png", "run-decode-hybrid.png", "run-prefill.png"]
     for p in tmp_path.glob("*.png"):
@@ -44,6 +44,7 @@ def test_plot_writes_the_decode_and_prefill_pngs(tmp_path, capsys):
 
 
 def test_plot_refuses_what_it_cannot_plot(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     assert main(["plot", "--results", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text(json.dumps({"records": []}))
@@ -55,12 +56,13 @@ def test_plot_refuses_what_it_cannot_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench.plots, "_pyplot", lambda: None)
     assert main(["plot", "--results", str(path)]) == 2
     assert "matplotlib is not installed" in capsys.readouterr().err
-    assert not list(tmp_path.glob("*.png"))
+    assert not list(tmp_path.rglob("*.png")) and not (tmp_path / "bench-results").exists()
 
 
-def test_plot_refuses_a_run_without_measurements(tmp_path, capsys):
+def test_plot_refuses_a_run_without_measurements(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
     path = write_json(tmp_path / "run.json", _doc(measured=False))
     assert main(["plot", "--results", str(path)]) == 2
     assert "no measured decode or prefill records" in capsys.readouterr().err
-    assert not list(tmp_path.glob("*.png"))
+    assert not list(tmp_path.rglob("*.png")) and not (tmp_path / "bench-results").exists()

@@ -217,8 +217,11 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert all(r["host_bytes"] > 0 and r["hbm_bytes"] == 0 for r in recs)
     assert doc["notes"]["peers"] == "FA4 needs CUDA" and len(doc["notes"]["plan_ms"]) == 5
     assert rows[(40, 4, True)]["prepare_ms"] > 0 and rows[(0, 1, False)]["prepare_ms"] == 0.0  # nothing to prepare
-    assert any("no sharing" in t["target"] and t["ok"] is not None for t in doc["targets"])
+    assert doc["targets"] == []  # a CPU run's timings mean nothing: no targets
     assert all(c["ok"] for c in doc["checks"]) and len(doc["checks"]) >= 5 * 7
     text = path.with_suffix(".txt").read_text()
-    assert text.startswith("== prefix on cpu") and "KV tok/s" in text and "targets:" in text
-    assert "ours[cascade]" in capsys.readouterr().out
+    assert text.startswith("== prefix on cpu") and "KV tok/s" in text
+    out = capsys.readouterr().out
+    assert "ours[cascade]" in out
+    for t in (text, out):
+        assert "targets:" not in t and "ceilings" not in t and "MET" not in t and "MISS" not in t

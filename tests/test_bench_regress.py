@@ -213,7 +213,7 @@ def test_memcpy_ratio_gates_ours_when_the_other_ratios_are_noisy(tmp_path):
     """Two baseline runs where the SM-read ceiling and zero-copy moved (not ours): those ratios get
     wide tolerances, but a 5% slower kernel is still caught through frac_of_memcpy."""
     a = make_run()
-    b = make_run(frac=0.98, zero_copy_x=0.9)  # zero-copy 14% faster on that lease, ours unchanged
+    b = make_run(frac=0.98, zero_copy_x=0.9)  # zero-copy 14% faster on that machine, ours unchanged
     base = load_json(refresh_baseline(a, tmp_path, more_runs=[b]))
     assert compare(base, a).ok and compare(base, b).ok
     report = compare(base, make_run(scale={1: 1 / 0.95}))
@@ -224,7 +224,7 @@ def test_memcpy_ratio_gates_ours_when_the_other_ratios_are_noisy(tmp_path):
 def test_regress_replays_separately_made_runs_each_with_its_own_arguments(tmp_path, monkeypatch, capsys):
     """A baseline merged from a decode run and a prefill run made with different options (here
     ``hbm_fractions``) keeps each run's arguments, and ``bench regress`` replays each bench with
-    its own (it used to replay only the first run's bench, and every prefill record was missing)."""
+    its own (replaying only the first run's bench would leave every prefill record missing)."""
     import argparse
 
     import bench.__main__ as cli

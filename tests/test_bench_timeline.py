@@ -74,7 +74,7 @@ def test_summary_table_and_cpu_refusal(capsys):
     assert "passes skipped" not in text and "passes skipped" in format_timeline(res | {"skip_passes": True})
     if not __import__("torch").cuda.is_available():
         assert main(["timeline", "--context", "4096"]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
+        assert "bench timeline needs CUDA (it has no CPU run)" in capsys.readouterr().err
 
 
 def test_stamp_summary_keeps_nanoseconds():

@@ -86,6 +86,11 @@ def test_cli_model_folder_with_text_prompts(tmp_path, capsys):
     assert d["seq_lengths"] == [9 + 5, 2 + 5]
     assert d["text"] == tok.batch_decode(ref, skip_special_tokens=True)
     assert "[1] " in capsys.readouterr().out
+    # one prompt for 10**9 rows: sized (and refused) before the rows are copied
+    with pytest.raises(SystemExit) as e:
+        gen.main(["--model", str(folder), "--prompt", "hello world", "--batch", str(10**9), "--device", "cpu"])
+    assert e.value.code == 2
+    assert f"{10**9} x (2 + 32) tokens need" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,expect", [
@@ -130,11 +135,6 @@ def test_other_usage_errors(capsys):
     assert "--context" in _usage_error(["--preset", "tiny", "--context", "0", "--device", "cpu"], capsys)
     if not torch.cuda.is_available():
         assert "is_available" in _usage_error(["--preset", "tiny", "--device", "cuda"], capsys)
-
-
-def test_missing_model_folder_is_a_runtime_error(tmp_path, capsys):
-    assert gen.main(["--model", str(tmp_path / "nope"), "--context", "8", "--device", "cpu"]) == 1
-    assert "not a folder" in capsys.readouterr().err
 
 
 def test_cache_kwargs_follows_the_forward_signature():

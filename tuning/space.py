@@ -415,32 +415,34 @@ class MultiTokenSpace(KernelSpace):
                                             shape.group)
 
     def portfolio(self, shape: TuneShape) -> list:
-        # The runners-up and the tuner's winners of the H200 A/B runs G-N and the tunes of sessions
-        # 4-9 (bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt, *-tune-prefill*.log), newest
-        # families first: seeds count against --trials, so a short tune (6 trials: the default,
-        # the old entry and four of these) measures the configs that won lately.
+        # The runners-up and the tuner's winners of the H200 prefill config sweeps and tunes
+        # (``python -m bench prefill --compare-configs``, ``directkv-tune run``; their logs:
+        # ``git show 7747519:bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt`` and that
+        # commit's ``bench/results/*-tune-prefill*.log``), the strongest families first: seeds
+        # count against --trials, so a short tune (6 trials: the default, the profile's entry and
+        # four of these) measures the strongest four.
         base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)
         picks = (
-            # clusters of two with staggered chunk boundaries under link admission (session 9; the
-            # default from 4096 to 8192 rows): compute starts after one tile, tiles are freed one at
+            # clusters of two with staggered chunk boundaries under link admission (the default
+            # from 4096 to 8192 rows): compute starts after one tile, tiles are freed one at
             # a time, and the link serves the clusters in turn
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=8, q_regs=1, q_cluster=2, stagger=4),
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1, q_cluster=2, stagger=2),
             # clusters of two sharing each tile (chunks of 4: the default from 2048 to 8192 query rows
-            # per KV head; won 8k q8192 in session 8): half the passes per chunk and half the splits
+            # per KV head; won 8k q8192): half the passes per chunk and half the splits
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=0, q_regs=1, q_cluster=2),
-            # ... under link admission (rank 0 of each cluster admits its tiles; session 8)
+            # ... under link admission (rank 0 of each cluster admits its tiles)
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1, q_cluster=2),
             # Q in registers, seven stages: chunks of 6 (the default above 8192 rows; fewest passes,
-            # won all-HBM at 32k q2048 in run K), 4 (the default below 2048 rows) and 5
+            # won all-HBM at 32k q2048), 4 (the default below 2048 rows) and 5
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=4, link_credits=16, q_regs=1),
             dict(tile_n=64, stages=7, chunk_tiles=6, link_credits=0, q_regs=1, q_cluster=2),
             dict(tile_n=64, stages=7, chunk_tiles=5, link_credits=16, q_regs=1),
             dict(tile_n=128, stages=3, chunk_tiles=2, link_credits=16),  # 128k q512, link-bound shapes
-            dict(tile_n=64, stages=6, chunk_tiles=5, link_credits=16),  # session-4 default, Q in SMEM (128k q2048)
-            dict(tile_n=64, stages=6, chunk_tiles=4),  # 32k q2048 tuned winner (session 4)
-            dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner (session 4)
+            dict(tile_n=64, stages=6, chunk_tiles=5, link_credits=16),  # Q in SMEM, six stages (128k q2048)
+            dict(tile_n=64, stages=6, chunk_tiles=4),  # 32k q2048 tuned winner, Q in SMEM
+            dict(tile_n=64, stages=5, chunk_tiles=3, carveout=90),  # 32k q512 tuned winner, Q in SMEM
             dict(tile_n=64, stages=5, chunk_tiles=4, consumer_wgs=3),  # 128k q512
         )
         return [DecodeConfig(**{**base, **p}) for p in picks]
@@ -481,8 +483,10 @@ class DecodeFP8Space(DecodeSpace):
                                            shape.page_size, shape.group, shape.q_len, split)
 
     def portfolio(self, shape: TuneShape) -> list:
-        # The one-script A/B of session 14 (bench/results/NVIDIA_H200-2026-12-01-s14-fp8-ab.txt):
-        # 6 stages at carveout 100 beat the adapted default (7 at 80) at B1 and B4 over 128k.
+        # A same-run A/B of FP8 decode configs on an H200 (``python -m bench decode --kv-dtype fp8
+        # --compare-configs ...``; ``git show
+        # 7747519:bench/results/NVIDIA_H200-2026-12-01-s14-fp8-ab.txt``): 6 stages at carveout 100
+        # beat the adapted default (7 at 80) at B1 and B4 over 128k.
         wgs = consumer_wgs_for(shape.rows)
         picks = (dict(tile_n=64, stages=6, carveout=100), dict(tile_n=64, stages=9, carveout=100),
                  dict(tile_n=128, stages=4, carveout=100), dict(tile_n=32, stages=12, carveout=100))
@@ -533,8 +537,10 @@ class QTiledSpace(KernelSpace):
 
     def portfolio(self, shape: TuneShape) -> list:
         # The default (clusters of two sharing each tile), one CTA per query tile, and 64-token
-        # tiles over a deeper ring: the variants that came closest in the same-run A/B of
-        # 2026-12-02 (separate K and V pipelines lost 5-12% on every shape), tried first.
+        # tiles over a deeper ring: the variants that came closest in a same-run A/B on an H200
+        # (``python -m bench.compute_ab``; ``git show
+        # 7747519:bench/results/NVIDIA_H200-2026-12-02-s15-ab1-variants.txt``: separate K and V
+        # pipelines lost 5-12% on every shape), tried first.
         cls = self.config_cls
         return [cls(), cls(cluster=1), cls(tile_n=64, stages=4)]
 
