@@ -4,7 +4,8 @@ view transformers keeps a list of, ``DirectKVLayer``.
 ``update`` only hands a layer's new K/V to the attention function (it cannot see the padding
 mask); the attention function of the first layer plans the step once (``step.BatchSequences``,
 the attention included: ``DirectKVAttention.plan``) and every layer then stores its new K/V into
-their pages and runs that plan over the whole history (``Step.attention``). Pad tokens never enter the cache; their query rows get zeros.
+their pages and runs that plan over the whole history (``Step.attention``). Pad tokens never
+enter the cache; their query rows get zeros.
 """
 
 from __future__ import annotations
