@@ -124,22 +124,7 @@ class BatchSequences:
                              "(one DirectKVCache per batch; reset() it for a new one)")
         valid = valid_tokens(attention_mask, batch, q_len)  # bool (B, S) or None
         counts = [q_len] * batch if valid is None else valid.sum(dim=1).tolist()
-        share = self.share_prompts and batch > 1
-        prefixes: dict[int, tuple[int, int]] = {}  # first step: row -> (earlier row, shared tokens)
-        groups_of: dict[int, list[int]] = {}
-        if not self.seqs:
-            groups = identical_rows(key, value, valid, list(range(batch))) if share else [[b] for b in range(batch)]
-            if share and len(groups) > 1:
-                prefixes = shared_prefixes(key, value, valid, [g[0] for g in groups], kv.page_size)
-            self.seqs = [-1] * batch
-            for g in groups:
-                groups_of[g[0]] = g
-                if g[0] not in prefixes:  # the others fork an earlier row once it is extended
-                    sid = kv.add_sequence()
-                    for b in g:
-                        self.seqs[b] = sid
-        elif share and len(set(self.seqs)) < batch:
-            self._split(key, value, valid)
+        prefixes, groups_of = self._assign(key, value, valid, batch)
         uniq = [sid for sid in dict.fromkeys(self.seqs) if sid >= 0]  # each sequence once, in row order
         first = {}
         for b, sid in enumerate(self.seqs):
@@ -155,10 +140,7 @@ class BatchSequences:
         skip: dict[int, int] = {}  # sequence -> leading tokens of this step it shares (not stored)
         try:
             for sid, growth in zip(uniq, plans):
-                if growth.demote:
-                    kv.move_pages(sid, growth.demote, "host")
-                for tier, n in growth.runs:
-                    kv.extend(sid, n, tier)
+                self._grow(sid, growth)
             rows = [b for b in range(batch) if counts[b]]
             # One row per sequence stores its new tokens. Their slots are taken before any prompt
             # prefix is forked, so the forks share the pages these writes fill (no copy-on-write).
@@ -176,12 +158,8 @@ class BatchSequences:
                 for r in groups_of[b]:
                     self.seqs[r] = child
                 first[child] = b
-                growth = plan_growth(m, self._hbm_pages(child), int(counts[b]) - m, kv.page_size, self.hbm_quota(),
-                                     self.sink_pages)
-                if growth.demote:
-                    kv.move_pages(child, growth.demote, "host")
-                for tier, n in growth.runs:
-                    kv.extend(child, n, tier)
+                self._grow(child, plan_growth(m, self._hbm_pages(child), int(counts[b]) - m, kv.page_size,
+                                              self.hbm_quota(), self.sink_pages))
                 if counts[b] > m:  # its tokens after the shared prefix, taken before any later fork of it
                     span = ([child], [m], [int(counts[b]) - m])
                     kv.mirror(child, m, int(counts[b]) - m)
@@ -214,6 +192,36 @@ class BatchSequences:
         defer = not prefixes and max(q_lens, default=0) >= kv.page_size
         return Step(batch, q_len, rows, q_lens, seq_ids, tok_idx, slots, tables, max_seq_len, undo, processed, attn,
                     write_idx, defer)
+
+    def _assign(self, key, value, valid, batch: int) -> tuple[dict[int, tuple[int, int]], dict[int, list[int]]]:
+        """Give every batch row its sequence for this step. First step: identical rows share a new
+        sequence, and a row whose prompt starts with whole pages of an earlier row's is left at
+        -1 to fork it (returned: row -> (earlier row, shared tokens), and each group's rows by its
+        first row). Later steps: rows of one sequence whose new tokens differ fork it."""
+        share = self.share_prompts and batch > 1
+        prefixes: dict[int, tuple[int, int]] = {}
+        groups_of: dict[int, list[int]] = {}
+        if not self.seqs:
+            groups = identical_rows(key, value, valid, list(range(batch))) if share else [[b] for b in range(batch)]
+            if share and len(groups) > 1:
+                prefixes = shared_prefixes(key, value, valid, [g[0] for g in groups], self.kv.page_size)
+            self.seqs = [-1] * batch
+            for g in groups:
+                groups_of[g[0]] = g
+                if g[0] not in prefixes:  # the others fork an earlier row once it is extended
+                    sid = self.kv.add_sequence()
+                    for b in g:
+                        self.seqs[b] = sid
+        elif share and len(set(self.seqs)) < batch:
+            self._split(key, value, valid)
+        return prefixes, groups_of
+
+    def _grow(self, sid: int, growth) -> None:
+        """Apply one sequence's ``Growth``: its demotions to host, then its extends by tier."""
+        if growth.demote:
+            self.kv.move_pages(sid, growth.demote, "host")
+        for tier, n in growth.runs:
+            self.kv.extend(sid, n, tier)
 
     def rollback(self, step: Step) -> None:
         """Every sequence the step grew (or forked) back at its length before the step."""
