@@ -1,4 +1,4 @@
-"""Paged KV cache in pinned host memory, with an optional HBM tier (see docs/CONTRACT.md).
+"""Paged KV cache in pinned host memory, with an optional HBM tier (docs/ARCHITECTURE.md: the module map).
 
 ``PagedKVCache`` (``cache.paged``) is one lock over three parts:
 
