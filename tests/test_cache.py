@@ -903,3 +903,22 @@ def test_cache_and_book_agree_on_every_table_change():
         c.set_hbm_fraction(s, 0.5, "strided")
         c.truncate(f, 17)
     assert cache.state() == book.state()
+
+
+def test_host_kernel_table_names_a_private_pages_mirror_and_a_shared_pages_host_copy():
+    from directkv_cute.cache import PageBook
+    from directkv_cute.cache.tables import host_kernel_table
+
+    book = PageBook({"host": 8, "hbm": 1}, 16, num_window_pages=4)
+    a = book.add_sequence()
+    book.extend(a, 40)  # host pages 0, 1, 2
+    assert book.mirror(a, 20, 20) == 2  # logical pages 1 and 2 get window pages 1 and 2 (after the tier's 1)
+    b = book.fork(a, 32)  # shares host pages 0 and 1
+    book.extend(b, 1)  # host page 3
+    packed, table = host_kernel_table(book, [book.seq(a), book.seq(b)])
+    # a: page 1 is shared with b, so it is read from the host; page 2 is private, read from its mirror
+    assert table.tolist() == [[0, 1, encode_page("hbm", 2)], [0, 1, 3]]
+    assert packed[table.size:].tolist() == [40, 33]
+    book.truncate(b, 16)  # page 1 private again: a reads its mirror
+    packed, table = host_kernel_table(book, [book.seq(a), book.seq(b)])
+    assert table.tolist() == [[0, encode_page("hbm", 1), encode_page("hbm", 2)], [0, 0, 0]]
