@@ -5,6 +5,7 @@ Public API:
     paged_attention         attention of new query tokens over their cached history
     paged_attention_tables  the same with page tables built once (per step / CUDA graphs)
     cascade_attention       the same reading the pages forked sequences share once per batch
+    DirectKVAttention       plan once per model step (an AttentionPlan, printable), run per layer
     kv_project              fused K/V projection + RoPE + store of new tokens into host/HBM pages
     DecodeConfig            kernel knobs (tile, stages, splits, SMEM carveout, warpgroups)
     paged_attention_ref     the float32 reference (also the CPU path)
@@ -26,6 +27,9 @@ _LAZY = {
     "paged_attention": "directkv_cute.ops",
     "paged_attention_tables": "directkv_cute.ops",
     "cascade_attention": "directkv_cute.cascade",
+    "DirectKVAttention": "directkv_cute.attention",
+    "AttentionPlan": "directkv_cute.planner",
+    "DeviceInfo": "directkv_cute.machine",
     "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",
     "paged_attention_ref": "directkv_cute.reference",
@@ -44,12 +48,6 @@ if "torch" in _sys.modules:
 
 
 def __getattr__(name: str):
-    if name == "default_prefill_config":  # the multi-token kernel's default under its old name
-        import warnings
-
-        warnings.warn("directkv_cute.default_prefill_config is deprecated: use default_multi_token_config",
-                      DeprecationWarning, stacklevel=2)
-        return default_multi_token_config
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'directkv_cute' has no attribute {name!r}")
@@ -58,9 +56,12 @@ def __getattr__(name: str):
     return value
 
 __all__ = [
+    "AttentionPlan",
     "CacheCapacityError",
     "ConfigError",
     "DecodeConfig",
+    "DeviceInfo",
+    "DirectKVAttention",
     "KVProjConfig",
     "KernelTables",
     "PagedKVCache",

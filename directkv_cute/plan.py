@@ -77,24 +77,10 @@ def decode_traffic(seq_lens, page_hbm, num_kv_heads, head_dim, page_size, tile_n
 
 
 # ---- staged vs in-place multi-token attention ---------------------------------------------------
-# Rates measured on the H200 (PCIe Gen5) on 2026-12-01; only their ratios steer the choice.
-LINK_GBPS = 51.0  # SM reads of pinned host memory (the zero-copy kernels' ceiling)
-MEMCPY_GBPS = 54.8  # the copy engine's H2D rate (the staging copies)
-D2D_GBPS = 1500.0  # HBM-to-HBM copies of pages already in HBM (read + write)
-# The KV-outer chunk kernel's attention rate where it is compute-bound: measured in place over host
-# pages 221 TFLOP/s at 8k q2048 and 271 at 32k q2048 (2026-12-02, 2026-12-01); at 300 the model
-# kept 8k q2048 in place (1.087 ms) where the staged call takes 0.815 ms.
-CHUNKED_TFLOPS = 250.0
-Q_TILED_TFLOPS = 680.0  # the Q-tiled kernel's (tile 128, 3 stages, pingpong, clusters of 2): 2026-12-02
-# ... and its reads of the staging buffer where they bind (decode of many sequences that share
-# pages: each sequence's CTAs read all of its pages; fitted to batch 64 over a shared 32k prompt,
-# staged in 3.79 ms, measured 2026-12-01)
-Q_TILED_READ_GBPS = 2800.0
+# The cost model. Its rates are the GPU's (``machine.MachineModel``, from the profile); what is
+# here is policy: margins, piece counts and split counts.
+
 STAGED_SPLITS = 4  # KV splits of a staged call
-# The op picks the lightest-first order on its own only once it has been measured on a GPU (it was
-# written after the last GPU run of 2026-12-01); until then QTiledConfig(order=2) asks for it.
-ASCENDING_AUTO = False
-STAGE_OVERHEAD_MS = 0.03  # the staged call's host work and first-piece latency beyond the model
 
 
 def causal_flops(seq_lens, q_lens, num_q_heads: int, head_dim: int) -> float:
@@ -108,11 +94,10 @@ def causal_flops(seq_lens, q_lens, num_q_heads: int, head_dim: int) -> float:
 class StagedChoice:
     """The cost model's verdict for one multi-token call (ms estimates)."""
 
-    in_place_ms: float  # the KV-outer chunk kernel reading host pages in place
+    in_place_ms: float  # the kernel reading host pages in place
     staged_ms: float  # copy engine into HBM, overlapped with the Q-tiled kernel, at ``splits``
     staged: bool
     splits: int  # KV splits of the staged call
-    ascending: bool = False  # one split, lightest query tiles first (they follow the copy)
     by_head: bool = False  # one split, the copy and the CTAs head by head (``head_major_ms``)
     coarse: bool = False  # one split in LINK_PIECES pieces, its CTAs one wave (``one_wave_ms``)
     pipelined: bool = False  # weighed as a call whose copy runs ahead of its kernel (``pipelined_ms``)
@@ -120,53 +105,43 @@ class StagedChoice:
 
 # Calls whose in-place compute reaches this share of their link time are compute-bound: staged
 # when the model's estimate beats reading in place by 3%. Below it the in-place kernel sits at
-# the link and staging only wins the copy engine's edge over SM reads of host memory (about 7%),
-# less COPY_CALL_MS per copy call (one run of consecutive pages of one sequence in one piece), so
+# the link and staging only wins the copy engine's edge over SM reads of host memory, less
+# ``copy_call_ms`` per copy call (one run of consecutive pages of one sequence in one piece), so
 # a link-bound call stages only when the estimate beats reading in place by LINK_STAGE_MARGIN.
-# Fitted to decode at batch 1/16/64 over 1k-128k tokens (measured 2026-12-01, the model within 4%
-# of every staged time): staging wins from about 16k tokens per sequence and loses up to 22% on
-# many short sequences (batch 64 over 1k: 512 copy calls).
+# Fitted to decode at batch 1/16/64 over 1k-128k tokens (the model within 4% of every staged
+# time): staging wins from about 16k tokens per sequence and loses up to 22% on many short
+# sequences (batch 64 over 1k: 512 copy calls).
 COMPUTE_SHARE = 0.5
+COMPUTE_STAGE_MARGIN = 0.97
 LINK_STAGE_MARGIN = 0.98
-# The KV-outer chunk kernel reading a multi-token call in place runs past the link time by its
-# ramp and its split combine (which grows with the query rows): measured 0.028 / 0.026 ms at
-# 8k / 16k q64, 0.09 / 0.10 at 8k / 16k q512 (0.745 vs a 0.654 ms floor; 1.403 vs 1.306),
-# 2026-12-01/02. The streaming kernel (decode) sits at the link.
-CHUNK_TAIL_MS = 0.025
-CHUNK_TAIL_MS_PER_TOKEN = 1.3e-4
-
-
-def chunk_tail_ms(total_q: int) -> float:
-    """The chunk kernel's time past the link for ``total_q`` query tokens (0: not the chunk kernel)."""
-    return CHUNK_TAIL_MS + CHUNK_TAIL_MS_PER_TOKEN * total_q if total_q else 0.0
-
-
-# Pieces of a one-split staged call whose CTAs all fit one wave (``one_wave_ms``): each copy call
-# costs the copy engine about 3 us (measured: 32 MB in 1 / 4 / 16 contiguous calls
-# 0.64 / 0.63 / 0.68 ms, in 128 calls of 256 KB 1.02 ms, 2026-12-02), and a wave's CTAs walk a
-# piece as soon as it lands, so two pieces leave only half the compute after the copy (measured
-# 8k q512 over host pages: 0.676 ms staged so, 0.745 in place, swap + FA4 0.717).
-LINK_PIECES = 2
-# Each ready flag written on the copy stream between pieces (its copies drain first): about
-# 1.5 us of the copy engine (measured 0.75-2 us per flag, 2026-12-02).
-FLAG_MS = 0.0015
-COPY_CALL_MS = 0.0025
 HYBRID_STAGE_SHARE = 0.05
-# The rate of a split's fp32 partial O and LSE written and read back: fitted when the Q-tiled
-# kernel wrote partials for a combine kernel (16 staged calls at 8k / 16k q2048 over host pages in
-# 2-8 splits and 4-32 pieces, 2026-12-02: about 7 us per split at q2048); a fold moves the same bytes.
-PARTIAL_GBPS = 10000.0
+
+# Pieces of a one-split staged call whose CTAs all fit one wave (``one_wave_ms``): a wave's CTAs
+# walk a piece as soon as it lands, so two pieces leave only half the compute after the copy
+# (measured 8k q512 over host pages: 0.676 ms staged so, 0.745 in place).
+LINK_PIECES = 2
 # Pieces of a staged call whose Q-tiled compute trails its copy (``trails_copy``): each costs a
-# copy call and a ready flag (measured at 8k q2048: 8 pieces 2-3% faster than 16 at 2 and 4 splits).
-# From ``LONG_LINK_TOKENS`` keys on, 16 pieces in 16 folded splits (a split of 16 KV tiles or more):
-# the last split's tail after the copy halves (measured 2026-12-02 at q2048, splits folded, 8 pieces
-# / 8 splits vs 16 / 16, ms: 8k 0.713 vs 0.945, 16k 1.349 vs 1.360, 32k 2.663 vs 2.598, 128k 10.51
-# vs 10.14; with the step's window 32k 2.541 vs 2.483). Only there: offered to compute-bound chunks
-# too, 16 splits displaced the head-by-head copy at 128k q8192 and ran slower (27.88 vs 26.14 ms).
+# copy call and a ready flag (measured at 8k q2048: 8 pieces 2-3% faster than 16 at 2 and 4
+# splits). From ``LONG_LINK_TOKENS`` keys on, 16 pieces in 16 folded splits (a split of 16 KV
+# tiles or more): the last split's tail after the copy halves (measured at q2048, splits folded,
+# 8 pieces / 8 splits vs 16 / 16, ms: 8k 0.713 vs 0.945, 16k 1.349 vs 1.360, 32k 2.663 vs 2.598,
+# 128k 10.51 vs 10.14). Only there: offered to compute-bound chunks too, 16 splits displaced the
+# head-by-head copy at 128k q8192 and ran slower (27.88 vs 26.14 ms).
 LINK_BOUND_PIECES = 8
 LONG_LINK_BOUND_PIECES = 16
 LONG_LINK_TOKENS = 32768
 SPLIT_CHOICES = (1, 2, 4, 8)
+# Calls whose staged copies run ahead of their kernels, back to back (a model's layers): the run
+# lasts about its calls' copies plus what the last call's kernel still has to do once its copy
+# has landed (its tail), weighed as 1 / RUN_CALLS of it per call (measured at 32k q2048 with the
+# step's window, history in one piece: 2.28 ms per call in the run, 3.65 for the call that waited
+# for a whole copy and then its whole kernel).
+RUN_CALLS = 32
+
+
+def chunk_tail_ms(m, total_q: int) -> float:
+    """The chunk kernel's time past the link for ``total_q`` query tokens (0: not the chunk kernel)."""
+    return m.chunk_tail_ms + m.chunk_tail_ms_per_token * total_q if total_q else 0.0
 
 
 def link_bound_staging(max_tokens: int) -> tuple[int, tuple[int, ...]]:
@@ -178,22 +153,22 @@ def link_bound_staging(max_tokens: int) -> tuple[int, tuple[int, ...]]:
     return LINK_BOUND_PIECES, SPLIT_CHOICES
 
 
-def copy_time_ms(host_bytes: int, calls: int, flags: int = 0) -> float:
+def copy_time_ms(m, host_bytes: int, calls: int, flags: int = 0) -> float:
     """The copy engine's time for ``host_bytes`` in ``calls`` copy calls and ``flags`` ready flags."""
-    return host_bytes / (MEMCPY_GBPS * 1e6) + calls * COPY_CALL_MS + flags * FLAG_MS
+    return host_bytes / (m.memcpy_gbps * 1e6) + calls * m.copy_call_ms + flags * m.flag_ms
 
 
-def compute_bound(host_bytes: int, flops: float) -> bool:
+def compute_bound(m, host_bytes: int, flops: float) -> bool:
     """Whether the in-place kernel's compute reaches ``COMPUTE_SHARE`` of the call's link time."""
-    return flops / (CHUNKED_TFLOPS * 1e9) >= COMPUTE_SHARE * host_bytes / (LINK_GBPS * 1e6)
+    return flops / (m.chunked_tflops * 1e9) >= COMPUTE_SHARE * host_bytes / (m.link_gbps * 1e6)
 
 
-def trails_copy(host_bytes: int, flops: float) -> bool:
+def trails_copy(m, host_bytes: int, flops: float) -> bool:
     """Whether the Q-tiled kernel's compute of a staged call is shorter than the copy of its pages."""
-    return flops / (Q_TILED_TFLOPS * 1e9) < host_bytes / (MEMCPY_GBPS * 1e6)
+    return flops / (m.q_tiled_tflops * 1e9) < host_bytes / (m.memcpy_gbps * 1e6)
 
 
-def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1, chunk_q: int = 0,
+def may_stage(m, host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int = 1, chunk_q: int = 0,
               window: bool = False) -> bool:
     """Whether staging can pay at all (checked before any staging plan): a compute-bound call, or
     a link-bound one with every page on the host whose copy at the copy engine's rate in at least
@@ -204,19 +179,20 @@ def may_stage(host_bytes: int, flops: float, hbm_bytes: int = 0, copy_calls: int
     copied them first: decode at 25% HBM, batch 1-64, 8k-128k, 12-37% slower staged). A few
     pages in HBM (the window mirroring a step's new tokens) may be staged, and so may any number
     where they form one run per sequence (``window``, given for chunks; the staged kernel reads
-    them where they are; measured 2026-12-02 with a chunk's own pages mirrored and copied: 8k
-    q512 0.644 ms staged, 0.701 in place the day before).
+    them where they are; measured with a chunk's own pages mirrored: 8k q512 0.644 ms staged,
+    0.701 in place).
     ``chunk_q``: the query tokens of a call the chunk kernel would run in place (its
     ``chunk_tail_ms`` past the link); 0 for the streaming kernel."""
-    if compute_bound(host_bytes, flops):
+    if compute_bound(m, host_bytes, flops):
         return True
     if hbm_bytes > HYBRID_STAGE_SHARE * host_bytes and not window:
         return False
-    in_place = host_bytes / (LINK_GBPS * 1e6) + chunk_tail_ms(chunk_q)
-    return copy_time_ms(host_bytes, copy_calls) + STAGE_OVERHEAD_MS < LINK_STAGE_MARGIN * in_place
+    in_place = host_bytes / (m.link_gbps * 1e6) + chunk_tail_ms(m, chunk_q)
+    return copy_time_ms(m, host_bytes, copy_calls) + m.stage_overhead_ms < LINK_STAGE_MARGIN * in_place
 
 
-def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: int, waiting: float = 0.0) -> float:
+def staged_ms(m, copy_ms: float, compute_ms: float, partial_bytes: float, splits: int,
+              waiting: float = 0.0) -> float:
     """A staged call in ``splits`` KV splits: the first split's copy is exposed (the CTAs of a
     split are paced by its pieces), then max(the rest of the copy, the compute), plus, with
     several splits, the last split's fold (``partial_bytes``: one split's fp32 O and LSE read and
@@ -226,50 +202,33 @@ def staged_ms(copy_ms: float, compute_ms: float, partial_bytes: float, splits: i
     first = copy_ms / splits
     partials = 0.0
     if splits > 1:
-        partials = partial_bytes / (PARTIAL_GBPS * 1e6)
+        partials = partial_bytes / (m.partial_gbps * 1e6)
         compute_ms += (splits - 1) * partials
     body = max(first + max(copy_ms - first, compute_ms), copy_ms + waiting * compute_ms / splits)
-    return body + partials + STAGE_OVERHEAD_MS
+    return body + partials + m.stage_overhead_ms
 
 
-# A staged call's Q-tiled kernel once its copy has landed (its copy ran ahead, ``pipelined_ms``):
-# its compute at ``Q_TILED_TFLOPS`` spread over min(CTAs, SMs), and each KV split past the first
-# costs a fold of its fp32 partials at FOLD_GBPS -- more than their bytes suggest, as the splits'
-# folds take turns (measured 2026-12-03, H200, the copy landed before the kernel started: per split
-# about 7.6 us at q512 and 30 us at q2048 over 8k-32k keys; 1 split 0.374 / 1.52 ms at 8k / 32k
-# q2048, the kernel over HBM pages 0.370 / 1.51).
-FOLD_GBPS = 2200.0
-
-
-def kernel_ms(q_ms: float, partial_bytes: float, splits: int, ctas: int = 0, sms: int = 0) -> float:
+def kernel_ms(m, q_ms: float, partial_bytes: float, splits: int, ctas: int = 0, sms: int = 0) -> float:
     """The Q-tiled kernel of a staged call whose pages have landed, in ``splits`` KV splits:
     ``q_ms`` (its compute or buffer reads) over the SMs its ``ctas`` x ``splits`` CTAs fill, plus
     the folds of every split past the first."""
     busy = min(1.0, ctas * splits / sms) if ctas and sms else 1.0
-    return q_ms / busy + (splits - 1) * partial_bytes / (FOLD_GBPS * 1e6)
+    return q_ms / busy + (splits - 1) * partial_bytes / (m.fold_gbps * 1e6)
 
 
-# Calls whose staged copies run ahead of their kernels, back to back: a model's layers. The copies
-# follow each other, so the run lasts about its calls' copies plus what the last call's kernel
-# still has to do once its copy has landed (its tail): one per run, weighed as 1 / RUN_CALLS of it
-# per call (measured 2026-12-03, H200, 32k q2048 with the step's window, history in one piece: 2.28
-# ms per call in the run, 3.65 for the call that waited for a whole copy and then its whole kernel).
-RUN_CALLS = 32
-
-
-def pipelined_ms(copy_ms: float, q_ms: float, partial_bytes: float, splits: int, ctas: int = 0,
+def pipelined_ms(m, copy_ms: float, q_ms: float, partial_bytes: float, splits: int, ctas: int = 0,
                  sms: int = 0, wait_ms: float = 0.0, tail_ms: float = 0.0) -> float:
     """A staged call whose copy runs ahead of its kernel (the previous staged call's kernel is
     still running, and its copy waits only for the kernel two calls back): calls follow each other
     one per max(copy, kernel), so the first piece's copy is not exposed; pieces only cost copy
     calls and flags, and splits only their folds. Except the copy of host pages the step has just
     written (``wait_ms`` of it): it waits for the previous kernel, and the kernel's first CTAs
-    (the heaviest query tiles, which read them) wait for it in turn (measured 2026-12-03 at 16k
-    q8192, the step's 8192 tokens on the host: 2.82 ms per call, about the kernel plus that copy,
-    against 2.38 planned for one call). The run's last kernel's ``tail_ms`` (``pipelined_tail_ms``)
-    is shared among ``RUN_CALLS`` calls."""
-    k = kernel_ms(q_ms, partial_bytes, splits, ctas, sms)
-    return max(copy_ms, k + wait_ms) + tail_ms / RUN_CALLS + STAGE_OVERHEAD_MS
+    (the heaviest query tiles, which read them) wait for it in turn (measured at 16k q8192, the
+    step's 8192 tokens on the host: 2.82 ms per call, about the kernel plus that copy, against
+    2.38 planned for one call). The run's last kernel's ``tail_ms`` (``pipelined_tail_ms``) is
+    shared among ``RUN_CALLS`` calls."""
+    k = kernel_ms(m, q_ms, partial_bytes, splits, ctas, sms)
+    return max(copy_ms, k + wait_ms) + tail_ms / RUN_CALLS + m.stage_overhead_ms
 
 
 def split_work(seq_lens, q_lens, tile_n: int, split_tiles: int, splits: int) -> list[float]:
@@ -301,59 +260,38 @@ def pipelined_tail_ms(copy_ms: float, q_ms: float, fold_ms: float, work, landed,
     return end - copy_ms
 
 
-def head_major_ms(copy_ms: float, compute_ms: float, heads: int) -> float:
+def head_major_ms(m, copy_ms: float, compute_ms: float, heads: int) -> float:
     """A staged call copied head by head, its CTAs head-major, one split: a two-stage pipeline
     of ``heads`` equal items (copy of head h, then its compute), so the first head's copy and the
     last head's compute are exposed, no partials."""
     c, k = copy_ms / heads, compute_ms / heads
-    return c + (heads - 1) * max(c, k) + k + STAGE_OVERHEAD_MS
+    return c + (heads - 1) * max(c, k) + k + m.stage_overhead_ms
 
 
-def one_wave_ms(copy_ms: float, compute_ms: float, pieces: int) -> float:
+def one_wave_ms(m, copy_ms: float, compute_ms: float, pieces: int) -> float:
     """One split whose CTAs all run at once: each walks a piece's tiles as the piece lands, so the
     copy and then the last piece's share of the compute, or the first piece's copy and then the
     whole compute where that is longer."""
-    return max(copy_ms + compute_ms / pieces, copy_ms / pieces + compute_ms) + STAGE_OVERHEAD_MS
+    return max(copy_ms + compute_ms / pieces, copy_ms / pieces + compute_ms) + m.stage_overhead_ms
 
 
-def q_tile_profile(seq_lens, q_lens, q_per_tile: int):
-    """(release, work) of every query tile in ascending launch order (tile index, then sequence):
-    release = the share of the longest sequence's keys the tile needs (when a piece-ordered copy
-    has landed them), work = its share of the call's attention work (keys x its tokens)."""
-    import numpy as np
-
-    rel, work, order = [], [], []
-    longest = max(seq_lens)
-    for b, (n, q) in enumerate(zip(seq_lens, q_lens)):
-        m = np.arange(math.ceil(q / q_per_tile))
-        first = m * q_per_tile
-        last = np.minimum(q, first + q_per_tile) - 1
-        keys = n - q + last + 1
-        rel.append(keys / longest)
-        work.append((last - first + 1) * (n - q + (first + last) / 2 + 1))
-        order.append(m * len(seq_lens) + b)
-    rel, work, order = np.concatenate(rel), np.concatenate(work), np.concatenate(order)
-    idx = np.argsort(order, kind="stable")
-    return rel[idx], work[idx] / work.sum()
-
-
-def ascending_ms(copy_ms: float, compute_ms: float, release, work) -> float:
-    """One split, lightest query tiles first: no run of tiles can finish before its keys have
-    landed plus the work from it on, so T = max over tiles i of (release_i x copy + work from i on
-    x compute) (a list-scheduling bound; the tiles run in launch order)."""
-    import numpy as np
-
-    rest = np.cumsum(work[::-1])[::-1]  # work of tiles i..end
-    return float(np.max(np.asarray(release) * copy_ms + rest * compute_ms)) + STAGE_OVERHEAD_MS
-
-
-def in_place_ms(read_bytes: int, flops: float, chunk_q: int = 0) -> float:
+def in_place_ms(m, read_bytes: int, flops: float, chunk_q: int = 0) -> float:
     """The in-place kernel's estimate: max(``read_bytes`` at the link, its compute), plus
     ``chunk_tail_ms(chunk_q)`` for the chunk kernel."""
-    return max(read_bytes / (LINK_GBPS * 1e6), flops / (CHUNKED_TFLOPS * 1e9)) + chunk_tail_ms(chunk_q)
+    return max(read_bytes / (m.link_gbps * 1e6), flops / (m.chunked_tflops * 1e9)) + chunk_tail_ms(m, chunk_q)
 
 
-def choose_pipelined(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float, candidates,
+def q_read_ms(m, flops: float, kv_read_bytes: int) -> float:
+    """The Q-tiled kernel's time over landed pages: its compute, or its reads of the buffer."""
+    return max(flops / (m.q_tiled_tflops * 1e9), kv_read_bytes / (m.q_tiled_read_gbps * 1e6))
+
+
+def stage_margin(m, host_bytes: int, flops: float) -> float:
+    """How much faster than reading in place a staged estimate must be to be chosen."""
+    return COMPUTE_STAGE_MARGIN if compute_bound(m, host_bytes, flops) else LINK_STAGE_MARGIN
+
+
+def choose_pipelined(m, host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float, candidates,
                      in_place_bytes: int | None = None, kv_read_bytes: int = 0, chunk_q: int = 0,
                      ctas: int = 0, sms: int = 0, wait_bytes: int = 0) -> tuple[StagedChoice, int]:
     """The best of ``candidates`` -- (KV splits, host copy calls, HBM copy calls, pieces, the
@@ -366,88 +304,80 @@ def choose_pipelined(host_bytes: int, hbm_bytes: int, flops: float, partial_byte
     Returns (the verdict, the index of the chosen candidate)."""
     if not candidates:
         raise ValueError("choose_pipelined needs at least one candidate plan")
-    in_place = in_place_ms(host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
-    q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
-
-    fold_ms = partial_bytes / (FOLD_GBPS * 1e6)
+    in_place = in_place_ms(m, host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
+    q_ms = q_read_ms(m, flops, kv_read_bytes)
+    fold_ms = partial_bytes / (m.fold_gbps * 1e6)
     busy = min(1.0, ctas / sms) if ctas and sms else 1.0
 
     def est(splits: int, host_calls: int, hbm_calls: int, pieces: int, layout) -> float:
-        d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
-        copy = copy_time_ms(host_bytes, host_calls, pieces)
+        d2d_ms = hbm_bytes / (m.d2d_gbps * 1e6) + hbm_calls * m.copy_call_ms
+        copy = copy_time_ms(m, host_bytes, host_calls, pieces)
         tail = 0.0 if layout is None else pipelined_tail_ms(copy, q_ms, fold_ms, *layout, busy=busy)
-        return d2d_ms + pipelined_ms(copy, q_ms, partial_bytes, splits, ctas, sms, wait_bytes / (MEMCPY_GBPS * 1e6),
-                                     tail)
+        return d2d_ms + pipelined_ms(m, copy, q_ms, partial_bytes, splits, ctas, sms,
+                                     wait_bytes / (m.memcpy_gbps * 1e6), tail)
 
     ests = [est(*c) for c in candidates]
     best = min(range(len(ests)), key=lambda i: (ests[i], candidates[i][0]))
-    margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN
-    staged = ests[best] < margin * in_place
+    staged = ests[best] < stage_margin(m, host_bytes, flops) * in_place
     return StagedChoice(in_place, ests[best], staged, candidates[best][0], pipelined=True), best
 
 
-def choose_staged(host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
-                  splits: int = 0, tiles=None, host_calls: int = 1, hbm_calls: int = 0,
+def choose_staged(m, host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
+                  splits: int = 0, host_calls: int = 1, hbm_calls: int = 0,
                   in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
                   head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
                   head_flags: int = 0, split_ctas: int = 0, sms: int = 0,
                   choices: tuple[int, ...] = SPLIT_CHOICES) -> StagedChoice:
     """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
     ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
-    ``kv_read_bytes`` from the buffer, at the best of ``choices``, or at ``splits``; with
-    ``tiles`` = ``q_tile_profile(...)`` also one split in ascending order) beats reading
+    ``kv_read_bytes`` from the buffer, at the best of ``choices``, or at ``splits``) beats reading
     ``in_place_bytes`` in place (default ``host_bytes``; more where sequences share pages, which
-    the staging copies once), by 3% for a compute-bound call and by ``LINK_STAGE_MARGIN`` for a
-    link-bound one: the in-place kernel is bound by max(link, its compute), plus
-    ``chunk_tail_ms(chunk_q)`` for the chunk kernel. With ``head_calls`` (the copy calls of the
-    call staged head by head over ``heads`` KV heads) that order is weighed too, and with
-    ``wave_calls`` (the copy calls of the call in ``LINK_PIECES`` pieces, given when its CTAs fit
-    one wave) one split over those pieces. Each piece's ready flag costs ``FLAG_MS`` of the copy
-    (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
+    the staging copies once), by ``stage_margin``: the in-place kernel is bound by max(link, its
+    compute), plus ``chunk_tail_ms(chunk_q)`` for the chunk kernel. With ``head_calls`` (the copy
+    calls of the call staged head by head over ``heads`` KV heads) that order is weighed too, and
+    with ``wave_calls`` (the copy calls of the call in ``LINK_PIECES`` pieces, given when its CTAs
+    fit one wave) one split over those pieces. Each piece's ready flag costs ``flag_ms`` of the
+    copy (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
     ``split_ctas`` (CTAs of one split) over ``sms`` SMs: the split's CTAs beyond one per SM run
     after their pieces have landed (``staged_ms``'s ``waiting``)."""
-    in_place = in_place_ms(host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
-    copy = copy_time_ms(host_bytes, host_calls, pieces)
-    # pages already in HBM: copied before the kernel starts
-    d2d_ms = hbm_bytes / (D2D_GBPS * 1e6) + hbm_calls * COPY_CALL_MS
-    q_ms = max(flops / (Q_TILED_TFLOPS * 1e9), kv_read_bytes / (Q_TILED_READ_GBPS * 1e6))
+    in_place = in_place_ms(m, host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
+    copy = copy_time_ms(m, host_bytes, host_calls, pieces)
+    d2d_ms = hbm_bytes / (m.d2d_gbps * 1e6) + hbm_calls * m.copy_call_ms  # copied before the kernel starts
+    q_ms = q_read_ms(m, flops, kv_read_bytes)
     waiting = max(0.0, 1.0 - sms / split_ctas) if split_ctas and sms else 0.0
-    best = min((splits,) if splits else choices, key=lambda s: staged_ms(copy, q_ms, partial_bytes, s, waiting))
-    est = d2d_ms + staged_ms(copy, q_ms, partial_bytes, best, waiting)
-    ascending = by_head = coarse = False
+    best = min((splits,) if splits else choices, key=lambda s: staged_ms(m, copy, q_ms, partial_bytes, s, waiting))
+    est = d2d_ms + staged_ms(m, copy, q_ms, partial_bytes, best, waiting)
+    by_head = coarse = False
     if wave_calls and splits in (0, 1):
-        ow = d2d_ms + one_wave_ms(copy_time_ms(host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)
+        ow = d2d_ms + one_wave_ms(m, copy_time_ms(m, host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)
         if ow < est:
             est, best, coarse = ow, 1, True
     if head_calls and heads > 1 and splits in (0, 1):
-        hm = d2d_ms + head_major_ms(copy_time_ms(host_bytes, head_calls, head_flags), q_ms, heads)
+        hm = d2d_ms + head_major_ms(m, copy_time_ms(m, host_bytes, head_calls, head_flags), q_ms, heads)
         if hm < est:
             est, best, by_head, coarse = hm, 1, True, False
-    if tiles is not None and splits in (0, 1) and ASCENDING_AUTO:
-        asc = d2d_ms + ascending_ms(copy, q_ms, *tiles)
-        if asc < est:
-            est, best, ascending, by_head, coarse = asc, 1, True, False, False
-    margin = 0.97 if compute_bound(host_bytes, flops) else LINK_STAGE_MARGIN
-    return StagedChoice(in_place, est, est < margin * in_place, best, ascending, by_head, coarse)
+    return StagedChoice(in_place, est, est < stage_margin(m, host_bytes, flops) * in_place, best, by_head, coarse)
 
 
 # A batch whose sequences share pages is attended by the cascade (each shared span once, each
-# sequence's own pages, in place: about the unique bytes at the link plus STAGE_OVERHEAD_MS per
-# pass) unless one staged call of the whole batch -- the staging copies each distinct page once,
-# at the copy engine's rate -- is estimated faster by this margin (the staged model is up to 11%
-# optimistic on many short own parts). Fitted to bench prefix, batch 4-64 over a 32k prompt with
-# 0/1k/8k own tokens (measured 2026-12-01): the margin picks the faster of the two on every row.
+# sequence's own pages, in place: about the unique bytes at the link plus the staged call's
+# overhead per pass) unless one staged call of the whole batch -- the staging copies each
+# distinct page once, at the copy engine's rate -- is estimated faster by this margin (the staged
+# model is up to 11% optimistic on many short own parts). Fitted to ``python -m bench prefix``,
+# batch 4-64 over a 32k prompt with 0/1k/8k own tokens: the margin picks the faster of the two on
+# every row.
 CASCADE_MARGIN = 0.95
 
 
-def cascade_ms(host_bytes: int, passes: int) -> float:
+def cascade_ms(m, host_bytes: int, passes: int) -> float:
     """The cascade's estimate: ``host_bytes`` (the unique pages) at the link, ``passes`` passes."""
-    return host_bytes / (LINK_GBPS * 1e6) + passes * STAGE_OVERHEAD_MS
+    return host_bytes / (m.link_gbps * 1e6) + passes * m.stage_overhead_ms
 
 
-def stage_instead_of_cascade(host_bytes: int, passes: int, staged: StagedChoice | None) -> bool:
+def stage_instead_of_cascade(m, host_bytes: int, passes: int, staged: StagedChoice | None) -> bool:
     """Whether one staged call of the batch beats its cascade (see ``CASCADE_MARGIN``)."""
-    return staged is not None and staged.staged and staged.staged_ms < CASCADE_MARGIN * cascade_ms(host_bytes, passes)
+    return staged is not None and staged.staged and \
+        staged.staged_ms < CASCADE_MARGIN * cascade_ms(m, host_bytes, passes)
 
 
 def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:

@@ -23,16 +23,17 @@ while layer l's kernel finishes and the layer's other work runs, instead of afte
 without that record (the tensor-only op) waits for the current stream's work so far, as does
 every call with ``DIRECTKV_STAGE_OVERLAP=0`` or a buffer over half the staging cap.
 
-Planning (``plan_staging``, ``piece_waits``) is plain Python on the host page table; the device
-part is ``Stager``, one per (device, stream), holding the side stream, the buffers and the flags.
+Planning (``plan_staging``, ``piece_waits``) is plain Python on the host page table; whether a
+call copies ahead is the plan's (``planner``: the cache records its host writes, the overlap is
+on, and a buffer per slot fits the staging cap). The device part is ``Stager``, one per (device,
+stream), holding the side stream, the buffers and the flags.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,11 +43,9 @@ HEAD_PIECES = 4  # pieces per KV head of a copy staged head by head
 HEADS_PER_COPY = 1  # KV heads per strided copy of a copy staged head by head (wider rows, coarser steps)
 # Rows of a strided copy narrower than this run the copy engine slowly: FP8 pages staged head by
 # head in rows of one head's 16 KiB block (page 64, d 128) moved 8 MB in about 250 us, 33 GB/s
-# against 52 GB/s for rows of 32 KiB and more (measured 2026-12-02, H200). FP8 pages are staged in
+# against 52 GB/s for rows of 32 KiB and more (measured on the H200). FP8 pages are staged in
 # groups of heads whose rows reach it (``head_groups``).
 MIN_COPY_ROW = 32 * 1024
-_STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
-_OVERLAP_ENV = "DIRECTKV_STAGE_OVERLAP"
 SLOTS = 2  # staging buffers (and flag sets) that consecutive calls alternate between
 SLOT_BUFFERS = ("buffer", "buffer1")  # the Stager attribute holding each slot's buffer
 
@@ -67,7 +66,9 @@ class StagePlan:
     """The copies of one staged call, piece by piece, and the page table over the buffer."""
 
     pieces: tuple[tuple[Run, ...], ...]  # piece p: the runs of logical pages [p * pp, (p + 1) * pp)
-    table: np.ndarray  # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1)
+    # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1); follows from the host table
+    # and the pieces, so plans compare by their pieces
+    table: np.ndarray = field(compare=False)
     pages: int  # staging pages used
     piece_pages: int  # pp
     # The first piece whose pages, and every later piece's, were all in HBM before the call (a
@@ -201,24 +202,6 @@ def piece_waits(plan: StagePlan, writes) -> list[list[int]]:
     return out
 
 
-def overlap_enabled() -> bool:
-    """Whether staged calls may copy ahead of the current stream (``DIRECTKV_STAGE_OVERLAP``, 1)."""
-    return os.environ.get(_OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def may_copy_ahead(cache) -> bool:
-    """Whether staged calls over ``cache`` may copy ahead of the current stream: it records its
-    host writes (``PagedKVCache.host_writes``) and the overlap is on."""
-    return getattr(cache, "host_writes", None) is not None and overlap_enabled()
-
-
-def copies_ahead(cache, buffer_bytes: int, total_memory: int) -> bool:
-    """Whether a staged call over ``cache`` with a buffer of ``buffer_bytes`` copies ahead of the
-    current stream (``Stager.stage``): ``may_copy_ahead``, and a buffer for each slot fits in the
-    staging cap."""
-    return may_copy_ahead(cache) and SLOTS * buffer_bytes <= staging_cap(total_memory)
-
-
 def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 0) -> None:
     """Queue the copy of run ``r``: its pages' blocks of ``layer`` in ``pool`` (pages, L, ...)
     into ``buf`` (pages, 1, ...) from staging page ``r.dst`` on, one strided 2-D copy; whole
@@ -233,13 +216,6 @@ def _copy_run(buf, pool, r: Run, layer: int, stream, part: int = 0, cols: int = 
                                 rt.cudaMemcpyKind.cudaMemcpyDefault, stream), "cudaMemcpy2DAsync")
 
 
-def in_place_layers(cache) -> int:
-    """``plan_staging``'s ``hbm_layers`` for ``cache``: its layer count, so that its pages already in
-    HBM are read in place; 0 (copy them) where ``page * L`` of its HBM pool overflows int32."""
-    pages, layers = cache.hbm_pool.shape[:2]
-    return layers if pages * layers < 2**31 else 0
-
-
 def hbm_in_place(hbm_pool, layer: int):
     """The HBM pool (pages, L, Hkv, 2, P, d) as the one-layer pool (pages * L - layer, 1, Hkv, 2,
     P, d) whose page ``page * L`` is pool page ``page``'s block of ``layer``: what a staged launch
@@ -250,12 +226,6 @@ def hbm_in_place(hbm_pool, layer: int):
         raise ValueError(f"hbm_in_place: layer {layer} of an HBM pool of {pages} pages x {layers} layers")
     block = math.prod(hbm_pool.shape[2:])
     return hbm_pool.view(-1)[layer * block:].view(pages * layers - layer, 1, *hbm_pool.shape[2:])
-
-
-def staging_cap(total_memory: int) -> int:
-    """Bytes the staging buffer may take: ``DIRECTKV_MAX_STAGING_GB``, else an eighth of the GPU."""
-    gb = float(os.environ.get(_STAGING_ENV, "0") or 0)
-    return int(gb * 2**30) if gb > 0 else total_memory // 8
 
 
 def _check(result, what: str):
@@ -275,11 +245,10 @@ class Stager:
         # The copied pieces' ready flags are written here, each after an event the side stream
         # records behind the piece's copies: the side stream holds only copies and event records
         # (a flag write there kept the copy engine idle about 4 us after each piece; measured
-        # 2026-12-03, H200: 32 calls of 8k q2048 0.625 -> 0.619 ms, with the window 0.471 -> 0.465).
+        # on the H200: 32 calls of 8k q2048 0.625 -> 0.619 ms, with the window 0.471 -> 0.465).
         self.flag_stream = torch.cuda.Stream(self.device)
         self.landed = torch.cuda.Event()  # re-recorded after each piece (a wait takes its latest record)
         self.ready = torch.cuda.Event()  # re-recorded on the current stream before a call's ready flags
-        self.total_memory = torch.cuda.get_device_properties(self.device).total_memory
         self.flag_sets = torch.zeros(SLOTS, MAX_FLAGS, dtype=torch.int32, device=self.device)
         self.buffer = None  # (pages, 1, Hkv, 2, P, d): slot 0 (and FP8 calls)
         self.buffer1 = None  # slot 1
@@ -334,7 +303,7 @@ class Stager:
                     for buf, pool in copies:
                         _copy_run(buf, pool, r, layer, cur.cuda_stream)
 
-    def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False):
+    def stage(self, cache, layer: int, plan: StagePlan, by_head: bool = False, ahead: bool = False):
         """Queue the plan's copies on the side stream after the current stream's work so far, and
         each copied piece's ready flag on the flag stream after an event behind the piece's copies;
         returns (buffer (pages, 1, Hkv, 2, P, d), flags, epoch). Flag p marks piece p
@@ -342,6 +311,9 @@ class Stager:
         pieces from ``plan.ready_from`` on (pages already in HBM: read in place, or copied ahead of
         the kernel on the current stream) are flagged on the flag stream after the current stream's
         work so far.
+        ``ahead`` (the plan's ``copy_ahead``): the copy runs ahead of the current stream, into the
+        other slot, waiting only for the kernel that last read that slot and for the recorded
+        host writes to its pages (``cache.host_writes()``).
         The caller launches the kernel on the current stream, then calls ``finish``."""
         import cuda.bindings.driver as drv
         import torch
@@ -353,7 +325,6 @@ class Stager:
         if n_flags > MAX_FLAGS:
             raise ValueError(f"staging: {n_flags} ready flags needed, at most {MAX_FLAGS}")
         head_bytes = int(np.prod(piece_shape[1:])) * host.element_size()  # one KV head's block of a page
-        ahead = copies_ahead(cache, plan.pages * heads * head_bytes, self.total_memory)
         writes, waits = [], None
         if ahead:  # the other slot; its copy waits for recorded writes to its pages only
             self.slot = (self.slot + 1) % SLOTS
@@ -493,13 +464,6 @@ class Stager:
         self.freed[self.slot].record(cur)
         cur.wait_stream(self.stream)
 
-    def busy(self) -> bool:
-        """Whether the latest staged call's kernel is still queued or running on the GPU: a call
-        staged now copies while it runs (``stage`` ahead), so its kernel starts with its copy well
-        under way or landed (``plan.pipelined_ms``)."""
-        ev = self.freed[self.slot]
-        return ev is not None and not ev.query()
-
     def fence(self):
         """Make the next copies wait for the current stream's work so far (a timer's start)."""
         import torch
@@ -523,13 +487,6 @@ def stager(device, stream) -> Stager:
         if st is None:
             st = _STAGERS[key] = Stager(device)
         return st
-
-
-def busy(device, stream) -> bool:
-    """``Stager.busy`` of (device, stream)'s stager; False where it has none (nothing staged yet)."""
-    with _STAGERS_LOCK:
-        st = _STAGERS.get(_key(device, stream))
-    return st is not None and st.busy()
 
 
 def fence(device=None) -> None:

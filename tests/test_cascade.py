@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directkv_cute.cache import PagedKVCache
-from directkv_cute.cascade import (_pack_rows, _unpack_rows, cascade_attention, find_spans, merge_partials,
+from directkv_cute.cascade import (pack_rows, unpack_rows, cascade_attention, find_spans, merge_partials,
                                    plan_cascade)
 from directkv_cute.reference import paged_attention_ref
 
@@ -132,9 +132,9 @@ def test_short_spans_are_left_to_the_own_pass():
 
 
 @pytest.mark.parametrize("n_tok,hq,hkv", [(1, 8, 2), (16, 32, 8), (40, 32, 8), (3, 12, 1), (100, 8, 8)])
-def test_pack_rows_round_trips_and_maps_heads_to_their_kv_head(n_tok, hq, hkv):
+def testpack_rows_round_trips_and_maps_heads_to_their_kv_head(n_tok, hq, hkv):
     q = torch.randn(n_tok, hq, 16)
-    packed, n_pseudo, g2 = _pack_rows(q, hkv)
+    packed, n_pseudo, g2 = pack_rows(q, hkv)
     group = hq // hkv
     assert g2 <= 128 and n_pseudo * g2 >= n_tok * group and packed.shape == (n_pseudo, hkv * g2, 16)
     # Every real row lands under its own KV head (head h' -> KV head h' // g2).
@@ -143,7 +143,7 @@ def test_pack_rows_round_trips_and_maps_heads_to_their_kv_head(n_tok, hq, hkv):
             hits = (packed == q[t, h]).all(-1).nonzero()
             assert any(int(hp) // g2 == h // group for _, hp in hits)
     lse = torch.randn(n_pseudo, hkv * g2)
-    o, lse_back = _unpack_rows(packed, lse, n_tok, hq, hkv, g2)
+    o, lse_back = unpack_rows(packed, lse, n_tok, hq, hkv, g2)
     assert torch.equal(o, q)
     assert lse_back.shape == (n_tok, hq)
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from directkv_cute import ops
 from directkv_cute.config import DecodeConfig, QTiledConfig, default_decode_config, default_multi_token_config
 from directkv_cute.kernels import jit, sources, specs
 from directkv_cute.kv_proj import KVProjConfig
@@ -117,7 +116,7 @@ def test_spec_legality_is_its_config_classs(spec):
 
 def test_streaming_shape_rules_are_the_ops_old_rule():
     """decode accepts a config exactly when every query row of a KV head fits one CTA and it has
-    no multi-token-only option (the rule ops._fits_streaming stated before the registry)."""
+    no multi-token-only option (the streaming rule the planner keeps)."""
     old = lambda cfg, g, q: not cfg.multi_token_only and g <= cfg.rows and q <= cfg.rows // g  # noqa: E731
     decode = specs.get("decode")
     for cfg in _random_configs(DecodeConfig, 200, seed=1):
@@ -220,12 +219,19 @@ def _patched(monkeypatch, name, **changes):
     return spec
 
 
-def test_the_ops_dispatch_reads_the_registry(monkeypatch):
+def test_the_planners_dispatch_reads_the_registry(monkeypatch):
+    from directkv_cute.machine import H200, DeviceInfo
+    from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
+
+    def kernel(config, q_len=1):
+        shape = CallShape.example([4096], [q_len], num_q_heads=4, num_kv_heads=1, tier="hbm")
+        return plan_attention(shape, DeviceInfo("H", 132, 2**37), H200, DefaultConfigs(), config).kernel
+
     cfg = DecodeConfig()
-    assert ops.select_config(None, 4, 1, 1, 4096, cfg) == (cfg, "decode")
+    assert kernel(cfg) == "decode" and kernel(None, 32) == "decode" and kernel(None, 33) == "multi_token"
     assert specs.op_kernel(4, 32) == "decode" and specs.op_kernel(4, 33) == "multi_token"
     _patched(monkeypatch, "decode", shape_rules=lambda c, g, q: ["refused"], max_rows=64)
-    assert ops.select_config(None, 4, 1, 1, 4096, cfg) == (cfg, "multi_token")
+    assert kernel(cfg) == "multi_token" and kernel(None, 16) == "decode" and kernel(None, 17) == "multi_token"
     assert specs.op_kernel(4, 16) == "decode" and specs.op_kernel(4, 17) == "multi_token"
 
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import directkv_cute as dk
-from directkv_cute import ops
+from directkv_cute import ops, runner
 from directkv_cute.config import DecodeConfig, multi_token_splits
+from directkv_cute.machine import H200, DeviceInfo
+from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
 from directkv_cute.validate import check_q_lens
 
 
@@ -78,8 +80,9 @@ def test_fake_tensor_shapes(cache_and_q):
     ],
 )
 def test_explicit_config_dispatch(group, q_len, cfg, kernel):
-    picked, k = ops.select_config(None, group, q_len, batch=1, max_context=4096, config=cfg)
-    assert picked is cfg and k == kernel
+    shape = CallShape.example([4096], [q_len], num_q_heads=group, num_kv_heads=1, page_size=64, tier="hbm")
+    plan = plan_attention(shape, DeviceInfo("H", 132, 140 * 2**30), H200, DefaultConfigs(), cfg)
+    assert plan.config is cfg and plan.kernel == kernel and plan.route == kernel
 
 
 def test_multi_token_splits_one_chunk_per_cta_without_chunk_tiles():
@@ -117,14 +120,15 @@ def test_q_lens_validation(q_lens, total, msg):
 
 def _offsets(q_lens, batch, total_q):
     """The op's path to the query offsets: validate q_lens, then the cached device copy."""
-    return ops._cu_seqlens(check_q_lens(q_lens, batch, total_q), "cpu")
+    lens = check_q_lens(q_lens, batch, total_q)
+    return runner.cu_seqlens(lens, "cpu"), max(lens)
 
 
 def test_query_offsets_are_cached_per_q_lens(monkeypatch):
     """Query offsets: cumulative sums, the longest q_len, one device tensor per distinct q_lens
     (decode's ones included; reused, so a repeated shape skips the copy); past the cap new q_lens
     are still right but not kept."""
-    monkeypatch.setattr(ops, "_CU_Q", {})
+    monkeypatch.setattr(runner, "_CU_Q", {})
     cu, mx = _offsets([3, 1, 4], 3, 8)
     assert cu.tolist() == [0, 3, 4, 8] and cu.dtype == torch.int32 and mx == 4
     again, _ = _offsets(torch.tensor([3, 1, 4]), 3, 8)
@@ -134,9 +138,9 @@ def test_query_offsets_are_cached_per_q_lens(monkeypatch):
     # decode (no q_lens): one query per sequence, the same cache as q_lens of ones
     ones, mx = _offsets(None, 3, 3)
     assert ones.tolist() == [0, 1, 2, 3] and mx == 1 and _offsets([1, 1, 1], 3, 3)[0] is ones
-    monkeypatch.setattr(ops, "_CU_Q_CAP", len(ops._CU_Q))  # full
+    monkeypatch.setattr(runner, "_CU_Q_CAP", len(runner._CU_Q))  # full
     past, _ = _offsets([2, 2], 2, 4)
-    assert past.tolist() == [0, 2, 4] and len(ops._CU_Q) == ops._CU_Q_CAP
+    assert past.tolist() == [0, 2, 4] and len(runner._CU_Q) == runner._CU_Q_CAP
     assert _offsets([2, 2], 2, 4)[0] is not past
     # inside a CUDA graph capture only q_lens already seen can be used (no host copy is captured)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -408,11 +412,12 @@ def test_fp8_decode_takes_the_decode_entry_adapted_without_a_warning_where_it_ha
     FP8 stages, and says nothing about the missing FP8 entry."""
     from directkv_cute import fp8
     from directkv_cute.cache import PagedKVCache
-    from directkv_cute.ops import _profile_config, fp8_decode_config
+    from directkv_cute.planner import ProfileConfigs, fp8_decode_config
 
-    c = PagedKVCache(1, 8, 128, 64, 4, 0, dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, device="cpu")
-    cfg = fp8_decode_config("NVIDIA H200", c, 4, 1, 131072, 1)
-    decode, source = _profile_config("decode", "NVIDIA H200", c, 4, 1, 131072, 1, 4)
+    shape = CallShape.example([131072], [1], num_q_heads=32, num_kv_heads=8, page_dtype=torch.float8_e4m3fn)
+    configs = ProfileConfigs("NVIDIA H200")
+    cfg = fp8_decode_config(configs, shape, 4, 1, 131072, 1)
+    decode, source = configs.get("decode", shape, 4, 1, 131072, 1)
     assert source == "exact" and cfg == fp8.decode_config(decode, 128, 64)
     assert not fp8.decode_problems(cfg, 128, 64)
     assert not [w for w in recwarn if "decode_fp8" in str(w.message)]

@@ -1,9 +1,11 @@
-"""CPU tests of the op's routing of multi-token calls to the Q-tiled kernel (directly over HBM
-pages, or over host pages staged into HBM), with the GPU's properties stood in, and of its
-config: an explicit QTiledConfig, else the tuned profile's q_tiled entry, else QTiledConfig()."""
+"""CPU tests of the planner's routing (``planner.plan_attention``) over call shapes and GPU facts
+(``machine.DeviceInfo``) stated as values: which kernel runs, staged or in place, and why; the
+Q-tiled config (an explicit QTiledConfig, else the tuned profile's q_tiled entry, else the
+default); and the runner's launches of the staged routes, with the GPU's launches stood in."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -13,156 +15,189 @@ import numpy as np
 import pytest
 import torch
 
-from directkv_cute import ops
-from directkv_cute.cache import KernelTables
-from directkv_cute.config import QTiledConfig
+from directkv_cute import runner
+from directkv_cute.config import DecodeConfig, QTiledConfig
+from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.plan import LINK_PIECES
+from directkv_cute.planner import (FP8_TAIL_SHARE, CallShape, PlanError, ProfileConfigs, fp8_head_groups,
+                                   plan_attention, split_staged_table)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS
 from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
 
-GPU = "Test GPU without a profile"  # the routing tests see the default config, whatever is shipped
+GPU = "Test GPU without a profile"  # the routing tests see the default configs, whatever is shipped
+H200_FACTS = DeviceInfo(GPU, sms=132, total_memory=140 * 2**30, copies_ahead=True)
+E4M3 = torch.float8_e4m3fn
 
 
 @pytest.fixture(autouse=True)
-def h200(monkeypatch, tmp_path):
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(ops, "_total_memory", lambda index: 140 * 2**30)
-    monkeypatch.setattr(ops, "_gpu_name", lambda index: GPU)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+def no_profile(monkeypatch, tmp_path):
     monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "profiles"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.delenv(L.REQUIRE_ENV, raising=False)
     L.clear_cache()
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="directkv-cute: no tuned q_tiled config", category=P.ProfileWarning)
+        warnings.filterwarnings("ignore", message="directkv-cute: no tuned", category=P.ProfileWarning)
         yield
     L.clear_cache()
 
 
-def _call(lens, q_lens, hbm=False, hq=32, hkv=8, d=128, page=64, host_table=True, window=False, marked=False):
-    n_pages = [math.ceil(n / page) for n in lens]
-    width = max(n_pages)
-    table = np.zeros((len(lens), width), dtype=np.int32)
-    k = 0
-    for b, n in enumerate(n_pages):
-        ids = np.arange(k, k + n)
-        table[b, :n] = -ids - 1 if hbm else ids
-        if window:  # the step's own pages mirrored in HBM
-            own = (lens[b] - q_lens[b]) // page
-            table[b, own:n] = -np.arange(k, k + n - own) - 1
-        table[b, n:] = table[b, n - 1]
-        k += n
-    tables = KernelTables(torch.from_numpy(table), torch.tensor(lens, dtype=torch.int32), 0, -1, tuple(lens),
-                          table if host_table else None, marked)
-    cache = SimpleNamespace(page_size=page, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
-                            host_writes=lambda: [],
-                            hbm_pool=torch.empty(max(k, 1), 32, hkv, 2, page, d, dtype=torch.bfloat16, device="meta"))
-    q = torch.empty(sum(q_lens), hq, d, dtype=torch.bfloat16, device="meta")
-    return q, cache, tables, tuple(q_lens), hq // hkv
+def shape(lens, q_lens, tier="host", hq=32, hkv=8, page=64, fp8=False, marked=False):
+    return CallShape.example(lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, page_size=page, tier=tier,
+                             page_dtype=E4M3 if fp8 else None, back_to_back=marked)
 
 
-def test_short_link_bound_reads_stay_in_place_without_a_plan(monkeypatch):
-    monkeypatch.setattr(ops, "plan_staging", lambda *a, **k: pytest.fail("planned a short link-bound call"))
-    for lens, q_lens in (([4096], [1]), ([8192], [64]), ([2000] * 4, [1] * 4), ([8192], [16])):
-        assert ops._q_tiled_route(*_call(lens, q_lens), None) is None
+def plan(s, config=None, device=H200_FACTS, gpu=GPU):
+    return plan_attention(s, device, H200, ProfileConfigs(gpu), config)
 
 
-def test_a_link_bound_chunk_in_one_wave_is_staged_in_one_split_of_two_pieces():
-    """8k q512 over host pages: its 128 CTAs fit one wave; in place the chunk kernel runs 0.09 ms
-    past the link (measured 0.745 ms), staged in one split of two pieces 0.676 ms."""
-    cfg, plan = ops._q_tiled_route(*_call([8192], [512]), None)
-    assert (cfg.splits, cfg.copy_order, len(plan.pieces)) == (1, 1, LINK_PIECES)
-    # more CTAs than SMs (q 512 over 16 sequences): not one wave, so the model's splits
-    cfg, plan = ops._q_tiled_route(*_call([32768] * 16, [64] * 16), None)
-    assert cfg.splits > 1 and len(plan.pieces) > LINK_PIECES
-    # an explicit piece size is kept
-    cfg, plan = ops._q_tiled_route(*_call([8192], [512]), QTiledConfig(piece_pages=4))
-    assert plan.piece_pages == 4
+# ---- the routing table: shape -> route, and how the staged ones are staged -------------------------
+# (name, call, route, (splits, pieces, copy head by head) of a staged Q-tiled route, why)
+ROUTES = [
+    ("decode-4k", dict(lens=[4096], q_lens=[1]), "decode", None,
+     "a short link-bound read: the copy's overhead eats the copy engine's edge"),
+    ("window-8k-q16", dict(lens=[8192], q_lens=[16]), "decode", None, "short link-bound read"),
+    ("decode-batch4-2k", dict(lens=[2000] * 4, q_lens=[1] * 4), "decode", None, "short link-bound reads"),
+    ("chunk-8k-q64", dict(lens=[8192], q_lens=[64]), "multi_token", None, "short link-bound chunk"),
+    ("decode-32k", dict(lens=[32768], q_lens=[1]), "q_tiled_staged", (2, 16, False),
+     "long link-bound read: the copy engine outruns the SMs' reads of host memory"),
+    ("decode-batch16-32k", dict(lens=[32768] * 16, q_lens=[1] * 16), "q_tiled_staged", None, "long link-bound reads"),
+    ("chunk-8k-q512", dict(lens=[8192], q_lens=[512]), "q_tiled_staged", (1, LINK_PIECES, False),
+     "its 128 CTAs fit one wave: one split of two pieces (0.676 ms vs 0.745 in place)"),
+    ("chunk-batch16-32k-q64", dict(lens=[32768] * 16, q_lens=[64] * 16), "q_tiled_staged", None,
+     "more CTAs than SMs: the model's splits"),
+    ("prefill-32k-q8192", dict(lens=[32768], q_lens=[8192]), "q_tiled_staged", (1, HEAD_PIECES, True),
+     "compute-bound: copied head by head, one split"),
+    ("prefill-128k-q8192", dict(lens=[131072], q_lens=[8192]), "q_tiled_staged", (1, 4, True),
+     "compute-bound: head by head (16 splits measured slower)"),
+    ("chunk-8k-q2048", dict(lens=[8192], q_lens=[2048]), "q_tiled_staged", (8, 8, False),
+     "link-bound chunk whose compute trails the copy: 8 pieces"),
+    ("chunk-32k-q2048", dict(lens=[32768], q_lens=[2048]), "q_tiled_staged", (16, 16, False),
+     "from 32k keys: 16 pieces in 16 folded splits"),
+    ("chunk-128k-q2048", dict(lens=[131072], q_lens=[2048]), "q_tiled_staged", (16, 16, False), "16 folded splits"),
+    ("chunk-16k-q2048", dict(lens=[16384], q_lens=[2048]), "q_tiled_staged", (8, 8, False), "below 32k: 8"),
+    ("chunk-8k-q4096", dict(lens=[8192], q_lens=[4096]), "q_tiled_staged", (8, 8, False), ""),
+    ("prefill-128k-q4096", dict(lens=[131072], q_lens=[4096]), "q_tiled_staged", (1, 4, True), ""),
+    ("hbm-chunk-32k-q2048", dict(lens=[32768], q_lens=[2048], tier="hbm"), "q_tiled_hbm", None,
+     "every page in HBM and the query tiles fill a wave"),
+    ("hbm-chunk-32k-q64", dict(lens=[32768], q_lens=[64], tier="hbm"), "multi_token", None,
+     "every page in HBM but 16 CTAs: the split chunk kernel"),
+    ("hbm-decode-batch32-32k", dict(lens=[32768] * 32, q_lens=[1] * 32, tier="hbm"), "decode", None,
+     "decode keeps the streaming kernel"),
+    ("fp8-decode-4k", dict(lens=[4096], q_lens=[1], fp8=True), "decode_fp8", None, "short read in place"),
+    ("fp8-decode-32k", dict(lens=[32768], q_lens=[1], fp8=True), "decode_fp8_two_piece", None,
+     "one query token: two pieces, the first launch under the second's copy"),
+    ("fp8-window-32k-q4", dict(lens=[32768], q_lens=[4], fp8=True), "decode_fp8_staged", None, "one piece"),
+    ("fp8-decode-hbm-32k", dict(lens=[32768], q_lens=[1], fp8=True, tier="hbm"), "decode_fp8", None,
+     "nothing on the host to copy"),
+    ("fp8-chunk-8k-q2048", dict(lens=[8192], q_lens=[2048], fp8=True), "fp8_by_head", None,
+     "FP8 chunk filling a wave: by head groups"),
+    ("fp8-chunk-8k-q64", dict(lens=[8192], q_lens=[64], fp8=True), "fp8_dequantized", None,
+     "FP8 chunk of few tiles: dequantized, then the chunk kernel"),
+]
 
 
-def test_long_link_bound_reads_are_staged_decode_included():
-    """Decode and short chunks over 32k of host KV: the copy engine outruns the SMs' reads of host
-    memory (measured 3-7% on decode at 32k/128k), so they are staged too."""
-    for lens, q_lens in (([32768], [1]), ([32768] * 16, [1] * 16), ([32768], [64])):
-        cfg, plan = ops._q_tiled_route(*_call(lens, q_lens), None)
-        assert plan is not None and plan.host_pages == sum(lens) // 64 and cfg.order == 1
-        # one query tile per sequence and KV head (32 tokens of a GQA group of 4): no cluster,
-        # whose other CTA would hold no rows
-        assert cfg.cluster == (1 if max(q_lens) <= 32 else 2)
+@pytest.mark.parametrize("name, call, route, staged, why", ROUTES, ids=[r[0] for r in ROUTES])
+def test_the_routing_table(name, call, route, staged, why):
+    p = plan(shape(**call))
+    assert p.route == route, p.explain()
+    if route == "q_tiled_staged":
+        assert p.staging is not None and p.layout is not None
+        assert p.staging.host_pages == sum(math.ceil(n / 64) for n in call["lens"])
+        if staged is not None:
+            assert (p.layout.splits, len(p.staging.pieces), p.layout.by_head) == staged, p.explain()
+    if route in ("decode", "multi_token", "q_tiled_hbm", "decode_fp8"):
+        assert p.staging is None
+    assert p.route in p.explain() and (p.kernel or "-") in p.explain()
+
+
+def test_plans_are_values_made_without_the_gpu(monkeypatch):
+    """The planner asks no GPU: it runs with every torch.cuda query failing, and the same shape and
+    facts give equal plans (layer 0 and layer 1 of a step plan alike)."""
+    for name in ("is_current_stream_capturing", "current_stream", "get_device_properties", "current_device",
+                 "is_available", "get_device_name"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: pytest.fail("the planner asked the GPU"))
+    for call in (dict(lens=[32768], q_lens=[2048], marked=True), dict(lens=[8192], q_lens=[2048], tier="window",
+                                                                      marked=True)):
+        a, b = plan(shape(**call)), plan(shape(**call))
+        assert a == b and repr(a) == repr(b) and a.explain() == b.explain()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.route = "decode"
+
+
+def test_the_staged_decode_reads_the_buffer_as_hbm_pages_and_compiles_only_code_fields():
+    p = plan(shape([32768], [8192]))
+    assert (p.staging.table < 0).all(), "the kernel reads the staging buffer as HBM pages"
+    assert len(p.staging.pieces) * 8 <= MAX_FLAGS
+    assert (p.config.piece_pages, p.config.splits, p.config.order, p.config.copy_order) == (0, 0, 0, 0)
+    # a capture of the same call reads in place: its plan is part of this one
+    assert p.capture is not None and p.capture.route == "multi_token"
 
 
 def test_clusters_run_from_two_query_tiles_on():
     assert QTiledConfig().cluster == 2
     for q, want in ((32, 1), (33, 2), (2048, 2)):
-        cfg, _ = ops._q_tiled_route(*_call([32768], [q]), None)
-        assert cfg.cluster == want, q
-    cfg, _ = ops._q_tiled_route(*_call([32768], [1]), QTiledConfig())
-    assert cfg.cluster == 2  # an explicit config is run as given
+        assert plan(shape([32768], [q])).config.cluster == want, q
+    assert plan(shape([32768], [1]), QTiledConfig()).config.cluster == 2  # an explicit config runs as given
 
 
-def test_decode_over_hbm_pages_keeps_the_streaming_kernel():
-    assert ops._q_tiled_route(*_call([32768] * 32, [1] * 32, hbm=True), None) is None
-    cfg, plan = ops._q_tiled_route(*_call([32768], [1], hbm=True), QTiledConfig())
-    assert plan is None  # an explicit config still runs it
+def test_an_explicit_config_always_runs_its_kernel():
+    p = plan(shape([32768], [1], tier="hbm"), QTiledConfig())
+    assert p.route == "q_tiled_hbm"
+    p = plan(shape([32768], [64], tier="hbm"), QTiledConfig(tile_n=64, stages=4))
+    assert p.route == "q_tiled_hbm" and p.config.tile_n == 64
+    p = plan(shape([32768], [8192]), DecodeConfig(tile_n=64, stages=4))
+    assert p.route == "multi_token" and p.staging is None  # an explicit DecodeConfig reads in place
+    p = plan(shape([32768], [8192]), DecodeConfig(tile_n=64, stages=7, q_regs=1, consumer_wgs=2, carveout=100,
+                                                  ctas_per_sm=1))
+    assert p.route == "multi_token"
 
 
-def test_compute_bound_chunks_are_staged_head_by_head():
-    """A compute-bound chunk over 32k of host KV: copied head by head, one split (only the first
-    head's copy exposed, no partials), in a few pieces per head."""
-    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), None)
-    assert plan is not None and plan.host_pages == 512 and cfg.order == 1
-    assert cfg.copy_order == 2 and cfg.splits == 1
-    assert len(plan.pieces) == HEAD_PIECES and len(plan.pieces) * 8 <= MAX_FLAGS
-    assert (plan.table < 0).all(), "the kernel reads the staging buffer as HBM pages"
+def test_copy_orders_and_explicit_launch_fields_are_kept():
+    p = plan(shape([32768], [8192]), QTiledConfig(copy_order=1))
+    assert not p.layout.by_head and p.layout.splits > 1 and len(p.staging.pieces) == 16
+    # q 64 over 32k is link-bound: the model keeps the pieces of all heads together
+    assert not plan(shape([32768], [64])).layout.by_head
+    p = plan(shape([32768, 5000], [64, 7]), QTiledConfig(copy_order=2))
+    assert p.layout.by_head and p.layout.splits == 1 and p.staging.host_pages == 512 + 79
+    p = plan(shape([8192], [8192]), QTiledConfig(copy_order=2, order=2))
+    assert p.layout.by_head and p.layout.ascending and p.layout.splits == 1
+    p = plan(shape([8192], [8192]), QTiledConfig(order=2))
+    assert p.layout.ascending and p.layout.splits == 1
+    p = plan(shape([8192, 3000], [8192, 100]), QTiledConfig(splits=3, piece_pages=4))
+    assert p.layout.splits == 3 and p.staging.piece_pages == 4 and p.staging.pages == 128 + 47
+    assert plan(shape([8192], [512]), QTiledConfig(piece_pages=4)).staging.piece_pages == 4
 
 
-def test_copy_order_one_keeps_the_models_splits():
-    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig(copy_order=1))
-    assert cfg.copy_order == 1 and cfg.splits > 1 and len(plan.pieces) == 16
+def test_explicit_config_refusals_name_the_reason():
+    bare = shape([4096], [4096]).replace(host_table=None)
+    with pytest.raises(PlanError, match="kernel_tables"):
+        plan(bare, QTiledConfig())
+    small = dataclasses.replace(H200_FACTS, staging_cap=int(0.01 * 2**30))
+    with pytest.raises(PlanError, match="DIRECTKV_MAX_STAGING_GB"):
+        plan(shape([32768], [8192]), QTiledConfig(), small)
+    assert plan(shape([32768], [8192]), None, small).route == "multi_token"  # without a config: in place
+    capturing = dataclasses.replace(H200_FACTS, capturing=True)
+    with pytest.raises(PlanError, match="CUDA graph"):
+        plan(shape([32768], [8192]), QTiledConfig(), capturing)
+    assert plan(shape([32768], [8192]), None, capturing).route == "multi_token"
+    assert plan(bare).route == "multi_token"  # bare tables: in place
 
 
-def test_copy_order_two_runs_one_split_even_where_the_model_would_not():
-    # q 64 over 32k is link-bound: the model keeps the pieces of all heads together.
-    cfg, _ = ops._q_tiled_route(*_call([32768], [64]), None)
-    assert cfg.copy_order == 1
-    cfg, plan = ops._q_tiled_route(*_call([32768, 5000], [64, 7]), QTiledConfig(copy_order=2))
-    assert cfg.copy_order == 2 and cfg.splits == 1 and plan.host_pages == 512 + 79
-    cfg, _ = ops._q_tiled_route(*_call([8192], [8192]), QTiledConfig(copy_order=2, order=2))
-    assert (cfg.copy_order, cfg.order, cfg.splits) == (2, 2, 1)
-
-
-def test_all_hbm_takes_the_q_tiled_kernel_only_with_a_wave_of_tiles():
-    assert ops._q_tiled_route(*_call([32768], [64], hbm=True), None) is None  # 2 x 8 CTAs
-    cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)  # 64 x 8 CTAs
-    assert plan is None and cfg == QTiledConfig()
-    cfg, plan = ops._q_tiled_route(*_call([32768], [64], hbm=True), QTiledConfig(tile_n=64, stages=4))
-    assert plan is None and cfg.tile_n == 64  # an explicit config always runs it
-
-
-def test_explicit_config_refusals_name_the_reason(monkeypatch):
-    with pytest.raises(ValueError, match="kernel_tables"):
-        ops._q_tiled_route(*_call([4096], [4096], host_table=False), QTiledConfig())
-    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
-    with pytest.raises(ValueError, match="DIRECTKV_MAX_STAGING_GB"):
-        ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig())
-    # Without a config the same call reads in place instead.
-    assert ops._q_tiled_route(*_call([32768], [8192]), None) is None
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(ValueError, match="CUDA graph"):
-        ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig())
-    assert ops._q_tiled_route(*_call([32768], [8192]), None) is None
-
-
-def test_explicit_order_and_splits_are_kept():
-    cfg, plan = ops._q_tiled_route(*_call([8192], [8192]), QTiledConfig(order=2))
-    assert cfg.order == 2 and cfg.splits == 1
-    cfg, plan = ops._q_tiled_route(*_call([8192, 3000], [8192, 100]), QTiledConfig(splits=3, piece_pages=4))
-    assert cfg.splits == 3 and plan.piece_pages == 4 and plan.pages == 128 + 47
+def test_the_staging_cap_and_the_workspace_cap_come_from_the_device_facts(monkeypatch):
+    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.5")
+    monkeypatch.setenv("DIRECTKV_MAX_WORKSPACE_GB", "2")
+    facts = DeviceInfo(GPU, 132, 140 * 2**30)
+    assert facts.staging_cap == 2**29 and facts.workspace_cap == 2 * 2**30
+    monkeypatch.delenv("DIRECTKV_MAX_STAGING_GB")
+    monkeypatch.delenv("DIRECTKV_MAX_WORKSPACE_GB")
+    assert DeviceInfo(GPU, 132, 2**33).staging_cap == 2**30 and DeviceInfo(GPU, 132, 2**33).workspace_cap == 2**31
+    tight = dataclasses.replace(H200_FACTS, workspace_cap=1.0)
+    with pytest.raises(ValueError, match="DIRECTKV_MAX_WORKSPACE_GB"):
+        plan(shape([32768], [64], tier="hbm"), None, tight)
 
 
 # ---- the config of an automatic call: the tuned profile's q_tiled entry ----------------------------
-
 MODEL_GPU = "Modelled H200 PCIe5"  # the CPU model objective's GPU name
 Q_CLASS = ("q_tiled", "bf16", 128, 4, 64)
 
@@ -178,12 +213,11 @@ def _tune_on_the_model(out_dir, shapes, **opts):
     return Tuner("q_tiled", measure, output_dir=out_dir, options=options).tune(shapes)
 
 
-def test_a_model_tuned_profile_is_what_the_op_runs(tmp_path, monkeypatch):
-    """End to end on the CPU: the tuner writes q_tiled entries, and the op's automatic calls run
-    them (exact and nearest bucket, all-HBM and staged); an explicit config still wins."""
+def test_a_model_tuned_profile_is_what_the_planner_runs(tmp_path, monkeypatch):
+    """End to end on the CPU: the tuner writes q_tiled entries, and the planner's automatic calls
+    run them (exact and nearest bucket, all-HBM and staged); an explicit config still wins."""
     from directkv_cute.tuning.space import TuneShape
 
-    monkeypatch.setattr(ops, "_gpu_name", lambda index: MODEL_GPU)
     shapes = [TuneShape(32, 8, 128, 1, 32768, q) for q in (2048, 8192)]
     results = _tune_on_the_model(tmp_path / "profiles", shapes)
     assert [r.status for r in results] == ["tuned", "tuned"]
@@ -197,49 +231,40 @@ def test_a_model_tuned_profile_is_what_the_op_runs(tmp_path, monkeypatch):
     L.clear_cache()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an exact, current entry: no warning
-        cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
-    assert plan is None and cfg == tuned
-    # over host pages, staged: the entry's kernel, the launch fields from the op's cost model
-    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), None)
-    assert plan is not None and cfg.splits >= 1 and cfg.order == 1
-    assert dataclasses.replace(cfg, splits=0, order=0, copy_order=0) == entries[1, 32768, 8192]
+        p = plan(shape([32768], [2048], tier="hbm"), gpu=MODEL_GPU)
+    assert p.route == "q_tiled_hbm" and p.config == tuned
+    # over host pages, staged: the entry's kernel, the launch fields the planner's
+    p = plan(shape([32768], [8192]), gpu=MODEL_GPU)
+    assert p.route == "q_tiled_staged" and p.config == entries[1, 32768, 8192]
     # the nearest bucket: q_len 3000 is nearer 2048 than 8192 in log2, context 20000 has one bucket
-    cfg, plan = ops._q_tiled_route(*_call([20000], [3000], hbm=True), None)
-    assert plan is None and cfg == tuned
+    assert plan(shape([20000], [3000], tier="hbm"), gpu=MODEL_GPU).config == tuned
     # another class (page 16, GQA 8) is not borrowed: the default
-    cfg, _ = ops._q_tiled_route(*_call([32768], [2048], hbm=True, page=16), None)
-    assert cfg == QTiledConfig()
-    cfg, _ = ops._q_tiled_route(*_call([32768], [2048], hbm=True, hq=64), None)
-    assert cfg == QTiledConfig()
-    # an explicit config wins over the profile, launch fields included
+    assert plan(shape([32768], [2048], tier="hbm", page=16), gpu=MODEL_GPU).config == QTiledConfig()
+    assert plan(shape([32768], [2048], tier="hbm", hq=64), gpu=MODEL_GPU).config == QTiledConfig()
     mine = QTiledConfig(tile_n=64, stages=4)
-    assert ops._q_tiled_route(*_call([32768], [2048], hbm=True), mine) == (mine, None)
-    cfg, plan = ops._q_tiled_route(*_call([32768], [8192]), QTiledConfig(order=2))
-    assert cfg == QTiledConfig(order=2, splits=1, copy_order=2) and plan is not None
+    assert plan(shape([32768], [2048], tier="hbm"), mine, gpu=MODEL_GPU).config == mine
 
 
-def test_a_missing_entry_warns_only_for_calls_the_kernel_may_run_as_a_chunk(tmp_path):
+def test_a_missing_entry_warns_only_for_calls_the_kernel_may_run_as_a_chunk():
     """Without a q_tiled entry the default runs, and the miss is said once, for a multi-token call;
     decode-sized calls (staged long reads) and calls the kernel does not take say nothing."""
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        cfg, plan = ops._q_tiled_route(*_call([32768], [1]), None)  # staged decode: quiet
-        assert plan is not None and dataclasses.replace(cfg, order=0, splits=0, copy_order=0) == QTiledConfig(cluster=1)
-        assert ops._q_tiled_route(*_call([32768], [64], hbm=True), None) is None  # 16 CTAs: not looked up
-        assert ops._q_tiled_route(*_call([4096], [1]), None) is None  # short decode in place
+        p = plan(shape([32768], [1]))  # staged decode: quiet
+        assert p.route == "q_tiled_staged" and p.config == QTiledConfig(cluster=1)
+        assert plan(shape([32768], [64], tier="hbm")).route == "multi_token"  # 16 CTAs: not looked up
+        assert plan(shape([4096], [1])).route == "decode"
         for _ in range(2):
-            cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
-            assert (cfg, plan) == (QTiledConfig(), None)
-    msgs = [str(x.message) for x in w if issubclass(x.category, P.ProfileWarning)]
+            p = plan(shape([32768], [2048], tier="hbm"))
+            assert p.route == "q_tiled_hbm" and p.config == QTiledConfig()
+    msgs = [str(x.message) for x in w if issubclass(x.category, P.ProfileWarning) and "q_tiled" in str(x.message)]
     assert len(msgs) == 1, msgs
     assert "no tuned q_tiled config" in msgs[0] and "--kernel q_tiled" in msgs[0] and "q_len=2048" in msgs[0]
 
 
-def test_a_foreign_q_tiled_entry_is_refused_and_the_default_runs(tmp_path, monkeypatch):
+def test_a_foreign_q_tiled_entry_is_refused_and_the_default_runs(tmp_path):
     """A q_tiled entry with another kernel's config (decode fields) makes the file invalid: the
-    lookup says why (the unknown fields) and the op runs the default."""
-    from directkv_cute.config import DecodeConfig
-
+    lookup says why (the unknown fields) and the default runs."""
     d = tmp_path / "profiles"
     prof = P.Profile(metadata=P.make_metadata({"gpu_name": GPU, "sm_count": 132, "smem_optin_bytes": 232448},
                                               objective="gpu"))
@@ -248,112 +273,215 @@ def test_a_foreign_q_tiled_entry_is_refused_and_the_default_runs(tmp_path, monke
     d.mkdir()
     (d / P.profile_filename(GPU)).write_text(prof.to_yaml())
     with pytest.warns(P.ProfileWarning, match=r"unknown QTiledConfig fields: \[.*'consumer_wgs'"):
-        cfg, plan = ops._q_tiled_route(*_call([32768], [2048], hbm=True), None)
-    assert (cfg, plan) == (QTiledConfig(), None)
+        p = plan(shape([32768], [2048], tier="hbm"))
+    assert p.route == "q_tiled_hbm" and p.config == QTiledConfig()
 
 
-# ---- decode over FP8 pages: staged when the copy engine beats reading in place ---------------------
-
-
-def _fp8_call(lens, q_lens, hbm=False):
-    q, cache, tables, q_lens, group = _call(lens, q_lens, hbm=hbm)
-    cache.host_pool = torch.empty(1, dtype=torch.float8_e4m3fn)
-    return q, cache, tables, q_lens
-
-
-def test_long_fp8_decode_is_staged_short_and_hybrid_reads_are_not(monkeypatch):
-    plan = ops._fp8_stage_plan(*_fp8_call([32768], [1]))
-    # one query token: two pieces, the last FP8_TAIL_SHARE of the pages apart (the first launch
-    # reads the first while the copy engine moves the second)
-    assert plan is not None and plan.host_pages == 512 and (plan.table < 0).all()
-    assert len(plan.pieces) == 2 and plan.piece_pages == 512 - 512 // 16
-    plan = ops._fp8_stage_plan(*_fp8_call([32768] * 4, [1] * 4))
-    assert plan is not None and plan.host_pages == 4 * 512 and len(plan.pieces) == 2
-    # several query tokens (a causal window inside the last piece): one piece, one launch
-    plan = ops._fp8_stage_plan(*_fp8_call([32768], [4]))
-    assert plan is not None and len(plan.pieces) == 1
-    # 4k: the staged call's overhead eats the copy engine's edge
-    assert ops._fp8_stage_plan(*_fp8_call([4096], [1])) is None
-    # every page in HBM: nothing to copy
-    assert ops._fp8_stage_plan(*_fp8_call([32768], [1], hbm=True)) is None
-    # without the host table (the dispatcher's bare tables), or inside a capture: in place
-    q, cache, tables, q_lens = _fp8_call([32768], [1])
-    assert ops._fp8_stage_plan(q, cache, SimpleNamespace(), q_lens) is None
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert ops._fp8_stage_plan(q, cache, tables, q_lens) is None
+# ---- FP8 pages ------------------------------------------------------------------------------------
+def test_fp8_decode_staging():
+    p = plan(shape([32768], [1], fp8=True))
+    # one query token: two pieces, the last FP8_TAIL_SHARE of the pages apart
+    sp = p.staging
+    assert p.route == "decode_fp8_two_piece" and sp.host_pages == 512 and (sp.table < 0).all()
+    assert len(sp.pieces) == 2 and sp.piece_pages == 512 - int(512 * FP8_TAIL_SHARE)
+    assert p.splits == sum(part.splits for part in p.fp8_parts) and p.capture.route == "decode_fp8"
+    p = plan(shape([32768] * 4, [1] * 4, fp8=True))
+    assert p.staging.host_pages == 4 * 512 and len(p.staging.pieces) == 2
+    assert plan(shape([32768], [1], fp8=True).replace(host_table=None)).route == "decode_fp8"  # bare tables
+    assert plan(shape([32768], [1], fp8=True), None, dataclasses.replace(H200_FACTS, capturing=True)).route \
+        == "decode_fp8"
+    assert plan(shape([32768], [1], fp8=True), None, dataclasses.replace(H200_FACTS, staging_cap=2**20)).route \
+        == "decode_fp8"  # over the cap: in place
+    assert plan(shape([32768], [1], fp8=True), DecodeConfig()).route == "decode_fp8"  # explicit: in place
 
 
 def test_two_piece_fp8_decode_splits_every_sequence_at_the_same_page():
     """split_staged_table: the two launches' tables and lengths put every page of every sequence
     in exactly one part, in order; a sequence shorter than the first part has an empty second."""
     rng = np.random.default_rng(3)
-    P, width, pages_a = 16, 12, 9
-    lens = [P * 12, P * 9, 5, P * 10 + 3]
+    page, width, pages_a = 16, 12, 9
+    lens = [page * 12, page * 9, 5, page * 10 + 3]
     table = rng.integers(-100, -1, size=(len(lens), width)).astype(np.int32)
-    (ta, la), (tb, lb) = ops.split_staged_table(table, lens, pages_a, P)
+    (ta, la), (tb, lb) = split_staged_table(table, lens, pages_a, page)
     assert ta.shape == (4, pages_a) and tb.shape == (4, width - pages_a)
     assert ta.flags.c_contiguous and tb.flags.c_contiguous and la.dtype == lb.dtype == np.int32
-    assert la.tolist() == [P * 9, P * 9, 5, P * 9] and lb.tolist() == [P * 3, 0, 0, P + 3]
+    assert la.tolist() == [page * 9, page * 9, 5, page * 9] and lb.tolist() == [page * 3, 0, 0, page + 3]
     assert (np.concatenate([ta, tb], axis=1) == table).all()
 
 
-def test_fp8_decode_plans_once_per_tables(monkeypatch):
-    calls = []
-    real = ops._plan_fp8_staging
-    monkeypatch.setattr(ops, "_plan_fp8_staging", lambda *a: calls.append(1) or real(*a))
-    args = _fp8_call([32768], [1])
-    first = ops._fp8_stage_plan(*args)
-    assert first is not None and all(ops._fp8_stage_plan(*args) is first for _ in range(7)) and len(calls) == 1
-    assert ops._fp8_stage_plan(*_fp8_call([32768], [1])) is not first and len(calls) == 2  # new tables
+def test_fp8_chunks_run_head_by_head_where_16_bit_pages_in_hbm_would_run_the_q_tiled_kernel():
+    """Over FP8 pages a multi-token call runs by head groups exactly where the same call over
+    16-bit pages all in HBM runs the Q-tiled kernel (with the same config); else it is dequantized
+    whole and the 16-bit plan runs over the buffer."""
+    for lens, q_lens in (([8192], [2048]), ([32768], [512]), ([4000, 3000], [300, 300]), ([8192], [64]),
+                         ([9000] * 3, [100, 90, 80]), ([5000], [263]), ([5000], [264])):
+        over_hbm = plan(shape(lens, q_lens, tier="hbm"))
+        got = plan(shape(lens, q_lens, fp8=True))
+        assert (got.route == "fp8_by_head") == (over_hbm.route == "q_tiled_hbm"), (lens, q_lens)
+        if got.route == "fp8_by_head":
+            assert got.config == over_hbm.config
+            assert list(got.head_groups) == fp8_head_groups(H200, 8, 64, 128, 1, lens, q_lens, 32)
+        else:
+            assert got.route == "fp8_dequantized" and got.inner.route == "multi_token"
+            assert (got.inner.staging is None and got.staging.pages ==
+                    sum(math.ceil(n / 64) for n in lens))
+    explicit = QTiledConfig(tile_n=64, stages=3)
+    assert plan(shape([8192], [16], fp8=True), explicit).config is explicit
+    p = plan(shape([8192], [2048], fp8=True), DecodeConfig(tile_n=64, stages=7, q_regs=1, consumer_wgs=2,
+                                                           carveout=100, ctas_per_sm=1))
+    assert p.route == "fp8_dequantized" and p.inner.route == "multi_token"
 
 
-def test_fp8_staging_over_the_cap_reads_in_place(monkeypatch):
-    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
-    assert ops._fp8_stage_plan(*_fp8_call([32768], [1])) is None
+def test_fp8_chunk_over_the_staging_cap_is_refused_before_anything_is_staged():
+    """A multi-token call over FP8 pages has no in-place path: one whose staged FP8 pages, scales
+    and dequantized copy exceed the staging cap is refused by the planner, before any copy."""
+    small = dataclasses.replace(H200_FACTS, staging_cap=int(0.2 * 2**30))
+    # 625 + 47 pages x (8 heads x 2 x 64 rows x (128 x (1 + 2) bytes + 4)) = 0.25 GiB
+    with pytest.raises(PlanError, match=r"672 pages \(0\.25 GiB.*0\.20 GiB cap \(DIRECTKV_MAX_STAGING_GB\)"):
+        plan(shape([40000, 3000], [512, 16], fp8=True), None, small)
+    with pytest.raises(PlanError, match="CUDA graph"):
+        plan(shape([8192], [512], fp8=True), None, dataclasses.replace(H200_FACTS, capturing=True))
 
 
-def test_the_layers_of_a_step_plan_their_route_once(monkeypatch):
-    """_q_tiled_route memoizes per KernelTables object: the same tables (a step's layers) reuse the
-    plan; new tables, another staging cap, a cleared profile lookup or a capture plan again."""
-    calls = []
-    real = ops._plan_route
-    monkeypatch.setattr(ops, "_plan_route", lambda *a: calls.append(1) or real(*a))
-    q, cache, tables, q_lens, group = _call([32768], [2048])
-    first = ops._q_tiled_route(q, cache, tables, q_lens, group, None)
-    assert first is not None and first[1] is not None  # staged
-    for _ in range(31):
-        assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is first
-    assert len(calls) == 1
-    def same(route):
-        return route[0] == first[0] and route[1].pieces == first[1].pieces and (route[1].table == first[1].table).all()
+# ---- copies ahead: a step's back-to-back calls ------------------------------------------------------
+def test_marked_tables_plan_copies_ahead_where_the_device_lets_them():
+    """8k q2048 with the step's window (32 calls back to back: 0.471 ms planned so, 0.621 paced):
+    over tables marked back to back, where copies may run ahead, the history is two pieces and the
+    kernel two splits, the window's first; unmarked tables, or a step whose copies may not run
+    ahead (a cache without a record of its host writes, the overlap off), keep the
+    paced plan."""
+    p = plan(shape([8192], [2048], tier="window", marked=True))
+    assert (p.layout.splits, p.layout.by_head, len(p.staging.pieces), p.staging.ready_from) == (3, False, 3, 2)
+    assert p.staging.piece_pages == 48 and p.choice.pipelined and p.copy_ahead
+    paced = plan(shape([8192], [2048], tier="window"))
+    assert paced.layout.splits > 1 and len(paced.staging.pieces) > 2 and not paced.choice.pipelined
+    behind = plan(shape([8192], [2048], tier="window", marked=True), None,
+                  dataclasses.replace(H200_FACTS, copies_ahead=False))
+    assert behind.layout == paced.layout and behind.staging.pieces == paced.staging.pieces and not behind.copy_ahead
 
-    again = _call([32768], [2048])  # equal contents, a new step's tables
-    assert same(ops._q_tiled_route(*again, None)) and len(calls) == 2
-    assert ops._q_tiled_route(q, cache, tables, q_lens, group, QTiledConfig(splits=2))[0].splits == 2
-    assert len(calls) == 3  # another config, another route
-    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
-    assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 4
-    monkeypatch.delenv("DIRECTKV_MAX_STAGING_GB")
+
+def test_copies_ahead_end_a_piece_where_the_steps_own_pages_begin():
+    """Ragged, host only: the step's own pages were just written, so their copy waits for the
+    previous kernel; the history of every sequence ends before the piece that holds them."""
+    lens, q_lens, page = [6000, 3100], [2000, 700], 64
+    p = plan(shape(lens, q_lens, marked=True))
+    assert p.layout.splits == 1 and p.staging.piece_pages == 36
+    own_first = [(n - ql) // page for n, ql in zip(lens, q_lens)]
+    table = shape(lens, q_lens).host_table
+    for i, piece in enumerate(p.staging.pieces):
+        for r in piece:
+            for src in range(r.src, r.src + r.count):
+                b, lp = np.argwhere(table == src)[0]
+                assert (lp >= own_first[b]) <= (i >= 1), (i, b, lp)
+
+
+@pytest.mark.parametrize("lens, q_lens", [([8192], [8192]), ([16384], [8192])])
+def test_copies_ahead_keep_the_paced_plan_where_the_steps_own_pages_would_stall_it(lens, q_lens):
+    """A first chunk (every page on the host, the step's own just written): planned ahead, the
+    copy of its own pages would stall the kernel (16k q8192: 2.82 ms planned ahead vs 2.38 paced)."""
+    got, paced = plan(shape(lens, q_lens, marked=True)), plan(shape(lens, q_lens))
+    assert got.layout == paced.layout and got.staging.pieces == paced.staging.pieces
+
+
+def test_copies_ahead_split_long_histories_so_the_runs_last_kernel_ends_soon_after_its_copy():
+    """Planned ahead, a history is copied in as many pieces as it has splits, the window's split
+    launched first (32 calls back to back: 32k q2048 with the window 2.311 ms in 4 history pieces
+    vs 2.335 in one; 128k q2048 9.61 in 8 vs 9.63 paced in 16)."""
+    for lens, q_lens, least in (([32768], [2048], 4), ([131072], [2048], 8)):
+        p = plan(shape(lens, q_lens, tier="window", marked=True))
+        own = (lens[0] - q_lens[0]) // 64
+        assert p.layout.splits >= least and p.staging.ready_from * p.staging.piece_pages == own
+        assert len(p.staging.pieces) == p.staging.ready_from + 1  # the history's pieces, then the window's
+
+
+def test_pipelined_cost_model():
+    """max(copy, kernel + the wait for the step's own pages) + the tail's share; a kernel's splits
+    past the first cost their folds, and too few CTAs for the SMs stretch it."""
+    from directkv_cute import plan as pl
+
+    m = H200
+    assert pl.kernel_ms(m, 1.0, 0.0, 1, 132, 132) == 1.0
+    assert pl.kernel_ms(m, 1.0, 0.0, 1, 66, 132) == 2.0 and pl.kernel_ms(m, 1.0, 0.0, 2, 66, 132) == 1.0
+    assert pl.kernel_ms(m, 1.0, 2.2e6, 3) == pytest.approx(1.0 + 2 * 1e-3)
+    over = m.stage_overhead_ms
+    assert pl.pipelined_ms(m, 2.0, 1.0, 0.0, 1) == pytest.approx(2.0 + over)
+    assert pl.pipelined_ms(m, 2.0, 1.0, 0.0, 1, wait_ms=1.5) == pytest.approx(2.5 + over)
+    assert pl.pipelined_ms(m, 2.0, 1.6, 0.0, 1, tail_ms=1.6) == pytest.approx(2.0 + 1.6 / pl.RUN_CALLS + over)
+    assert pl.split_work([8], [4], 2, 2, 2) == pytest.approx([16 / 26, 10 / 26])
+    assert pl.split_work([8, 4], [4, 4], 2, 2, 2) == pytest.approx([(16 + 10) / 36, 10 / 36])
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [1.0], [1.0]) == pytest.approx(1.0)
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [0.5, 0.5], [0.5, 1.0]) == pytest.approx(0.6)
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [0.2, 0.8], [None, 1.0]) == pytest.approx(0.9)
+    assert pl.pipelined_tail_ms(1.0, 2.0, 0.0, [0.9, 0.1], [0.5, 1.0]) == pytest.approx(1.5)
+    assert pl.pipelined_tail_ms(1.0, 1.0, 0.0, [0.5], [1.0], busy=0.5) == pytest.approx(1.0)
+    paced, piped = (16, 16, 0, 16, None), (1, 1, 0, 2, ([1.0], [1.0]))
+    big = int(9.4e-3 * m.memcpy_gbps * 1e9)  # a 9.4 ms copy, the kernel 6 ms
+    flops = 6.0e-3 * m.q_tiled_tflops * 1e12
+    choice, best = pl.choose_pipelined(m, big, 0, flops, 1e5, [piped, paced])
+    assert best == 1 and choice.splits == 16 and choice.pipelined
+    small = int(0.47e-3 * m.memcpy_gbps * 1e9)  # 8k q2048's history and kernel: the pipeline wins
+    choice, best = pl.choose_pipelined(m, small, 0, 0.374e-3 * m.q_tiled_tflops * 1e12, 67.6e6,
+                                       [(1, 1, 0, 2, ([1.0], [1.0])), (8, 8, 0, 8, None)])
+    assert best == 0 and choice.staged
+    with pytest.raises(ValueError, match="at least one candidate"):
+        pl.choose_pipelined(m, small, 0, 1.0, 0.0, [])
+
+
+def test_an_unknown_gpu_gets_a_conservative_machine_model_and_one_warning():
+    """No machine model in the profile: one warning naming the file, and a model with no copy
+    engine edge, under which link-bound calls read in place and compute-bound ones still stage."""
+    from directkv_cute import machine
+
+    name = "Unknown GPU for the machine model"
+    with pytest.warns(P.ProfileWarning, match="no machine model for Unknown GPU"):
+        m = machine.machine_for(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert machine.machine_for(name) == m  # said once
+    assert m.memcpy_gbps == m.link_gbps and m != H200
+    facts = dataclasses.replace(H200_FACTS, name=name)
+    assert plan_attention(shape([32768], [1]), facts, m, ProfileConfigs(name)).route == "decode"
+    assert plan_attention(shape([32768], [8192]), facts, m, ProfileConfigs(name)).route == "q_tiled_staged"
+
+
+def test_the_shipped_h200_profile_carries_todays_rates():
+    from directkv_cute.tuning.lookup import machine_model
+
     L.clear_cache()
-    assert same(ops._q_tiled_route(q, cache, tables, q_lens, group, None)) and len(calls) == 5
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 6
-    assert ops._q_tiled_route(q, cache, tables, q_lens, group, None) is None and len(calls) == 7
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(P.PROFILE_DIR_ENV)
+        assert machine_model("NVIDIA H200") == H200
+
+
+# ---- the runner's launches of the staged routes, the GPU stood in --------------------------------
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_event(self, ev):
+        self.log.append(("wait", self.name, getattr(ev, "tag", ev)))
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", self.name, other.name))
 
 
 def test_two_piece_fp8_decode_launches_each_part_after_its_copy_into_one_combine(monkeypatch):
-    """_run_fp8_parts over stand-ins of the launches: the kernel runs once per piece, after that
+    """The runner over a two-piece FP8 decode plan: the kernel runs once per piece, after that
     piece's event, over that piece's pages and lengths, into its own slice of the partials; one
     combine merges every split of both."""
-    from directkv_cute.config import DecodeConfig
     from directkv_cute.kernels import launch
-    from directkv_cute.staging import plan_staging
 
     log = []
 
-    class Stream:
-        def wait_event(self, event):
-            log.append(("wait", event))
+    class FakeStager:
+        lock = contextlib.nullcontext()
+
+        def stage_fp8(self, cache, layer, sp, groups=None):
+            raw = torch.empty(sp.pages, 1, 8, 2, 64, 128, dtype=E4M3, device="meta")
+            return raw, torch.empty(raw.shape[:-1], device="meta"), ["first", "second"]
+
+        def finish(self):
+            log.append(("finish",))
 
     def decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, splits, scale, counters):
         assert o.shape[0] == lse.shape[0] == splits
@@ -362,88 +490,43 @@ def test_two_piece_fp8_decode_launches_each_part_after_its_copy_into_one_combine
     def combine(fn, o_part, lse_part, out, lse, splits):
         log.append(("combine", o_part.data_ptr(), o_part.shape[0], splits))
 
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream("cur", log))
+    monkeypatch.setattr(runner, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(runner, "_compiled_fp8", lambda *a: "fp8")
+    monkeypatch.setattr(runner, "_compiled_combine", lambda d, dtype: None)
     monkeypatch.setattr(launch, "launch_decode", decode)
     monkeypatch.setattr(launch, "launch_combine", combine)
-    monkeypatch.setattr(ops, "_compiled_combine", lambda d, dtype: None)
-    P, lens = 16, (16 * 40, 16 * 3 + 5)
-    host_table = np.arange(2 * 40, dtype=np.int32).reshape(2, 40)
-    plan = plan_staging(host_table, lens, P, 36)
-    q = torch.zeros(2, 8, 32)
-    view = SimpleNamespace(page_size=P, num_kv_heads=2)
-    out, lse = ops._run_fp8_parts(None, DecodeConfig(), q, view, plan, lens, None, ["first", "second"], None, None,
-                                  None, True)
-    assert out.shape == q.shape and lse.shape == (2, 8)
-    kinds = [e[0] for e in log]
-    assert kinds == ["wait", "decode", "wait", "decode", "combine"]
-    assert log[0][1] == "first" and log[2][1] == "second"
+    monkeypatch.setattr(launch, "link_counters", lambda device: None)
+    lens = (32768, 5000)
+    p = plan(shape(list(lens), [1, 1], fp8=True))
+    assert p.route == "decode_fp8_two_piece"
+    parts = tuple((torch.from_numpy(pt.table), torch.from_numpy(pt.lens)) for pt in p.fp8_parts)
+    bound = runner.Bound(SimpleNamespace(seq_lens=torch.tensor(lens)), None, parts=parts)
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    out, lse = runner._fp8_staged_decode(p, bound, q, None, 0, 1.0, None)
+    assert out.shape == q.shape and lse.shape == (2, 32)
+    assert [e[0] for e in log] == ["wait", "decode", "wait", "decode", "combine", "finish"]
+    assert log[0][2] == "first" and log[2][2] == "second"
     (_, ptr_a, s_a, table_a, lens_a), (_, ptr_b, s_b, table_b, lens_b) = log[1], log[3]
-    assert lens_a.tolist() == [16 * 36, 16 * 3 + 5] and lens_b.tolist() == [16 * 4, 0]
-    assert (torch.cat([table_a, table_b], 1).numpy() == plan.table).all()
+    pp = p.staging.piece_pages
+    assert lens_a.tolist() == [64 * pp, 5000] and lens_b.tolist() == [32768 - 64 * pp, 0]
+    assert (torch.cat([table_a, table_b], 1).numpy() == p.staging.table).all()
     _, ptr_all, n_all, splits_all = log[4]
-    assert ptr_a == ptr_all and ptr_b == ptr_all + s_a * 2 * 8 * 32 * 4 and n_all == splits_all == s_a + s_b
+    assert ptr_a == ptr_all and ptr_b == ptr_all + s_a * 2 * 32 * 128 * 4 and n_all == splits_all == s_a + s_b
 
 
-def test_fp8_chunks_run_head_by_head_where_16_bit_pages_in_hbm_would_run_the_q_tiled_kernel():
-    """Over FP8 pages a multi-token call runs head by head (``_fp8_by_head``) exactly where the
-    same call over 16-bit pages all in HBM runs the Q-tiled kernel: an explicit QTiledConfig, or
-    query tiles filling a wave; not with an explicit DecodeConfig, short windows or decode."""
-    from directkv_cute.config import DecodeConfig
-
-    for lens, q_lens in (([8192], [2048]), ([32768], [512]), ([4000, 3000], [300, 300]), ([8192], [64]),
-                         ([8192], [1]), ([9000] * 3, [100, 90, 80]), ([5000], [263]), ([5000], [264])):
-        q, cache, tables, ql, group = _call(lens, q_lens, hbm=True)
-        fp8_cache = SimpleNamespace(page_size=64, num_kv_heads=8, head_dim=128, dtype=torch.float8_e4m3fn,
-                                    compute_dtype=torch.bfloat16)
-        over_hbm = ops._plan_route(q, cache, tables, ql, group, None)
-        got = ops._fp8_head_config(q, fp8_cache, tuple(lens), ql, None)
-        assert (got is not None) == (over_hbm is not None), (lens, q_lens)
-        if got is not None:
-            assert got == over_hbm[0]
-    q, cache, tables, ql, group = _call([8192], [16], hbm=True)
-    explicit = QTiledConfig(tile_n=64, stages=3)
-    assert ops._fp8_head_config(q, fp8_cache, (8192,), ql, explicit) is explicit
-    assert ops._fp8_head_config(q, fp8_cache, (8192,), (2048,), DecodeConfig()) is None
-
-
-def test_fp8_chunk_over_the_staging_cap_is_refused_before_anything_is_staged(monkeypatch):
-    """A multi-token call over FP8 pages has no in-place path: one whose staged FP8 pages, scales
-    and dequantized copy exceed the staging cap raises a clear error before any copy is queued."""
-    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.2")
-    monkeypatch.setattr(ops, "stager", lambda *a: pytest.fail("staged before the cap check"))
-    q, _, tables, ql, _ = _call([40000, 3000], [512, 16])
-    cache = SimpleNamespace(page_size=64, num_kv_heads=8, head_dim=128, dtype=torch.float8_e4m3fn,
-                            compute_dtype=torch.bfloat16, host_pool=torch.empty(0, dtype=torch.float8_e4m3fn))
-    # 625 + 47 pages x (8 heads x 2 x 64 rows x (128 x (1 + 2) bytes + 4)) = 0.25 GiB
-    with pytest.raises(ValueError, match=r"672 pages \(0\.25 GiB.*0\.20 GiB cap \(DIRECTKV_MAX_STAGING_GB\)"):
-        ops._dequantized(q, cache, 0, tables, ql, None, None, None, False, 40000)
-
-
-@pytest.mark.parametrize("P, sizes", [(64, [2, 2, 2, 2]), (16, [8])])
-def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
-    """``_fp8_by_head`` with the GPU stood in: for each head group in copy order, the urgent
-    stream waits for that group's copy event, then dequantizes exactly that group; the group's
-    attention launch runs on a stream (round-robin) that first waits for the event recorded after
-    that dequantization, over the group's heads only; the current stream waits for every stream
-    before ``finish``. A missing wait, a wrong group or a skipped head fails it."""
-    import contextlib
-
+@pytest.mark.parametrize("page, sizes", [(64, [2, 2, 2, 2]), (16, [8])])
+def test_fp8_chunk_launch_order_per_head_group(monkeypatch, page, sizes):
+    """The runner over an fp8_by_head plan: for each head group in copy order, the urgent stream
+    waits for that group's copy event, then dequantizes exactly that group; the group's attention
+    launch runs on a stream (round-robin) that first waits for the event recorded after that
+    dequantization, over the group's heads only; the current stream waits for every stream before
+    ``finish``. A missing wait, a wrong group or a skipped head fails it."""
     from directkv_cute import staging
-    from directkv_cute.kernels import launch as L
+    from directkv_cute.kernels import launch as L_
 
     log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_event(self, ev):
-            log.append(("wait", self.name, ev.tag))
-
-        def wait_stream(self, other):
-            log.append(("wait_stream", self.name, other.name))
-
-    current = [Stream("cur")]
+    current = [_Stream("cur", log)]
 
     class Event:
         def __init__(self, tag=None):
@@ -460,16 +543,16 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
         current[0] = saved
 
     hkv, d = 8, 128
-    urgent = Stream("urgent")
-    aux = [Stream(f"aux{i}") for i in range(3)]
+    urgent = _Stream("urgent", log)
+    aux = [_Stream(f"aux{i}", log) for i in range(3)]
 
     class FakeStager:
         lock = contextlib.nullcontext()
 
-        def stage_fp8(self, cache, layer, plan, groups=None):
-            assert groups == staging.head_groups(hkv, 2 * P * d) and len(plan.pieces) == 1
-            raw = torch.zeros(plan.pages, 1, hkv, 2, P, d, dtype=torch.float8_e4m3fn)
-            return raw, torch.zeros(raw.shape[:-1]), [Event(f"landed{i}") for i in range(len(groups))]
+        def stage_fp8(self, cache, layer, sp, groups=None):
+            assert groups == staging.head_groups(hkv, 2 * page * d) and len(sp.pieces) == 1
+            raw = torch.zeros(sp.pages, 1, hkv, 2, page, d, dtype=E4M3, device="meta")
+            return raw, torch.zeros(raw.shape[:-1], device="meta"), [Event(f"landed{i}") for i in range(len(groups))]
 
         def streams(self, n):
             return [current[0], *aux[:n - 1]]
@@ -480,25 +563,23 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
         def finish(self):
             log.append(("finish",))
 
-    monkeypatch.setattr(ops, "stager", lambda device, stream: FakeStager())
-    monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: "attn")
-    monkeypatch.setattr(ops, "_compiled_dequant", lambda *a: "deq")
-    monkeypatch.setattr(L, "link_counters", lambda device: None)
-    monkeypatch.setattr(L, "launch_dequant", lambda fn, raw, sc, buf, heads: log.append(("dequant", current[0].name,
-                                                                                        heads)))
-    monkeypatch.setattr(L, "launch_q_tiled", lambda *a, heads, **k: log.append(("attn", current[0].name, heads)))
+    monkeypatch.setattr(runner, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(runner, "_compiled_q_tiled", lambda *a: "attn")
+    monkeypatch.setattr(runner, "_compiled_dequant", lambda *a: "deq")
+    monkeypatch.setattr(L_, "link_counters", lambda device: None)
+    monkeypatch.setattr(L_, "launch_dequant", lambda fn, raw, sc, buf, heads: log.append(("dequant", current[0].name,
+                                                                                          heads)))
+    monkeypatch.setattr(L_, "launch_q_tiled", lambda *a, heads, **k: log.append(("attn", current[0].name, heads)))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    q, _, tables, ql, _ = _call([20000, 9000], [2048, 1000], page=P)
-    q = torch.zeros(q.shape, dtype=q.dtype)
-    lens = (20000, 9000)
-    plan = ops.plan_staging(tables.host_table, lens, P, math.ceil(20000 / P))
-    cache = SimpleNamespace(page_size=P, num_kv_heads=hkv, dtype=torch.float8_e4m3fn,
-                            host_pool=torch.empty(0, dtype=torch.float8_e4m3fn))
-    ops._fp8_by_head(q, cache, 0, plan, tables, lens, ql, None, QTiledConfig(), None, False)
-
-    groups = staging.head_groups(hkv, 2 * P * d)
+    p = plan(shape([20000, 9000], [2048, 1000], page=page, fp8=True))
+    assert p.route == "fp8_by_head"
+    p = dataclasses.replace(p, head_groups=tuple(staging.head_groups(hkv, 2 * page * d)))  # the grouping asserted
+    q = torch.zeros(3048, 32, d, dtype=torch.bfloat16)
+    bound = runner.Bound(SimpleNamespace(seq_lens=None), None, staged_table=None)
+    runner._fp8_by_head(p, bound, q, None, 0, 1.0, None)
+    groups = staging.head_groups(hkv, 2 * page * d)
     assert [len(g) for g in groups] == sizes
     streams = ["cur", "aux0", "aux1", "aux2"][:len(groups)]
     at = 0
@@ -507,38 +588,18 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, P, sizes):
                 ("wait", streams[i % len(streams)], f"deq-done@{i + 1}"), ("attn", streams[i % len(streams)], g)]
         assert log[at:at + 5] == want, (i, log[at:at + 5])
         at += 5
-    joins = [("wait_stream", "cur", s) for s in (*streams[1:], "urgent")]
-    assert log[at:] == [*joins, ("finish",)]
+    assert log[at:] == [*[("wait_stream", "cur", s) for s in (*streams[1:], "urgent")], ("finish",)]
 
 
-def test_fp8_chunk_plans_its_staging_once_per_kernel_tables(monkeypatch):
-    """The layers of a step share one KernelTables: an FP8 chunk's staging plan is made for the
-    first layer's call and reused by the next (here each call then stops at the staging cap)."""
-    monkeypatch.setenv("DIRECTKV_MAX_STAGING_GB", "0.01")
-    made = []
-    real = ops.plan_staging
-    monkeypatch.setattr(ops, "plan_staging", lambda *a: made.append(a[3]) or real(*a))
-    q, _, tables, ql, _ = _call([40000, 3000], [512, 16])
-    cache = SimpleNamespace(page_size=64, num_kv_heads=8, head_dim=128, dtype=torch.float8_e4m3fn,
-                            compute_dtype=torch.bfloat16, host_pool=torch.empty(0, dtype=torch.float8_e4m3fn))
-    for layer in range(3):
-        with pytest.raises(ValueError, match="672 pages"):
-            ops._dequantized(q, cache, layer, tables, ql, None, None, None, False, 40000)
-    assert made == [625]  # one plan, of one piece: the longest sequence's pages
-
-
-@pytest.mark.parametrize("lens,q_lens,P,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 15),
-                                                ([16384, 9000], [2048, 1000], 16, 7)])
-def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, P, first):
-    """A chunk whose own pages are mirrored in HBM (a model step's window; in a ragged batch the
-    longest history ends last), staged: its pieces end where every sequence's window has begun,
-    the pieces after are ready at the start, and the one launch starts at the first split that
-    reads only them (its z ranks fold in that order), every split before it reading history;
+@pytest.mark.parametrize("lens,q_lens,page,first", [([8192], [2048], 64, 6), ([32768], [2048], 64, 15),
+                                                   ([16384, 9000], [2048, 1000], 16, 7)])
+def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_lens, page, first):
+    """A chunk whose own pages are mirrored in HBM (a model step's window), staged: its pieces end
+    where every sequence's window has begun, the pieces after are ready at the start, and the one
+    launch starts at the first split that reads only them, every split before it reading history;
     without a window the splits run in order. Every split runs exactly once, folded in the kernel
     into buffers shaped as the call's (no partial slots, no combine)."""
-    import contextlib
-
-    from directkv_cute.kernels import launch as L
+    from directkv_cute.kernels import launch as L_
     from directkv_cute.plan import q_tiled_splits
 
     log, hosts = [], []
@@ -546,7 +607,7 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
     class FakeStager:
         lock = contextlib.nullcontext()
 
-        def stage(self, cache, layer, plan, by_head=False):
+        def stage(self, cache, layer, sp, by_head=False, ahead=False):
             return torch.empty(0), torch.empty(0), 1
 
         def finish(self):
@@ -555,54 +616,51 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         def fold_turns(self, count):
             return torch.zeros(count, dtype=torch.int32)
 
-    def launch(fn, q_, o, lse, host, buf, L_, layer, hkv, table, seq_lens, cu_q, flags, n_qt, splits, split_tiles,
+    def launch(fn, q_, o, lse, host, buf, L, layer, hkv, table, seq_lens, cu_q, flags, n_qt, splits, split_tiles,
                epoch, piece_tiles, scale, ascending=False, flag_stride=0, heads=None, split_first=0, fold=None):
         acc, acc_lse, turns = fold
         assert acc.shape == o.shape == q_.shape and acc_lse.shape == lse.shape and acc.dtype == torch.float32
-        assert turns.numel() == L.fold_turn_count(len(lens), hkv, n_qt) and not turns.any()
+        assert turns.numel() == L_.fold_turn_count(len(lens), hkv, n_qt) and not turns.any()
         log.append(("attn", fn, [(split_first + r) % splits for r in range(splits)], split_tiles, piece_tiles))
         hosts.append(host)
 
-    monkeypatch.setattr(ops, "stager", lambda device, stream: FakeStager())
-    monkeypatch.setattr(ops, "_compiled_q_tiled", lambda *a: ("attn", *a[5:]))
-    monkeypatch.setattr(L, "launch_q_tiled", launch)
+    monkeypatch.setattr(runner, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(runner, "_compiled_q_tiled", lambda *a: ("attn", *a[5:]))
+    monkeypatch.setattr(L_, "launch_q_tiled", launch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     for window in (True, False):
         log.clear()
-        q, cache, tables, ql, group = _call(lens, q_lens, page=P)
-        hist = max((n - m) // P for n, m in zip(lens, q_lens))  # the partial page before a step is mirrored too
+        s = shape(lens, q_lens, page=page)
+        hist = max((n - m) // page for n, m in zip(lens, q_lens))
         if window:
+            table = s.host_table.copy()
             for b, (n, m) in enumerate(zip(lens, q_lens)):
-                row = tables.host_table[b]
-                row[(n - m) // P:] = -(np.arange((n - m) // P, row.size) + 1000 * (b + 1)) - 1
-        cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
-        assert cfg.splits > 1 and cfg.copy_order == 1
-        cache = SimpleNamespace(page_size=P, num_kv_heads=8, host_pool_cuda=None,
-                                host_pool=torch.empty(0, dtype=q.dtype), num_layers=32,
-                                hbm_pool=torch.empty(5, 32, 8, 2, P, 128, dtype=q.dtype, device="meta"))
-        ops._launch_q_tiled(torch.zeros(q.shape, dtype=q.dtype), cache, 3, tables, ql, None, max(ql), None, None,
-                            False, cfg, plan)
+                table[b, (n - m) // page:] = -(np.arange((n - m) // page, table.shape[1]) + 1000 * (b + 1)) - 1
+            s = s.replace(host_table=table)
+        p = plan(s)
+        assert p.route == "q_tiled_staged" and p.layout.splits > 1 and not p.layout.by_head
+        cache = SimpleNamespace(host_pool_cuda=None, host_pool=torch.empty(0, dtype=torch.bfloat16), num_layers=32,
+                                hbm_pool=torch.empty(5, 32, 8, 2, page, 128, dtype=torch.bfloat16, device="meta"))
+        q = torch.zeros(sum(q_lens), 32, 128, dtype=torch.bfloat16)
+        runner._q_tiled(p, runner.Bound(SimpleNamespace(seq_lens=None), None), q, cache, 3, 1.0, None)
         (a1, done) = log
         assert a1[1] == ("attn", True, True) and done == ("finish",)  # staged (wait_ready), folding
         runs, split_tiles, piece_tiles = a1[2:]
-        splits = len(runs)
-        ready_tiles = plan.ready_from * piece_tiles
-        assert (splits, split_tiles) == q_tiled_splits(math.ceil(max(lens) / 128), piece_tiles, cfg.splits,
-                                                       ready_tiles)
+        splits, sp = len(runs), p.staging
+        ready_tiles = sp.ready_from * piece_tiles
+        assert (splits, split_tiles) == q_tiled_splits(math.ceil(max(lens) / 128), piece_tiles, splits, ready_tiles)
         assert sorted(runs) == list(range(splits))
         if not window:  # host pages only: the launch's other source stays the host pool
-            assert plan.ready_from == len(plan.pieces) and runs == list(range(splits))
-            assert not plan.reads_in_place and hosts[-1] is cache.host_pool
+            assert sp.ready_from == len(sp.pieces) and runs == list(range(splits))
+            assert not sp.reads_in_place and hosts[-1] is cache.host_pool
             continue
-        # The window's pages are read where they are: their entries index the HBM pool's layer 3 as
-        # one-layer pages (page * L), the launch's stand-in source that view of the pool.
-        assert plan.reads_in_place and hosts[-1].shape == (5 * 32 - 3, 1, 8, 2, P, 128)
+        assert sp.reads_in_place and hosts[-1].shape == (5 * 32 - 3, 1, 8, 2, page, 128)
         for b, (n, m) in enumerate(zip(lens, q_lens)):
-            own = np.arange((n - m) // P, math.ceil(n / P))
-            assert (plan.table[b, own] == (own + 1000 * (b + 1)) * 32).all()
-            assert (plan.table[b, :own[0]] < 0).all()
-        assert plan.ready_from * plan.piece_pages == hist  # pieces end where the windows have all begun
-        assert runs == list(range(first, splits)) + list(range(first))  # the ready splits first, then the history
+            own = np.arange((n - m) // page, math.ceil(n / page))
+            assert (sp.table[b, own] == (own + 1000 * (b + 1)) * 32).all()
+            assert (sp.table[b, :own[0]] < 0).all()
+        assert sp.ready_from * sp.piece_pages == hist  # pieces end where the windows have all begun
+        assert runs == list(range(first, splits)) + list(range(first))  # the ready splits first
         assert (first - 1) * split_tiles < ready_tiles <= first * split_tiles
 
 
@@ -613,7 +671,7 @@ def test_launch_q_tiled_checks_split_and_fold_arguments():
     turn counters, before the kernel is called; valid arguments reach it (12 pointers: the fold's
     three after the ready flags, stand-ins that are never read without a fold)."""
     pytest.importorskip("cutlass")
-    from directkv_cute.kernels import launch as L
+    from directkv_cute.kernels import launch as L_
 
     calls = []
     fn = lambda *a: calls.append(a)  # noqa: E731
@@ -625,7 +683,7 @@ def test_launch_q_tiled_checks_split_and_fold_arguments():
         torch.tensor([0, total_q], dtype=torch.int32)
     ready = torch.zeros(8, dtype=torch.int32)
     acc, acc_lse = torch.zeros(q.shape), torch.zeros(total_q, hq)
-    turns = torch.zeros(L.fold_turn_count(1, hkv, n_qt), dtype=torch.int32)
+    turns = torch.zeros(L_.fold_turn_count(1, hkv, n_qt), dtype=torch.int32)
     base = (fn, q, out, lse, pool, pool, 1, 0, hkv, table, lens, cu_q, ready, n_qt)
     four = (*base, 4, 1, 1, 1, 1.0)
     one = (*base, 1, 4, 1, 4, 1.0)
@@ -636,152 +694,14 @@ def test_launch_q_tiled_checks_split_and_fold_arguments():
            (four, dict(fold=(acc, acc_lse[:-1], turns))), (four, dict(fold=(acc, acc_lse, turns[:-1])))]
     for args, kw in bad:
         with pytest.raises(ValueError):
-            L.launch_q_tiled(*args, **kw)
+            L_.launch_q_tiled(*args, **kw)
     assert not calls
-    monkey_stream = pytest.MonkeyPatch()
-    monkey_stream.setattr(L, "_stream", lambda: None)
-    try:
-        L.launch_q_tiled(*four, fold=fold, split_first=2)
-        L.launch_q_tiled(*one, flag_stride=1)
-    finally:
-        monkey_stream.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(L_, "_stream", lambda: None)
+        L_.launch_q_tiled(*four, fold=fold, split_first=2)
+        L_.launch_q_tiled(*one, flag_stride=1)
     assert len(calls) == 2 and all(len(c) == 12 + 18 + 2 for c in calls)
     where = lambda c: [(p._pointer, str(p.dtype)) for p in c[9:12]]  # noqa: E731
     assert where(calls[0]) == [(acc.data_ptr(), "Float32"), (acc_lse.data_ptr(), "Float32"),
                                (turns.data_ptr(), "Int32")]
     assert where(calls[1]) == [(lse.data_ptr(), "Float32"), (lse.data_ptr(), "Float32"), (ready.data_ptr(), "Int32")]
-
-
-@pytest.mark.parametrize("ctx,q_len,splits,pieces,copy_order", [
-    (8192, 2048, 8, 8, 1), (16384, 2048, 8, 8, 1), (32768, 2048, 16, 16, 1), (131072, 2048, 16, 16, 1),
-    (131072, 8192, 1, 4, 2), (131072, 4096, 1, 4, 2), (8192, 4096, 8, 8, 1)])
-def test_long_link_bound_chunks_take_16_folded_splits_and_compute_bound_ones_stay_head_by_head(
-        ctx, q_len, splits, pieces, copy_order):
-    """From 32k keys a link-bound chunk with more CTAs than SMs is staged in 16 pieces and 16
-    folded splits (``link_bound_staging``; measured faster at 32k and 128k q2048, slower at 8k);
-    the 16-split choice is not offered to compute-bound chunks, which keep the head-by-head copy
-    (measured faster at 128k q8192)."""
-    q, cache, tables, ql, group = _call([ctx], [q_len])
-    cfg, plan = ops._q_tiled_route(q, cache, tables, ql, group, None)
-    assert (cfg.splits, len(plan.pieces), cfg.copy_order) == (splits, pieces, copy_order)
-
-
-def _busy(monkeypatch, busy=True):
-    from directkv_cute import staging
-
-    monkeypatch.setattr(staging, "busy", lambda device, stream: busy)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-
-
-def test_marked_tables_behind_a_running_staged_call_plan_copies_ahead(monkeypatch):
-    """8k q2048 with the step's window (measured 2026-12-03, 32 calls back to back: 0.471 ms
-    planned so, 0.621 paced, 0.474 with the history in one piece and one split): over tables
-    marked back to back, while a staged call still runs, the history is two pieces and the kernel
-    three splits, the window's first; unmarked tables, an idle stager, a cache without a record of
-    its host writes, or the overlap switched off keep the paced plan."""
-    _busy(monkeypatch)
-    cfg, plan = ops._q_tiled_route(*_call([8192], [2048], window=True, marked=True), None)
-    assert (cfg.splits, cfg.copy_order, cfg.order, len(plan.pieces), plan.ready_from) == (2, 1, 1, 3, 2)
-    assert plan.piece_pages == 48  # the history's 96 pages in two, then the step's 32 in the window
-    paced = ops._q_tiled_route(*_call([8192], [2048], window=True), None)
-    assert paced[0].splits > 1 and len(paced[1].pieces) > 2
-    q, cache, tables, q_lens, group = _call([8192], [2048], window=True, marked=True)
-    for why in ("idle", "no record", "overlap off"):
-        c = cache
-        if why == "idle":
-            _busy(monkeypatch, False)
-        elif why == "no record":
-            c = SimpleNamespace(**{k: v for k, v in vars(cache).items() if k != "host_writes"})
-        else:
-            monkeypatch.setenv("DIRECTKV_STAGE_OVERLAP", "0")
-        got = ops._q_tiled_route(q, c, tables, q_lens, group, None)
-        assert got[0].splits == paced[0].splits and got[1].pieces == paced[1].pieces, why
-        _busy(monkeypatch)
-        monkeypatch.delenv("DIRECTKV_STAGE_OVERLAP", raising=False)
-    # both plans of one step's tables are kept: busy and idle calls alternate without replanning
-    # (the idle plan of these tables was made above; the busy one is made once here)
-    calls = []
-    real = ops._plan_route
-    monkeypatch.setattr(ops, "_plan_route", lambda *a: calls.append(a[-1]) or real(*a))
-    for busy in (True, False, True, False):
-        _busy(monkeypatch, busy)
-        assert ops._q_tiled_route(q, cache, tables, q_lens, group, None)[0].splits == (2 if busy else paced[0].splits)
-    assert calls == [True]
-
-
-def test_copies_ahead_end_a_piece_where_the_steps_own_pages_begin(monkeypatch):
-    """Ragged, host only: the step's own pages were just written, so their copy waits for the
-    previous kernel; the history of every sequence ends before the piece that holds them (the
-    first page holding any sequence's new tokens, on a whole KV tile)."""
-    _busy(monkeypatch)
-    lens, q_lens, page = [6000, 3100], [2000, 700], 64
-    cfg, plan = ops._q_tiled_route(*_call(lens, q_lens, marked=True), None)
-    assert cfg.splits == 1 and plan.piece_pages == 36  # min(62, 37) pages, rounded down to 2-page tiles
-    own_first = [(n - ql) // page for n, ql in zip(lens, q_lens)]
-    table = _call(lens, q_lens)[2].host_table
-    for p, piece in enumerate(plan.pieces):
-        for r in piece:
-            for src in range(r.src, r.src + r.count):
-                b, lp = np.argwhere(table == src)[0]
-                assert (lp >= own_first[b]) <= (p >= 1), (p, b, lp)
-
-
-@pytest.mark.parametrize("lens, q_lens", [([8192], [8192]), ([16384], [8192])])
-def test_copies_ahead_keep_the_paced_plan_where_the_steps_own_pages_would_stall_it(monkeypatch, lens, q_lens):
-    """A first chunk (every page on the host, the step's own just written): planned ahead, the
-    copy of its own pages would wait for the previous kernel and stall the kernel (16k q8192:
-    measured 2.82 ms planned ahead vs 2.38 paced), so the paced plan stays."""
-    _busy(monkeypatch)
-    got = ops._q_tiled_route(*_call(lens, q_lens, marked=True), None)
-    paced = ops._q_tiled_route(*_call(lens, q_lens), None)
-    assert got[0] == paced[0] and got[1].pieces == paced[1].pieces
-
-
-def test_copies_ahead_split_long_histories_so_the_runs_last_kernel_ends_soon_after_its_copy(monkeypatch):
-    """The run's last kernel is exposed after its copy lands (its tail, ``plan.pipelined_tail_ms``):
-    planned ahead, a history is copied in as many pieces as it has splits, the window's split
-    launched first (measured 2026-12-03, 32 calls back to back: 32k q2048 with the window 2.311
-    ms in 4 history pieces vs 2.335 in one; 128k q2048 9.61 in 8 vs 9.63 paced in 16)."""
-    _busy(monkeypatch)
-    for lens, q_lens, least in (([32768], [2048], 4), ([131072], [2048], 8)):
-        cfg, plan = ops._q_tiled_route(*_call(lens, q_lens, window=True, marked=True), None)
-        own = (lens[0] - q_lens[0]) // 64
-        assert cfg.splits >= least and plan.ready_from * plan.piece_pages == own, (lens, cfg, plan.piece_pages)
-        assert len(plan.pieces) == plan.ready_from + 1  # the history's pieces, then the window's
-
-
-def test_pipelined_cost_model():
-    """max(copy, kernel + the wait for the step's own pages) + the tail's share; a kernel's splits
-    past the first cost their folds, and too few CTAs for the SMs stretch it."""
-    from directkv_cute import plan as pl
-
-    assert pl.kernel_ms(1.0, 0.0, 1, 132, 132) == 1.0
-    assert pl.kernel_ms(1.0, 0.0, 1, 66, 132) == 2.0 and pl.kernel_ms(1.0, 0.0, 2, 66, 132) == 2.0 * 0.5 + 0.0
-    assert pl.kernel_ms(1.0, 2.2e6, 3) == pytest.approx(1.0 + 2 * 1e-3)
-    over = pl.STAGE_OVERHEAD_MS
-    assert pl.pipelined_ms(2.0, 1.0, 0.0, 1) == pytest.approx(2.0 + over)
-    assert pl.pipelined_ms(2.0, 1.0, 0.0, 1, wait_ms=1.5) == pytest.approx(2.5 + over)
-    assert pl.pipelined_ms(2.0, 1.6, 0.0, 1, tail_ms=1.6) == pytest.approx(2.0 + 1.6 / pl.RUN_CALLS + over)
-    # each split's share of the causal work: 8 keys, 4 new rows (seeing 5..8 keys), splits of 4 keys
-    assert pl.split_work([8], [4], 2, 2, 2) == pytest.approx([16 / 26, 10 / 26])
-    assert pl.split_work([8, 4], [4, 4], 2, 2, 2) == pytest.approx([(16 + 10) / 36, 10 / 36])
-    # the run's last kernel after its copy: one split waits for the whole copy, then all its work;
-    # two pieces: the first split's work runs under the second piece's copy; a ready split (the
-    # step's window, launched first) runs under the copy, and the history split folds after it
-    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [1.0], [1.0]) == pytest.approx(1.0)
-    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [0.5, 0.5], [0.5, 1.0]) == pytest.approx(0.6)
-    assert pl.pipelined_tail_ms(1.0, 1.0, 0.1, [0.2, 0.8], [None, 1.0]) == pytest.approx(0.9)
-    assert pl.pipelined_tail_ms(1.0, 2.0, 0.0, [0.9, 0.1], [0.5, 1.0]) == pytest.approx(1.5)  # the first split's
-    assert pl.pipelined_tail_ms(1.0, 1.0, 0.0, [0.5], [1.0], busy=0.5) == pytest.approx(1.0)  # half the SMs
-    # a paced candidate wins where the whole kernel's tail costs more than the pipelined plan saves
-    paced, piped = (16, 16, 0, 16, None), (1, 1, 0, 2, ([1.0], [1.0]))
-    big = int(9.4e-3 * pl.MEMCPY_GBPS * 1e9)  # a 9.4 ms copy, the kernel 6 ms
-    flops = 6.0e-3 * pl.Q_TILED_TFLOPS * 1e12
-    choice, best = pl.choose_pipelined(big, 0, flops, 1e5, [piped, paced])
-    assert best == 1 and choice.splits == 16 and choice.pipelined
-    small = int(0.47e-3 * pl.MEMCPY_GBPS * 1e9)  # 8k q2048's history and kernel: the pipeline wins
-    choice, best = pl.choose_pipelined(small, 0, 0.374e-3 * pl.Q_TILED_TFLOPS * 1e12, 67.6e6,
-                                       [(1, 1, 0, 2, ([1.0], [1.0])), (8, 8, 0, 8, None)])
-    assert best == 0 and choice.staged
-    with pytest.raises(ValueError, match="at least one candidate"):
-        pl.choose_pipelined(small, 0, 1.0, 0.0, [])

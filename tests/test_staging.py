@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directkv_cute.config import ConfigError, QTiledConfig, q_tiles
+from directkv_cute.machine import H200
 from directkv_cute.plan import LINK_STAGE_MARGIN, causal_flops, choose_staged, may_stage, partial_bytes
 from directkv_cute.staging import MAX_PIECES, piece_pages_for, plan_staging
 
@@ -107,12 +108,15 @@ def test_plan_merges_consecutive_pages_into_one_copy():
 def test_hbm_pages_read_in_place_through_a_one_layer_view_of_the_pool():
     """``hbm_in_place(pool, layer)``: its page ``page * L`` is ``pool[page, layer]`` (the entries
     ``plan_staging(..., hbm_layers=L)`` writes), and it ends where the pool does; a pool whose
-    ``page * L`` overflows int32 is copied instead (``in_place_layers``)."""
-    from types import SimpleNamespace
-
+    ``page * L`` overflows int32 is copied instead (``CallShape.in_place_layers``)."""
     import torch
 
-    from directkv_cute.staging import hbm_in_place, in_place_layers
+    from directkv_cute.planner import CallShape
+    from directkv_cute.staging import hbm_in_place
+
+    def in_place_layers(pool):
+        shape = CallShape.example([128], num_layers=pool.shape[1])
+        return shape.replace(hbm_pages=pool.shape[0]).in_place_layers
 
     pool = torch.randn(5, 3, 2, 2, 4, 8)  # (pages, L, Hkv, 2, P, d)
     for layer in range(3):
@@ -120,7 +124,7 @@ def test_hbm_pages_read_in_place_through_a_one_layer_view_of_the_pool():
         assert view.shape == (5 * 3 - layer, 1, 2, 2, 4, 8) and view.data_ptr() >= pool.data_ptr()
         for page in range(5):
             assert torch.equal(view[page * 3, 0], pool[page, layer])
-    assert in_place_layers(SimpleNamespace(hbm_pool=pool)) == 3
+    assert in_place_layers(pool) == 3
     with pytest.raises(ValueError, match="layer 3 of an HBM pool"):
         hbm_in_place(pool, 3)
     with pytest.raises(ValueError, match="0 pages"):  # a cache without HBM pages has none to read
@@ -128,7 +132,7 @@ def test_hbm_pages_read_in_place_through_a_one_layer_view_of_the_pool():
     # a call over host pages only keeps its source: nothing is read in place
     assert not plan_staging(np.array([[4, 5]], dtype=np.int32), [128], 64, 1, hbm_layers=3).reads_in_place
     big = torch.empty(2**27, 32, 1, device="meta")
-    assert in_place_layers(SimpleNamespace(hbm_pool=big)) == 0
+    assert in_place_layers(big) == 0
     with pytest.raises(ValueError, match="overflows int32"):
         plan_staging(np.array([[0, -(2**27)]], dtype=np.int32), [128], 64, 1, hbm_layers=32)
 
@@ -161,37 +165,37 @@ def test_causal_flops_match_a_direct_count():
 
 def test_cost_model_stages_compute_bound_chunks_and_long_link_bound_reads():
     kv = 2 * 32768 * 8 * 128 * 2  # 32k tokens, one layer
-    decode = choose_staged(kv, 0, causal_flops([32768], [1], 32, 128), partial_bytes(1, 32, 128))
+    decode = choose_staged(H200, kv, 0, causal_flops([32768], [1], 32, 128), partial_bytes(1, 32, 128))
     # Decode over 32k: the copy engine's edge over SM reads of host memory (measured 3-7%).
     assert decode.staged and decode.staged_ms < LINK_STAGE_MARGIN * decode.in_place_ms
-    assert may_stage(kv, causal_flops([32768], [1], 32, 128))
+    assert may_stage(H200, kv, causal_flops([32768], [1], 32, 128))
     # With a quarter of its pages in HBM the same read stays in place (the streaming kernel
     # overlaps the HBM pages; staging would copy them first).
-    assert not may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 3)
-    assert may_stage(kv, causal_flops([32768], [1], 32, 128), kv // 256, 2)  # a window page or two
+    assert not may_stage(H200, kv, causal_flops([32768], [1], 32, 128), kv // 3)
+    assert may_stage(H200, kv, causal_flops([32768], [1], 32, 128), kv // 256, 2)  # a window page or two
     # A chunk's own pages mirrored in HBM (one run per sequence): left to choose_staged, which
     # models their one device-to-device copy per sequence.
     chunk, token = causal_flops([8192], [512], 32, 128), 2 * 8 * 128 * 2
-    assert not may_stage(7680 * token, chunk, 512 * token, 2, chunk_q=512)
-    assert may_stage(7680 * token, chunk, 512 * token, 2, chunk_q=512, window=True)
+    assert not may_stage(H200, 7680 * token, chunk, 512 * token, 2, chunk_q=512)
+    assert may_stage(H200, 7680 * token, chunk, 512 * token, 2, chunk_q=512, window=True)
     # Many short sequences: one copy call per sequence and piece eats the edge (measured: batch
     # 64 over 1k staged 22% slower, batch 16 over 16k 3% faster).
     many_short = 64 * 2 * 1024 * 8 * 128 * 2
-    assert not may_stage(many_short, causal_flops([1024] * 64, [1] * 64, 32, 128), 0, 64 * 8)
+    assert not may_stage(H200, many_short, causal_flops([1024] * 64, [1] * 64, 32, 128), 0, 64 * 8)
     long16 = 16 * 2 * 16384 * 8 * 128 * 2
-    assert may_stage(long16, causal_flops([16384] * 16, [1] * 16, 32, 128), 0, 16 * 16)
-    assert not choose_staged(many_short, 0, causal_flops([1024] * 64, [1] * 64, 32, 128),
+    assert may_stage(H200, long16, causal_flops([16384] * 16, [1] * 16, 32, 128), 0, 16 * 16)
+    assert not choose_staged(H200, many_short, 0, causal_flops([1024] * 64, [1] * 64, 32, 128),
                              partial_bytes(64, 32, 128), host_calls=64 * 8).staged
     # Over 4k the staged call's overhead eats the edge: read in place, decided before planning.
     short = 2 * 4096 * 8 * 128 * 2
-    assert not may_stage(short, causal_flops([4096], [1], 32, 128))
-    assert not choose_staged(short, 0, causal_flops([4096], [1], 32, 128), partial_bytes(1, 32, 128)).staged
-    link_bound = choose_staged(kv, 0, causal_flops([32768], [512], 32, 128), partial_bytes(512, 32, 128))
+    assert not may_stage(H200, short, causal_flops([4096], [1], 32, 128))
+    assert not choose_staged(H200, short, 0, causal_flops([4096], [1], 32, 128), partial_bytes(1, 32, 128)).staged
+    link_bound = choose_staged(H200, kv, 0, causal_flops([32768], [512], 32, 128), partial_bytes(512, 32, 128))
     assert link_bound.staged  # q 512 over 32k: the compute hides under the copy
     kv8 = kv // 4
-    short_chunk = choose_staged(kv8, 0, causal_flops([8192], [512], 32, 128), partial_bytes(512, 32, 128))
+    short_chunk = choose_staged(H200, kv8, 0, causal_flops([8192], [512], 32, 128), partial_bytes(512, 32, 128))
     assert not short_chunk.staged  # over 8k the first split's copy and the overhead eat the edge
-    long_prefill = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128))
+    long_prefill = choose_staged(H200, kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128))
     assert long_prefill.staged and long_prefill.staged_ms < long_prefill.in_place_ms
     # Never below the copy it needs, nor below its compute.
     assert long_prefill.staged_ms >= kv / 54.8e6
@@ -202,28 +206,28 @@ def test_cost_model_stages_compute_bound_chunks_and_long_link_bound_reads():
     # (link-bound: the others' run under it) and 8 splits beat 4 and 2. Without that wait, splits
     # add nothing past the first one's exposed copy.
     def q2048(splits, **kw):
-        return choose_staged(kv8, 0, causal_flops([8192], [2048], 32, 128), partial_bytes(2048, 32, 128),
+        return choose_staged(H200, kv8, 0, causal_flops([8192], [2048], 32, 128), partial_bytes(2048, 32, 128),
                              splits=splits, host_calls=8, pieces=8, **kw).staged_ms
 
     est = [q2048(s, split_ctas=512, sms=132) for s in (2, 4, 8)]
     assert est[0] > est[1] > est[2]
     assert q2048(8) == pytest.approx(q2048(4), abs=0.01)
-    fixed = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128), splits=8)
+    fixed = choose_staged(H200, kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128), splits=8)
     assert fixed.splits == 8
 
 
 def test_folded_splits_cost_one_fold_after_the_copy():
     """``staged_ms``: the first split's copy is exposed, then max(the rest of the copy, the
     compute), the other splits' folds counted in the compute and only the last one's after."""
-    from directkv_cute.plan import PARTIAL_GBPS, STAGE_OVERHEAD_MS, staged_ms
+    from directkv_cute.plan import staged_ms
 
-    fold_bytes = 0.01 * PARTIAL_GBPS * 1e6  # 0.01 ms a fold
-    oh = STAGE_OVERHEAD_MS
-    assert staged_ms(1.0, 0.4, fold_bytes, 1) == pytest.approx(1.4 + oh)  # one split: no fold, no overlap
-    assert staged_ms(1.0, 0.4, fold_bytes, 4) == pytest.approx(1.0 + 0.01 + oh)  # link-bound: folds under the copy
-    assert staged_ms(0.2, 1.0, fold_bytes, 4) == pytest.approx(0.05 + 1.03 + 0.01 + oh)  # compute-bound: they add
+    fold_bytes = 0.01 * H200.partial_gbps * 1e6  # 0.01 ms a fold
+    oh = H200.stage_overhead_ms
+    assert staged_ms(H200, 1.0, 0.4, fold_bytes, 1) == pytest.approx(1.4 + oh)  # one split: no fold, no overlap
+    assert staged_ms(H200, 1.0, 0.4, fold_bytes, 4) == pytest.approx(1.0 + 0.01 + oh)  # link-bound: folds under the copy
+    assert staged_ms(H200, 0.2, 1.0, fold_bytes, 4) == pytest.approx(0.05 + 1.03 + 0.01 + oh)  # compute-bound: they add
     # CTAs beyond the SMs (half of each split's) run the last split's share after the copy
-    assert staged_ms(1.0, 0.4, fold_bytes, 4, waiting=0.5) == pytest.approx(1.0 + 0.5 * 0.43 / 4 + 0.01 + oh)
+    assert staged_ms(H200, 1.0, 0.4, fold_bytes, 4, waiting=0.5) == pytest.approx(1.0 + 0.5 * 0.43 / 4 + 0.01 + oh)
 
 
 def test_q_tiled_config_legality():
@@ -282,40 +286,6 @@ def test_q_tiled_kernel_compiles_for_hopper(monkeypatch, cfg, dtype, d, page, gr
     fn = jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out)
     assert fn is not None
     assert jit.compile_q_tiled(cfg, getattr(torch, dtype), d, page, group, wait_ready, split_out) is fn
-
-
-def test_lightest_first_is_chosen_for_a_prefill_from_the_first_token_only(monkeypatch):
-    from directkv_cute import plan
-    from directkv_cute.plan import ascending_ms, q_tile_profile
-
-    monkeypatch.setattr(plan, "ASCENDING_AUTO", True)
-
-    rel, work = q_tile_profile([8192], [8192], 32)
-    assert rel[0] < rel[-1] == 1.0 and work.sum() == pytest.approx(1.0)
-    assert (np.diff(rel) > 0).all(), "launch order: lightest first"
-    # Never faster than the copy or the compute alone.
-    assert ascending_ms(0.6, 0.9, rel, work) >= 0.9
-    kv = 2 * 8192 * 8 * 128 * 2
-    tri = choose_staged(kv, 0, causal_flops([8192], [8192], 32, 128), partial_bytes(8192, 32, 128),
-                        tiles=q_tile_profile([8192], [8192], 32))
-    assert tri.staged and tri.ascending and tri.splits == 1
-    kv = 2 * 32768 * 8 * 128 * 2  # every query tile needs >= 24k of the 32k keys: splits win
-    late = choose_staged(kv, 0, causal_flops([32768], [8192], 32, 128), partial_bytes(8192, 32, 128),
-                         tiles=q_tile_profile([32768], [8192], 32))
-    assert late.staged and not late.ascending and late.splits > 1
-    monkeypatch.setattr(plan, "ASCENDING_AUTO", False)  # the op's setting until measured on a GPU
-    assert not choose_staged(kv // 4, 0, causal_flops([8192], [8192], 32, 128), partial_bytes(8192, 32, 128),
-                             tiles=q_tile_profile([8192], [8192], 32)).ascending
-
-
-def test_q_tile_profile_orders_tiles_across_a_ragged_batch():
-    from directkv_cute.plan import q_tile_profile
-
-    rel, work = q_tile_profile([100, 1000], [64, 40], 32)
-    # tiles (m, b) in launch order: (0,0) (0,1) (1,0) (1,1); sequence 0 has 2 tiles, 1 has 2
-    assert len(rel) == 4
-    assert rel[0] == pytest.approx((100 - 64 + 32) / 1000) and rel[1] == pytest.approx((1000 - 40 + 32) / 1000)
-    assert rel[3] == pytest.approx(1.0)
 
 
 def test_order_legality():
@@ -390,9 +360,9 @@ def test_a_batch_sharing_a_prompt_stages_once_or_runs_the_cascade_as_measured():
         unique = (prefix_pages + batch * own_pages) * page
         naive = batch * (prefix_pages + own_pages) * page
         ctx = [32768 + own + 1] * batch
-        staged = choose_staged(unique, 0, causal_flops(ctx, [1] * batch, 32, 128), partial_bytes(batch, 32, 128),
+        staged = choose_staged(H200, unique, 0, causal_flops(ctx, [1] * batch, 32, 128), partial_bytes(batch, 32, 128),
                                host_calls=calls, in_place_bytes=naive, kv_read_bytes=naive)
-        return stage_instead_of_cascade(unique, 2, staged), staged.staged_ms, cascade_ms(unique, 2)
+        return stage_instead_of_cascade(H200, unique, 2, staged), staged.staged_ms, cascade_ms(H200, unique, 2)
 
     # batch 16, 8k own: staged 12.63 ms measured vs the cascade's 13.30
     assert row(16, 8192, 16 * 4 + 13)[0]
@@ -400,33 +370,35 @@ def test_a_batch_sharing_a_prompt_stages_once_or_runs_the_cascade_as_measured():
     assert not row(64, 0, 16)[0]
     # batch 64, 1k own: staged 9.04 vs the cascade's 8.21
     assert not row(64, 1024, 64 * 2 + 16)[0]
-    assert stage_instead_of_cascade(1, 1, None) is False
+    assert stage_instead_of_cascade(H200, 1, 1, None) is False
 
 
 def test_head_major_model_is_a_two_stage_pipeline_of_heads():
-    from directkv_cute.plan import STAGE_OVERHEAD_MS, head_major_ms
+    from directkv_cute.plan import head_major_ms
+
+    STAGE_OVERHEAD_MS = H200.stage_overhead_ms
 
     # compute-bound: the first head's copy, then every head's compute
-    assert head_major_ms(8.0, 16.0, 8) == pytest.approx(1.0 + 16.0 + STAGE_OVERHEAD_MS)
+    assert head_major_ms(H200, 8.0, 16.0, 8) == pytest.approx(1.0 + 16.0 + STAGE_OVERHEAD_MS)
     # link-bound: the whole copy, then the last head's compute
-    assert head_major_ms(16.0, 8.0, 8) == pytest.approx(16.0 + 1.0 + STAGE_OVERHEAD_MS)
-    assert head_major_ms(8.0, 16.0, 1) == pytest.approx(24.0 + STAGE_OVERHEAD_MS)  # one head: serial
+    assert head_major_ms(H200, 16.0, 8.0, 8) == pytest.approx(16.0 + 1.0 + STAGE_OVERHEAD_MS)
+    assert head_major_ms(H200, 8.0, 16.0, 1) == pytest.approx(24.0 + STAGE_OVERHEAD_MS)  # one head: serial
 
 
 def test_cost_model_copies_compute_bound_chunks_head_by_head():
     kv = 2 * 32768 * 8 * 128 * 2
     flops = causal_flops([32768], [8192], 32, 128)
     parts = partial_bytes(8192, 32, 128)
-    split = choose_staged(kv, 0, flops, parts, host_calls=16)
-    heads = choose_staged(kv, 0, flops, parts, host_calls=16, heads=8, head_calls=8 * 4)
+    split = choose_staged(H200, kv, 0, flops, parts, host_calls=16)
+    heads = choose_staged(H200, kv, 0, flops, parts, host_calls=16, heads=8, head_calls=8 * 4)
     assert not split.by_head and heads.by_head and heads.splits == 1
     assert heads.staged_ms < split.staged_ms  # no partials, 1/8 of the copy exposed
     # a link-bound decode read gains nothing from it: the whole copy is exposed either way
-    dec = choose_staged(kv, 0, causal_flops([32768], [1], 32, 128), partial_bytes(1, 32, 128), host_calls=16,
+    dec = choose_staged(H200, kv, 0, causal_flops([32768], [1], 32, 128), partial_bytes(1, 32, 128), host_calls=16,
                         heads=8, head_calls=8 * 4)
     assert not dec.by_head
     # a fixed split count leaves the order alone
-    assert not choose_staged(kv, 0, flops, parts, splits=4, heads=8, head_calls=32).by_head
+    assert not choose_staged(H200, kv, 0, flops, parts, splits=4, heads=8, head_calls=32).by_head
 
 
 def test_copy_order_legality():
@@ -557,7 +529,7 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
 
 
 def test_hbm_runs_per_sequence_tells_a_window_from_spread_pages():
-    from directkv_cute.ops import hbm_runs_per_sequence
+    from directkv_cute.planner import hbm_runs_per_sequence
 
     table = np.array([[3, 4, 5, -1, -2, -7],   # a window at the end of its 5 pages (-7 is past them)
                       [-3, 8, -4, 9, -5, -6],  # spread: three runs
@@ -699,27 +671,29 @@ def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
 
 
 def test_one_wave_and_chunk_tail_models():
-    from directkv_cute.plan import CHUNK_TAIL_MS, STAGE_OVERHEAD_MS, chunk_tail_ms, one_wave_ms
+    from directkv_cute.plan import chunk_tail_ms, one_wave_ms
+
+    STAGE_OVERHEAD_MS = H200.stage_overhead_ms
 
     # link-bound: the copy, then the last piece's compute; compute-bound: the first piece, then it all
-    assert one_wave_ms(10.0, 2.0, 2) == pytest.approx(11.0 + STAGE_OVERHEAD_MS)
-    assert one_wave_ms(2.0, 10.0, 2) == pytest.approx(11.0 + STAGE_OVERHEAD_MS)
-    assert chunk_tail_ms(0) == 0.0 and chunk_tail_ms(64) < chunk_tail_ms(512)
-    assert chunk_tail_ms(64) == pytest.approx(0.033, abs=0.005)  # measured 0.026-0.028 at 8k/16k q64
-    assert chunk_tail_ms(512) == pytest.approx(0.09, abs=0.005)  # measured 0.09-0.10 at 8k/16k q512
-    assert CHUNK_TAIL_MS > 0
+    assert one_wave_ms(H200, 10.0, 2.0, 2) == pytest.approx(11.0 + STAGE_OVERHEAD_MS)
+    assert one_wave_ms(H200, 2.0, 10.0, 2) == pytest.approx(11.0 + STAGE_OVERHEAD_MS)
+    assert chunk_tail_ms(H200, 0) == 0.0 and chunk_tail_ms(H200, 64) < chunk_tail_ms(H200, 512)
+    assert chunk_tail_ms(H200, 64) == pytest.approx(0.033, abs=0.005)  # measured 0.026-0.028 at 8k/16k q64
+    assert chunk_tail_ms(H200, 512) == pytest.approx(0.09, abs=0.005)  # measured 0.09-0.10 at 8k/16k q512
+    assert H200.chunk_tail_ms > 0
     kv8 = 2 * 8192 * 8 * 128 * 2
     flops = causal_flops([8192], [512], 32, 128)
     # in place at the link plus the chunk tail, 8k q512 may stage; the streaming kernel's may not
-    assert may_stage(kv8, flops, 0, 2, chunk_q=512) and not may_stage(kv8, flops, 0, 2)
+    assert may_stage(H200, kv8, flops, 0, 2, chunk_q=512) and not may_stage(H200, kv8, flops, 0, 2)
     parts = partial_bytes(512, 32, 128)
-    wave = choose_staged(kv8, 0, flops, parts, host_calls=16, pieces=16, chunk_q=512, wave_calls=2)
+    wave = choose_staged(H200, kv8, 0, flops, parts, host_calls=16, pieces=16, chunk_q=512, wave_calls=2)
     assert wave.staged and wave.coarse and wave.splits == 1
     # without the one-wave option (more CTAs than SMs) the same call keeps the splits' estimate
-    split = choose_staged(kv8, 0, flops, parts, host_calls=16, pieces=16, chunk_q=512)
+    split = choose_staged(H200, kv8, 0, flops, parts, host_calls=16, pieces=16, chunk_q=512)
     assert not split.coarse and split.staged_ms > wave.staged_ms
     # every ready flag costs the copy something
-    assert choose_staged(kv8, 0, flops, parts, host_calls=16, pieces=64, chunk_q=512).staged_ms > split.staged_ms
+    assert choose_staged(H200, kv8, 0, flops, parts, host_calls=16, pieces=64, chunk_q=512).staged_ms > split.staged_ms
 
 
 def test_copy_rates_bench_refuses_without_cuda(monkeypatch):
@@ -827,17 +801,17 @@ def test_head_groups_may_start_with_a_smaller_group():
 
 def test_fp8_chunks_copy_a_single_head_first_only_where_compute_outlasts_the_copy():
     """q8192 (compute longer than the 16-bit copy): one head, then pairs; q2048 and q512: pairs."""
-    from directkv_cute.ops import fp8_head_groups
+    from directkv_cute.planner import fp8_head_groups
 
     for n, q, first in ((8192, 8192, 1), (32768, 8192, 1), (131072, 8192, 1), (32768, 2048, 2), (8192, 512, 2)):
-        groups = fp8_head_groups(8, 64, 128, 1, [n], [q], 32)
+        groups = fp8_head_groups(H200, 8, 64, 128, 1, [n], [q], 32)
         assert len(groups[0]) == first and sorted(h for g in groups for h in g) == list(range(8)), (n, q)
         assert all(len(g) == 2 for g in groups[1:-1])
 
 
 
 def test_ready_page_is_one_past_every_sequences_last_host_page():
-    from directkv_cute.ops import ready_page
+    from directkv_cute.planner import ready_page
 
     t = np.array([[0, 1, 2, -1, -2], [5, 6, -3, -3, -3]], dtype=np.int32)
     assert ready_page(t, [5, 2]) == 3  # the second sequence's pages past its length do not count
@@ -943,7 +917,7 @@ def test_stager_copies_ahead_into_the_other_slot_after_the_writes_to_its_pages(m
     """Over a cache that records its host writes, a staged call takes the other buffer and flag
     set, waits for the last kernel over that slot instead of the current stream, and waits for
     each recorded write right before the first copy of a page it wrote (a write to pages it does
-    not copy is not waited for); over a pool without that record it waits for the current stream."""
+    not copy is not waited for); a call not planned to copy ahead waits for the current stream."""
     from types import SimpleNamespace
 
     import torch
@@ -962,7 +936,7 @@ def test_stager_copies_ahead_into_the_other_slot_after_the_writes_to_its_pages(m
     events = []
     st = _fake_stager(monkeypatch, plan.pages, (hkv, 2, P, d), events)
     st.freed = ["k0", "k1"]
-    buf, flags, epoch = st.stage(cache, layer, plan)
+    buf, flags, epoch = st.stage(cache, layer, plan, ahead=True)
     assert st.slot == 1 and buf.data_ptr() == st.buffer1.data_ptr() and flags.data_ptr() == st.flag_sets[1].data_ptr()
     for b, n in enumerate(lens):
         for j in range(math.ceil(n / P)):
@@ -982,7 +956,7 @@ def test_stager_copies_ahead_into_the_other_slot_after_the_writes_to_its_pages(m
     assert st.slot == 1 and [ev[1] for ev in events if ev[0] == "wait"] == ["current"]
     events.clear()
     st.fresh = True  # memory new to the side stream (a buffer just allocated): the current stream first
-    st.stage(cache, layer, plan)
+    st.stage(cache, layer, plan, ahead=True)
     assert st.slot == 0 and [ev[1] for ev in events if ev[0] == "wait"] == ["current", "w-late"] and not st.fresh
 
 
@@ -990,19 +964,32 @@ def test_copy_calls_count_the_runs_of_each_tier_and_copies_ahead_needs_a_record_
         monkeypatch):
     from types import SimpleNamespace
 
-    from directkv_cute import staging
+    import torch
+
+    from directkv_cute.machine import DeviceInfo
+    from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
 
     # host pages 0-2, then 7, then two HBM pages, in two pieces of 3 pages
     table = np.array([[0, 1, 2, 7, -1, -2]], dtype=np.int32)
     plan = plan_staging(table, [6 * 16], 16, 3)
     assert plan.copy_calls == (2, 1) and plan.host_pages == 4
     assert sum(len(p) for p in plan.pieces) == 3
-    recording, bare = SimpleNamespace(host_writes=lambda: []), SimpleNamespace()
+    # Whether a step's staged copies may run ahead: the cache records its host writes and the
+    # overlap is on (DeviceInfo.current); a plan copies ahead where two buffers fit the cap too.
     monkeypatch.delenv("DIRECTKV_STAGE_OVERLAP", raising=False)
-    monkeypatch.delenv("DIRECTKV_MAX_STAGING_GB", raising=False)
-    total = 8 * 2**30  # a cap of 1 GiB
-    assert staging.copies_ahead(recording, 2**29, total)
-    assert not staging.copies_ahead(recording, 2**29 + 1, total)  # two buffers over the cap
-    assert not staging.copies_ahead(bare, 1, total)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    from directkv_cute import machine
+
+    monkeypatch.setattr(machine, "_properties", lambda index: ("G", 132, 8 * 2**30))
+    recording, bare = SimpleNamespace(host_writes=lambda: []), SimpleNamespace()
+    assert DeviceInfo.current("cuda:0", recording).copies_ahead
+    assert not DeviceInfo.current("cuda:0", bare).copies_ahead
     monkeypatch.setenv("DIRECTKV_STAGE_OVERLAP", "0")
-    assert not staging.copies_ahead(recording, 1, total)
+    assert not DeviceInfo.current("cuda:0", recording).copies_ahead
+    shape = CallShape.example([32768], [1])  # 512 pages of 256 KiB: 128 MiB a buffer
+    buffer = 512 * shape.layer_page_bytes()
+    for cap, ahead in ((2 * buffer, True), (2 * buffer - 1, False)):
+        facts = DeviceInfo("G", 132, 8 * 2**30, copies_ahead=True, staging_cap=cap)
+        got = plan_attention(shape, facts, H200, DefaultConfigs())
+        assert got.route == "q_tiled_staged" and got.copy_ahead == ahead

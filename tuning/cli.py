@@ -279,15 +279,12 @@ def _shapes_from_args(a) -> list[TuneShape]:
         s.dtype, s.head_dim, s.num_kv_heads, s.page_size, s.q_len, s.batch, s.context, s.num_q_heads))
 
 
-# The op_kernel result (the op's rule for a launch's query rows) of the buckets each kernel is tuned
-# on: over FP8 pages decode-sized calls run decode_fp8; the Q-tiled kernel runs multi-token calls
-# (compute-bound chunks over HBM or staged pages).
-RUNS_ON = {"decode_fp8": "decode", "q_tiled": "multi_token"}
-
-
 def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
-    """The buckets the op runs with ``kernel`` (space.op_kernel, the op's rule); says which were left out."""
-    runs = RUNS_ON.get(kernel, kernel)
+    """The buckets the planner looks ``kernel``'s entries up for (``planner.tuned_buckets``, by
+    space.op_kernel); says which were left out."""
+    from directkv_cute.planner import tuned_buckets
+
+    runs = tuned_buckets(kernel)
     kept = [s for s in shapes if op_kernel(s.group, s.q_len) == runs]
     left = [s for s in shapes if op_kernel(s.group, s.q_len) != runs]
     other = "multi_token" if runs == "decode" else "decode"

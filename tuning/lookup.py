@@ -385,5 +385,21 @@ def profile_for(gpu_name: str) -> Profile | None:
         return _usable_profile(gpu_name)[1]
 
 
-__all__ = ["Decision", "ProfileMissError", "REQUIRE_ENV", "clear_cache", "explain_config", "profile_for",
+def machine_model(gpu_name: str):
+    """The machine model (``directkv_cute.machine.MachineModel``) of ``gpu_name``'s usable profile,
+    or None where it has none."""
+    from directkv_cute.machine import MachineModel
+
+    key = (gpu_name, _EPOCH[0], os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
+    if key not in _MACHINES:
+        prof = profile_for(gpu_name)
+        _MACHINES[key] = None if prof is None or prof.machine is None else \
+            MachineModel.from_dict(gpu_name, prof.machine)
+    return _MACHINES[key]
+
+
+_MACHINES: dict = {}
+
+
+__all__ = ["Decision", "machine_model", "ProfileMissError", "REQUIRE_ENV", "clear_cache", "explain_config", "profile_for",
            "select_config"]

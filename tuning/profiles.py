@@ -312,6 +312,9 @@ class Profile:
     path: Path | None = None
     schema_version: int = SCHEMA_VERSION
     migrated_from: int | None = None  # the schema of the file this was read from, if older
+    # The GPU's machine model (``directkv_cute.machine.MachineModel``'s rates): what the planner's
+    # cost model weighs on this GPU. None: the planner's conservative default.
+    machine: dict | None = None
 
     @property
     def gpu_name(self) -> str:
@@ -365,7 +368,11 @@ class Profile:
             e = dict(zip(CLASS_FIELDS, ck))
             e["buckets"] = buckets
             entries.append(e)
-        return {"schema_version": self.schema_version, "metadata": dict(self.metadata), "entries": entries}
+        doc = {"schema_version": self.schema_version, "metadata": dict(self.metadata)}
+        if self.machine is not None:
+            doc["machine"] = dict(self.machine)
+        doc["entries"] = entries
+        return doc
 
     def to_yaml(self) -> str:
         header = (
@@ -490,7 +497,7 @@ class _V:
 
 
 _METADATA_INTS = ("tune_version", "sm_count", "smem_optin_bytes")
-_KNOWN_TOP = {"schema_version", "metadata", "entries"}
+_KNOWN_TOP = {"schema_version", "metadata", "machine", "entries"}
 
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -584,6 +591,18 @@ def _validate(doc, source) -> Profile:
             md["versions"] = vers
 
     prof = Profile(metadata=md, schema_version=sv, migrated_from=migrated_from)
+    machine = doc.get("machine")
+    if machine is not None:
+        from directkv_cute.machine import MachineModel
+
+        if not isinstance(machine, dict):
+            v.bad("machine", f"must be a mapping, got {type(machine).__name__}")
+        else:
+            try:
+                MachineModel.from_dict(md.get("gpu_name") or "?", machine)
+                prof.machine = dict(machine)
+            except ValueError as err:
+                v.bad("machine", str(err).removeprefix("machine: "))
     ents = doc.get("entries")
     if ents is None:
         ents = []
@@ -879,6 +898,8 @@ def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
                 for ck, bk, rec in old.records():
                     if merged.get(ck, bk) is None:
                         merged.set(ck, bk, rec)
+            if merged.machine is None:
+                merged.machine = old.machine  # the machine model is kept until one is measured anew
             merged.metadata["created"] = old.metadata.get("created", merged.metadata.get("created"))
         merged.metadata["updated"] = utc_now()
         text = merged.to_yaml()

@@ -1,0 +1,213 @@
+"""``DirectKVAttention``: plan once per model step, run per layer.
+
+    dk = DirectKVAttention(cache)
+    plan = dk.plan(seq_ids, q_lens=q_lens, num_q_heads=32)   # once per step: an AttentionPlan
+    print(plan.explain())                                     # which kernel runs, and why
+    for layer in range(L):
+        ...                                                   # store the layer's new K/V first
+        o = dk.run(q, layer)                                  # (total_q, Hq, d)
+
+``plan`` summarises the step's page tables on the host, asks the GPU for its facts once
+(``machine.DeviceInfo``), and calls the pure planner (``planner.plan_attention``) with the GPU's
+machine model and tuned configs; then it makes the plan's device side (``runner.bind``). ``run``
+validates q and launches the plan (``runner.run``). On a CPU cache ``run`` is the float32
+reference. ``paged_attention``, ``paged_attention_tables`` and ``cascade_attention`` are this,
+planned and run in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from directkv_cute.machine import DeviceInfo, MachineModel
+from directkv_cute.planner import AttentionPlan, CallShape, ProfileConfigs, plan_attention
+from directkv_cute.validate import check_attention, check_config, check_q_lens, check_seq_ids
+
+
+class DirectKVAttention:
+    """Attention over ``cache`` (a ``PagedKVCache``): ``plan`` once per step, ``run`` per layer.
+
+    ``machine`` / ``configs``: stand-ins for the GPU's machine model (``machine.machine_for``) and
+    tuned configs (``planner.ProfileConfigs``); ``device_info`` in ``plan``: for the GPU's facts.
+    The plan made last is ``self.current`` (None before the first ``plan``)."""
+
+    def __init__(self, cache, *, machine: MachineModel | None = None, configs=None):
+        self.cache = cache
+        self.machine = machine
+        self.configs = configs
+        self.current: AttentionPlan | None = None
+        self.tables = None
+        self._bound = None
+        self._scale = None
+        self._return_lse = False
+        self._config = None
+        self._seq_lens = None
+
+    # ---- planning ----------------------------------------------------------------------------
+    def plan(self, seq_ids=None, *, tables=None, q_lens=None, num_q_heads: int, softmax_scale: float | None = None,
+             max_seq_len: int | None = None, return_lse: bool = False, config=None, cascade=True, groups=None,
+             device_info: DeviceInfo | None = None, q: torch.Tensor | None = None) -> AttentionPlan:
+        """Plan the attention of one step (every layer runs this plan) and return it.
+
+        seq_ids:       the batch's sequences (the tables are built here, marked back to back: a
+                       step's layers), or
+        tables:        ``cache.kernel_tables(...)`` built by the caller (exactly one of the two).
+        q_lens:        new query tokens per sequence (default one each); their K/V must be in the
+                       cache before ``run`` (query j of a sequence of length L and q_len Q attends
+                       causally to keys [0, L - Q + j]).
+        num_q_heads:   Hq (a multiple of the cache's KV heads).
+        softmax_scale: default 1 / sqrt(head_dim).
+        max_seq_len:   the longest sequence, if known: only steers the decode split count and the
+                       profile bucket (default: the page table's width).
+        return_lse:    ``run`` returns (out, lse) instead of out.
+        config:        an explicit DecodeConfig or QTiledConfig (default: the planner's choice).
+        cascade:       read the pages that sequences share once per batch (the cascade), where
+                       that pays; False: per sequence. A ``cascade.CascadePlan`` may be given.
+        groups:        the rows that may share (default: any).
+        """
+        cache = self.cache
+        if (seq_ids is None) == (tables is None):
+            raise ValueError("plan needs seq_ids or tables (exactly one)")
+        if tables is None:
+            seq_ids = check_seq_ids(seq_ids)
+            tables = cache.kernel_tables(seq_ids, back_to_back=True)
+        else:
+            check_tables = getattr(cache, "check_tables", None)
+            if check_tables is not None and getattr(tables, "cache_id", 0):
+                check_tables(tables)  # from this cache, and no page freed or moved since
+        if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, numbers.Integral) or num_q_heads < 1 \
+                or num_q_heads % cache.num_kv_heads:
+            raise ValueError(f"num_q_heads {num_q_heads!r} must be a positive multiple of the cache's "
+                             f"{cache.num_kv_heads} KV heads")
+        if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+                                          or not math.isfinite(softmax_scale)):
+            raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+        batch = tables.page_table.shape[0]
+        seq_lens = getattr(tables, "host_seq_lens", None)
+        lens = check_q_lens(q_lens, batch, sum(q_lens) if q_lens is not None and not isinstance(q_lens, torch.Tensor)
+                            else (int(q_lens.sum()) if isinstance(q_lens, torch.Tensor) else batch), seq_lens)
+        if config is not None:
+            from directkv_cute.config import DecodeConfig, QTiledConfig
+            from directkv_cute.fp8 import is_fp8
+
+            if not isinstance(config, (DecodeConfig, QTiledConfig)):
+                raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
+            if not (is_fp8(cache.dtype) and isinstance(config, DecodeConfig)):
+                check_config(config, cache.head_dim, cache.page_size)
+        device = tables.page_table.device if q is None else q.device
+        if device_info is None:
+            device_info = DeviceInfo.for_cpu() if device.type != "cuda" else DeviceInfo.current(device, cache)
+        machine = self.machine
+        if machine is None:
+            from directkv_cute.machine import CONSERVATIVE, machine_for
+
+            machine = CONSERVATIVE if device_info.cpu else machine_for(device_info.name)
+        configs = self.configs if self.configs is not None else ProfileConfigs(device_info.name)
+        cascade_plan = cascade if not isinstance(cascade, bool) else None
+        shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len,
+                             cascade=bool(cascade) and config is None, groups=groups)
+        if shape.host_table is None and device_info is not None and _needs_host_table(shape, config):
+            tables = _with_host_table(tables)  # the dispatcher's bare tables: read back once
+            shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len)
+        plan, staged = _planned(shape, device_info, machine, configs, config, cascade_plan)
+        from directkv_cute.runner import bind
+
+        self._bound = bind(plan, tables, device, staged)
+        self.current, self.tables = plan, tables
+        self._scale, self._return_lse, self._config, self._seq_lens = softmax_scale, return_lse, config, seq_lens
+        return plan
+
+    def check(self, tables, q_lens) -> None:
+        """That a reuse of the current plan is for these tables and query lengths."""
+        if self.current is None or tables is not self.tables or \
+                tuple(q_lens if q_lens is not None else (1,) * len(self.current.shape.q_lens)) != \
+                tuple(self.current.shape.q_lens):
+            raise ValueError("the prepared plan was made for other tables or q_lens")
+
+    # ---- running -----------------------------------------------------------------------------
+    def run(self, q: torch.Tensor, layer: int, out: torch.Tensor | None = None, *, softmax_scale=None):
+        """Attention of q (total_q, Hq, d), packed by sequence, for ``layer`` under the current plan;
+        returns out (total_q, Hq, d) in q's dtype, and the natural-log LSE (total_q, Hq) fp32 with
+        the plan's ``return_lse``. ``out``: written in place. ``softmax_scale``: instead of the
+        plan's."""
+        plan = self.current
+        if plan is None:
+            raise RuntimeError("DirectKVAttention.run before plan")
+        shape = plan.shape
+        layer, _ = check_attention(q, self.cache, layer, batch=shape.batch, q_lens=shape.q_lens, out=out,
+                                   softmax_scale=softmax_scale, cuda=q.is_cuda)
+        if q.shape[1] != shape.num_q_heads:
+            raise ValueError(f"q has {q.shape[1]} heads, the plan was made for {shape.num_q_heads}")
+        if q.device != self.tables.page_table.device:
+            raise ValueError(f"tables on {self.tables.page_table.device}, q on {q.device}")
+        from directkv_cute.runner import run
+
+        scale = self._scale if softmax_scale is None else softmax_scale
+        return run(plan, self._bound, q, self.cache, layer, scale, out, self._return_lse)
+
+
+# The latest plans by value: calls that plan the same shape again (the layers of a step through
+# ``paged_attention_tables``, a benchmark's repeated call) reuse the plan and its staged page
+# table on the device instead of planning anew. Keyed by the shape's contents (the host table's
+# digest), never by an object's identity.
+_RECENT: "collections.OrderedDict" = None
+_RECENT_KEPT = 8
+
+
+def _planned(shape: CallShape, device_info, machine, configs, config, cascade_plan):
+    """(plan, the device copies of its staged tables made so far: a dict to fill) of a shape."""
+    import collections
+    import hashlib
+
+    global _RECENT
+    if shape.host_table is None or cascade_plan is not None or type(configs) is not ProfileConfigs:
+        return plan_attention(shape, device_info, machine, configs, config, cascade_plan=cascade_plan), {}
+    import os
+
+    from directkv_cute.tuning.lookup import cache_epoch
+
+    table = np.ascontiguousarray(shape.host_table)
+    key = (hashlib.blake2b(table.tobytes(), digest_size=16).digest(), table.shape,
+           *(getattr(shape, f.name) for f in dataclasses.fields(shape) if f.name != "host_table"),
+           config, device_info, machine, configs.gpu_name, cache_epoch(), os.environ.get("DIRECTKV_PROFILE_DIR"),
+           os.environ.get("XDG_CONFIG_HOME"))
+    if _RECENT is None:
+        _RECENT = collections.OrderedDict()
+    hit = _RECENT.get(key)
+    if hit is not None:
+        _RECENT.move_to_end(key)
+        return hit
+    got = (plan_attention(shape, device_info, machine, configs, config), {})
+    _RECENT[key] = got
+    while len(_RECENT) > _RECENT_KEPT:
+        _RECENT.popitem(last=False)
+    return got
+
+
+def _needs_host_table(shape: CallShape, config) -> bool:
+    """Whether a call over bare device tables must read its host table back: FP8 pages of a call
+    the 16-bit kernels run over dequantized pages."""
+    from directkv_cute.config import DecodeConfig, QTiledConfig
+    from directkv_cute.kernels.specs import config_kernel, op_kernel
+
+    if not shape.fp8:
+        return False
+    if isinstance(config, QTiledConfig):
+        return True
+    kernel = config_kernel(config, shape.group, shape.max_q_len) if isinstance(config, DecodeConfig) \
+        else op_kernel(shape.group, shape.max_q_len)
+    return kernel != "decode"
+
+
+def _with_host_table(tables):
+    """``tables`` with their host table and lengths read back from the device (once)."""
+    from directkv_cute.cache import KernelTables
+
+    return KernelTables(tables.page_table, tables.seq_lens, getattr(tables, "cache_id", 0),
+                        getattr(tables, "generation", -1), tuple(tables.seq_lens.tolist()),
+                        tables.page_table.cpu().numpy())

@@ -1,0 +1,209 @@
+"""What the planner knows about the GPU: its machine model (the cost model's rates) and the
+facts of one step (``DeviceInfo``).
+
+The machine model comes from the GPU's profile (``machine:`` in ``profiles/<GPU>.yaml``, checked
+by ``tuning.profiles``). A GPU without one gets ``CONSERVATIVE`` and one warning: it assumes no
+edge for the copy engine over the SMs' reads of host memory, so link-bound calls read in place and
+only compute-bound ones are staged.
+
+Plain Python: ``DeviceInfo.current`` is the only function here that asks torch about the GPU,
+once per step; the planner takes the frozen values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass
+
+# Bytes a staged call's buffer may take: DIRECTKV_MAX_STAGING_GB, else an eighth of the GPU.
+STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
+# The multi-token kernel's fp32 partials: DIRECTKV_MAX_WORKSPACE_GB, else a quarter of the GPU.
+WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
+# Whether staged copies may run ahead of the current stream (1 by default).
+OVERLAP_ENV = "DIRECTKV_STAGE_OVERLAP"
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    """The rates the cost model weighs (only their ratios steer a choice).
+
+    link_gbps:            the SMs' reads of pinned host memory (the in-place kernels' ceiling)
+    memcpy_gbps:          the copy engine's host-to-device rate (the staging copies)
+    d2d_gbps:             device-to-device copies of pages already in HBM (read + write)
+    chunked_tflops:       the multi-token (KV-outer chunk) kernel's attention rate in place
+    q_tiled_tflops:       the Q-tiled kernel's attention rate
+    q_tiled_read_gbps:    the Q-tiled kernel's reads of the staging buffer, where they bind
+    partial_gbps:         a split's fp32 partials written and read back (a staged call's split)
+    fold_gbps:            a split's fold once the copy has landed (the folds take turns)
+    stage_overhead_ms:    a staged call's host work and first-piece latency beyond the model
+    copy_call_ms:         one copy call of the copy engine
+    flag_ms:              one ready flag written between pieces
+    chunk_tail_ms:        the chunk kernel's time past the link (ramp, combine) ...
+    chunk_tail_ms_per_token: ... and its growth per query token
+    """
+
+    name: str
+    link_gbps: float
+    memcpy_gbps: float
+    d2d_gbps: float
+    chunked_tflops: float
+    q_tiled_tflops: float
+    q_tiled_read_gbps: float
+    partial_gbps: float
+    fold_gbps: float
+    stage_overhead_ms: float
+    copy_call_ms: float
+    flag_ms: float
+    chunk_tail_ms: float
+    chunk_tail_ms_per_token: float
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        """The rates, as a profile's ``machine:`` section names them."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "name")
+
+    @classmethod
+    def from_dict(cls, name: str, d: dict) -> "MachineModel":
+        """The model from a profile's ``machine:`` section (every rate, each a positive number)."""
+        want = set(cls.fields())
+        missing, unknown = sorted(want - set(d)), sorted(set(d) - want)
+        if missing or unknown:
+            raise ValueError(f"machine: missing {missing}, unknown {unknown}" if missing and unknown
+                             else f"machine: missing {missing}" if missing else f"machine: unknown {unknown}")
+        bad = [k for k in cls.fields() if isinstance(d[k], bool) or not isinstance(d[k], (int, float)) or d[k] <= 0]
+        if bad:
+            raise ValueError(f"machine: {bad} must be positive numbers")
+        return cls(name=name, **{k: float(d[k]) for k in cls.fields()})
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.fields()}
+
+
+# The H200's rates, as shipped in profiles/NVIDIA_H200.yaml (``machine:``), measured on the H200
+# (PCIe Gen5):
+# - link_gbps, memcpy_gbps: SM reads of pinned host memory and the copy engine's H2D rate
+#   (``python -m bench copy-rates``);
+# - chunked_tflops: the chunk kernel in place over host pages, 221 TFLOP/s at 8k q2048 and 271 at
+#   32k q2048; at 300 the model kept 8k q2048 in place (1.087 ms) where staged takes 0.815 ms;
+# - q_tiled_tflops: the Q-tiled kernel (tile 128, 3 stages, pingpong, clusters of 2);
+# - q_tiled_read_gbps: fitted to batch 64 over a shared 32k prompt, staged in 3.79 ms;
+# - partial_gbps: 16 staged calls at 8k / 16k q2048 in 2-8 splits, about 7 us per split at q2048;
+# - fold_gbps: the copy landed before the kernel started, per split about 7.6 us at q512 and 30 us
+#   at q2048 over 8k-32k keys;
+# - copy_call_ms: 32 MB in 1 / 4 / 16 contiguous calls 0.64 / 0.63 / 0.68 ms, in 128 calls of
+#   256 KB 1.02 ms; flag_ms: 0.75-2 us per ready flag;
+# - chunk_tail_ms(_per_token): the chunk kernel past the link, 0.028 / 0.026 ms at 8k / 16k q64,
+#   0.09 / 0.10 at 8k / 16k q512.
+# ``python -m bench prefill`` and ``python -m bench decode`` time the calls these were fitted to;
+# their result files: ``git show 7747519:bench/results/``.
+H200 = MachineModel(
+    name="NVIDIA H200", link_gbps=51.0, memcpy_gbps=54.8, d2d_gbps=1500.0, chunked_tflops=250.0,
+    q_tiled_tflops=680.0, q_tiled_read_gbps=2800.0, partial_gbps=10000.0, fold_gbps=2200.0,
+    stage_overhead_ms=0.03, copy_call_ms=0.0025, flag_ms=0.0015, chunk_tail_ms=0.025,
+    chunk_tail_ms_per_token=1.3e-4)
+
+# A GPU whose profile has no machine model: the copy engine is assumed no faster than the SMs'
+# reads of host memory, so only calls whose compute binds are staged.
+CONSERVATIVE = dataclasses.replace(H200, name="conservative default", memcpy_gbps=H200.link_gbps)
+
+_WARNED: set = set()
+
+
+def machine_for(gpu_name: str) -> MachineModel:
+    """The machine model of ``gpu_name``'s profile, else ``CONSERVATIVE`` (warned once per GPU)."""
+    from directkv_cute.tuning.lookup import machine_model
+
+    m = machine_model(gpu_name)
+    if m is not None:
+        return m
+    if gpu_name not in _WARNED:
+        _WARNED.add(gpu_name)
+        from directkv_cute.tuning.profiles import ProfileWarning, expected_profile_path
+
+        warnings.warn(f"directkv-cute: no machine model for {gpu_name} (a `machine:` section in "
+                      f"{expected_profile_path(gpu_name)}); the planner uses a conservative default that stages "
+                      "only compute-bound calls", ProfileWarning, stacklevel=3)
+    return dataclasses.replace(CONSERVATIVE, name=f"{gpu_name} (conservative default)")
+
+
+def staging_cap(total_memory: int) -> int:
+    """Bytes a staging buffer may take: ``DIRECTKV_MAX_STAGING_GB``, else an eighth of the GPU."""
+    gb = float(os.environ.get(STAGING_ENV, "0") or 0)
+    return int(gb * 2**30) if gb > 0 else total_memory // 8
+
+
+def workspace_cap(total_memory: int) -> float:
+    """Bytes the multi-token kernel's fp32 partials may take: ``DIRECTKV_MAX_WORKSPACE_GB``, else a
+    quarter of the GPU."""
+    return float(os.environ.get(WORKSPACE_ENV, "0") or 0) * 2**30 or total_memory / 4
+
+
+def overlap_enabled() -> bool:
+    """Whether staged calls may copy ahead of the current stream (``DIRECTKV_STAGE_OVERLAP``, 1)."""
+    return os.environ.get(OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """The facts about the GPU one plan is made for.
+
+    name, sms, total_memory: the GPU's.
+    capturing:     the plan runs inside a CUDA graph capture (no staging: its copies are planned
+                   per call, and nothing may be allocated or copied from pageable memory).
+    copies_ahead:  staged copies may run ahead of the current stream, each waiting only for the
+                   recorded host writes to its pages (the cache records them and
+                   ``DIRECTKV_STAGE_OVERLAP`` is on). Decided once per step, never from GPU timing.
+    staging_cap:   bytes a staging buffer may take.
+    workspace_cap: bytes the multi-token kernel's fp32 partials may take.
+    """
+
+    name: str
+    sms: int
+    total_memory: int
+    capturing: bool = False
+    copies_ahead: bool = False
+    staging_cap: int = 0
+    workspace_cap: float = 0.0
+
+    def __post_init__(self):
+        if not self.staging_cap:
+            object.__setattr__(self, "staging_cap", staging_cap(self.total_memory))
+        if not self.workspace_cap:
+            object.__setattr__(self, "workspace_cap", workspace_cap(self.total_memory))
+
+    @property
+    def cpu(self) -> bool:
+        """A CPU cache: the float32 reference runs (no kernel, nothing staged)."""
+        return self.name == "cpu"
+
+    @classmethod
+    def for_cpu(cls) -> "DeviceInfo":
+        return cls("cpu", 0, 0, staging_cap=1, workspace_cap=1.0)
+
+    @classmethod
+    def current(cls, device=None, cache=None) -> "DeviceInfo":
+        """The current GPU (or ``device``'s), whether the current stream is capturing, and whether
+        staged copies over ``cache`` may run ahead (it records its host writes, overlap on)."""
+        import torch
+
+        index = torch.device("cuda", torch.cuda.current_device()).index if device is None \
+            else (torch.device(device).index or 0)
+        name, sms, total = _properties(index)
+        capturing = bool(torch.cuda.is_current_stream_capturing())
+        ahead = cache is not None and getattr(cache, "host_writes", None) is not None and overlap_enabled()
+        return cls(name, sms, total, capturing, ahead and not capturing)
+
+
+_PROPS: dict = {}
+
+
+def _properties(index: int) -> tuple[str, int, int]:
+    got = _PROPS.get(index)
+    if got is None:
+        import torch
+
+        p = torch.cuda.get_device_properties(index)
+        got = _PROPS[index] = (torch.cuda.get_device_name(index), p.multi_processor_count, p.total_memory)
+    return got
