@@ -11,8 +11,7 @@ Three methods, each checked against the fp32 anchor and the HBM baseline like ev
 * ``swap+fa4``: the host pools copied into an HBM staging buffer (one cudaMemcpy each), then
   ``fa4[hbm]`` over it; the buffer's bytes are reported as staging.
 
-``pip install -e ".[peers]"`` (or ``GPU_PEERS=1 ../shared/device/pack`` on the GPU machine)
-brings it. Without it (or without CUDA) the methods are listed as missing, with the reason.
+``pip install -e ".[peers]"`` brings it (the versions verified on the H200 are pinned there). Without it (or without CUDA) the methods are listed as missing, with the reason.
 """
 
 from __future__ import annotations

@@ -6,9 +6,12 @@ A value ``x`` (a K or V element, bf16/fp16/fp32) is stored as ``q = fp8(clamp(x 
 
 * ``M``: the format's largest finite value, 448 for ``float8_e4m3fn`` (4 exponent, 3 mantissa bits,
   no infinities), 57344 for ``float8_e5m2`` (5 exponent, 2 mantissa bits);
-* ``s``: a float32 scale, ``s = amax / M`` over the values that share it (``amax`` = their largest
-  magnitude, NaN counted as 0, +inf as the float32 maximum), floored at ``SCALE_FLOOR`` so it is
-  never 0 (an all-zero group stores zeros) and never inf;
+* ``s``: a float32 scale, ``s = amax / M`` over the values that share it (``amax`` = the largest
+  magnitude of their finite values), floored at ``SCALE_FLOOR`` so it is never 0 (an all-zero
+  group stores zeros) and never inf;
+* non-finite values stay non-finite and never count in the scale, so one NaN or inf leaves the
+  values that share its scale as precise as without it: NaN is stored as NaN, +-inf as +-inf in
+  ``float8_e5m2`` and as NaN in ``float8_e4m3fn`` (which has no infinities);
 * the cast rounding to nearest, ties to even (torch's float8 conversion); the clamp first, because
   an out-of-range cast to e4m3fn gives NaN, not the maximum.
 
@@ -51,6 +54,8 @@ a tensor scale none.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import torch
@@ -89,7 +94,8 @@ def _dims(x: torch.Tensor, dims: Sequence[int] | int) -> tuple[int, ...]:
 
 
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """float32 ``amax / M``, with NaN as 0 and inf as the float32 maximum, floored at SCALE_FLOOR."""
+    """float32 ``amax / M``, floored at SCALE_FLOOR (a NaN amax counts as 0, an infinite one as the
+    float32 maximum; ``quantize`` passes the amax of the finite values only)."""
     amax = amax.float().nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max)
     return (amax / FP8_MAX[fp8_dtype(dtype)]).clamp_min(SCALE_FLOOR)
 
@@ -103,14 +109,18 @@ def quantize(x: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn, dims: Se
     dims = _dims(x, dims)
     xf = x.float()
     if scale is None:
-        scale = scale_from_amax(xf.abs().amax(dim=dims) if xf.numel() else xf.sum(dim=dims), dtype)
+        finite_abs = torch.nan_to_num(xf.abs(), nan=0.0, posinf=0.0)
+        scale = scale_from_amax(finite_abs.amax(dim=dims) if xf.numel() else xf.sum(dim=dims), dtype)
     elif not isinstance(scale, torch.Tensor):
         scale = torch.full([s for i, s in enumerate(x.shape) if i not in dims], float(scale), dtype=SCALE_DTYPE,
                            device=x.device)
     s = scale.to(SCALE_DTYPE)
     m = FP8_MAX[dtype]
-    q = (xf / _expand(s, dims)).clamp(-m, m).to(dtype)
-    return q, s
+    y = (xf / _expand(s, dims)).clamp(-m, m)  # NaN stays NaN; finite values saturate at +-M
+    # +-inf stays infinite where the format has infinities, else NaN (no host sync: always applied)
+    inf = xf.isinf()
+    y = torch.where(inf, xf, y) if dtype == torch.float8_e5m2 else y.masked_fill(inf, math.nan)
+    return y.to(dtype), s
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,

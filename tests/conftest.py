@@ -69,8 +69,8 @@ PREFILL_SAMPLE = 100_000
 @pytest.fixture(scope="session")
 def sampled_multi_token_legality():
     """``legality(shape)`` of the multi_token search space from a seeded uniform sample of
-    PREFILL_SAMPLE of its 2.6 M points (the real static filter on real points), once per shape a
-    session: enumerating the whole space takes ~40 s on one core (the full test does that once,
+    PREFILL_SAMPLE of its 2.6 M points (the real static filter on real points), once per shape per
+    test run: enumerating the whole space takes ~40 s on one core (the full test does that once,
     tests/test_tuning_space.py::test_multi_token_space_whole). Do not use it with patched rules."""
     from directkv_cute.tuning.space import get_space
 

@@ -756,7 +756,7 @@ def test_gpu_head_dims_are_named_at_construction():
 
 
 def test_host_allocation_failure_names_the_bytes(monkeypatch):
-    import directkv_cute.cache as cache_mod
+    import directkv_cute.cache.pools as cache_mod
 
     def fail(nbytes, device):
         raise OSError(12, "Cannot allocate memory")
@@ -859,3 +859,66 @@ def test_for_model_sizes_the_cache_in_bytes():
     assert (cache.num_layers, cache.num_kv_heads, cache.head_dim) == (32, 8, 128)
     with pytest.raises(ValueError, match="holds no page"):
         PagedKVCache.for_model(cfg, host_bytes=1000, device="cpu")
+
+
+# ---- the page book alone: bookkeeping and the copies it asks for, no tensors -------------------
+def test_page_book_asks_for_exactly_the_copies_that_keep_sharers_apart():
+    from directkv_cute.cache import PageBook
+
+    copies = []
+    book = PageBook({"host": 8, "hbm": 2}, 16, copy_page=lambda src, dst: copies.append((src, dst)))
+    a = book.add_sequence()
+    book.extend(a, 40)  # pages 0, 1, 2 (8 tokens in the last)
+    b = book.fork(a)
+    assert copies == [(2, 3)]  # the partial last page only
+    assert book.seq(b).pages == [0, 1, 3] and book.refs["host"].tolist()[:4] == [2, 2, 1, 1]
+    copies.clear()
+    book.unshare_range(b, 20, 21)  # a write into shared page 1
+    assert copies == [(1, 4)] and book.seq(b).pages == [0, 4, 3] and book.seq(a).pages == [0, 1, 2]
+    copies.clear()
+    book.move_pages(a, [0], "hbm")  # shared page 0 moves for both sharers
+    assert copies == [(0, encode_page("hbm", 0))]
+    assert book.seq(a).pages[0] == book.seq(b).pages[0] == encode_page("hbm", 0)
+    before, generation = book.state(), book.generation
+    copies.clear()
+    with pytest.raises(CacheCapacityError, match="unchanged"):
+        book.extend(a, 16 * 8)
+    with pytest.raises(CacheCapacityError, match="unchanged"):
+        book.move_pages(b, [1, 2], "hbm")  # one HBM page left
+    assert book.state() == before and book.generation == generation and copies == []
+
+
+def test_cache_and_book_agree_on_every_table_change():
+    """The cache's bookkeeping is its book's: a cache run and a bare book run of the same
+    operations end in the same state."""
+    from directkv_cute.cache import PageBook
+
+    cache = make_cache(host=8, hbm=4)
+    book = PageBook({"host": 8, "hbm": 4}, P)
+    for c in (cache, book):
+        s = c.add_sequence()
+        c.extend(s, 37)
+        f = c.fork(s)
+        c.extend(f, 20, "hbm")
+        c.set_hbm_fraction(s, 0.5, "strided")
+        c.truncate(f, 17)
+    assert cache.state() == book.state()
+
+
+def test_host_kernel_table_names_a_private_pages_mirror_and_a_shared_pages_host_copy():
+    from directkv_cute.cache import PageBook
+    from directkv_cute.cache.tables import host_kernel_table
+
+    book = PageBook({"host": 8, "hbm": 1}, 16, num_window_pages=4)
+    a = book.add_sequence()
+    book.extend(a, 40)  # host pages 0, 1, 2
+    assert book.mirror(a, 20, 20) == 2  # logical pages 1 and 2 get window pages 1 and 2 (after the tier's 1)
+    b = book.fork(a, 32)  # shares host pages 0 and 1
+    book.extend(b, 1)  # host page 3
+    packed, table = host_kernel_table(book, [book.seq(a), book.seq(b)])
+    # a: page 1 is shared with b, so it is read from the host; page 2 is private, read from its mirror
+    assert table.tolist() == [[0, 1, encode_page("hbm", 2)], [0, 1, 3]]
+    assert packed[table.size:].tolist() == [40, 33]
+    book.truncate(b, 16)  # page 1 private again: a reads its mirror
+    packed, table = host_kernel_table(book, [book.seq(a), book.seq(b)])
+    assert table.tolist() == [[0, encode_page("hbm", 1), encode_page("hbm", 2)], [0, 0, 0]]

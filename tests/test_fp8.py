@@ -465,3 +465,49 @@ def test_generate_cli_kv_dtype(tmp_path, capsys):
             gen.main(argv + bad)
         assert e.value.code == 2
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_non_finite_values_leave_their_neighbours_intact(dtype):
+    """One NaN or inf in a token's row neither collapses nor inflates the row's scale: every finite
+    value reads back as it would without it, and the non-finite one stays non-finite."""
+    torch.manual_seed(1)
+    x = torch.randn(4, 3, 64)
+    clean_q, clean_s = fp8.quantize(x, dtype)
+    dirty = x.clone()
+    dirty[0, 0, 5] = float("nan")
+    dirty[1, 2, 0] = float("inf")
+    dirty[2, 1, 63] = float("-inf")
+    q, s = fp8.quantize(dirty, dtype)
+    back = fp8.dequantize(q, s, torch.float32)
+    finite = torch.isfinite(dirty)
+    # the scale and every finite value are those of the row without the bad element (its amax
+    # is at most the clean row's, so the scale can only shrink, never collapse to the floor)
+    assert bool((s <= clean_s).all()) and bool((s > fp8.SCALE_FLOOR).all())
+    bound = fp8.round_trip_bound(x, s, dtype)
+    assert bool(((back - x).abs() <= bound)[finite].all())
+    assert math.isnan(back[0, 0, 5].item())
+    if dtype == E5M2:
+        assert back[1, 2, 0].item() == float("inf") and back[2, 1, 63].item() == float("-inf")
+    else:  # e4m3fn has no infinities
+        assert math.isnan(back[1, 2, 0].item()) and math.isnan(back[2, 1, 63].item())
+    # rows without a bad element are untouched
+    assert torch.equal(q[3].float(), clean_q[3].float()) and torch.equal(s[3], clean_s[3])
+
+
+def test_a_nan_row_in_the_cache_keeps_its_neighbours():
+    """Stored through the cache: a token whose K holds a NaN reads back with its other values."""
+    c = PagedKVCache(num_layers=1, num_kv_heads=1, head_dim=64, page_size=16, num_host_pages=2,
+                     dtype=E4M3, compute_dtype=torch.float32, device="cpu")
+    sid = c.add_sequence()
+    k = torch.randn(3, 1, 1, 64)
+    v = torch.randn(3, 1, 1, 64)
+    k_bad = k.clone()
+    k_bad[1, 0, 0, 7] = float("nan")
+    c.append(sid, k_bad, v)
+    k_back, _ = c.read(sid, 0)
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[7] = False
+    assert torch.isnan(k_back[1, 0, 7])
+    rel = (k_back[1, 0, keep] - k[1, 0, 0, keep]).abs().max() / k[1, 0, 0, keep].abs().max()
+    assert rel < 2.0**-4

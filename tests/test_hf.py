@@ -280,19 +280,88 @@ def test_plan_growth_properties(length, n, ps, quota, sinks, data):
     assert len(target) <= max(quota, 0)
 
 
+def _pages_added(lengths, plans, ps):
+    """Independent count: new pages per tier, replaying each plan page by page."""
+    need = {"host": 0, "hbm": 0}
+    for length, g in zip(lengths, plans):
+        need["host"] += len(g.demote)
+        need["hbm"] -= len(g.demote)
+        pages = -(-length // ps)
+        for tier, m in g.runs:
+            length += m
+            while pages < -(-length // ps):
+                need[tier] += 1
+                pages += 1
+    return need
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 200), min_size=1, max_size=4), data=st.data(),
+       ps=st.sampled_from([16, 32]), quota=st.integers(0, 8), host_free=st.integers(0, 40),
+       hbm_free=st.integers(0, 12))
+def test_a_step_grows_within_its_free_pages_or_changes_nothing(lengths, data, ps, quota, host_free, hbm_free):
+    """The step's growth as a whole: HBM pages while the tier has them, else every new page on the
+    host; a host tier too small is refused before any plan is returned."""
+    from directkv_cute.hf.step_plan import plan_step_growth
+
+    counts = [data.draw(st.integers(0, 100)) for _ in lengths]
+    hbm = [sorted(data.draw(st.sets(st.integers(0, max(-(-n // ps) - 1, 0)), max_size=-(-n // ps))))
+           if n else [] for n in lengths]
+    free = {"host": host_free, "hbm": hbm_free}
+    wanted = [dkhf.plan_growth(n, h, c, ps, quota, 1) for n, h, c in zip(lengths, hbm, counts)]
+    spill = _pages_added(lengths, wanted, ps)["hbm"] > hbm_free
+    if spill:
+        wanted = [dkhf.Growth(g.demote, tuple(("host", m) for _, m in g.runs)) for g in wanted]
+    need = _pages_added(lengths, wanted, ps)
+    if need["host"] > host_free:
+        with pytest.raises(CacheCapacityError, match="raise max_tokens"):
+            plan_step_growth(lengths, hbm, counts, ps, quota, 1, free)
+        return
+    plans = plan_step_growth(lengths, hbm, counts, ps, quota, 1, free)
+    assert plans == wanted
+    assert need["hbm"] <= hbm_free
+
+
+def test_stored_tokens_skip_merged_rows_and_shared_prefixes():
+    from directkv_cute.hf.step_plan import stored_tokens
+
+    # rows 0, 2, 3 with 4, 3, 5 real tokens; row 2 repeats row 0 (stores nothing), row 3 shares
+    # its first 2 tokens with an earlier row's prompt
+    assert stored_tokens([0, 2, 3], [4, 3, 5], [0, 3], {3: 2}) == [0, 1, 2, 3, 9, 10, 11]
+    assert stored_tokens([1], [3], [1], {}) == [0, 1, 2]
+
+
+def test_identical_rows_and_shared_prefixes_on_cpu_tensors():
+    from directkv_cute.hf.step_plan import identical_rows, shared_prefixes, valid_tokens
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4, 2, 40, 8, generator=g), torch.randn(4, 2, 40, 8, generator=g)
+    k[2], v[2] = k[0], v[0]  # row 2 repeats row 0
+    k[3, :, :32], v[3, :, :32] = k[1, :, :32], v[1, :, :32]  # row 3 starts with two pages of row 1
+    k[3, 0, 33] += 1.0
+    assert identical_rows(k, v, None, [0, 1, 2, 3]) == [[0, 2], [1], [3]]
+    assert shared_prefixes(k, v, None, [0, 1, 3], 16) == {3: (1, 32)}
+    mask = torch.ones(4, 40, dtype=torch.long)
+    mask[2, :1] = 0  # the same tokens, one of them padding: no longer the same row
+    valid = valid_tokens(mask, 4, 40)
+    assert identical_rows(k, v, valid, [0, 1, 2, 3]) == [[0], [1], [2], [3]]
+    assert shared_prefixes(k, v, None, [0, 1, 3], 64) == {}  # no whole page of 64 in common
+
+
 def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
-    """Beams fork the prompt's pages; from the first reorder on, the decode steps attend the
-    shared prompt once for all beams (cascade) and the tokens equal transformers' own."""
-    import directkv_cute.cascade as cascade
+    """Beams fork the prompt's pages; from the first reorder on, the decode steps are planned as a
+    cascade (the shared prompt read once for all beams), every layer runs its step's plan, and
+    the tokens equal transformers' own."""
+    from directkv_cute.attention import DirectKVAttention
 
-    calls = []
-    real = cascade.cascade_attention
+    plans = []
+    real = DirectKVAttention.run
 
-    def counting(*args, **kwargs):
-        calls.append(kwargs.get("prepared"))
-        return real(*args, **kwargs)
+    def recording(self, q, layer, *args, **kwargs):
+        plans.append((self.current, layer))
+        return real(self, q, layer, *args, **kwargs)
 
-    monkeypatch.setattr(cascade, "cascade_attention", counting)
+    monkeypatch.setattr(DirectKVAttention, "run", recording)
     model = _llama(seed=9)
     ids, mask = _prompts([300, 283])
     kw = dict(max_new_tokens=8, do_sample=False, num_beams=3, early_stopping=False)
@@ -300,8 +369,14 @@ def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
     cache = _ours(model, batch=6, max_tokens=4000)
     out = _generate(model, cache, ids, mask, **kw)
     assert torch.equal(out, ref)
-    assert calls and all(p is not None and p.plan.shared for p in calls)
-    assert max(len(s.rows) for p in calls for s in p.plan.spans) >= 3
+    layers = model.config.num_hidden_layers
+    assert len(plans) % layers == 0
+    steps = [plans[i:i + layers] for i in range(0, len(plans), layers)]
+    assert all(len({id(p) for p, _ in step}) == 1 and [l for _, l in step] == list(range(layers))
+               for step in steps)  # one plan per step, run by every layer in order
+    cascades = [step[0][0] for step in steps if step[0][0].route == "cascade"]
+    assert cascades and all(p.cascade.shared for p in cascades)
+    assert max(len(s.rows) for p in cascades for s in p.cascade.spans) >= 3
 
 
 def test_return_sequences_store_the_prompt_once_and_fork_when_they_diverge():

@@ -208,10 +208,25 @@ def test_object_then_digest_are_renamed_into_place(root, monkeypatch):
     assert renamed == [(True, f"{name}.o"), (True, f"{name}.o.hmac")]
 
 
-def test_disabled_cache_writes_nothing(root, loads, monkeypatch):
-    monkeypatch.setenv("DIRECTKV_DISK_CACHE", "0")
+@pytest.mark.parametrize("off", ["0", "false", "No", "OFF"])
+def test_disabled_cache_writes_nothing(root, loads, monkeypatch, off):
+    monkeypatch.setenv("DIRECTKV_DISK_CACHE", off)
     compile_once()
     assert not root.exists() and not loads
+
+
+@pytest.mark.parametrize("name, value", [("DIRECTKV_DISK_CACHE", "of"), ("DIRECTKV_DISK_CACHE", "2"),
+                                         ("DIRECTKV_CACHE_DIR", "FILE")])
+def test_a_bad_cache_variable_stops_the_compile_before_it_builds(root, builds, monkeypatch, tmp_path, name, value):
+    if value == "FILE":
+        value = str(tmp_path / "a_file")
+        (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(name, value)
+    from directkv_cute.env import EnvironmentVariableError
+
+    with pytest.raises(EnvironmentVariableError, match=f"^{name}="):
+        compile_once()
+    assert not builds and not root.exists()
 
 
 # ---- the key covers what generates code -----------------------------------------------------

@@ -102,8 +102,6 @@ def test_readme_is_a_reference_page():
     assert numbers == ["## Numbers"]
     section = text.split("\n## Numbers\n", 1)[1].split("\n## ", 1)[0]
     assert sum(1 for line in section.splitlines() if re.match(r"\|\s*-", line)) == 1  # one table
-    for word in ("session", "issue"):
-        assert not re.search(rf"\b{word}", text, re.I), word
 
 
 def test_numbers_table_files_are_the_committed_results():

@@ -236,7 +236,7 @@ def test_show_and_check_empty_dir(capsys, tmp_path):
     rc, out, _ = run(capsys, "check", "--dir", str(tmp_path / "empty"))
     assert rc == 0 and "no profiles found" in out
     # a folder that does not exist is an error (tests/test_tuning_hardening.py)
-    assert run(capsys, "show", "--dir", str(tmp_path / "none"))[0] == 1
+    assert run(capsys, "show", "--dir", str(tmp_path / "none"))[0] == 2
 
 
 def test_presets_listing(capsys):

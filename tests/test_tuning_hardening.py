@@ -1,6 +1,7 @@
-"""Issue 22, "Profiles and the tuner": file modes, hostile YAML, a bad source that must not hide the
-next one, leftovers of a killed save, the output folder checked first, the user profile folder,
-and directkv-tune's answers to bad or unusual arguments (no tracebacks, the op's kernel)."""
+"""Profiles and the tuner under bad input: file modes, hostile YAML, a bad source that must not hide
+the next one, leftovers of a killed save, the output folder checked first, the user profile
+folder, corrupt numbers, and directkv-tune's answers to every failure a user can cause (one line
+on stderr, exit status 2, nothing written, before any tuning)."""
 
 import os
 import signal
@@ -277,7 +278,8 @@ def test_an_unwritable_output_fails_before_tuning(capsys, tmp_path, monkeypatch)
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     rc, out, err = model_run(capsys, blocker / "profiles")
-    assert rc == 2 and "cannot write profiles to" in err and "bucket(s) of decode" not in out
+    assert rc == 2 and f"--output {blocker / 'profiles'}: {blocker} is not a folder" in err
+    assert err.count("\n") == 1 and "bucket(s) of decode" not in out
     assert not list((tmp_path / "cache").iterdir())  # no journal: nothing was tuned
 
     def denied(*a, **k):
@@ -435,6 +437,7 @@ def test_multi_token_preset_leaves_out_the_q_len_1_buckets(capsys):
     assert "left out 1 bucket(s) with q_len 1" in err and "--kernel decode" in err
     rc, out, err = run(capsys, "run", "--dry-run", "--kernel", "multi_token", "--preset", "llama3-8b")
     assert rc == 2 and "no bucket left for the multi_token kernel" in err and "--q-lens" in err
+    assert err.count("\n") == 1 and "--kernel decode" in err  # a failure is one line
     rc, out, err = run(capsys, "run", "--dry-run", "--preset", "llama3-8b", "--q-lens", "1,64",
                        "--batches", "1", "--contexts", "4096")  # decode: q_len 64 x group 4 = 256 rows
     assert rc == 0 and "1 bucket(s)" in out and "with q_len 64" in err
@@ -465,9 +468,9 @@ def test_check_compile_resolves_the_ops_compiler():
 
 def test_check_and_show_a_missing_dir_fail(capsys, tmp_path):
     rc, _, err = run(capsys, "check", "--dir", str(tmp_path / "nonexistent"))
-    assert rc == 1 and "no such folder" in err
+    assert rc == 2 and "no such folder" in err
     rc, _, err = run(capsys, "show", "--dir", str(tmp_path / "nonexistent"))
-    assert rc == 1 and "no such folder" in err
+    assert rc == 2 and "no such folder" in err
 
 
 def test_show_for_another_gpu_says_no_profile_for_that_gpu(capsys, tmp_path):
@@ -484,3 +487,323 @@ def test_no_warning_escapes_a_clean_lookup(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ask() == (TUNED, "exact")
+
+
+# ---- directkv-tune: every failure a user can cause is one line, exit status 2, nothing written --------
+
+
+def one_line_exit(capsys, *argv) -> str:
+    """A CLI failure: exit status 2 (returned, or argparse's SystemExit), one line on stderr."""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    assert err.count("\n") == 1 and err.endswith("\n"), err
+    assert "Traceback" not in out + err and "usage:" not in err
+    return err
+
+
+def tree(d):
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+
+
+MODEL = ("run", "--objective", "model", "--shape", "64,8,128,1,4096,1", "--trials", "2", "-q")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--seed", "-1"), "argument --seed: must be >= 0, got -1"),
+    (("--seed", str(2**32)), "must be < 4294967296"),
+    (("--seed", "x"), "expected an integer, got 'x'"),
+    (("--time-budget", "1e-300"), "too short to measure anything"),
+    (("--time-budget", "nan"), "must be a positive number"),
+    (("--max-host-gib", "1e300"), "more memory than a machine addresses"),
+    (("--trials", "0"), "must be >= 1"),
+])
+def test_bad_run_arguments(capsys, tmp_path, argv, says):
+    err = one_line_exit(capsys, *MODEL, "--output", str(tmp_path / "out"), *argv)
+    assert says in err and err.startswith("directkv-tune run: error: ") and "--help" in err
+    assert tree(tmp_path) == ["bundled", "cache", "env", "xdg"]  # nothing written
+
+
+@pytest.mark.parametrize("gpu", ["", "  ", "///", "\u00e9\u00e8"])
+def test_a_gpu_name_without_letters_or_digits_is_an_argument_error(capsys, gpu):
+    assert "has no letters or digits" in one_line_exit(capsys, "lookup", "--gpu", gpu, "--shape", "64,8,128,1,4096,1")
+    assert "has no letters or digits" in one_line_exit(capsys, "show", "--gpu", gpu)
+
+
+def test_journal_and_cache_paths_that_cannot_be_used(capsys, tmp_path, monkeypatch):
+    a_file, a_dir = tmp_path / "a_file", tmp_path / "a_dir"
+    a_file.write_text("")
+    a_dir.mkdir()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    out = tmp_path / "out"
+    cases = [
+        (("--storage", str(a_dir)), f"--storage {a_dir}: not a regular file"),
+        (("--storage", str(a_file / "j.journal")), f"{a_file} is not a folder"),
+        (("--storage", str(tmp_path / "dangling" / "j")), "is a broken symbolic link"),
+        (("--cache-dir", str(a_file)), f"--cache-dir {a_file}: {a_file} is not a folder"),
+        (("--cache-dir", str(a_file / "sub")), f"{a_file} is not a folder"),
+    ]
+    before = tree(tmp_path)
+    for argv, says in cases:
+        err = one_line_exit(capsys, *MODEL, "--output", str(out), *argv)
+        assert says in err, err
+    # the default journal's folder, from DIRECTKV_CACHE_DIR
+    monkeypatch.setenv(cli.CACHE_DIR_ENV, str(a_file / "sub"))
+    assert f"journal folder {a_file / 'sub' / 'tune'}: {a_file} is not a folder" in one_line_exit(
+        capsys, *MODEL, "--output", str(out))
+    monkeypatch.setenv(cli.CACHE_DIR_ENV, str(a_file))
+    assert f"DIRECTKV_CACHE_DIR={str(a_file)!r}: {a_file} exists and is not a folder" in one_line_exit(
+        capsys, *MODEL, "--output", str(out))
+    assert tree(tmp_path) == before  # no journal, no output folder
+
+
+@pytest.mark.parametrize("text, says", [
+    (b"garbage{\n", "line 1 is not JSON"),
+    (b'{"op_code": 0}\n\xff\xfe\n', "line 2 is not JSON"),
+    (b'{"op_code": 0}\n{"op_co', "line 2 is cut short"),
+    (b"[1, 2]\n", "line 1 is not an Optuna journal record"),
+])
+def test_a_storage_file_that_is_no_journal(capsys, tmp_path, text, says):
+    j = tmp_path / "mine.journal"
+    j.write_bytes(text)
+    err = one_line_exit(capsys, *MODEL, "--output", str(tmp_path / "out"), "--storage", str(j))
+    assert f"journal {j}: {says}" in err
+    assert j.read_bytes() == text and not (tmp_path / "out").exists()
+
+
+def test_a_real_journal_is_accepted(capsys, tmp_path):
+    j = tmp_path / "mine.journal"
+    assert run(capsys, *MODEL, "--storage", str(j))[0] == 0
+    assert cli._journal_records_problem(j) is None
+    assert run(capsys, *MODEL, "--storage", str(j), "--trials", "3")[0] == 0
+
+
+def test_show_of_a_fifo_a_folder_or_nothing_never_blocks(tmp_path):
+    fifo = tmp_path / "p.yaml"
+    os.mkfifo(fifo)
+    for target, says in ((fifo, "not a regular file"), (tmp_path, "a folder"), (tmp_path / "no.yaml", "no such file")):
+        proc = subprocess.run([sys.executable, "-m", "directkv_cute.tuning.cli", "show", str(target)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+        assert proc.stdout == ""
+
+
+def test_load_profile_refuses_a_fifo_without_opening_it_for_good(tmp_path):
+    import threading
+
+    fifo = tmp_path / "p.yaml"
+    os.mkfifo(fifo)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pytest.raises(P.ProfileError, P.load_profile, fifo)), daemon=True)
+    t.start()
+    t.join(20)
+    if t.is_alive():  # blocked in open(): a writer lets it go
+        with open(fifo, "w"):
+            pass
+        pytest.fail("load_profile blocked on a FIFO")
+    assert got and "not a regular file" in str(got[0].value)
+
+
+def test_an_absurd_bucket_is_refused_before_tuning(capsys, tmp_path):
+    from directkv_cute.tuning import tuner as T
+
+    for shape, says in (("64,8,128,100000000000,4096,1", "batch 100000000000 is over the tuner's 65536"),
+                        ("64,8,128,1,100000000000,1", "context 100000000000 is over the tuner's 16777216"),
+                        ("64,8,128,1,4096,100000000", "q_len 100000000 is over"),
+                        ("64,8,128,65536,16777216,1", "pages of 64 tokens, over the op's 2147483647")):
+        t0 = time.perf_counter()
+        err = one_line_exit(capsys, "run", "--objective", "model", "--shape", shape, "--output", str(tmp_path / "o"))
+        assert says in err and time.perf_counter() - t0 < 5
+        one_line_exit(capsys, "run", "--dry-run", "--shape", shape)
+    assert "batch 65537 is over" in one_line_exit(capsys, "run", "--dry-run", "--preset", "llama3-8b", "--batches",
+                                                  str(T.MAX_BATCH + 1))
+    assert not (tmp_path / "o").exists()
+    # the tuner's API refuses them too, before measuring
+    from directkv_cute.tuning.objectives import ModelledObjective
+    from directkv_cute.tuning.space import TuneShape
+
+    model = ModelledObjective()
+    t = T.Tuner("decode", lambda *a, **k: pytest.fail("measured"), options=T.TuneOptions(progress=False),
+                environment=model.environment())
+    with pytest.raises(ValueError, match="batch 65537 is over"):
+        t.tune([TuneShape(64, 8, 128, T.MAX_BATCH + 1, 4096, 1)])
+    t.opt.seed = -1
+    with pytest.raises(ValueError, match="seed -1"):
+        t.tune([TuneShape(64, 8, 128, 1, 4096, 1)])
+
+
+def test_the_decode_models_time_does_not_loop_over_waves():
+    """The modelled decode time in closed form equals the wave-by-wave sum it replaces (written out
+    here), and the largest bucket the tuner takes costs no more to model than a small one."""
+    import math as m
+
+    from directkv_cute.config import DecodeConfig
+    from directkv_cute.tuning.objectives import ModelledObjective, _chunk_efficiency
+    from directkv_cute.tuning.space import TuneShape
+    from directkv_cute.tuning import tuner as T
+
+    obj = ModelledObjective()
+    hw = obj.hw
+    for cfg in (DecodeConfig(tile_n=64, stages=4), DecodeConfig(tile_n=32, stages=2, num_splits=8)):
+        for batch in (1, 7, 300, 4096):
+            s = TuneShape(64, 8, 128, batch, 4096, 1)
+            d, elem = s.head_dim, s.elem_bytes
+            splits = cfg.splits_for(s.batch, s.num_kv_heads, s.context, hw.sm_count)
+            n_tiles = m.ceil(s.context / cfg.tile_n)
+            ctas = splits * s.num_kv_heads * s.batch
+            slots = min(cfg.resident_ctas(d, elem), hw.max_threads_per_sm // cfg.num_threads) * hw.sm_count
+            tile_bytes = 2 * cfg.tile_n * d * elem
+            tokens = min(n_tiles * cfg.tile_n, m.ceil(s.context / s.page_size) * s.page_size)
+            cta_bytes = 2 * s.num_kv_heads * s.batch * tokens * d * elem / ctas
+            link = hw.link_gbps * 1e3 * _chunk_efficiency(min(s.page_size, cfg.tile_n) * d * elem)
+            tile_us = hw.tile_overhead_us + 4 * cfg.rows * cfg.tile_n * d / (hw.sm_tflops * 1e6)
+            serial = hw.host_latency_us + cfg.stages * 0.05 + m.ceil(n_tiles / splits) * tile_us
+            want, left = 0.0, ctas
+            while left > 0:
+                active = min(left, slots)
+                bw = min(link, min(hw.sm_count, active) * hw.sm_link_gbps * 1e3,
+                         active * max(1, cfg.stages - 1) * tile_bytes / hw.host_latency_us)
+                want += max(active * cta_bytes / bw, serial)
+                left -= active
+            want = hw.launch_us + want * (1.0 + hw.l1_penalty * max(0.0, (cfg.carveout - 80) / 20) ** 2)
+            if splits > 1:
+                want += hw.combine_launch_us + 2 * splits * s.batch * s.num_q_heads * (d + 1) * 4 / (hw.hbm_gbps * 1e3)
+            assert obj.model_us(cfg, s) == pytest.approx(want, rel=1e-12), (cfg, batch)
+    t0 = time.perf_counter()
+    big = TuneShape(64, 8, 128, T.MAX_BATCH, 4096, 1)
+    assert T.shape_problem(big) is None and obj.model_us(DecodeConfig(), big) > 0
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_the_q_tiled_models_bound_brackets_its_schedule():
+    """Above ``max_scheduled_ctas`` the Q-tiled model takes list scheduling's bound: never below
+    the CTA-by-CTA schedule, at most one CTA above it."""
+    import dataclasses
+
+    from directkv_cute.config import QTiledConfig
+    from directkv_cute.tuning.objectives import ModelledObjective, QTiledModel
+    from directkv_cute.tuning.space import TuneShape
+    from directkv_cute.tuning import tuner as T
+
+    cfg = QTiledConfig()
+    for s in (TuneShape(32, 8, 128, 4, 32768, 2048), TuneShape(64, 8, 128, 16, 8192, 512)):
+        exact = ModelledObjective(kernel="q_tiled")
+        bound = ModelledObjective(kernel="q_tiled", q_tiled=dataclasses.replace(QTiledModel(), max_scheduled_ctas=0))
+        m = exact.q_tiled
+        step, first = m.step_us(cfg, s.head_dim, s.elem_bytes, exact.hw.sm_tflops)
+        longest = m.cta_setup_us + first + -(-s.context // cfg.tile_n) * step
+        assert exact.q_tiled_us(cfg, s) <= bound.q_tiled_us(cfg, s) <= exact.q_tiled_us(cfg, s) + longest
+    t0 = time.perf_counter()
+    big = TuneShape(64, 8, 128, T.MAX_BATCH, 65536, 8192)
+    assert T.shape_problem(big) is None and ModelledObjective(kernel="q_tiled").q_tiled_us(cfg, big) > 0
+    assert time.perf_counter() - t0 < 2
+
+
+def test_a_run_that_finishes_no_bucket_says_it_wrote_no_profile(capsys, tmp_path, monkeypatch):
+    """A time budget used up before the first bucket: no profile is written, and the run says so
+    (it printed the path of a file it never wrote)."""
+    import itertools
+    import types
+
+    from directkv_cute.tuning import tuner as T
+
+    clock = itertools.count(step=1000.0)  # each look at the clock: 1000 s later
+    monkeypatch.setattr(T, "time", types.SimpleNamespace(monotonic=lambda: next(clock), perf_counter=time.perf_counter))
+    out_dir = tmp_path / "out"
+    rc, out, _ = run(capsys, *MODEL, "--output", str(out_dir), "--time-budget", "5")
+    want = out_dir / "Modelled_H200_PCIe5.yaml"
+    assert rc == 0 and "skipped (time budget used up)" in out and not want.exists()
+    assert f"profile: not written (no bucket finished; {want} is unchanged)" in out and f"profile: {want}" not in out
+    assert "1 bucket(s) not reached within the time budget" in out
+
+
+def test_a_bad_variable_stops_the_cli_before_any_work(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DIRECTKV_STAGE_OVERLAP", "of")
+    err = one_line_exit(capsys, *MODEL, "--output", str(tmp_path / "out"))
+    assert err.startswith("directkv-tune: DIRECTKV_STAGE_OVERLAP='of': not a flag value")
+    assert not (tmp_path / "out").exists() and not list((tmp_path / "cache").iterdir())
+    monkeypatch.delenv("DIRECTKV_STAGE_OVERLAP")
+    monkeypatch.setenv("DIRECTKV_REQUIRE_PROFILE", "exactly")
+    assert "DIRECTKV_REQUIRE_PROFILE='exactly'" in one_line_exit(capsys, "lookup", "--gpu", GPU, "--shape",
+                                                                  "64,8,128,1,4096,1")
+    monkeypatch.delenv("DIRECTKV_REQUIRE_PROFILE")
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "a_file"))
+    for argv in (("show",), ("check",), ("lookup", "--gpu", GPU, "--shape", "64,8,128,1,4096,1")):
+        assert "DIRECTKV_PROFILE_DIR=" in one_line_exit(capsys, *argv)
+
+
+def test_a_bad_variable_ends_the_run_not_the_config():
+    """A measurement that meets a bad variable stops the tuner (every config would fail alike);
+    it is never recorded as that config's failure."""
+    from directkv_cute.env import EnvironmentVariableError
+    from directkv_cute.tuning.objectives import ModelledObjective
+    from directkv_cute.tuning.space import TuneShape
+    from directkv_cute.tuning.tuner import TuneOptions, Tuner
+
+    def measure(cfg, shape, **kw):
+        raise EnvironmentVariableError("DIRECTKV_STAGE_OVERLAP", "of", "not a flag value", "1/0")
+
+    measure.environment = ModelledObjective().environment
+    t = Tuner("decode", measure, options=TuneOptions(n_trials=3, progress=False))
+    with pytest.raises(EnvironmentVariableError, match="DIRECTKV_STAGE_OVERLAP"):
+        t.tune([TuneShape(64, 8, 128, 1, 4096, 1)])
+
+
+# ---- numbers a profile cannot hold -------------------------------------------------------------
+
+
+def _with_number(tmp_path, where, value):
+    """A valid profile file with one field replaced by the YAML scalar ``value``."""
+    path = write_profile(tmp_path / "env")
+    text = path.read_text()
+    import re
+
+    new, n = re.subn(rf"(\b{where}: )[^,}}\n]+", lambda m: m.group(1) + value, text, count=1)
+    assert n == 1, where
+    path.write_text(new)
+    return path
+
+
+@pytest.mark.parametrize("where, value, says", [
+    ("p50_us", "9" * 400, "p50_us: must be a finite number, got an integer of 400 digits"),
+    ("default_p50_us", "-" + "9" * 400, "default_p50_us: must be a finite number, got an integer of 400 digits"),
+    ("p50_us", "1.0e+400", "p50_us: must be a finite number, got float inf"),
+    ("p50_us", ".nan", "p50_us: must be a finite number, got float nan"),
+    ("trials", "9" * 400, "trials: must be an integer of at most"),
+    ("batch", str(2**63), "batch: must be an integer of at most"),
+    ("tile_n", "9" * 400, "config.tile_n: must be an integer of at most"),
+    ("sm_count", "9" * 400, "metadata.sm_count: must be an integer of at most"),
+    ("head_dim", "9" * 400, "head_dim: must be an integer of at most"),
+    ("p50_us", "9" * 5000, "corrupt YAML"),  # past Python's int conversion limit
+])
+def test_a_number_no_profile_holds_is_a_clear_error(capsys, tmp_path, monkeypatch, where, value, says):
+    path = _with_number(tmp_path, where, value)
+    with pytest.raises(P.ProfileError) as ei:
+        P.load_profile(path)
+    assert str(path) in str(ei.value) and says in str(ei.value) and len(str(ei.value)) < 1000
+    # check: INVALID with the file and the key; show FILE: one line, 2; show: one line, 1; run: one line, 2
+    rc, out, err = run(capsys, "check", "--dir", str(path.parent))
+    assert rc == 1 and f"INVALID {path}" in out and says in out and "Traceback" not in out + err
+    err = one_line_exit(capsys, "show", str(path))
+    assert str(path) in err and says in err
+    rc, out, err = run(capsys, "show", "--dir", str(path.parent))
+    assert rc == 1 and err.count("\n") == 1 and says in err and out == ""
+    prof = make_profile()
+    env = {**prof.metadata, "host_link_gbps": None, "hbm_gbps": None}
+    from directkv_cute.tuning.objectives import ModelledObjective
+
+    class Named(ModelledObjective):
+        def environment(self):
+            return env
+
+    monkeypatch.setattr(cli, "_make_objective", lambda a: Named())  # tunes for the profile's GPU
+    err = one_line_exit(capsys, *MODEL, "--output", str(path.parent))
+    assert "cannot be merged" in err and says in err and not list((tmp_path / "cache").iterdir())
+    # the op's lookup: a warning and the default, as for any unusable profile
+    L.clear_cache()
+    with pytest.warns(P.ProfileWarning, match="ignoring"):
+        assert ask() == (DEFAULT, "default")

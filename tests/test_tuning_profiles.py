@@ -411,3 +411,28 @@ def test_profile_dirs_env_first(tmp_path, monkeypatch):
     assert found is None and expected == tmp_path / "Some_GPU.yaml"
     (tmp_path / "Some_GPU.yaml").write_text("x")
     assert P.find_profile("Some GPU")[0] == tmp_path / "Some_GPU.yaml"
+
+
+def test_numbers_past_int64_or_a_float_are_named_not_converted():
+    """A document (not only a YAML file) holding integers no float or int64 holds: a ProfileError
+    naming each key, never an OverflowError, and never printing thousands of digits."""
+    prof = P.Profile(metadata=P.make_metadata(
+        {"gpu_name": "X", "compute_capability": "9.0", "sm_count": 132, "smem_optin_bytes": 232448}, objective="gpu"))
+    prof.set(("decode", "bf16", 128, 8, 64), (1, 4096, 1),
+             {"config": {"tile_n": 64, "stages": 2}, "p50_us": 1.0, "default_p50_us": None, "trials": 1,
+              "kernel_hash": "a" * 64})
+    doc = prof.to_doc()
+    bucket = doc["entries"][0]["buckets"][0]
+    bucket["p50_us"] = 10**5000
+    bucket["config"]["stages"] = -(10**400)
+    doc["metadata"]["smem_optin_bytes"] = 2**64
+    with pytest.raises(P.ProfileError) as ei:
+        P.Profile.from_doc(doc, "doc.yaml")
+    text = str(ei.value)
+    assert text.startswith("doc.yaml: invalid profile:")
+    assert "buckets[0].p50_us: must be a finite number, got an integer of thousands of digits" in text
+    assert "buckets[0].config.stages: must be an integer of at most 9223372036854775807, got an integer of 401 digits" in text
+    assert "metadata.smem_optin_bytes: must be an integer of at most" in text and len(text) < 1000
+    doc["metadata"]["smem_optin_bytes"] = 2**63 - 1  # the largest int64 is a number a profile may hold
+    bucket["p50_us"], bucket["config"]["stages"] = 2**63 - 1, 2
+    assert len(P.Profile.from_doc(doc, "doc.yaml")) == 1

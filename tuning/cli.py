@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 
+from directkv_cute import env as envvars
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, ConfigError
 
 from . import presets as _presets
@@ -26,7 +28,7 @@ from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kerne
 from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel
 
 SUBCOMMANDS = ("run", "show", "check", "lookup", "presets")
-CACHE_DIR_ENV = "DIRECTKV_CACHE_DIR"
+CACHE_DIR_ENV = envvars.CACHE_DIR
 DRY_RUN_ENUMERATE = 50_000  # spaces up to this many points are filtered exactly in --dry-run
 DRY_RUN_SAMPLE = 20_000  # larger ones: the legal share of this many seeded random points
 
@@ -36,6 +38,28 @@ def default_cache_dir() -> Path:
     from directkv_cute.paths import cache_root
 
     return cache_root() / "tune"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: ``directkv-tune run: error: ...`` and exit status 2 (the
+    usage is a --help away, not printed above every mistake)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _one_line(text) -> str:
+    """A message as one line (a ProfileError lists its problems on lines of their own)."""
+    out = ""
+    for part in (p.strip() for p in str(text).splitlines()):
+        if part:
+            out += part if not out else (" " if out.endswith(":") else "; ") + part
+    return out
+
+
+def _fail(message, rc: int = 2) -> int:
+    print(f"directkv-tune: {_one_line(message)}", file=sys.stderr)
+    return rc
 
 
 def _int_list(text: str) -> list[int]:
@@ -107,6 +131,37 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _seed_arg(text: str) -> int:
+    from .tuner import MAX_SEEDS
+
+    n = _count_arg(text, 0)
+    if n >= MAX_SEEDS:
+        raise argparse.ArgumentTypeError(f"must be < {MAX_SEEDS} (2**32), got {n}")
+    return n
+
+
+def _seconds_arg(text: str) -> float:
+    v = _positive_float(text)
+    if v < 1e-3:
+        raise argparse.ArgumentTypeError(f"{text!r} seconds is too short to measure anything (at least 0.001)")
+    return v
+
+
+def _gib_arg(text: str) -> float:
+    v = _positive_float(text)
+    if v * (1 << 30) >= 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} GiB is more memory than a machine addresses")
+    return v
+
+
+def _gpu_arg(text: str) -> str:
+    try:
+        sanitize_gpu_name(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"GPU name {text!r} has no letters or digits") from None
+    return text
+
+
 PAGE_SIZE_HELP = f"tokens per KV page ({_listing(SUPPORTED_PAGE_SIZES)}; default {_presets.DEFAULT_PAGE_SIZE})"
 
 
@@ -126,7 +181,7 @@ def _kernel_arg(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="directkv-tune",
         description="Autotune directkv-cute kernels (Optuna) and manage per-GPU YAML profiles.",
     )
@@ -156,13 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="gpu: measure on this machine's GPU; model: deterministic cost model (CPU demo)")
     how.add_argument("--trials", type=_positive_int, default=40,
                      help="distinct configs measured per bucket (default 40)")
-    how.add_argument("--time-budget", type=_positive_float, default=None, metavar="SECONDS",
+    how.add_argument("--time-budget", type=_seconds_arg, default=None, metavar="SECONDS",
                      help="wall-clock budget of the run")
-    how.add_argument("--seed", type=int, default=0)
+    how.add_argument("--seed", type=_seed_arg, default=0, help="seed of the search and the data (0 .. 2**32 - 1)")
     how.add_argument("--top-k", type=_nonnegative_int, default=3, help="configs re-benchmarked with more repetitions")
     how.add_argument("--exhaustive-threshold", type=_nonnegative_int, default=128,
                      help="search every legal config when there are at most this many (default 128)")
-    how.add_argument("--max-host-gib", type=_positive_float, default=40.0,
+    how.add_argument("--max-host-gib", type=_gib_arg, default=40.0,
                      help="pinned host memory the gpu objective may use")
     how.add_argument("--precompile-jobs", type=_nonnegative_int, default=0, metavar="N",
                      help="before measuring, compile in N processes the kernels the run measures first (every "
@@ -184,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print profile entries")
     s.add_argument("files", nargs="*", type=Path, help="profile files (default: every profile in the folder)")
     s.add_argument("--dir", type=Path, default=None, help="profile folder (default: the lookup's folders)")
-    s.add_argument("--gpu", default=None, help="only the profile of this GPU name")
+    s.add_argument("--gpu", default=None, type=_gpu_arg, help="only the profile of this GPU name")
     s.add_argument("--format", choices=("table", "json", "yaml"), default="table")
 
     c = sub.add_parser("check", help="validate every profile (and optionally compile every entry)")
@@ -192,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--compile", action="store_true", help="compile each entry's config for sm_90a (no GPU needed)")
 
     lk = sub.add_parser("lookup", help="which config the op would pick for a launch, and why")
-    lk.add_argument("--gpu", required=True,
+    lk.add_argument("--gpu", required=True, type=_gpu_arg,
                     help="GPU name as torch reports it ('NVIDIA H200') or as the profile file spells it (NVIDIA_H200)")
     lk.add_argument("--shape", required=True, type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN",
                     help="query heads, KV heads, head dim, batch, longest context, longest q_len of the launch")
@@ -232,15 +287,17 @@ def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
     runs = tuned_buckets(kernel)
     kept = [s for s in shapes if op_kernel(s.group, s.q_len) == runs]
     left = [s for s in shapes if op_kernel(s.group, s.q_len) != runs]
-    if left:
+    other = "multi_token" if runs == "decode" else "decode"
+    if not kept:  # a failure: one line
+        print(f"directkv-tune: no bucket left for the {kernel} kernel: the op runs every one given with the "
+              f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token); pick --q-lens "
+              f"(or --shape QLEN) with group x q_len {'<=' if runs == 'decode' else '>'} {STREAM_MAX_ROWS}, or "
+              f"tune them with --kernel {other}", file=sys.stderr)
+    elif left:
         qs = sorted({s.q_len for s in left})
-        other = "multi_token" if runs == "decode" else "decode"
         print(f"directkv-tune: left out {len(left)} bucket(s) with q_len {_listing(qs)}: the op runs them with the "
               f"{other} kernel (decode when group x q_len <= {STREAM_MAX_ROWS}, else multi_token); "
               f"tune them with --kernel {other}", file=sys.stderr)
-    if not kept:
-        print(f"directkv-tune: no bucket left for the {kernel} kernel; pick --q-lens (or --shape QLEN) with "
-              f"group x q_len {'<=' if runs == 'decode' else '>'} {STREAM_MAX_ROWS}", file=sys.stderr)
     return kept
 
 
@@ -303,47 +360,105 @@ def _make_objective(a):
     return GpuObjective(seed=a.seed, max_host_bytes=int(a.max_host_gib * (1 << 30)), kernel=a.kernel)
 
 
+def _folder_problem(path: Path, what: str) -> str | None:
+    """Why the tuner could not make files in folder ``path`` (None: it can, creating it if need
+    be): the nearest existing one of it and its parents must be a writable folder."""
+    for anc in (path, *path.parents):
+        if anc.is_symlink() and not anc.exists():
+            return f"{what} {path}: {anc} is a broken symbolic link"
+        if anc.exists():
+            if not anc.is_dir():
+                return f"{what} {path}: {anc} is not a folder"
+            if not os.access(anc, os.W_OK | os.X_OK):
+                return f"{what} {path}: {anc} is not writable"
+            return None
+    return None
+
+
+def _journal_problem(path: Path, what: str) -> str | None:
+    """Why ``path`` cannot be the run's journal (None: it can): an existing one must be a regular
+    file this user can read and write, a new one's folder :func:`_folder_problem`'s test."""
+    if path.exists() or path.is_symlink():
+        if not path.is_file():
+            return f"{what} {path}: not a regular file"
+        if not os.access(path, os.R_OK | os.W_OK):
+            return f"{what} {path}: not readable and writable"
+        return None
+    return _folder_problem(path.parent, f"{what} {path}: its folder")
+
+
+def _journal_records_problem(path: Path) -> str | None:
+    """Why the existing file ``path`` is not an Optuna journal to continue (None: it is one):
+    every line a whole JSON record with an ``op_code`` (Optuna reads a bad line as a JSON error
+    mid-run, or a cut last line as a later write's corruption)."""
+    try:
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.endswith(b"\n"):
+                    return f"journal {path}: line {n} is cut short (an interrupted write?); move the file aside"
+                try:
+                    rec = json.loads(line)
+                except ValueError as e:
+                    return f"journal {path}: line {n} is not JSON ({e}); not an Optuna journal"
+                if not isinstance(rec, dict) or "op_code" not in rec:
+                    return f"journal {path}: line {n} is not an Optuna journal record"
+    except OSError as e:
+        return f"journal {path}: cannot read: {e.strerror or e}"
+    return None
+
+
 def _cmd_run(a, out) -> int:
+    envvars.check_all()  # the op the GPU objective measures reads them: refuse a bad one now
+    from .tuner import shape_problem
+
     try:
         shapes = _shapes_from_args(a)
     except (KeyError, ValueError) as e:
-        print(f"directkv-tune: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     if not shapes:
-        print("directkv-tune run: give --preset NAME (or 'all') or --shape HQ,HKV,D,BATCH,CONTEXT,QLEN", file=sys.stderr)
-        return 2
+        return _fail("run: give --preset NAME (or 'all') or --shape HQ,HKV,D,BATCH,CONTEXT,QLEN")
+    for shape in shapes:
+        problem = shape_problem(shape)
+        if problem:
+            return _fail(problem)
     shapes = _for_kernel(a.kernel, shapes)
     if not shapes:
         return 2
     if a.dry_run:
         return _dry_run(a, shapes, out)
-    output = a.output if a.output is not None else (default_output_dir() if a.objective == "gpu" else None)
-    problem = None if output is None else output_problem(output)
+    if a.storage is not None:
+        problem = _journal_problem(a.storage, "--storage")
+    else:
+        problem = _folder_problem(a.cache_dir or default_cache_dir(), "--cache-dir" if a.cache_dir else "journal folder")
     if problem:
-        print(f"directkv-tune: {problem}", file=sys.stderr)
-        return 2
+        return _fail(problem)
+    output = a.output if a.output is not None else (default_output_dir() if a.objective == "gpu" else None)
+    problem = None if output is None else _folder_problem(output, "--output")
+    if problem:
+        return _fail(problem)
 
     from .tuner import TuneOptions, Tuner, TunerAbort, format_results
 
     try:
         objective = _make_objective(a)
     except (RuntimeError, ImportError) as e:
-        print(f"directkv-tune: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     env = objective.environment()
     gpu = env["gpu_name"]
-    problem = None if output is None else output_problem(output, gpu)
-    if problem:
-        print(f"directkv-tune: {problem}", file=sys.stderr)
-        return 2
-    if a.storage is not None:
-        journal = a.storage
-    else:
+    journal = a.storage
+    if journal is None:
         journal = (a.cache_dir or default_cache_dir()) / f"tune-{sanitize_gpu_name(gpu)}-{a.kernel}-{a.objective}.journal"
-        if journal.exists() and not a.resume:
-            journal.replace(journal.with_suffix(".journal.prev"))
-            print(f"(moved the previous journal to {journal.with_suffix('.journal.prev')}; use --resume to continue one)",
-                  file=sys.stderr)
+        problem = _journal_problem(journal, "journal")
+        if problem:
+            return _fail(problem)
+    problem = _journal_records_problem(journal) if journal.exists() else None
+    problem = problem or (None if output is None else output_problem(output, gpu))
+    if problem:
+        return _fail(problem)
+    if a.storage is None and journal.exists() and not a.resume:
+        journal.replace(journal.with_suffix(".journal.prev"))
+        print(f"(moved the previous journal to {journal.with_suffix('.journal.prev')}; use --resume to continue one)",
+              file=sys.stderr)
     opts = TuneOptions(n_trials=a.trials, time_budget_s=a.time_budget, seed=a.seed, top_k=a.top_k,
                        exhaustive_threshold=a.exhaustive_threshold, progress=not a.quiet)
     tuner = Tuner(a.kernel, objective, storage=journal, options=opts, output_dir=output, environment=env)
@@ -370,8 +485,10 @@ def _cmd_run(a, out) -> int:
         return 130
     if results:
         print(format_results(results, kernel=a.kernel), file=out)
-    if tuner.profile_path is not None:
-        print(f"profile: {tuner.profile_path}", file=out)
+    if tuner.written is not None:
+        print(f"profile: {tuner.written}", file=out)
+    elif tuner.profile_path is not None:
+        print(f"profile: not written (no bucket finished; {tuner.profile_path} is unchanged)", file=out)
     else:
         print("profile: not written (the model objective writes only with --output DIR)", file=out)
     left = [r for r in results if r.status == "skipped"]
@@ -399,23 +516,43 @@ def _profile_files(dir_, files=()) -> list[Path]:
 def _missing_dir(a, cmd) -> bool:
     """--dir names no folder: say so (an exit status of 0 would pass a CI check of nothing)."""
     if a.dir is not None and not a.dir.is_dir():
-        print(f"directkv-tune {cmd}: --dir {a.dir}: no such folder", file=sys.stderr)
+        why = "not a folder" if a.dir.exists() else "no such folder"
+        print(f"directkv-tune {cmd}: --dir {a.dir}: {why}", file=sys.stderr)
         return True
     return False
+
+
+def _file_arg_problem(path: Path) -> str | None:
+    """Why ``show FILE`` cannot read ``path`` (None: it can): it must be a regular file (a FIFO
+    or a device would block the read or never end)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return f"{path}: no such file"
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path}: {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a regular file'}, not a profile"
+    return None
 
 
 def _cmd_show(a, out) -> int:
     from .tuner import plain_table
 
     if _missing_dir(a, "show"):
-        return 1
+        return 2
+    for f in a.files:  # the files named: each must be a readable profile, else nothing is shown
+        problem = _file_arg_problem(f)
+        if problem:
+            return _fail(f"show: {problem}")
+        load_profile(f)  # a ProfileError: one line, exit status 2 (main)
     paths = _profile_files(a.dir, a.files)
     docs, rc, others = [], 0, []
     for path in paths:
         try:
             prof = load_profile(path)
         except ProfileError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {_one_line(e)}", file=sys.stderr)
             rc = 1
             continue
         if a.gpu and prof.gpu_name != a.gpu and sanitize_gpu_name(a.gpu) != path.stem:
@@ -427,6 +564,8 @@ def _cmd_show(a, out) -> int:
         return rc
     if a.format == "yaml":
         print(dump_yaml({str(p): prof.to_doc() for p, prof in docs}), file=out)
+        return rc
+    if not docs and rc:  # every profile found was bad: said above, one line each
         return rc
     if not docs:
         where = ", ".join(str(d) for d in ([a.dir] if a.dir else profile_dirs()))
@@ -509,7 +648,7 @@ def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> Non
 
 def _cmd_check(a, out) -> int:
     if _missing_dir(a, "check"):
-        return 1
+        return 2
     dirs = [a.dir] if a.dir is not None else profile_dirs()
     paths = []
     for d in dirs:
@@ -611,6 +750,8 @@ def _cmd_lookup(a, out) -> int:
     except ProfileMissError as e:
         print(str(e), file=out)
         return 1
+    except envvars.EnvironmentVariableError:
+        raise
     except (ConfigError, ValueError) as e:
         print(f"directkv-tune lookup: no {kernel} config for this launch: {e}", file=sys.stderr)
         return 2
@@ -656,9 +797,8 @@ def main(argv=None) -> int:
     try:
         return {"run": _cmd_run, "show": _cmd_show, "check": _cmd_check, "lookup": _cmd_lookup,
                 "presets": _cmd_presets}[a.cmd](a, out)
-    except ProfileError as e:
-        print(f"directkv-tune: {e}", file=sys.stderr)
-        return 1
+    except (ProfileError, envvars.EnvironmentVariableError) as e:  # a bad file or variable: one line
+        return _fail(e)
 
 
 if __name__ == "__main__":

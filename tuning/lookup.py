@@ -30,8 +30,9 @@ Profiles are searched in ``$DIRECTKV_PROFILE_DIR``, then the user folder
 bundled ``directkv_cute.profiles`` folder (``profiles.profile_dirs``). The first *usable* file for
 the GPU wins: one that is corrupt, too large, uses YAML aliases, or is for other hardware is
 skipped with a warning and the next folder's is used. Nothing in the lookup raises into the op
-(except ``DIRECTKV_REQUIRE_PROFILE``'s miss): any failure reading a profile is a warning and the
-next source, in the end the default. Loaded profiles and decisions are cached (a decision per full
+except ``DIRECTKV_REQUIRE_PROFILE``'s miss and a value of ``DIRECTKV_REQUIRE_PROFILE`` or
+``DIRECTKV_PROFILE_DIR`` that ``directkv_cute.env`` refuses (raised before any profile is read):
+any failure reading a profile is a warning and the next source, in the end the default. Loaded profiles and decisions are cached (a decision per full
 key in a dict); :func:`clear_cache` forgets them (call it after writing a profile in-process).
 """
 
@@ -46,6 +47,8 @@ import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+
+from directkv_cute import env as envvars
 
 from .profiles import (
     PROFILE_DIR_ENV,
@@ -63,7 +66,7 @@ from .space import get_space, normalize_dtype
 
 log = logging.getLogger("directkv_cute.tuning")
 
-REQUIRE_ENV = "DIRECTKV_REQUIRE_PROFILE"
+REQUIRE_ENV = envvars.REQUIRE_PROFILE
 _MAX_DECISIONS = 1 << 16
 
 _LOCK = threading.Lock()
@@ -107,10 +110,9 @@ class _Table:
 
 
 def _require_mode() -> str:
-    v = os.environ.get(REQUIRE_ENV, "").strip().lower()
-    if v in ("", "0", "false", "no", "off"):
-        return ""
-    return "exact" if v == "exact" else "any"
+    """"", "any" or "exact" (a bad value raises envvars.EnvironmentVariableError)."""
+    mode = envvars.require_profile()
+    return "any" if mode == "on" else mode
 
 
 _EPOCH = [0]  # bumped by clear_cache: memos built on the lookups (the op's routes) key on it
@@ -283,13 +285,14 @@ def _key_diff(asked: dict, path: Path | None) -> str:
 
 def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows) -> Decision:
     dt = normalize_dtype(dtype)
+    mode = _require_mode()  # the variables parsed first: a bad one raises, never a fall-back
+    profile_dirs()
     tkey = (kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows,
             os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
     t = _TABLES.get(tkey)
     if t is None:
         t = _build_table(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows)
         _TABLES[tkey] = t
-    mode = _require_mode()
     hint = _tune_hint(kernel, dt, head_dim, group, page_size, batch, context, q_len, t.expected_path)
     if t.configs:
         i = bisect.bisect_left(t.bounds, context)

@@ -88,7 +88,9 @@ class QTiledModel:
     * each CTA adds ``cta_setup_us`` (Q load, first tile, epilogue) and its first tile's load;
     * CTAs (one per SM: 128 query rows, O in registers) are placed heaviest first (the kernel's
       launch order) on the SM that frees first; the call is the last SM's finish, at least the
-      KV bytes at the HBM rate, plus the launch;
+      KV bytes at the HBM rate, plus the launch; a launch of more than ``max_scheduled_ctas``
+      CTAs takes list scheduling's bound instead (the mean load per SM plus one heaviest CTA),
+      so the model's work does not grow with the batch;
     * the carveout has no modelled effect beyond legality (the kernel's loads are TMA into SMEM).
     """
 
@@ -101,6 +103,7 @@ class QTiledModel:
     sm_feed_gbps: float = 80.0
     cta_setup_us: float = 2.0
     rows: int = 128  # query rows per CTA (two consumer warpgroups of 64)
+    max_scheduled_ctas: int = 1 << 16  # placed one by one up to this many; beyond, the bound
 
     def tile_us(self, cfg, head_dim: int, sm_tflops: float) -> float:
         """Compute time of one KV tile of one CTA (microseconds)."""
@@ -195,14 +198,14 @@ class ModelledObjective:
         cta_serial = hw.host_latency_us + cfg.stages * 0.05 + tiles_per_cta * tile_us
         # wave by wave: the link is shared by the CTAs of the wave; few CTAs cannot fill it
         # (Little's law on the bytes in flight, and a per-SM cap on host read bandwidth)
-        t_main, left = 0.0, ctas
-        while left > 0:
-            active = min(left, slots)
+        def wave_us(active):
             sms = min(hw.sm_count, active)
             inflight = active * max(1, cfg.stages - 1) * tile_bytes
             bw = min(link, sms * hw.sm_link_gbps * 1e3, inflight / hw.host_latency_us)
-            t_main += max(active * cta_bytes / bw, cta_serial)
-            left -= active
+            return max(active * cta_bytes / bw, cta_serial)
+
+        full, rest = divmod(ctas, slots)  # full waves cost alike: the time does not grow with them
+        t_main = full * wave_us(slots) + (wave_us(rest) if rest else 0.0)
         l1 = 1.0 + hw.l1_penalty * max(0.0, (cfg.carveout - 80) / 20) ** 2
         t = hw.launch_us + t_main * l1
         if splits > 1:
@@ -226,12 +229,16 @@ class ModelledObjective:
             cta_us.append(m.cta_setup_us + first + math.ceil(keys / cfg.tile_n) * step)
         cta_us.sort(reverse=True)  # heaviest first, as the kernel launches them
         copies = shape.num_kv_heads * shape.batch
-        free = [0.0] * hw.sm_count
-        for t in cta_us:
-            for _ in range(copies):
-                heapq.heapreplace(free, free[0] + t)
+        if len(cta_us) * copies <= m.max_scheduled_ctas:
+            free = [0.0] * hw.sm_count
+            for t in cta_us:
+                for _ in range(copies):
+                    heapq.heapreplace(free, free[0] + t)
+            busy = max(free)
+        else:  # list scheduling's bound: the mean load plus at most one more CTA
+            busy = sum(cta_us) * copies / hw.sm_count + (1 - 1 / hw.sm_count) * cta_us[0]
         kv_bytes = shape.kv_bytes()
-        return hw.launch_us + max(max(free), kv_bytes / (hw.hbm_gbps * 1e3))
+        return hw.launch_us + max(busy, kv_bytes / (hw.hbm_gbps * 1e3))
 
     def _rng(self, cfg, shape, reps) -> random.Random:
         key = f"{self.seed}|{sorted(cfg.to_dict().items())}|{shape}|{reps}".encode()

@@ -68,6 +68,7 @@ import importlib.util
 import math
 import os
 import re
+import stat
 import tempfile
 import time
 import warnings
@@ -76,6 +77,7 @@ from pathlib import Path
 
 import yaml
 
+from directkv_cute import env as envvars
 from directkv_cute.config import ConfigError
 from directkv_cute.kernels import sources
 
@@ -83,7 +85,7 @@ from .space import get_space, kernels, normalize_dtype
 
 SCHEMA_VERSION = 3
 TUNE_VERSION = 1
-PROFILE_DIR_ENV = "DIRECTKV_PROFILE_DIR"
+PROFILE_DIR_ENV = envvars.PROFILE_DIR
 TUNE_COMMAND = "directkv-tune"
 USER_DIR_PARTS = ("directkv_cute", "profiles")  # under $XDG_CONFIG_HOME (else ~/.config)
 MAX_PROFILE_BYTES = 4 << 20  # a tuned profile is tens of KB; refuse anything larger before parsing
@@ -160,7 +162,7 @@ def user_profile_dir() -> Path:
 
 
 def _env_dirs() -> list[Path]:
-    return [Path(d) for d in os.environ.get(PROFILE_DIR_ENV, "").split(os.pathsep) if d]
+    return envvars.profile_dirs()  # a bad value raises envvars.EnvironmentVariableError
 
 
 def is_source_checkout() -> bool:
@@ -413,12 +415,29 @@ def _ordered_record(rec: dict) -> dict:
 # ---- validation ------------------------------------------------------------------------------
 
 
+MAX_INT = 2**63 - 1  # a profile's integers (sizes, counts, config fields) fit int64
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _int_in_range(v) -> bool:
+    return _is_int(v) and -MAX_INT <= v <= MAX_INT
+
+
 def _is_num(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A finite number a profile may hold (an integer of any size would overflow a float)."""
+    return _int_in_range(v) or (isinstance(v, float) and math.isfinite(v))
+
+
+def _typed(v) -> str:
+    """``v``'s type and value for a problem's text, a long value cut (a 400-digit number is
+    described, not printed)."""
+    if _is_int(v) and not _int_in_range(v):
+        digits = len(str(abs(v))) if abs(v).bit_length() < 10000 else "thousands of"
+        return f"an integer of {digits} digits"
+    return f"{type(v).__name__} {clip(repr(v), 80)}"
 
 
 class _V:
@@ -445,7 +464,10 @@ class _V:
             return None
         v = d[k]
         if not _is_int(v):
-            self.bad(f"{where}.{k}", f"must be an integer, got {type(v).__name__} {v!r}")
+            self.bad(f"{where}.{k}", f"must be an integer, got {_typed(v)}")
+            return None
+        if not _int_in_range(v):
+            self.bad(f"{where}.{k}", f"must be an integer of at most {MAX_INT}, got {_typed(v)}")
             return None
         if minimum is not None and v < minimum:
             self.bad(f"{where}.{k}", f"must be >= {minimum}, got {v}")
@@ -456,7 +478,7 @@ class _V:
             return None
         v = d[k]
         if not _is_num(v):
-            self.bad(f"{where}.{k}", f"must be a finite number, got {type(v).__name__} {v!r}")
+            self.bad(f"{where}.{k}", f"must be a finite number, got {_typed(v)}")
             return None
         if positive and v <= 0:
             self.bad(f"{where}.{k}", f"must be > 0, got {v}")
@@ -628,9 +650,9 @@ def _validate(doc, source) -> Profile:
                 v.bad(f"{bw}.config", "missing or not a mapping")
             else:
                 for k, val in cfg.items():
-                    if not isinstance(k, str) or not _is_int(val):
-                        v.bad(f"{bw}.config.{k}", f"must be an integer, got {type(val).__name__} {val!r}")
-                if space is not None and all(_is_int(x) for x in cfg.values()):
+                    if not isinstance(k, str) or not _int_in_range(val):
+                        v.bad(f"{bw}.config.{k}", f"must be an integer of at most {MAX_INT}, got {_typed(val)}")
+                if space is not None and all(_int_in_range(x) for x in cfg.values()):
                     try:
                         space.config_from_dict(cfg)
                     except (ConfigError, TypeError, ValueError) as err:
@@ -686,6 +708,8 @@ def parse_profile(text: str, source: str = "<string>") -> Profile:
         doc = yaml.load(text, Loader=_ProfileLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as e:
         raise ProfileError(f"{source}: corrupt YAML: {clip(str(e), 1000)}") from e
+    except (ValueError, OverflowError) as e:  # a scalar the loader cannot convert (an int of 5000 digits)
+        raise ProfileError(f"{source}: corrupt YAML: {clip(str(e), 300)}") from e
     except RecursionError as e:
         raise ProfileError(f"{source}: corrupt YAML: nested too deeply") from e
     if doc is None:
@@ -703,10 +727,14 @@ def load_profile(path, *, gpu_name: str | None = None, strict: bool = False) -> 
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_PROFILE_BYTES:
-            raise _too_large(size, path)
-        with open(path, "rb") as f:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; only a regular file is read
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ProfileError(f"{path}: not a regular file; not read")
+            if st.st_size > MAX_PROFILE_BYTES:
+                raise _too_large(st.st_size, path)
             raw = f.read(MAX_PROFILE_BYTES + 1)
         if len(raw) > MAX_PROFILE_BYTES:
             raise _too_large(len(raw), path)

@@ -417,8 +417,8 @@ class MultiTokenSpace(KernelSpace):
     def portfolio(self, shape: TuneShape) -> list:
         # The runners-up and the tuner's winners of the H200 prefill config sweeps and tunes
         # (``python -m bench prefill --compare-configs``, ``directkv-tune run``; their logs:
-        # ``git show 7747519:bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt`` and that
-        # commit's ``bench/results/*-tune-prefill*.log``), the strongest families first: seeds
+        # ``git show 7747519:bench/results/NVIDIA_H200-2026-11-29-prefill-sweep.txt`` and the
+        # ``*-tune-prefill*.log`` files of bench/results at that commit), the strongest families first: seeds
         # count against --trials, so a short tune (6 trials: the default, the profile's entry and
         # four of these) measures the strongest four.
         base = dict(num_splits=0, ctas_per_sm=1, carveout=100, consumer_wgs=2, max_inflight=1, link_credits=8)

@@ -39,6 +39,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from directkv_cute.env import EnvironmentVariableError
+
 from .objectives import GpuObjective, HardwareModel, ModelledObjective
 from .profiles import Profile, ProfileError, current_kernel_hash, load_profile, make_metadata, output_problem, \
     profile_filename, sanitize_gpu_name, save_profile
@@ -49,6 +51,28 @@ log = logging.getLogger("directkv_cute.tuning")
 
 class TunerAbort(RuntimeError):
     """The objective reported a fatal failure (the run can be resumed in a fresh process)."""
+
+
+# The largest bucket the tuner takes: beyond these no GPU runs the launch (and a cost model's
+# work, which grows with the CTAs of a launch, would have no bound).
+MAX_BATCH = 1 << 16  # sequences in one call
+MAX_CONTEXT = 1 << 24  # tokens of one sequence (16M, above every model's context window)
+MAX_PAGES = 2**31 - 1  # pages of one call: the op's page ids are int32 (as the cache's)
+MAX_SEEDS = 2**32  # seeds are 0 .. 2**32 - 1 (the samplers' random generators take no more)
+
+
+def shape_problem(shape: TuneShape) -> str | None:
+    """Why the tuner does not take bucket ``shape`` (None: it does)."""
+    pages = shape.batch * -(-shape.context // shape.page_size)
+    if shape.batch > MAX_BATCH:
+        return f"{shape.describe()}: batch {shape.batch} is over the tuner's {MAX_BATCH}"
+    if shape.context > MAX_CONTEXT:
+        return f"{shape.describe()}: context {shape.context} is over the tuner's {MAX_CONTEXT} tokens"
+    if shape.q_len > MAX_CONTEXT:
+        return f"{shape.describe()}: q_len {shape.q_len} is over the tuner's {MAX_CONTEXT} tokens"
+    if pages > MAX_PAGES:
+        return f"{shape.describe()}: {pages} pages of {shape.page_size} tokens, over the op's {MAX_PAGES}"
+    return None
 
 
 @dataclass
@@ -172,6 +196,7 @@ class Tuner:
         self.space_hash = self.space.space_hash()
         self._old_profile = self._load_old_profile()
         self.results: list[BucketResult] = []
+        self.written: Path | None = None  # the profile this tuner wrote, once it has
 
     # ---- helpers ---------------------------------------------------------------------------------
     @property
@@ -270,7 +295,7 @@ class Tuner:
                 res = self.measure(cfg, shape, reps=reps)
             else:
                 res = self.measure(cfg, shape)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, EnvironmentVariableError):  # not the config's failure
             raise
         except Exception as e:  # a failing config must not end the study
             return {"ok": False, "err": f"{type(e).__name__}: {e}"}
@@ -568,6 +593,7 @@ class Tuner:
             rec = {**r.record(self.space_hash, self.opt.seed), "kernel_hash": self.kernel_hash}
             prof.set((self.kernel, *r.shape.class_key), r.shape.bucket, rec)
         save_profile(prof, path)
+        self.written = path
         try:  # a lookup in this process must see the new file
             from .lookup import clear_cache
 
@@ -576,15 +602,22 @@ class Tuner:
             pass
 
     def tune(self, shapes) -> list[BucketResult]:
-        """Tune every shape in turn (time budget shared out), writing the profile after each. An
-        output folder that cannot take the profile raises ProfileError before anything is measured."""
+        """Tune every shape in turn (time budget shared out), writing the profile after each. A
+        bucket over the tuner's limits (:func:`shape_problem`) or a bad seed raises ValueError, an
+        output folder that cannot take the profile ProfileError, before anything is measured."""
         from tqdm import tqdm
 
+        shapes = list(shapes)
+        for shape in shapes:
+            problem = shape_problem(shape)
+            if problem:
+                raise ValueError(problem)
+        if not 0 <= self.opt.seed < MAX_SEEDS:
+            raise ValueError(f"seed {self.opt.seed}: seeds are 0 .. {MAX_SEEDS - 1}")
         if self.output_dir is not None:
             problem = output_problem(self.output_dir, self.env["gpu_name"])
             if problem:
                 raise ProfileError(problem)
-        shapes = list(shapes)
         opt = self.opt
         t_end = None if opt.time_budget_s is None else time.monotonic() + opt.time_budget_s
         results = []
@@ -664,4 +697,4 @@ def plain_table(head, rows) -> str:
 
 
 __all__ = ["BucketResult", "GpuObjective", "HardwareModel", "ModelledObjective", "TuneOptions", "Tuner",
-           "TunerAbort", "format_results", "open_storage", "plain_table", "tune"]
+           "TunerAbort", "format_results", "open_storage", "plain_table", "shape_problem", "tune"]

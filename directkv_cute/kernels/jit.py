@@ -8,7 +8,7 @@ Compiled kernels also persist on disk (``export_to_c`` objects, loaded back with
 ``cute.runtime.load_module``), so a new process skips compilation. The folder is
 ``$DIRECTKV_CACHE_DIR`` (default ``~/.cache/directkv_cute``) / ``sources.cache_fingerprint()``
 (the code files of every kernel, config rules included, and the cutlass-dsl version);
-``DIRECTKV_DISK_CACHE=0`` turns it off. ``disk_cache`` decides what may be loaded: private
+``DIRECTKV_DISK_CACHE=0`` (or false / no / off) turns it off. ``disk_cache`` decides what may be loaded: private
 folders, objects authenticated by a per-user key, writes renamed into place under a lock.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig
-from directkv_cute.paths import cache_root
+from directkv_cute.paths import kernel_cache_root
 from directkv_cute.kernels import disk_cache, sources, specs
 
 _LOCK = threading.Lock()  # cute.compile is not thread-safe
@@ -35,10 +35,10 @@ def source_fingerprint() -> str:
 
 
 def disk_cache_dir() -> Path | None:
-    if os.environ.get("DIRECTKV_DISK_CACHE", "1") == "0":
-        return None
-    root = cache_root()
-    return root / source_fingerprint()
+    """The disk cache's folder, None when it is turned off (``paths.kernel_cache_root``: a bad
+    value of its variables raises there, before anything is compiled)."""
+    root = kernel_cache_root()
+    return None if root is None else root / source_fingerprint()
 
 
 def _cached_compile(key: tuple, build):

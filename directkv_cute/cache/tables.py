@@ -1,0 +1,150 @@
+"""What the kernels and the stores index by: a batch's kernel tables (``KernelTables``, built
+from the page book) and the destinations of a batch of token rows (``TokenSlots``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from directkv_cute.cache.pages import PageBook, SeqPages, encode_page
+
+
+class StaleTablesError(ValueError):
+    """Kernel tables from another cache, or built before pages they name were freed or moved."""
+
+
+class KernelTables(NamedTuple):
+    """Per-batch page tables for the kernels, on the cache device.
+
+    page_table: int32 (B, max_pages) -- encoded entries; past a sequence's pages, its last page
+                repeats (a valid page, so a stray read is harmless).
+    seq_lens:   int32 (B,)
+    """
+
+    page_table: torch.Tensor  # int32 (B, max_pages)
+    seq_lens: torch.Tensor  # int32 (B,)
+    cache_id: int = 0  # id() of the cache that built them (0: unknown, not checked)
+    generation: int = -1  # the cache's page generation when they were built (-1: not checked)
+    host_seq_lens: tuple | None = None  # the lengths on the host, for checks without a device read
+    host_table: object = None  # numpy int32 (B, max_pages): page_table on the host (staging plans)
+    # Calls over these tables come back to back in long runs (a model step's layers): a staged
+    # chunk called while the previous staged call still runs is planned for its copy running
+    # ahead (``ops._pipelined``), which pays one kernel's time once per run to fill the pipeline.
+    back_to_back: bool = False
+
+    @property
+    def is_hbm(self) -> torch.Tensor:
+        """bool (B, max_pages): True where the entry is an HBM page."""
+        return self.page_table < 0
+
+    def num_pages(self, page_size: int) -> torch.Tensor:
+        """int32 (B,): pages each sequence owns, ``ceil(seq_len / page_size)``."""
+        return torch.div(self.seq_lens + (page_size - 1), page_size, rounding_mode="floor")
+
+
+def host_kernel_table(book: PageBook, seqs: list[SeqPages]) -> tuple[np.ndarray, np.ndarray]:
+    """(packed, table): int32 (B * max_pages + B,), the batch's page table row by row then its
+    lengths, and the table part as a (B, max_pages) view of it.
+
+    A mirrored page whose host page is private is named by its mirror (the step's own K/V are
+    read from HBM); a shared page is read where its sharers read it."""
+    batch, max_pages = len(seqs), max(len(seq.pages) for seq in seqs)
+    packed = np.empty(batch * max_pages + batch, dtype=np.int32)  # page_table then seq_lens
+    table = packed[: batch * max_pages].reshape(batch, max_pages)
+    for row, seq in zip(table, seqs):
+        pages = seq.table()
+        row[: len(pages)] = pages
+        row[len(pages) :] = pages[-1]
+        for lp, w in seq.mirrors.items():
+            if book.refs["host"][pages[lp]] == 1:  # private: read its mirror
+                row[lp] = encode_page("hbm", w)
+                if lp == len(pages) - 1:
+                    row[len(pages) :] = row[lp]
+    packed[batch * max_pages :] = [seq.length for seq in seqs]
+    return packed, table
+
+
+def build_kernel_tables(book: PageBook, seqs: list[SeqPages], device: torch.device, cache_id: int,
+                        back_to_back: bool = False) -> KernelTables:
+    """``KernelTables`` of the batch ``seqs`` on ``device`` (one host-to-device copy)."""
+    packed, table = host_kernel_table(book, seqs)
+    batch, max_pages = table.shape
+    # non_blocking: a pageable source is staged by the driver before the call returns (so
+    # `packed` may go), and the host does not wait for the GPU's queued work, as a blocking
+    # copy (stream synchronize) would on every attention call.
+    dev = torch.from_numpy(packed).to(device, non_blocking=True)
+    return KernelTables(dev[: batch * max_pages].view(batch, max_pages), dev[batch * max_pages :], cache_id,
+                        book.generation, tuple(seq.length for seq in seqs), table.copy(), bool(back_to_back))
+
+
+def check_tables(tables: KernelTables, cache_id: int, generation: int) -> None:
+    """Raise ``StaleTablesError`` unless ``tables`` came from the cache ``cache_id`` at page
+    generation ``generation``."""
+    if getattr(tables, "cache_id", 0) != cache_id:
+        raise StaleTablesError("kernel tables from another cache (or built by hand); build them with "
+                               "this cache's kernel_tables()")
+    if tables.generation != generation:
+        raise StaleTablesError("stale kernel tables: pages they name were freed, moved or copied since "
+                               "they were built; call kernel_tables() again")
+
+
+@dataclass(frozen=True)
+class TokenSlots:
+    """Destinations of a batch of token rows, by tier (see ``PagedKVCache.token_slots``).
+
+    parts: (tier, tok, pidx, off) per destination: ``tok`` int64 (m,) the rows it takes, or None
+    when all rows go there; ``pidx`` int64 (m,) their pages; ``off`` int64 (m,) their rows within
+    the page. All on the cache device. A token whose page has a window mirror goes to the mirror
+    (a part of tier "hbm") and to its host page, the part in ``mirrored``; ``runs`` (window page,
+    host page, pages) cover those pages, for copying them instead (``write_slots(defer_host=True)``).
+    """
+
+    total: int
+    parts: tuple
+    mirrored: tuple = ()
+    runs: tuple = ()
+    host_pages: np.ndarray | None = None  # int64: the distinct host pages the rows go to (mirrored ones too)
+
+    @staticmethod
+    def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None) -> "TokenSlots":
+        """From per-token page entries and rows (``token_entries``); ``mirror`` int64 (total,):
+        each token's HBM window page (``mirror_entries``, -1: none) -- a second destination."""
+        total = len(entry)
+        in_hbm = entry < 0
+        mirrored = np.zeros(total, bool) if mirror is None else mirror >= 0
+        plain, mir = np.flatnonzero(~in_hbm & ~mirrored), np.flatnonzero(mirrored)
+        hbm = np.flatnonzero(in_hbm)
+        # (tier, tokens, their pages): host pages, HBM pages, window mirrors, then the mirrored
+        # tokens' host pages (the part ``defer_host`` leaves to the copy engine).
+        groups = [g for g in (("host", plain, entry[plain]), ("hbm", hbm, -entry[hbm] - 1),
+                              ("hbm", mir, mirror[mir] if len(mir) else mir), ("host", mir, entry[mir])) if len(g[1])]
+        host_pages = np.unique(entry[~in_hbm]).astype(np.int64)
+        if not groups:
+            return TokenSlots(0, (), host_pages=host_pages)
+        dev = torch.from_numpy(np.concatenate([a for _, tok, pidx in groups for a in (tok, pidx, off[tok])]))
+        dev = dev.to(device, non_blocking=True)  # staged by the driver before it returns; no wait for the GPU
+        parts, at = [], 0
+        for tier, tok, _ in groups:
+            m = len(tok)
+            parts.append((tier, None if m == total else dev[at : at + m], dev[at + m : at + 2 * m],
+                          dev[at + 2 * m : at + 3 * m]))
+            at += 3 * m
+        if not len(mir):
+            return TokenSlots(total, tuple(parts), host_pages=host_pages)
+        runs: list[list[int]] = []  # (window page, host page, pages) over the distinct pairs, in order
+        for w, h in dict.fromkeys(zip(mirror[mir].tolist(), entry[mir].tolist())):
+            if runs and runs[-1][0] + runs[-1][2] == w and runs[-1][1] + runs[-1][2] == h:
+                runs[-1][2] += 1
+            else:
+                runs.append([w, h, 1])
+        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)), host_pages)
+
+    @staticmethod
+    def of(book: PageBook, seq: SeqPages, start: int, n: int, device, mirrors: bool = False) -> "TokenSlots":
+        """Where tokens [start, start + n) of one sequence live; with ``mirrors`` their window
+        mirrors too."""
+        entry, off = book.entries(seq, start, n)
+        return TokenSlots.build(entry, off, device, book.mirror_of(seq, start, n) if mirrors else None)

@@ -1,0 +1,352 @@
+"""The transformers ``Cache`` API over one ``PagedKVCache``: ``DirectKVCache`` and the per-layer
+view transformers keeps a list of, ``DirectKVLayer``.
+
+``update`` only hands a layer's new K/V to the attention function (it cannot see the padding
+mask); the attention function of the first layer plans the step once (``step.BatchSequences``,
+the attention included: ``DirectKVAttention.plan``) and every layer then stores its new K/V into
+their pages and runs that plan over the whole history (``Step.attention``). Pad tokens never
+enter the cache; their query rows get zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+
+import torch
+
+try:
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
+
+from directkv_cute.cache import CacheCapacityError, PagedKVCache, page_bytes
+from directkv_cute.fp8 import is_fp8
+from directkv_cute.hf.model import (
+    KERNEL_HEAD_DIMS,
+    ModelSpec,
+    UnsupportedModelError,
+    check_module,
+    check_qkv,
+    model_spec,
+    resolve_kv_dtype,
+    text_config,
+)
+from directkv_cute.hf.step import BatchSequences, Step
+from directkv_cute.hf.step_plan import as_index_list
+from directkv_cute.tp import gpu_numa_node, model_shard, on_node
+
+
+class _Handoff(threading.local):
+    """``update`` -> attention function hand-off within one thread (one layer at a time)."""
+
+    pending: tuple | None = None
+
+
+HANDOFF = _Handoff()
+
+
+class DirectKVLayer(CacheLayerMixin):
+    """One decoder layer's view of the shared ``DirectKVCache`` (transformers keeps a list)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner: "DirectKVCache", layer_idx: int):
+        super().__init__()
+        self._owner = owner
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+        self.device = owner.device
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        if isinstance(query_length, torch.Tensor):  # older API: cache_position
+            query_length = query_length.shape[0]
+        return self._owner.processed + int(query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self._owner.processed
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._owner.reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._owner.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._owner.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._owner.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices) -> None:
+        self._owner.batch_select_indices(indices)
+
+
+class DirectKVCache(Cache):
+    """A transformers ``Cache`` whose K/V live in one ``PagedKVCache`` (pinned host pages, and
+    an optional HBM tier), attended by the DirectKV kernels in place.
+
+    Args:
+        model: a transformers model (its config, dtype and device are used) or a config.
+        max_tokens: tokens of K/V the cache can hold over all its sequences (prompt + generated,
+            summed over the batch, pads excluded); the host tier is sized for them.
+        max_batch_size: most sequences at once (each may leave one partial page).
+            Under tensor parallelism (a model loaded with ``tp_plan``) each rank's cache holds its
+            own KV heads (``directkv_cute.tp``): ``max_tokens`` and ``hbm_budget`` are per rank.
+        page_size: tokens per page (16, 32, 64, 128).
+        hbm_budget: bytes of GPU memory for the HBM tier (0: host only).
+        sink_pages: pages at the start of each sequence kept in HBM when there is a budget.
+        dtype, device: default to the model's (device "cpu" runs the float32 reference path).
+        share_prompts: batch rows whose tokens are identical so far (``num_return_sequences``,
+            the beams of one prompt) hold one sequence: its K/V are stored once, and when the
+            rows diverge each new branch forks it (full pages shared, read once per step by
+            ``cascade_attention``). In the first step, a row whose prompt begins with whole
+            pages of an earlier row's (a shared system prompt or document) forks that row at
+            them. Rows are compared by their first layer's new K and V, bit for bit.
+        window_tokens: new tokens over the batch per step whose pages get an HBM mirror
+            (``PagedKVCache.mirror``): each layer writes its new K/V to the host page and the
+            mirror, and the attention reads the step's own tokens from HBM, so a host page's
+            bytes cross the link once, into host memory, and are read back only in later steps.
+            The window holds ``ceil(window_tokens / page_size) + 2 * max_batch_size`` pages (a
+            partial page and a boundary page per sequence); a step larger than the window
+            mirrors its first pages. 0: no window (every new token is read back from the host).
+        kv_dtype: the dtype of the K/V pages: None or "auto" (the model's dtype), "fp8" (=
+            ``torch.float8_e4m3fn``) or "e5m2" (``torch.float8_e5m2``), or a torch dtype. FP8 pages
+            hold the K/V quantized with per-token scales (``directkv_cute.fp8``) and the model
+            computes in its own dtype; half the bytes of bf16 per token over the link (on a GPU:
+            decode reads FP8 pages in place, ``kernels/decode_fp8.py``; prefill chunks dequantize
+            the pages they read once into HBM, group by group of KV heads as their copy lands).
+    """
+
+    def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
+                 hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
+                 device: str | torch.device | None = None, share_prompts: bool = True,
+                 window_tokens: int = 8192, kv_dtype: str | torch.dtype | None = None):
+        config = getattr(model, "config", model)
+        self.spec = model_spec(config)
+        # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
+        self.shard = model_shard(model, self.spec.num_q_heads, self.spec.num_kv_heads) \
+            if hasattr(model, "config") else None
+        if self.shard is not None:
+            self.spec = ModelSpec(self.spec.num_layers, len(self.shard.q_heads), len(self.shard.kv_heads),
+                                  self.spec.head_dim)
+        if dtype is None:
+            dtype = getattr(model, "dtype", None) or getattr(text_config(config), "dtype", None) or torch.bfloat16
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        if device is None:
+            device = getattr(model, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(device)
+        for name, value, low in (("max_tokens", max_tokens, 1), ("max_batch_size", max_batch_size, 1),
+                                 ("hbm_budget", hbm_budget, 0), ("sink_pages", sink_pages, 0),
+                                 ("window_tokens", window_tokens, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
+            raise UnsupportedModelError(
+                f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
+        page_dtype = resolve_kv_dtype(kv_dtype, dtype)
+        if is_fp8(page_dtype) and device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+            raise UnsupportedModelError(
+                f"kv_dtype {page_dtype} on {device} with a {dtype} model: the GPU kernels compute in bfloat16 or "
+                "float16 (load the model in one of those)")
+        hbm_pages = hbm_budget // page_bytes(self.spec.num_layers, self.spec.num_kv_heads, page_size,
+                                             self.spec.head_dim, page_dtype)
+        # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
+        host_pages = math.ceil(max_tokens / page_size) + max_batch_size
+        window_pages = math.ceil(window_tokens / page_size) + 2 * max_batch_size if window_tokens else 0
+        # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
+        with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
+            self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
+                                   num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=page_dtype,
+                                   device=device, num_window_pages=window_pages,
+                                   compute_dtype=dtype if is_fp8(page_dtype) else None)
+        self.device = self.kv.device
+        self.dtype = dtype
+        self.kv_dtype = page_dtype
+        self.sink_pages = sink_pages
+        self.share_prompts = bool(share_prompts)
+        self.processed = 0
+        self._batch = BatchSequences(self.kv, sink_pages, self.share_prompts)
+        self._step: Step | None = None
+        self._checked_modules: set[int] = set()
+        super().__init__(layers=[DirectKVLayer(self, i) for i in range(self.spec.num_layers)])
+
+    @property
+    def _seqs(self) -> list[int]:
+        """The sequence of each batch row (``BatchSequences.seqs``)."""
+        return self._batch.seqs
+
+    # ---- transformers Cache API ----------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < self.spec.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers")
+        if layer_idx == 0:
+            self._step = None
+        HANDOFF.pending = (self, layer_idx, key_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.processed
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._seqs) if self._seqs else -1
+
+    def reset(self) -> None:
+        self._batch.reset()
+        self.processed = 0
+        self._step = None
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("DirectKVCache.crop (assisted / speculative decoding in generate) is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
+
+    def batch_select_indices(self, indices) -> None:
+        self._select(as_index_list(indices))
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._select(as_index_list(beam_idx))
+
+    # ---- our API -------------------------------------------------------------------------
+    @property
+    def seq_ids(self) -> list[int]:
+        """The PagedKVCache sequence of each batch row."""
+        return list(self._seqs)
+
+    def seq_lengths(self) -> list[int]:
+        """Real tokens (pads excluded) cached for each batch row."""
+        return [self.kv.seq_len(s) for s in self._seqs]
+
+    def host_bytes(self) -> int:
+        """Bytes of K/V held in host pages (pinned)."""
+        return (self.kv.num_pages("host") - self.kv.free_pages("host")) * self.kv.page_bytes
+
+    def hbm_bytes(self) -> int:
+        return (self.kv.num_pages("hbm") - self.kv.free_pages("hbm")) * self.kv.page_bytes
+
+    def check_request(self, lengths: Sequence[int], max_new_tokens: int) -> None:
+        """Raise ``CacheCapacityError`` now if the batch rows, with ``lengths`` more real prompt
+        tokens and ``max_new_tokens`` generated tokens each, would not fit (call before ``generate``)."""
+        ps = self.kv.page_size
+        rows = self._seqs or [None] * len(lengths)
+        if len(rows) != len(lengths):
+            raise ValueError(f"{len(lengths)} prompts for a cache holding {len(rows)} sequences")
+        need = 0
+        for sid, n in zip(rows, lengths):
+            have = 0 if sid is None else self.kv.seq_len(sid)
+            held = 0 if sid is None else len(self.kv.page_table(sid))
+            need += -(-(have + int(n) + int(max_new_tokens)) // ps) - held
+        free = self.kv.free_pages("host") + self.kv.free_pages("hbm")
+        if need > free:
+            raise CacheCapacityError(
+                f"{len(lengths)} sequences of up to {max(lengths)} prompt tokens + {max_new_tokens} new tokens need "
+                f"{need} more pages of {ps} tokens, {free} are free (raise max_tokens)")
+
+    def close(self) -> None:
+        self.kv.close()
+
+    # ---- the step ------------------------------------------------------------------------
+    def _select(self, rows: list[int]) -> None:
+        """Batch rows become ``self._seqs[rows[i]]`` (``BatchSequences.select``)."""
+        if self._seqs:
+            self._batch.select(rows)
+            self._step = None
+
+    def _check_module(self, module) -> None:
+        if id(module) not in self._checked_modules:
+            check_module(module)
+            self._checked_modules.add(id(module))
+
+    def step_for(self, query: torch.Tensor, key, value, attention_mask, layer_idx: int) -> Step:
+        """The step a layer runs in: planned by layer 0 (``key``/``value`` None when the layer
+        projects its K/V itself), reused by the others."""
+        batch, _, q_len, _ = query.shape
+        if layer_idx == 0 or self._step is None:
+            if layer_idx != 0:
+                raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
+            self._step = self._batch.plan(query, key, value, attention_mask, self.processed)
+            self.processed += q_len
+        step = self._step
+        if (batch, q_len) != (step.batch, step.q_len):
+            raise RuntimeError(f"layer {layer_idx} has {batch}x{q_len} tokens, the step {step.batch}x{step.q_len}")
+        return step
+
+    def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+               scaling: float | None, layer_idx: int) -> torch.Tensor:
+        """One layer of the step: store its new K/V, attend over the history; (B, S, Hq, d)."""
+        self._check_module(module)
+        check_qkv(query, key, value, self.spec, self.dtype, self.device)
+        step = self.step_for(query, key, value, attention_mask, layer_idx)
+        try:
+            return self._attend_layer(step, query, key, value, scaling, layer_idx)
+        except BaseException:
+            self._rollback(step)
+            raise
+
+    def attend_fused(self, module, query: torch.Tensor, hidden_states: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, attention_mask, scaling: float | None, layer_idx: int) -> torch.Tensor:
+        """One layer of the step with the K/V projection fused (``fuse_kv_projection``); see
+        ``fused.attend_fused``; (B, S, Hq, d)."""
+        from directkv_cute.hf.fused import attend_fused
+
+        return attend_fused(self, module, query, hidden_states, cos, sin, attention_mask, scaling, layer_idx)
+
+    def _rollback(self, step: Step) -> None:
+        self._batch.rollback(step)
+        self.processed = step.processed_before
+        self._step = None
+
+    def _attend_layer(self, step: Step, query, key, value, scaling, layer_idx: int) -> torch.Tensor:
+        batch, hq, q_len, d = query.shape
+        hkv = key.shape[1]
+        q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
+        k = key.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
+        v = value.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
+        if step.tok_idx is not None:
+            q, k, v = q[step.tok_idx], k[step.tok_idx], v[step.tok_idx]
+        if not step.rows:
+            return query.new_zeros(batch, q_len, hq, d)
+        if step.write_idx is None:
+            self.kv.write_slots(step.slots, layer_idx, k, v, defer_host=step.defer_host)
+        else:
+            self.kv.write_slots(step.slots, layer_idx, k.index_select(0, step.write_idx),
+                                v.index_select(0, step.write_idx), defer_host=step.defer_host)
+        return self._attention(step, q, scaling, layer_idx, query)
+
+    def _attention(self, step: Step, q: torch.Tensor, scaling, layer_idx: int, query) -> torch.Tensor:
+        """The step's attention of one layer, q (total real tokens, Hq, d), back in the batch's
+        shape (B, S, Hq, d) with zeros for pad rows."""
+        batch, hq, q_len, d = query.shape
+        o = step.attention(q, scaling, layer_idx)  # (total, Hq, d)
+        if step.tok_idx is None:
+            return o.view(batch, q_len, hq, d)
+        out = query.new_zeros(batch * q_len, hq, d)
+        out[step.tok_idx] = o
+        return out.view(batch, q_len, hq, d)

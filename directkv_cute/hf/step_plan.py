@@ -1,0 +1,182 @@
+"""The host decisions of a model step, as plain functions (Python, numpy, CPU torch): which new
+tokens are real, which batch rows are identical or share a prompt prefix, how each sequence grows
+and where its pages go (HBM placement), and which of the step's tokens are stored.
+
+Placement: with an HBM quota a sequence keeps its first ``sink_pages`` pages and its most recent
+pages in HBM; when it outgrows its quota its oldest non-sink HBM page moves to host memory, so
+every byte crosses the link once, as in the host-only cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from directkv_cute.cache import CacheCapacityError
+
+
+def hbm_targets(num_pages: int, quota: int, sink_pages: int) -> set[int]:
+    """Logical pages a sequence of ``num_pages`` pages keeps in HBM under ``quota`` pages:
+    the first sink pages, then the most recent ones."""
+    sinks = min(sink_pages, quota, num_pages)
+    recent = quota - sinks
+    return set(range(sinks)) | set(range(max(sinks, num_pages - recent), num_pages))
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How one sequence grows in a step: pages to demote first, then ``extend`` runs."""
+
+    demote: tuple[int, ...]  # logical pages moving HBM -> host
+    runs: tuple[tuple[str, int], ...]  # (tier, tokens) extends, in order
+
+
+def plan_growth(length: int, hbm_pages: Sequence[int], n: int, page_size: int, quota: int,
+                sink_pages: int) -> Growth:
+    """Plan for a sequence of ``length`` tokens whose logical pages ``hbm_pages`` are in HBM to
+    grow by ``n`` tokens under an HBM ``quota`` (pages): the old HBM pages that fall out of the
+    sink + recent window are demoted, and the new pages are allocated in runs by tier."""
+    old = -(-length // page_size)
+    new = -(-(length + n) // page_size)
+    target = hbm_targets(new, quota, sink_pages) if quota > 0 else set()
+    demote = tuple(sorted(lp for lp in hbm_pages if lp not in target))
+    runs: list[tuple[str, int]] = []
+    at = length
+    lp = old
+    while lp < new:
+        tier = "hbm" if lp in target else "host"
+        end = lp
+        while end < new and (("hbm" if end in target else "host") == tier):
+            end += 1
+        stop = min(end * page_size, length + n)
+        runs.append((tier, stop - at))
+        at, lp = stop, end
+    if at < length + n:  # the tokens fit the partial last page
+        runs.append(("host", length + n - at))
+    return Growth(demote, tuple(runs))
+
+
+def growth_needs(plans: Sequence[Growth], lengths: Sequence[int], page_size: int) -> dict[str, int]:
+    """Net new pages per tier of a step's plans (demotions free HBM pages, take host ones)."""
+    need = {"host": 0, "hbm": 0}
+    for g, length in zip(plans, lengths):
+        need["host"] += len(g.demote)
+        need["hbm"] -= len(g.demote)
+        for tier, m in g.runs:
+            need[tier] += -(-(length + m) // page_size) - -(-length // page_size)
+            length += m
+    return need
+
+
+def plan_step_growth(lengths: Sequence[int], hbm_pages: Sequence[Sequence[int]], counts: Sequence[int],
+                     page_size: int, quota: int, sink_pages: int, free: dict[str, int]) -> list[Growth]:
+    """Every sequence's growth for a step (sequence i: ``lengths[i]`` tokens, logical pages
+    ``hbm_pages[i]`` in HBM, ``counts[i]`` new tokens), with the step's capacity checked as a
+    whole against ``free`` pages per tier: when the HBM tier is short (shared pages crowd it) the
+    new pages all go to host memory; ``CacheCapacityError`` when the host tier is short."""
+    plans = [plan_growth(length, hbm, int(n), page_size, quota, sink_pages)
+             for length, hbm, n in zip(lengths, hbm_pages, counts)]
+    need = growth_needs(plans, lengths, page_size)
+    if need["hbm"] > free["hbm"]:  # shared pages can crowd the tier: spill to host
+        plans = [Growth(g.demote, tuple(("host", m) for _, m in g.runs)) for g in plans]
+        need = growth_needs(plans, lengths, page_size)
+    if need["host"] > free["host"]:
+        raise CacheCapacityError(
+            f"this step adds {sum(counts)} tokens over {len(counts)} sequences and needs {need['host']} host "
+            f"pages, {free['host']} free (raise max_tokens); the cache is unchanged")
+    return plans
+
+
+def valid_tokens(attention_mask, batch: int, q_len: int) -> torch.Tensor | None:
+    """bool (B, S): which of the step's new tokens are real, from the 2-D padding mask."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        shape = getattr(attention_mask, "shape", type(attention_mask).__name__)
+        raise ValueError(f"DirectKV attention takes the 2-D padding mask (batch, tokens), got {shape}; "
+                         "load the model with attn_implementation='directkv' so transformers builds that mask")
+    if attention_mask.shape[0] != batch or attention_mask.shape[1] < q_len:
+        raise ValueError(f"padding mask of shape {tuple(attention_mask.shape)} for {batch} rows x {q_len} new tokens")
+    return attention_mask[:, -q_len:].to(torch.bool)
+
+
+def identical_rows(key: torch.Tensor, value: torch.Tensor, valid, rows: list[int]) -> list[list[int]]:
+    """``rows`` grouped by equality of their new tokens: padding mask, first layer's K and V (B,
+    Hkv, S, d), bit for bit. Groups in order of their first row; ``rows[0]`` leads the first."""
+    k = key[rows].reshape(len(rows), -1)
+    v = value[rows].reshape(len(rows), -1)
+    sig = torch.stack([k.float().sum(1), v.float().sum(1), k.float().abs().sum(1)], 1)
+    if valid is not None:
+        sig = torch.cat([sig, valid[rows].float().to(sig.device)], 1)
+    sig = sig.tolist()
+    groups: list[list[int]] = []
+    for i, b in enumerate(rows):
+        for g in groups:
+            j = rows.index(g[0])
+            if sig[i] == sig[j] and torch.equal(k[i], k[j]) and torch.equal(v[i], v[j]) \
+                    and (valid is None or torch.equal(valid[b], valid[g[0]])):
+                g.append(b)
+                break
+        else:
+            groups.append([b])
+    return groups
+
+
+def shared_prefixes(key: torch.Tensor, value: torch.Tensor, valid, rows: list[int], page_size: int):
+    """{row: (earlier row, tokens)}: rows of the first step whose real tokens begin with at least
+    one page of another row's (same first-layer K and V, bit for bit), each paired with the
+    earlier row it shares the most whole pages with. A random projection of each token's K and V
+    finds the candidates; the shared part is then compared exactly."""
+    n_rows, hkv, s, d = key.shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(d, generator=g, dtype=torch.float64).to(key.device)
+    sig = ((key[rows].double() @ w).sum(1) + 3.0 * (value[rows].double() @ w).sum(1)).cpu()  # (R, S)
+    real = [torch.arange(s) if valid is None else valid[b].nonzero().squeeze(1).cpu() for b in rows]
+    toks = [sig[i, real[i]].numpy() for i in range(len(rows))]
+    out: dict[int, tuple[int, int]] = {}
+    for i in range(1, len(rows)):
+        best_j, best = -1, 0
+        for j in range(i):
+            n = min(len(toks[i]), len(toks[j]))
+            diff = np.flatnonzero(toks[i][:n] != toks[j][:n])
+            c = int(diff[0]) if diff.size else n
+            if c // page_size * page_size > best:
+                best_j, best = j, c // page_size * page_size
+        if best >= page_size:
+            a, b = rows[best_j], rows[i]
+            ia, ib = real[best_j][:best].to(key.device), real[i][:best].to(key.device)
+            if torch.equal(key[a][:, ia], key[b][:, ib]) and torch.equal(value[a][:, ia], value[b][:, ib]):
+                out[b] = (a, best)
+    return out
+
+
+def stored_tokens(rows: Sequence[int], q_lens: Sequence[int], writers: Sequence[int],
+                  skip: dict[int, int]) -> list[int]:
+    """Indices, among the real new tokens of ``rows`` (row by row, ``q_lens`` each), of the tokens
+    stored: those of the ``writers`` rows, past the ``skip[row]`` leading tokens a row shares with
+    an earlier row's prompt."""
+    cu = np.concatenate([[0], np.cumsum(q_lens, dtype=np.int64)])
+    pos = {b: i for i, b in enumerate(rows)}
+    return [t for b in writers for t in range(int(cu[pos[b]]) + skip.get(b, 0), int(cu[pos[b] + 1]))]
+
+
+def fork_needs(tails: Sequence[str | None]) -> dict[str, int]:
+    """Free pages per tier that forks of sequences need: a fork copies the partial last page,
+    whose tier is ``tails[i]`` (None: the sequence ends on a full page, nothing to copy)."""
+    need: dict[str, int] = {}
+    for tier in tails:
+        if tier is not None:
+            need[tier] = need.get(tier, 0) + 1
+    return need
+
+
+def as_index_list(indices) -> list[int]:
+    """Batch indices (a list, a tensor of indices or a bool mask) as a list of ints."""
+    if isinstance(indices, torch.Tensor):
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().squeeze(1)
+        return [int(i) for i in indices.tolist()]
+    return [int(i) for i in indices]
