@@ -13,17 +13,10 @@ once per step; the planner takes the frozen values.
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from dataclasses import dataclass
 
-# Bytes a staged call's buffer may take: DIRECTKV_MAX_STAGING_GB, else an eighth of the GPU.
-STAGING_ENV = "DIRECTKV_MAX_STAGING_GB"
-# The multi-token kernel's fp32 partials: DIRECTKV_MAX_WORKSPACE_GB, else a quarter of the GPU.
-WORKSPACE_ENV = "DIRECTKV_MAX_WORKSPACE_GB"
-# Whether staged copies may run ahead of the current stream (1 by default).
-OVERLAP_ENV = "DIRECTKV_STAGE_OVERLAP"
-
+from directkv_cute import env
 
 @dataclass(frozen=True)
 class MachineModel:
@@ -130,19 +123,15 @@ def machine_for(gpu_name: str) -> MachineModel:
 
 def staging_cap(total_memory: int) -> int:
     """Bytes a staging buffer may take: ``DIRECTKV_MAX_STAGING_GB``, else an eighth of the GPU."""
-    gb = float(os.environ.get(STAGING_ENV, "0") or 0)
-    return int(gb * 2**30) if gb > 0 else total_memory // 8
+    cap = env.max_staging_bytes()
+    return total_memory // 8 if cap is None else cap
 
 
 def workspace_cap(total_memory: int) -> float:
     """Bytes the multi-token kernel's fp32 partials may take: ``DIRECTKV_MAX_WORKSPACE_GB``, else a
     quarter of the GPU."""
-    return float(os.environ.get(WORKSPACE_ENV, "0") or 0) * 2**30 or total_memory / 4
-
-
-def overlap_enabled() -> bool:
-    """Whether staged calls may copy ahead of the current stream (``DIRECTKV_STAGE_OVERLAP``, 1)."""
-    return os.environ.get(OVERLAP_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    cap = env.max_workspace_bytes()
+    return total_memory / 4 if cap is None else float(cap)
 
 
 @dataclass(frozen=True)
@@ -197,7 +186,8 @@ class DeviceInfo:
             else (torch.device(device).index or 0)
         name, sms, total = _properties(index)
         capturing = bool(torch.cuda.is_current_stream_capturing())
-        ahead = cache is not None and getattr(cache, "host_writes", None) is not None and overlap_enabled()
+        overlap = env.stage_overlap()  # read first: a bad value is refused whatever the cache
+        ahead = cache is not None and getattr(cache, "host_writes", None) is not None and overlap
         return cls(name, sms, total, capturing, ahead and not capturing)
 
 
