@@ -402,13 +402,13 @@ class PrefixBench(ShapeBench):
         per_lens = None if s.q_len == 1 else q_lens
         staged = False
         if self.opts.device == "cuda":
-            from directkv_cute.ops import _q_tiled_route, paged_attention_tables, select_config
+            from directkv_cute.attention import DirectKVAttention
+            from directkv_cute.ops import paged_attention_tables
 
-            group = s.hq // s.hkv
-            max_seq = self.tables.page_table.shape[1] * cache.page_size
-            in_place, _ = select_config(cache, group, s.q_len, s.batch, max_seq, None)
-            route = _q_tiled_route(q, cache, self.tables, tuple(q_lens), group, None)
-            staged = route is not None and route[1] is not None
+            plan = DirectKVAttention(cache).plan(tables=self.tables, q_lens=q_lens, num_q_heads=s.hq, cascade=False)
+            staged = plan.staged
+            in_place_plan = plan.capture if plan.capture is not None else plan  # what reads in place
+            in_place = in_place_plan.config if in_place_plan.kernel in ("decode", "multi_token") else None
 
             def per_seq(out):
                 return paged_attention_tables(q, cache, 0, self.tables, per_lens, out=out, config=in_place)

@@ -79,8 +79,6 @@ def test_every_variable_the_package_names_is_declared():
         assert var.meaning and var.default and var.accepts
 
 
-@pytest.mark.xfail(strict=True, reason="ops.py and staging.py read DIRECTKV_MAX_STAGING_GB, DIRECTKV_STAGE_OVERLAP "
-                                       "and DIRECTKV_MAX_WORKSPACE_GB from os.environ themselves")
 def test_only_env_reads_the_variables():
     readers = {path.name: _env_reads(ast.parse(path.read_text())) for path in _package_files()
                if path.name != "env.py"}

@@ -178,24 +178,26 @@ def test_long_fp8_decode_is_staged_and_still_capturable(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,kv_dtype,page", [(torch.bfloat16, E4M3, 64), (torch.float16, E5M2, 16)])
-def test_two_piece_staged_fp8_decode_over_ragged_sequences(monkeypatch, dtype, kv_dtype, page):
+def test_two_piece_staged_fp8_decode_over_ragged_sequences(dtype, kv_dtype, page):
     """Decode over long ragged FP8 host sequences (one of a single page, one that ends inside the
-    first piece, one that ends exactly on the split): staged in two pieces and two launches whose
-    partials are combined; matches the reference over what the pages hold, poisoned output."""
-    from directkv_cute import ops
+    first piece, one that ends exactly on the split): planned as staged in two pieces and two
+    launches whose partials are combined; matches the reference over what the pages hold,
+    poisoned output."""
+    from directkv_cute import DirectKVAttention, planner
 
-    parts = []
-    real = ops._run_fp8_parts
-    monkeypatch.setattr(ops, "_run_fp8_parts", lambda *a, **k: parts.append(a[4]) or real(*a, **k))
     longest = 36000
-    pp = math.ceil(math.ceil(longest / page) * (1 - ops.FP8_TAIL_SHARE))
+    pp = math.ceil(math.ceil(longest / page) * (1 - planner.FP8_TAIL_SHARE))
     lens = [longest, 1, 20001, pp * page, 33333]
     cache, ids, ks, vs, layer = _build(lens, 4, 128, page, dtype, kv_dtype, seed=5)
     q = torch.randn(len(lens), 16, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(dtype)
     out = torch.full_like(q, float("nan"))
-    o, lse = paged_attention_tables(q, cache, layer, cache.kernel_tables(ids), out=out, return_lse=True)
+    attn = DirectKVAttention(cache)
+    plan = attn.plan(tables=cache.kernel_tables(ids), num_q_heads=16, return_lse=True)
+    o, lse = attn.run(q, layer, out=out)
     torch.cuda.synchronize()
-    assert len(parts) == 1 and len(parts[0].pieces) == 2 and parts[0].piece_pages == pp, "not staged in two pieces"
+    assert plan.route == "decode_fp8_two_piece", plan.explain()
+    assert len(plan.fp8_parts) == 2 and len(plan.staging.pieces) == 2 and plan.staging.piece_pages == pp, \
+        plan.explain()
     ref, ref_lse = dense_attention_ref(q, ks, vs, None, None)
     assert not torch.isnan(out).any()
     assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[dtype]
@@ -214,17 +216,18 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(monkeypatch, dtype, k
 ])
 def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config):
     """Multi-token calls over FP8 pages that fill a wave run one Q-tiled launch per group of KV
-    heads (``ops.fp8_head_groups``), each after its group's copy and dequantization, on several
+    heads (``planner.fp8_head_groups``), each after its group's copy and dequantization, on several
     streams: every head's rows match the reference (poisoned output, LSE checked), and each KV
     head is launched exactly once, in the groups the copy lands."""
-    from directkv_cute import ops
+    from directkv_cute import machine, planner
     from directkv_cute.kernels import launch as L
 
     heads = []
     real = L.launch_q_tiled
     monkeypatch.setattr(L, "launch_q_tiled", lambda *a, **k: heads.append(k["heads"]) or real(*a, **k))
     _run(lens, q_lens, hq, hkv, 128, page, dtype, kv_dtype, frac, config, seed=11)
-    assert heads == ops.fp8_head_groups(hkv, page, 128, 1, lens, q_lens, hq), heads
+    m = machine.machine_for(torch.cuda.get_device_name())
+    assert heads == planner.fp8_head_groups(m, hkv, page, 128, 1, lens, q_lens, hq), heads
 
 
 @pytest.mark.parametrize("kv_dtype,dtype,d,page", [(E4M3, torch.bfloat16, 128, 64), (E5M2, torch.float16, 64, 16)])

@@ -55,8 +55,8 @@ def test_results_are_one_current_set_per_bench():
 
 
 def test_cited_result_files_exist():
-    """Every ``bench/results/NAME`` the tree cites is there (``NAME.*`` and ``NAME.{a,b}`` too);
-    a result that left the tree is cited as ``git show <commit>:<path>``."""
+    """Every result file the tree cites under bench/results is there (``NAME.*`` and
+    ``NAME.{a,b}`` too); a result that left the tree is cited as ``git show <commit>:<path>``."""
     cite = re.compile(r"(?<!:)bench/results/([A-Za-z0-9_.*{},-]+)")
     results = ROOT / "bench" / "results"
     missing = []

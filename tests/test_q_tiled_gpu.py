@@ -306,14 +306,13 @@ def test_staged_copy_follows_a_late_write_to_its_history():
     cache.close()
 
 
-def test_back_to_back_chunks_are_planned_for_copies_ahead(monkeypatch):
-    """A staged chunk over tables marked back to back, called while the previous staged call's
-    kernel still runs, is planned as a copy that runs ahead (``ops._pipelined``: coarse pieces,
-    the pieces of the step's own pages apart); over unmarked tables it is not. Ragged batch, the
-    step's own tokens of layer 1 rewritten (recorded host writes its copy follows), poisoned
-    outputs; every call matches the reference."""
-    from directkv_cute import ops, staging
-    from directkv_cute.ops import paged_attention_tables
+def test_back_to_back_chunks_are_planned_for_copies_ahead():
+    """A staged chunk over tables marked back to back (a model step's layers) is planned as a copy
+    that runs ahead of the current stream (coarse pieces, the pieces of the step's own pages
+    apart); over unmarked tables it is not. Both run while an earlier kernel still occupies the
+    GPU. Ragged batch, the step's own tokens of layer 1 rewritten (recorded host writes its copy
+    follows), poisoned outputs; every call matches the reference."""
+    from directkv_cute import DirectKVAttention
     from directkv_cute.reference import paged_attention_ref
 
     dtype = torch.bfloat16
@@ -325,19 +324,18 @@ def test_back_to_back_chunks_are_planned_for_copies_ahead(monkeypatch):
     for sid, n, ql in zip(ids, lens, q_lens):
         cache.write(sid, 1, n - ql, torch.randn(ql, 8, 128, device="cuda", generator=g).to(dtype),
                     torch.randn(ql, 8, 128, device="cuda", generator=g).to(dtype))
-    plain, marked = cache.kernel_tables(ids), cache.kernel_tables(ids, back_to_back=True)
-    torch.cuda.synchronize()  # nothing staged is running
-    seen = []
-    real = ops.staging_choice
-    monkeypatch.setattr(ops, "staging_choice", lambda *a: seen.append(real(*a)) or seen[-1])
-    torch.cuda._sleep(100_000_000)  # about 50 ms: the calls below queue behind it
-    outs = [(0, paged_attention_tables(q, cache, 0, plain, q_lens, out=torch.full_like(q, float("nan"))))]
-    assert staging.busy(q.device, torch.cuda.current_stream()), "the host waited for the GPU"
-    outs.append((0, paged_attention_tables(q, cache, 0, plain, q_lens, out=torch.full_like(q, float("nan")))))
-    outs.append((1, paged_attention_tables(q, cache, 1, marked, q_lens, out=torch.full_like(q, float("nan")))))
+    plain, marked = DirectKVAttention(cache), DirectKVAttention(cache)
+    plain_plan = plain.plan(tables=cache.kernel_tables(ids), q_lens=q_lens, num_q_heads=32, cascade=False)
+    marked_plan = marked.plan(tables=cache.kernel_tables(ids, back_to_back=True), q_lens=q_lens, num_q_heads=32,
+                              cascade=False)
+    assert plain_plan.staged and not plain_plan.copy_ahead, plain_plan.explain()
+    assert marked_plan.staged and marked_plan.copy_ahead, marked_plan.explain()
     torch.cuda.synchronize()
-    assert len(seen) == 2 and not seen[0][0].pipelined, seen  # the unmarked tables' plan made once
-    assert seen[1][0].pipelined and seen[1][0].staged, "the marked call was not planned as a copy ahead"
+    torch.cuda._sleep(100_000_000)  # about 50 ms: the calls below queue behind it
+    outs = [(0, plain.run(q, 0, out=torch.full_like(q, float("nan")))),
+            (0, plain.run(q, 0, out=torch.full_like(q, float("nan")))),
+            (1, marked.run(q, 1, out=torch.full_like(q, float("nan"))))]
+    torch.cuda.synchronize()
     for layer, out in outs:
         ref_o, _ = paged_attention_ref(q, cache, layer, ids, q_lens, None)
         assert not torch.isnan(out).any()

@@ -388,18 +388,18 @@ def test_lookup_finds_the_profile_by_its_file_spelling(capsys, tmp_path):
     assert rc == 0 and "source:  exact" in out and f"gpu:     {GPU}" in out
 
 
-def test_op_kernel_is_the_ops_rule(monkeypatch):
-    from directkv_cute import ops
+def test_op_kernel_is_the_planners_in_place_rule():
+    """``directkv-tune lookup`` names the kernel ``op_kernel`` gives; it is the one the planner
+    runs in place (a capture plans in place) for every GQA group and query length."""
+    from directkv_cute.machine import H200, DeviceInfo
+    from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
 
-    monkeypatch.setattr(ops, "_lookup", lambda kernel, *a: kernel)
-
-    class Cache:
-        dtype, head_dim, page_size = torch.bfloat16, 128, 64
-
+    device = DeviceInfo("H", 132, 2**37, capturing=True)
     for group in (1, 4, 8, 16, 64):
         for q_len in (1, 2, 8, 16, 17, 32, 33, 128, 129, 2048):
-            cfg, kernel = ops.select_config(Cache(), group, q_len, 1, 4096, None)
-            assert kernel == cfg == op_kernel(group, q_len), (group, q_len)
+            shape = CallShape.example([4096], [q_len], num_q_heads=group, num_kv_heads=1)
+            kernel = plan_attention(shape, device, H200, DefaultConfigs()).kernel
+            assert kernel == op_kernel(group, q_len), (group, q_len, kernel)
     assert op_kernel(1, STREAM_MAX_ROWS) == "decode" and op_kernel(1, STREAM_MAX_ROWS + 1) == "multi_token"
 
 

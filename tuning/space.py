@@ -500,7 +500,7 @@ class QTiledSpace(KernelSpace):
     Only the fields that generate code are tuned (the spec's ``codegen_fields``): the KV tile,
     the ring depth, the carveout, the consumers' pingpong and the cluster. The launch
     fields (``piece_pages``, ``splits``, ``order``) stay 0: the op's cost model picks them per call
-    from the call's tiers and lengths (``ops._q_tiled_route``), and the measured launch (all pages
+    from the call's tiers and lengths (``directkv_cute.planner``), and the measured launch (all pages
     in HBM: no staging, one split) does not read them. Legality is the spec's: the config's rules
     (tile_n 64/128, the ring and the Q tile within SMEM under the carveout) and the GQA group.
     """
