@@ -385,7 +385,12 @@ def plan_attention(shape: CallShape, device: DeviceInfo, machine: MachineModel, 
 
 
 def _done(plan: AttentionPlan, shape: CallShape, machine: MachineModel) -> AttentionPlan:
-    return dataclasses.replace(plan, shape=shape, machine=machine.name)
+    """The plan, and the capture fallback it carries, stamped with the call they were made for
+    (the runner compiles and launches from ``plan.shape``)."""
+    capture = plan.capture
+    if capture is not None and capture.shape is None:
+        capture = dataclasses.replace(capture, shape=shape, machine=machine.name)
+    return dataclasses.replace(plan, shape=shape, machine=machine.name, capture=capture)
 
 
 def _plan_16bit(shape, device, machine, configs, config) -> AttentionPlan:

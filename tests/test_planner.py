@@ -119,6 +119,30 @@ def test_every_route_is_reached_and_named_once():
     assert seen == set(ROUTES)
 
 
+def _sub_plans(plan):
+    yield plan
+    for sub in (plan.capture, plan.inner, *(p.plan for p in plan.passes)):
+        if sub is not None:
+            yield from _sub_plans(sub)
+
+
+def test_every_plan_and_fallback_knows_its_call():
+    """The runner compiles and launches from ``plan.shape``: the plan, its capture fallback, an
+    inner plan and every cascade pass carry the shape of the call they run."""
+    shapes = [CallShape.example(lens, q, tier=tier, page_dtype=torch.float8_e4m3fn if fp8 else None)
+              for lens, q, tier, fp8 in [([4096], [1], "host", False), ([8192], [64], "host", False),
+                                         ([32768], [2048], "hbm", False), ([32768], [2048], "host", False),
+                                         ([32768], [1], "host", False), ([4096], [1], "host", True),
+                                         ([32768], [1], "host", True), ([32768], [4], "host", True),
+                                         ([8192], [2048], "host", True), ([8192], [64], "host", True)]]
+    checked = 0
+    for shape in shapes:
+        for sub in _sub_plans(plan_attention(shape, FACTS, H200, DefaultConfigs())):
+            assert sub.shape is not None and sub.machine, (sub.route, shape.seq_lens, shape.q_lens)
+            checked += 1
+    assert checked > len(shapes)  # some plans carry fallbacks or inner plans
+
+
 def test_a_plan_made_again_for_the_same_values_is_the_same_plan(monkeypatch):
     """Through the API, a shape planned again (another layer's call) reuses the plan: by the
     values of the shape, never by an object's identity."""
