@@ -12,7 +12,7 @@ import torch
 
 from directkv_cute.cache.pages import MAX_PAGES, CacheState, PageBook, SeqPages, Tier, check_int, check_tier
 from directkv_cute.cache.pools import DevicePools, page_bytes, resolve_device, resolve_dtypes
-from directkv_cute.cache.tables import KernelTables, TokenSlots, build_kernel_tables, check_tables
+from directkv_cute.cache.tables import KernelTables, TokenSlots, build_kernel_tables, check_slots, check_tables
 from directkv_cute.config import SUPPORTED_PAGE_SIZES
 
 
@@ -296,7 +296,23 @@ class PagedKVCache:
         returned; the capacity for those copies is checked before any is made.
         """
         entry, off = self.token_entries(seq_ids, starts, counts)
-        return TokenSlots.build(entry, off, self.device, self.mirror_entries(seq_ids, starts, counts))
+        return self.build_slots(entry, off, self.mirror_entries(seq_ids, starts, counts))
+
+    @_locked
+    def build_slots(self, entry: np.ndarray, off: np.ndarray, mirror: np.ndarray | None = None) -> TokenSlots:
+        """``TokenSlots`` of per-token page entries and rows (``token_entries``, several calls
+        concatenated) and window pages (``mirror_entries``), stamped with this cache's identity
+        and slot generation now: ``write_slots`` refuses them once a page may have changed owner
+        since (freed, moved, copied, forked or mirrored). Take the entries after the last such
+        change the slots are meant to see."""
+        self._check_open()
+        return TokenSlots.build(entry, off, self.device, mirror, cache_id=id(self),
+                                generation=self._book.slot_generation)
+
+    def check_slots(self, slots: TokenSlots) -> None:
+        """Raise ``StaleTablesError`` unless ``slots`` came from this cache (``token_slots`` /
+        ``build_slots``) and no page has changed owner since (``TypeError`` for non-slots)."""
+        check_slots(slots, id(self), self._book.slot_generation)
 
     @_locked
     def mirror_entries(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
@@ -344,6 +360,8 @@ class PagedKVCache:
         engine then copies this layer of those pages into their host pages on a side stream
         (ordered after this write), off the current stream's path; every later operation of the
         cache that reads host pages, and every ``kernel_tables`` call, waits for it first."""
+        self._check_open()
+        self.check_slots(slots)
         layer = self._check_layer(layer)
         n = self._pools.check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
@@ -356,6 +374,8 @@ class PagedKVCache:
     def copy_mirrors_to_host(self, slots: TokenSlots, layer: int) -> None:
         """The host half of ``write_slots(defer_host=True)`` for a writer that stored the slots'
         mirrored tokens itself (``kv_project``): queue the copies of this layer of their pages."""
+        self._check_open()
+        self.check_slots(slots)
         self._copy_back(self._check_layer(layer), slots.runs)
 
     def note_host_write(self, pages=None) -> None:
@@ -364,9 +384,16 @@ class PagedKVCache:
         recorded; call this after a write by other means (``kv_project`` into
         ``kv_proj.cache_destinations``), so that staged attention calls copy those pages after it."""
         if isinstance(pages, TokenSlots):
+            with self._lock:
+                self.check_slots(pages)
             pages = pages.host_pages
         elif pages is not None:
-            pages = np.unique(np.asarray(pages, dtype=np.int64).reshape(-1))
+            if isinstance(pages, torch.Tensor):
+                pages = pages.detach().cpu().numpy()
+            raw = np.asarray(pages)
+            if raw.size and (raw.dtype.kind not in "iu"):
+                raise TypeError(f"host pages must be integers (page indices), got {raw.dtype} values")
+            pages = np.unique(raw.astype(np.int64).reshape(-1))
             if pages.size and (pages[0] < 0 or pages[-1] >= self._capacity["host"]):
                 raise IndexError(f"host pages {pages[0]}..{pages[-1]} outside the pool's {self._capacity['host']}")
         with self._lock:
@@ -473,7 +500,8 @@ class PagedKVCache:
 
     def check_tables(self, tables: KernelTables) -> None:
         """Raise ``StaleTablesError`` unless ``tables`` came from this cache's ``kernel_tables``
-        and no page has been freed, moved or copied-on-write since (two integer compares)."""
+        and no page has been freed, moved or copied-on-write, nor any sequence freed, since (two
+        integer compares); ``TypeError`` unless they are ``KernelTables``."""
         check_tables(tables, id(self), self._book.generation)
 
     # ---- internals -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ last page, copy-on-write, a move between tiers, a mirror of a page with history)
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -107,7 +108,10 @@ class PageBook:
     ``num_window_pages`` HBM pages numbered after the HBM tier's (``mirror``).
 
     ``generation`` goes up whenever an existing page changes owner or meaning (freed, moved,
-    copied on write, a mirror dropped): tables built before then are stale.
+    copied on write, a mirror dropped) or a sequence is freed: kernel tables built before then
+    are stale. ``slot_generation`` goes up with it and also when a page gains a sharer (fork) or
+    a mirror: token slots taken before then would write a page another sequence reads, or miss
+    a mirror the tables name.
     """
 
     def __init__(self, capacity: dict[str, int], page_size: int, num_window_pages: int = 0,
@@ -116,6 +120,7 @@ class PageBook:
         self.page_size = page_size
         self.copy_page = copy_page
         self.generation = 0
+        self.slot_generation = 0
         self.refs = {tier: np.zeros(n, dtype=np.int32) for tier, n in self.capacity.items()}
         # Free lists are stacks popped from the end, so pages are handed out in increasing order.
         self.free = {tier: list(range(n - 1, -1, -1)) for tier, n in self.capacity.items()}
@@ -232,17 +237,23 @@ class PageBook:
         if n == 0:
             return 0
         made = 0
-        for lp in range(start // self.page_size, (start + n - 1) // self.page_size + 1):
+        ps = self.page_size
+        for lp in range(start // ps, (start + n - 1) // ps + 1):
             if lp in seq.mirrors or seq.pages[lp] < 0:
                 continue
             if not self.free_window:
                 break
             w = self.free_window.pop()
             seq.mirrors[lp] = w
-            if lp * self.page_size < start:  # history in the page: the mirror starts as its copy
+            # Tokens of the page outside the range (before it, or after it up to the sequence's
+            # end) hold what the host page holds: the mirror starts as its copy. Only the range's
+            # own tokens, the ones about to be written, are left to the writes.
+            if lp * ps < start or min((lp + 1) * ps, seq.length) > start + n:
                 self.copy_page(seq.pages[lp], encode_page("hbm", w))
             made += 1
         seq._table = None
+        if made:
+            self.slot_generation += 1  # slots taken before would miss the mirrors
         return made
 
     def release_mirrors(self, seq_id: int, keep_partial: bool = True) -> int:
@@ -270,6 +281,7 @@ class PageBook:
             new_id = self.add_sequence()
             self.seqs[new_id].add_entries(entries)
             self.seqs[new_id].length = length
+            self.slot_generation += 1  # its pages gained a sharer
             return new_id
         n_full = seq.length // self.page_size
         partial = seq.pages[n_full:]  # [] or [the partial last page]
@@ -286,6 +298,7 @@ class PageBook:
         new_id = self.add_sequence()
         self.seqs[new_id].add_entries(entries)
         self.seqs[new_id].length = seq.length
+        self.slot_generation += 1  # its full pages gained a sharer
         return new_id
 
     def free_sequence(self, seq_id: int) -> None:
@@ -295,6 +308,7 @@ class PageBook:
         for entry in seq.pages:
             self.decref(entry)
         del self.seqs[seq_id]
+        self.changed()  # tables and slots naming the sequence are refused from now on
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Shorten the sequence to its first ``length`` tokens; a shared page that becomes the
@@ -347,8 +361,11 @@ class PageBook:
         the last pages; "strided": page i iff floor((i + 1) * f) > floor(i * f)), the rest in host
         memory; capacity for both directions checked first."""
         seq = self.seq(seq_id)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+        if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, numbers.Real):
+            raise TypeError(f"fraction must be a real number in [0, 1], got {type(fraction).__name__} {fraction!r}")
+        fraction = float(fraction)
+        if not math.isfinite(fraction) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be a finite number in [0, 1], got {fraction!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         n = len(seq.pages)
@@ -371,6 +388,11 @@ class PageBook:
         self.move_pages(seq_id, to_hbm, "hbm")
 
     # ---- page-level steps ------------------------------------------------------------------
+    def changed(self) -> None:
+        """A page changed owner or meaning: tables and slots built before are stale."""
+        self.generation += 1
+        self.slot_generation += 1
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
@@ -394,14 +416,14 @@ class PageBook:
         self.refs[tier][index] -= 1
         if self.refs[tier][index] == 0:
             self.free[tier].append(index)
-            self.generation += 1
+            self.changed()
 
     def release(self, entry: int) -> None:
         """Return a page to its free list whatever its refcount (its users were repointed)."""
         tier, index = decode_page(entry)
         self.refs[tier][index] = 0
         self.free[tier].append(index)
-        self.generation += 1
+        self.changed()
 
     def drop_mirrors(self, seq: SeqPages, logical_pages: list[int]) -> None:
         """Return the given logical pages' mirrors to the window (tables naming them go stale)."""
@@ -409,7 +431,7 @@ class PageBook:
             self.free_window.append(seq.mirrors.pop(lp))
         if logical_pages:
             seq._table = None
-            self.generation += 1
+            self.changed()
 
     def shared_pages(self, seq: SeqPages, start: int, stop: int) -> list[int]:
         """Logical pages holding tokens [start, stop) whose physical page is shared."""
@@ -435,4 +457,4 @@ class PageBook:
             self.copy_page(old, new)
             self.decref(old)
             seq.set_entry(lp, new)
-            self.generation += 1
+            self.changed()

@@ -10,7 +10,6 @@ enter the cache; their query rows get zeros.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Sequence
 
@@ -168,8 +167,8 @@ class DirectKVCache(Cache):
         hbm_pages = hbm_budget // page_bytes(self.spec.num_layers, self.spec.num_kv_heads, page_size,
                                              self.spec.head_dim, page_dtype)
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
-        host_pages = math.ceil(max_tokens / page_size) + max_batch_size
-        window_pages = math.ceil(window_tokens / page_size) + 2 * max_batch_size if window_tokens else 0
+        host_pages = -(-max_tokens // page_size) + max_batch_size
+        window_pages = -(-window_tokens // page_size) + 2 * max_batch_size if window_tokens else 0
         # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
         with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
             self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
