@@ -25,13 +25,18 @@ def directkv_attention(module, query, key, value, attention_mask, scaling=None, 
         raise RuntimeError("attn_implementation='directkv' needs a directkv_cute.hf.DirectKVCache as the "
                            "model's cache (generate(..., past_key_values=cache))")
     cache, layer_idx, _ = pending
-    if getattr(module, "layer_idx", layer_idx) != layer_idx:
-        raise RuntimeError(f"attention of layer {module.layer_idx} after the cache update of layer {layer_idx}")
-    if dropout:
-        raise UnsupportedModelError("attention dropout is not supported (inference only)")
-    for feature in ("sliding_window", "softcap", "s_aux", "sinks"):
-        if kwargs.get(feature) is not None:
-            raise UnsupportedModelError(f"attention with {feature}={kwargs[feature]!r} is not supported by DirectKV")
+    try:  # a refusal at any layer rolls back the step earlier layers stored
+        if getattr(module, "layer_idx", layer_idx) != layer_idx:
+            raise RuntimeError(f"attention of layer {module.layer_idx} after the cache update of layer {layer_idx}")
+        if dropout:
+            raise UnsupportedModelError("attention dropout is not supported (inference only)")
+        for feature in ("sliding_window", "softcap", "s_aux", "sinks"):
+            if kwargs.get(feature) is not None:
+                raise UnsupportedModelError(f"attention with {feature}={kwargs[feature]!r} is not supported by "
+                                            "DirectKV")
+    except BaseException:
+        cache.abort_step()
+        raise
     return cache.attend(module, query, key, value, attention_mask, scaling, layer_idx), None
 
 
