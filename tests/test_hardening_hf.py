@@ -262,3 +262,33 @@ def test_a_step_from_another_thread_while_one_is_in_flight_is_refused():
     t.join(60)
     assert len(errors) == 3 and all("one generation at a time" in str(e) for e in errors)
     assert looks(cache) == before
+
+
+def test_an_attention_call_without_its_cache_update_at_layer_1_rolls_the_step_back(monkeypatch):
+    model = llama(layers=3)
+    ids, mask = prompts([14, 10])
+    cache = cache_for(model)
+    real = dkhf.DirectKVCache.update
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = real(self, key_states, value_states, layer_idx, *args, **kwargs)
+        return (k.clone() if layer_idx == 1 else k), v  # not what the hand-off holds
+
+    monkeypatch.setattr(dkhf.DirectKVCache, "update", update)
+    with pytest.raises(RuntimeError, match="DirectKVCache"):
+        generate(model, cache, ids, mask, max_new_tokens=3)
+    assert holds(cache) == holds(cache_for(model))
+
+
+def test_a_page_size_of_zero_is_a_value_error():
+    with pytest.raises(ValueError, match="page_size"):
+        cache_for(llama(), page_size=0)
+
+
+def test_a_cache_for_other_kv_heads_is_refused_before_anything_is_stored():
+    ids, mask = prompts([12, 9])
+    cache = cache_for(llama(hkv=2))
+    before = looks(cache)
+    with pytest.raises(dkhf.UnsupportedModelError, match="KV heads 1 .the cache: 2."):
+        generate(llama(hkv=1), cache, ids, mask, max_new_tokens=2)
+    assert looks(cache) == before

@@ -91,7 +91,14 @@ from directkv_cute.cache.pages import (
     encode_page,
 )
 from directkv_cute.cache.pools import CPU_ONLY_DTYPES, PAGE_DTYPES, SUPPORTED_DTYPES, DevicePools, page_bytes
-from directkv_cute.cache.tables import KernelTables, StaleTablesError, TokenSlots
+from directkv_cute.cache.tables import (
+    KernelTables,
+    StaleTablesError,
+    TokenSlots,
+    check_kernel_tables,
+    check_slots,
+    check_tables,
+)
 
 __all__ = [
     "CPU_ONLY_DTYPES",
@@ -111,6 +118,9 @@ __all__ = [
     "Tier",
     "TokenSlots",
     "UnknownSequenceError",
+    "check_kernel_tables",
+    "check_slots",
+    "check_tables",
     "decode_page",
     "encode_page",
     "page_bytes",

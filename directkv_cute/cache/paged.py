@@ -210,6 +210,12 @@ class PagedKVCache:
         """Per sequence, per logical page: whether it lives in HBM (``plan.decode_traffic`` input)."""
         return [(self._seq(s).table() < 0).tolist() for s in seq_ids]
 
+    @property
+    def page_generation(self) -> int:
+        """Goes up whenever a page changes owner or meaning, or a sequence is freed: kernel
+        tables built before are stale (``check_tables``)."""
+        return self._book.generation
+
     @_locked
     def state(self) -> CacheState:
         """A deep snapshot of the bookkeeping, for invariant checks and tests."""
@@ -324,9 +330,11 @@ class PagedKVCache:
     @_locked
     def mirror(self, seq_id: int, start: int, n: int) -> int:
         """Give the host pages holding tokens ``[start, start + n)`` (allocated) an HBM mirror
-        from the window, first page first, as far as free window pages go; a page already holding
-        tokens before ``start`` is copied into its mirror first (all layers). Pages in the HBM
-        tier, and pages already mirrored, are left as they are. Returns the pages mirrored now.
+        from the window, first page first, as far as free window pages go; a page also holding
+        tokens outside the range (before ``start``, or after it up to the sequence's end) is
+        copied into its mirror first (all layers), so the mirror differs from its host page only
+        in the range's own rows: the tokens the caller writes next. Pages in the HBM tier, and
+        pages already mirrored, are left as they are. Returns the pages mirrored now.
 
         From then on every write to such a page goes to both copies, and ``kernel_tables`` names
         the mirror while the host page is private (a shared page is read where its sharers read

@@ -22,6 +22,9 @@ def directkv_attention(module, query, key, value, attention_mask, scaling=None, 
     """The ``attn_implementation="directkv"`` attention function: (out (B, S, Hq, d), None)."""
     pending, HANDOFF.pending = HANDOFF.pending, None
     if pending is None or pending[2] is not key:
+        last = HANDOFF.last() if HANDOFF.last is not None else None
+        if last is not None:  # a layer that skipped the cache update: undo what the step stored
+            last.abort_step()
         raise RuntimeError("attn_implementation='directkv' needs a directkv_cute.hf.DirectKVCache as the "
                            "model's cache (generate(..., past_key_values=cache))")
     cache, layer_idx, _ = pending

@@ -16,6 +16,7 @@ A cache serves one generation at a time: the thread that runs its first step own
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
 from directkv_cute.cache import CacheCapacityError, PagedKVCache, page_bytes
+from directkv_cute.config import SUPPORTED_PAGE_SIZES
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.hf.model import (
     KERNEL_HEAD_DIMS,
@@ -43,9 +45,11 @@ from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 
 class _Handoff(threading.local):
-    """``update`` -> attention function hand-off within one thread (one layer at a time)."""
+    """``update`` -> attention function hand-off within one thread (one layer at a time), and
+    the cache of the thread's last update (a refusal before the hand-off rolls its step back)."""
 
     pending: tuple | None = None
+    last = None  # weakref.ref of the DirectKVCache of the thread's last update
 
 
 HANDOFF = _Handoff()
@@ -163,9 +167,11 @@ class DirectKVCache(Cache):
         device = torch.device(device)
         for name, value, low in (("max_tokens", max_tokens, 1), ("max_batch_size", max_batch_size, 1),
                                  ("hbm_budget", hbm_budget, 0), ("sink_pages", sink_pages, 0),
-                                 ("window_tokens", window_tokens, 0)):
+                                 ("window_tokens", window_tokens, 0), ("page_size", page_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
         if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
             raise UnsupportedModelError(
                 f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
@@ -215,6 +221,7 @@ class DirectKVCache(Cache):
             raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers "
                              "(a model with more layers than the cache was built for?); the step was rolled back")
         HANDOFF.pending = (self, layer_idx, key_states)
+        HANDOFF.last = weakref.ref(self)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -345,6 +352,7 @@ class DirectKVCache(Cache):
     def abort_step(self) -> None:
         """Roll back the step in flight, if one is (a refusal or an error part-way through it):
         its sequences back at their lengths before it, ``get_seq_length()`` too."""
+        self._enter()
         step = self._step
         if step is not None and not step.complete(self.spec.num_layers):
             self._rollback(step)
