@@ -113,6 +113,49 @@ def test_a_mirror_of_a_range_short_of_the_end_holds_the_pages_tokens():
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
+@pytest.mark.parametrize("how", ["append", "write", "token_slots", "note_host_write"])
+def test_a_mirror_of_written_tokens_holds_them(how):
+    cache = make(host=4, window=2)
+    junk = cache.add_sequence()  # leaves its bytes in the window pages
+    cache.append(junk, *rand(2 * P, 9))
+    cache.mirror(junk, 0, 2 * P)
+    cache.free(junk)
+    s = cache.add_sequence()
+    k, v = rand(2 * P, 0)
+    if how == "append":
+        cache.append(s, k, v)
+    else:
+        cache.extend(s, 2 * P)
+        for layer in range(L):
+            if how == "write":
+                cache.write(s, layer, 0, k[:, layer], v[:, layer])
+            elif how == "token_slots":
+                cache.write_slots(cache.token_slots([s], [0], [2 * P]), layer, k[:, layer], v[:, layer])
+            else:  # written by other means, then announced
+                for pos in range(2 * P):
+                    page = cache.page_table(s)[pos // P]
+                    cache.host_pool[page, layer, :, 0, pos % P] = k[pos, layer]
+                    cache.host_pool[page, layer, :, 1, pos % P] = v[pos, layer]
+        if how == "note_host_write":
+            cache.note_host_write(cache.page_table(s))
+    assert cache.mirror(s, 0, 2 * P) == 2
+    got_k, got_v = read_through_tables(cache, s)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_mirrors_of_pages_nothing_was_written_to_copy_nothing():
+    from directkv_cute.cache import PageBook
+
+    copies = []
+    book = PageBook({"host": 8, "hbm": 0}, P, 4, lambda src, dst: copies.append((src, dst)))
+    a = book.add_sequence()
+    book.extend(a, 2 * P)
+    assert book.mirror(a, 0, 2 * P) == 2 and copies == []
+    book.token_entries([a], [0], [2 * P])  # written from now on
+    book.release_mirrors(a, keep_partial=False)
+    assert book.mirror(a, 0, 2 * P) == 2 and len(copies) == 2
+
+
 def test_tables_of_a_freed_sequence_are_refused_even_when_its_pages_live_on():
     cache = make()
     a = cache.add_sequence()

@@ -330,11 +330,11 @@ class PagedKVCache:
     @_locked
     def mirror(self, seq_id: int, start: int, n: int) -> int:
         """Give the host pages holding tokens ``[start, start + n)`` (allocated) an HBM mirror
-        from the window, first page first, as far as free window pages go; a page also holding
-        tokens outside the range (before ``start``, or after it up to the sequence's end) is
-        copied into its mirror first (all layers), so the mirror differs from its host page only
-        in the range's own rows: the tokens the caller writes next. Pages in the HBM tier, and
-        pages already mirrored, are left as they are. Returns the pages mirrored now.
+        from the window, first page first, as far as free window pages go. A mirror starts as a
+        copy of its host page (all layers), except a page that ``extend`` handed out, that no
+        write went to since, and whose tokens all lie in the range: the writes to come fill that
+        one. Kernel tables naming a mirror thus read what its host page holds. Pages in the HBM
+        tier, and pages already mirrored, are left as they are. Returns the pages mirrored now.
 
         From then on every write to such a page goes to both copies, and ``kernel_tables`` names
         the mirror while the host page is private (a shared page is read where its sharers read
@@ -405,6 +405,7 @@ class PagedKVCache:
             if pages.size and (pages[0] < 0 or pages[-1] >= self._capacity["host"]):
                 raise IndexError(f"host pages {pages[0]}..{pages[-1]} outside the pool's {self._capacity['host']}")
         with self._lock:
+            self._book.written_host(pages)
             self._pools.log.record(pages)
 
     def host_writes(self) -> list[tuple[object, np.ndarray | None]]:
@@ -535,5 +536,6 @@ class PagedKVCache:
         """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their
         pages, window mirrors written through."""
         lsel = slice(None) if layer is None else layer
+        self._book.written(seq, start, k.shape[0])
         slots = TokenSlots.of(self._book, seq, start, k.shape[0], self.device, mirrors=True)
         self._pools.store(slots.parts + slots.mirrored, lsel, k, v, slots.host_pages)

@@ -128,6 +128,9 @@ class PageBook:
         self.free_window = list(range(hbm + num_window_pages - 1, hbm - 1, -1))
         self.seqs: dict[int, SeqPages] = {}
         self._next_id = 0
+        # Host pages ``extend`` handed out that no write was planned into since (``written``):
+        # nothing in them to copy into a mirror.
+        self.unwritten: set[int] = set()
 
     # ---- queries ---------------------------------------------------------------------------
     def seq(self, seq_id: int) -> SeqPages:
@@ -188,9 +191,25 @@ class PageBook:
         need = self.pages_for(seq.length + n) - len(seq.pages)
         self.require({tier: need}, f"extend sequence {seq_id} by {n} tokens")
         start = seq.length
-        seq.add_entries([encode_page(tier, self.alloc(tier)) for _ in range(need)])
+        new = [self.alloc(tier) for _ in range(need)]
+        seq.add_entries([encode_page(tier, i) for i in new])
+        if tier == "host":
+            self.unwritten.update(new)
         seq.length += n
         return start
+
+    def written(self, seq: SeqPages, start: int, n: int) -> None:
+        """Note that tokens [start, start + n) of the sequence are about to be written."""
+        if n and self.unwritten:
+            for lp in range(start // self.page_size, (start + n - 1) // self.page_size + 1):
+                self.unwritten.discard(seq.pages[lp])  # HBM entries are negative: never there
+
+    def written_host(self, pages) -> None:
+        """Note writes to host pages by other means (None: any page)."""
+        if pages is None:
+            self.unwritten.clear()
+        else:
+            self.unwritten.difference_update(int(p) for p in pages)
 
     def unshare_range(self, seq_id: int, start: int, stop: int) -> None:
         """Copy-on-write before a write of tokens [start, stop): private copies of the shared
@@ -220,6 +239,8 @@ class PageBook:
         self.require(needs, "copy-on-write of shared pages before a batched write")
         for seq, lps in shared:
             self.unshare(seq, lps)
+        for seq, start, n in spans:
+            self.written(seq, start, n)
         got = [self.entries(seq, start, n) for seq, start, n in spans]
         entry = np.concatenate([e for e, _ in got]) if got else np.zeros(0, np.int64)  # (total,)
         off = np.concatenate([o for _, o in got]) if got else np.zeros(0, np.int64)  # (total,)
@@ -245,10 +266,11 @@ class PageBook:
                 break
             w = self.free_window.pop()
             seq.mirrors[lp] = w
-            # Tokens of the page outside the range (before it, or after it up to the sequence's
-            # end) hold what the host page holds: the mirror starts as its copy. Only the range's
-            # own tokens, the ones about to be written, are left to the writes.
-            if lp * ps < start or min((lp + 1) * ps, seq.length) > start + n:
+            # The mirror starts as a copy of its host page, unless nothing was written there since
+            # ``extend`` handed it out and no token of the page lies outside the range (before it,
+            # or after it up to the sequence's end): then the writes to come fill it.
+            fresh = seq.pages[lp] in self.unwritten
+            if not fresh or lp * ps < start or min((lp + 1) * ps, seq.length) > start + n:
                 self.copy_page(seq.pages[lp], encode_page("hbm", w))
             made += 1
         seq._table = None
@@ -416,6 +438,8 @@ class PageBook:
         self.refs[tier][index] -= 1
         if self.refs[tier][index] == 0:
             self.free[tier].append(index)
+            if tier == "host":
+                self.unwritten.discard(index)
             self.changed()
 
     def release(self, entry: int) -> None:
@@ -423,6 +447,8 @@ class PageBook:
         tier, index = decode_page(entry)
         self.refs[tier][index] = 0
         self.free[tier].append(index)
+        if tier == "host":
+            self.unwritten.discard(index)
         self.changed()
 
     def drop_mirrors(self, seq: SeqPages, logical_pages: list[int]) -> None:
