@@ -89,13 +89,29 @@ def test_slots_from_another_cache_or_by_hand_are_refused_and_fresh_slots_write()
     with pytest.raises(StaleTablesError, match="another cache"):
         cache.write_slots(other.token_slots([o], [0], [P]), 0, k, v)
     entry, off = cache.token_entries([a], [0], [P])
+    taken_at = cache.page_generation
     with pytest.raises(StaleTablesError, match="another cache"):
         cache.write_slots(TokenSlots.build(entry, off, cache.device), 0, k, v)
     with pytest.raises(TypeError, match="TokenSlots"):
         cache.write_slots(None, 0, k, v)
     cache.extend(a, 3)  # growth gives no page a new owner: slots stay good
-    cache.write_slots(cache.build_slots(entry, off), 1, k, v)
+    cache.write_slots(cache.build_slots(entry, off, taken_at=taken_at), 1, k, v)
     assert torch.equal(cache.read(a, 1, 0, P)[0], k)
+
+
+def test_entries_taken_before_a_free_cannot_become_slots_over_the_next_owner():
+    cache = make()
+    a = cache.add_sequence()
+    cache.extend(a, P)
+    entry, off = cache.token_entries([a], [0], [P])
+    taken_at = cache.page_generation
+    cache.free(a)
+    b = cache.add_sequence()
+    kb, vb = rand(P, 1)
+    cache.append(b, kb, vb)  # takes a's page
+    with pytest.raises(StaleTablesError, match="stale token entries"):
+        cache.build_slots(entry, off, taken_at=taken_at)
+    assert torch.equal(cache.read(b, None)[0], kb)
 
 
 # ---- mirrors and tables never name bytes nobody wrote ----------------------------------------
@@ -243,3 +259,11 @@ def test_set_hbm_fraction_refuses_non_finite_out_of_range_and_non_numbers(fracti
     with pytest.raises(error, match=words):
         cache.set_hbm_fraction(s, fraction)
     assert cache.state() == before
+
+
+@pytest.mark.parametrize("nbytes", [2**70, sys.maxsize + 1])
+def test_a_pinned_buffer_beyond_the_address_space_is_a_memory_error(nbytes):
+    from directkv_cute._pinned import PinnedHostBuffer
+
+    with pytest.raises(MemoryError, match=str(nbytes)):
+        PinnedHostBuffer(nbytes)

@@ -292,3 +292,22 @@ def test_a_cache_for_other_kv_heads_is_refused_before_anything_is_stored():
     with pytest.raises(dkhf.UnsupportedModelError, match="KV heads 1 .the cache: 2."):
         generate(llama(hkv=1), cache, ids, mask, max_new_tokens=2)
     assert looks(cache) == before
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: c.reorder_cache([1.7, 0]),
+    lambda c: c.batch_select_indices(torch.tensor([0.5, 1.0])),
+    lambda c: c.reorder_cache(["1", "0"]),
+    lambda c: c.batch_repeat_interleave(2.5),
+    lambda c: c.check_request([1.5, 2], 3),
+    lambda c: c.check_request([1, 2], 3.5),
+], ids=["reorder-float", "select-float-tensor", "reorder-str", "repeat-float", "request-float", "request-new-float"])
+def test_non_integer_batch_indices_and_counts_are_refused_not_truncated(call):
+    model = llama()
+    ids, mask = prompts([12, 9])
+    cache = cache_for(model)
+    generate(model, cache, ids, mask, max_new_tokens=2)
+    before = looks(cache)
+    with pytest.raises(TypeError, match="int"):
+        call(cache)
+    assert looks(cache) == before

@@ -12,7 +12,14 @@ import torch
 
 from directkv_cute.cache.pages import MAX_PAGES, CacheState, PageBook, SeqPages, Tier, check_int, check_tier
 from directkv_cute.cache.pools import DevicePools, page_bytes, resolve_device, resolve_dtypes
-from directkv_cute.cache.tables import KernelTables, TokenSlots, build_kernel_tables, check_slots, check_tables
+from directkv_cute.cache.tables import (
+    KernelTables,
+    StaleTablesError,
+    TokenSlots,
+    build_kernel_tables,
+    check_slots,
+    check_tables,
+)
 from directkv_cute.config import SUPPORTED_PAGE_SIZES
 
 
@@ -302,16 +309,25 @@ class PagedKVCache:
         returned; the capacity for those copies is checked before any is made.
         """
         entry, off = self.token_entries(seq_ids, starts, counts)
-        return self.build_slots(entry, off, self.mirror_entries(seq_ids, starts, counts))
+        return self.build_slots(entry, off, self.mirror_entries(seq_ids, starts, counts),
+                                taken_at=self._book.generation)
 
     @_locked
-    def build_slots(self, entry: np.ndarray, off: np.ndarray, mirror: np.ndarray | None = None) -> TokenSlots:
+    def build_slots(self, entry: np.ndarray, off: np.ndarray, mirror: np.ndarray | None = None, *,
+                    taken_at: int) -> TokenSlots:
         """``TokenSlots`` of per-token page entries and rows (``token_entries``, several calls
         concatenated) and window pages (``mirror_entries``), stamped with this cache's identity
         and slot generation now: ``write_slots`` refuses them once a page may have changed owner
-        since (freed, moved, copied, forked or mirrored). Take the entries after the last such
-        change the slots are meant to see."""
+        since (freed, moved, copied, forked or mirrored).
+
+        ``taken_at``: ``page_generation`` read when the first of the entries were taken; the
+        entries are refused (``StaleTablesError``) if a page has been freed, moved or copied, or
+        a sequence freed, since. Forks and new mirrors in between are the caller's to mean:
+        a fork then shares what the slots write."""
         self._check_open()
+        if taken_at != self._book.generation:
+            raise StaleTablesError("stale token entries: a page they name was freed, moved or copied since they "
+                                   "were taken; take them again")
         return TokenSlots.build(entry, off, self.device, mirror, cache_id=id(self),
                                 generation=self._book.slot_generation)
 

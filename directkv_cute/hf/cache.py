@@ -40,7 +40,7 @@ from directkv_cute.hf.model import (
     text_config,
 )
 from directkv_cute.hf.step import BatchSequences, Step
-from directkv_cute.hf.step_plan import as_index_list
+from directkv_cute.hf.step_plan import as_count, as_index_list
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 
@@ -253,7 +253,8 @@ class DirectKVCache(Cache):
         raise NotImplementedError("DirectKVCache.crop (assisted / speculative decoding in generate) is not supported")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
+        repeats = as_count(repeats, "repeats", 1)
+        self._select([i for i in range(len(self._seqs)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
         self._select(as_index_list(indices))
@@ -282,6 +283,10 @@ class DirectKVCache(Cache):
         """Raise ``CacheCapacityError`` now if the batch rows, with ``lengths`` more real prompt
         tokens and ``max_new_tokens`` generated tokens each, would not fit (call before ``generate``)."""
         ps = self.kv.page_size
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+            raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
+        lengths = [as_count(n, "every prompt length") for n in lengths]
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
         rows = self._seqs or [None] * len(lengths)
         if len(rows) != len(lengths):
             raise ValueError(f"{len(lengths)} prompts for a cache holding {len(rows)} sequences")

@@ -211,7 +211,7 @@ class BatchSequences:
             for sid, start, n in zip(*spans):
                 kv.mirror(sid, start, n)
             entries = [(*kv.token_entries(*spans), kv.mirror_entries(*spans))]
-            pages_then = kv.page_generation  # no page may move or be freed until the slots are built
+            taken_at = kv.page_generation  # no page may move or be freed until the slots are built
             for (b, (a, m)), growth in zip(sorted(prefixes.items()), plans[len(uniq):]):
                 child = kv.fork(self.seqs[a], m)  # rows sharing an earlier row's prompt prefix fork it there
                 undo.created.append(child)
@@ -225,9 +225,7 @@ class BatchSequences:
                     kv.mirror(child, m, int(counts[b]) - m)
                     entries.append((*kv.token_entries(*span), kv.mirror_entries(*span)))
                     writers.append(b)
-            if kv.page_generation != pages_then:
-                raise RuntimeError("pages named by this step's store slots moved while the step was planned")
-            slots = kv.build_slots(*(np.concatenate([e[i] for e in entries]) for i in range(3)))
+            slots = kv.build_slots(*(np.concatenate([e[i] for e in entries]) for i in range(3)), taken_at=taken_at)
             seq_ids = [self.seqs[b] for b in rows]
             q_lens = [int(counts[b]) for b in rows]
             max_seq_len = max((kv.seq_len(sid) for sid in seq_ids), default=0)

@@ -9,6 +9,7 @@ every byte crosses the link once, as in the host-only cache.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,9 +175,35 @@ def fork_needs(tails: Sequence[str | None]) -> dict[str, int]:
 
 
 def as_index_list(indices) -> list[int]:
-    """Batch indices (a list, a tensor of indices or a bool mask) as a list of ints."""
+    """Batch indices (a sequence of ints, an integer tensor or a bool mask) as a list of ints;
+    ``TypeError`` for anything else (a float index is refused, never truncated)."""
     if isinstance(indices, torch.Tensor):
         if indices.dtype == torch.bool:
             indices = indices.nonzero().squeeze(1)
-        return [int(i) for i in indices.tolist()]
-    return [int(i) for i in indices]
+        elif indices.dtype.is_floating_point or indices.dtype.is_complex:
+            raise TypeError(f"batch indices must be integers, got a {indices.dtype} tensor")
+        return [int(i) for i in indices.reshape(-1).tolist()]
+    if isinstance(indices, np.ndarray):
+        if indices.dtype == np.bool_:
+            return [int(i) for i in np.flatnonzero(indices)]
+        indices = indices.reshape(-1).tolist()
+    if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
+        raise TypeError(f"batch indices must be a sequence of ints, got {type(indices).__name__}")
+    out = []
+    for i in indices:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"batch indices must be integers, got {type(i).__name__} {i!r}")
+        out.append(int(i))
+    return out
+
+
+def as_count(value, name: str, minimum: int = 0) -> int:
+    """A whole count (an int, a numpy integer or a 0-d integer tensor), at least ``minimum``."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+            and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
