@@ -311,3 +311,33 @@ def test_non_integer_batch_indices_and_counts_are_refused_not_truncated(call):
     with pytest.raises(TypeError, match="int"):
         call(cache)
     assert looks(cache) == before
+
+
+def test_a_refusal_in_one_thread_never_touches_a_cache_another_thread_owns():
+    from transformers import DynamicCache
+
+    model = llama()
+    ids, mask = prompts([12])
+    cache = cache_for(model, max_batch_size=1)
+    generate(model, cache, ids, mask, max_new_tokens=2)  # this thread's last update was to `cache`
+    cache.reset()
+    owned, leave = threading.Event(), threading.Event()
+
+    def other():
+        generate(model, cache, ids, mask, max_new_tokens=2)
+        owned.set()
+        leave.wait(60)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert owned.wait(120)
+        before = looks(cache)
+        model.set_attn_implementation("directkv")
+        with pytest.raises(RuntimeError, match="needs a directkv_cute.hf.DirectKVCache"), torch.no_grad():
+            model(ids, attention_mask=mask, **dkhf.cache_kwargs(model, DynamicCache(config=model.config)))
+        assert looks(cache) == before
+    finally:
+        model.set_attn_implementation("sdpa")
+        leave.set()
+        t.join(60)

@@ -24,7 +24,7 @@ def directkv_attention(module, query, key, value, attention_mask, scaling=None, 
     if pending is None or pending[2] is not key:
         last = HANDOFF.last() if HANDOFF.last is not None else None
         if last is not None:  # a layer that skipped the cache update: undo what the step stored
-            last.abort_step()
+            last.abort_own_step()
         raise RuntimeError("attn_implementation='directkv' needs a directkv_cute.hf.DirectKVCache as the "
                            "model's cache (generate(..., past_key_values=cache))")
     cache, layer_idx, _ = pending
@@ -38,7 +38,7 @@ def directkv_attention(module, query, key, value, attention_mask, scaling=None, 
                 raise UnsupportedModelError(f"attention with {feature}={kwargs[feature]!r} is not supported by "
                                             "DirectKV")
     except BaseException:
-        cache.abort_step()
+        cache.abort_own_step()
         raise
     return cache.attend(module, query, key, value, attention_mask, scaling, layer_idx), None
 

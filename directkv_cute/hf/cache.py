@@ -362,6 +362,12 @@ class DirectKVCache(Cache):
         if step is not None and not step.complete(self.spec.num_layers):
             self._rollback(step)
 
+    def abort_own_step(self) -> None:
+        """``abort_step`` when the calling thread owns the cache; otherwise nothing (a refusal
+        on the way must not turn into another thread's error)."""
+        if self._owner_thread is threading.current_thread():
+            self.abort_step()
+
     def _run_layer(self, module, layer_idx: int, run):
         """One layer of the step under the step's rules: the owner's thread only; at layer 0 the
         model's shape is checked and the last step must have run every layer; any refusal or
