@@ -326,9 +326,7 @@ class DirectKVCache(Cache):
             return
         try:
             spec = model_spec(config)
-        except UnsupportedModelError:
-            raise
-        except Exception:  # not a decoder config: the per-layer checks still hold
+        except (AttributeError, TypeError):  # not a decoder config: the per-layer checks still hold
             return
         theirs = [("layers", spec.num_layers, self.spec.num_layers)]
         if self.shard is None:
