@@ -341,3 +341,32 @@ def test_a_refusal_in_one_thread_never_touches_a_cache_another_thread_owns():
         model.set_attn_implementation("sdpa")
         leave.set()
         t.join(60)
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared-prompts", "separate"])
+def test_a_fused_step_refused_at_layer_1_leaves_the_cache_as_it_was(share):
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    dkhf.fuse_kv_projection(model)
+    ids, mask = prompts([20, 13])
+    kw = dict(max_new_tokens=4)
+
+    def fresh_cache():
+        return cache_for(model, dtype=torch.bfloat16, share_prompts=share)
+
+    try:
+        fresh = generate(model, fresh_cache(), ids, mask, **kw)
+        cache = fresh_cache()
+        generate(model, cache, ids[:, :-2], mask[:, :-2], max_new_tokens=1)
+        before = holds(cache)
+        model.model.layers[1].self_attn.train()
+        with pytest.raises(dkhf.UnsupportedModelError, match="inference only"):
+            generate(model, cache, ids, mask, **kw)
+        assert holds(cache) == before
+        model.eval()
+        cache.reset()
+        assert torch.equal(generate(model, cache, ids, mask, **kw), fresh)
+    finally:
+        dkhf.unfuse_kv_projection(model)
