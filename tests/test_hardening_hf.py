@@ -45,7 +45,7 @@ def cache_for(model, **kw):
 
 
 def generate(model, cache, ids, mask, **kw):
-    model.set_attn_implementation("directkv")
+    model.set_attn_implementation("directkv" if isinstance(cache, dkhf.DirectKVCache) else "sdpa")
     try:
         with torch.no_grad():
             return model.generate(ids, attention_mask=mask, pad_token_id=0, do_sample=False,
@@ -370,3 +370,20 @@ def test_a_fused_step_refused_at_layer_1_leaves_the_cache_as_it_was(share):
         assert torch.equal(generate(model, cache, ids, mask, **kw), fresh)
     finally:
         dkhf.unfuse_kv_projection(model)
+
+
+def test_beam_search_with_a_full_hbm_tier_forks_into_host_pages():
+    """Each sequence's share of the HBM tier holds its recent pages, the partial last one
+    included, so the tier is full when beams fork: the copies of the partial pages go to host
+    pages instead of refusing the reorder."""
+    from transformers import DynamicCache
+
+    from directkv_cute.cache import page_bytes
+
+    model = llama()
+    ids, mask = prompts([40, 27])
+    kw = dict(max_new_tokens=8, num_beams=3)
+    ref = generate(model, DynamicCache(config=model.config), ids, mask, **kw)
+    one = page_bytes(2, 2, 16, 16, torch.float32)
+    cache = cache_for(model, max_batch_size=6, hbm_budget=4 * one, sink_pages=1)
+    assert torch.equal(generate(model, cache, ids, mask, **kw), ref)

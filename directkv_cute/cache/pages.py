@@ -64,6 +64,26 @@ def check_tier(tier: str) -> Tier:
     return tier
 
 
+def fork_tiers(tails: Sequence[Tier | None], free: dict[str, int]) -> list[Tier | None]:
+    """The tier of each fork's copy of its sequence's partial last page, in order: the page's own
+    tier (``tails[i]``; None: the sequence ends on a full page, nothing to copy) while it has
+    free pages (``free``), else the other tier. ``CacheCapacityError`` when neither has one."""
+    left = {t: free.get(t, 0) for t in TIERS}
+    out: list[Tier | None] = []
+    for tier in tails:
+        if tier is not None:
+            if not left[tier]:
+                tier = "host" if tier == "hbm" else "hbm"
+            if not left[tier]:
+                copies = sum(t is not None for t in tails)
+                raise CacheCapacityError(f"cannot fork: {copies} partial last pages to copy, "
+                                         f"{free.get('host', 0)} host and {free.get('hbm', 0)} hbm pages free; "
+                                         "the cache is unchanged")
+            left[tier] -= 1
+        out.append(tier)
+    return out
+
+
 @dataclass(frozen=True)
 class CacheState:
     """A deep snapshot of the cache's bookkeeping (not its data), comparable with ``==``."""
@@ -307,13 +327,12 @@ class PageBook:
             return new_id
         n_full = seq.length // self.page_size
         partial = seq.pages[n_full:]  # [] or [the partial last page]
-        self.require(self.tier_counts(seq, range(n_full, len(seq.pages))), f"fork sequence {seq_id}")
+        dst = fork_tiers([decode_page(e)[0] for e in partial], {t: len(self.free[t]) for t in TIERS})
         entries = list(seq.pages[:n_full])
         for entry in entries:
             tier, index = decode_page(entry)
             self.refs[tier][index] += 1
-        for entry in partial:
-            tier = decode_page(entry)[0]
+        for entry, tier in zip(partial, dst):
             copy = encode_page(tier, self.alloc(tier))
             self.copy_page(entry, copy)
             entries.append(copy)

@@ -111,13 +111,10 @@ class BatchSequences:
     def check_forks(self, sids: list[int], what: str) -> None:
         """``CacheCapacityError`` unless the free pages cover a fork of each of ``sids`` (a fork
         copies the partial last page), before any is made."""
-        kv = self.kv
-        tails = [None if kv.seq_len(sid) % kv.page_size == 0 else
-                 "hbm" if kv.page_table(sid)[-1] < 0 else "host" for sid in sids]
-        for tier, n in fork_needs(tails).items():
-            if n > kv.free_pages(tier):
-                raise CacheCapacityError(f"{what} {n} sequences needs {n} free {tier} pages, "
-                                         f"{kv.free_pages(tier)} free; the cache is unchanged")
+        try:
+            fork_needs([self._tail(sid) for sid in sids], {t: self.kv.free_pages(t) for t in ("host", "hbm")})
+        except CacheCapacityError as exc:
+            raise CacheCapacityError(f"{what} {len(sids)} sequences: {exc}") from None
 
     def _hbm_pages(self, sid: int) -> list[int]:
         return [lp for lp, e in enumerate(self.kv.page_table(sid)) if e < 0]
@@ -154,11 +151,11 @@ class BatchSequences:
         n_seqs = (len(groups) if first_step else len(set(self.seqs)) + len(splits))
         quota = kv.num_pages("hbm") // max(1, n_seqs)
         free = {t: kv.free_pages(t) for t in ("host", "hbm")}
-        for tier, n in fork_needs([self._tail(sid) for sid, _ in splits]).items():
-            if n > free[tier]:
-                raise CacheCapacityError(f"rows that diverged forking {len(splits)} sequences needs {n} free {tier} "
-                                         f"pages, {free[tier]} free; the cache is unchanged")
-            free[tier] -= n
+        try:
+            for tier, n in fork_needs([self._tail(sid) for sid, _ in splits], free).items():
+                free[tier] -= n
+        except CacheCapacityError as exc:
+            raise CacheCapacityError(f"rows that diverged forking {len(splits)} sequences: {exc}") from None
         # Growing sequences: each existing one (its split copies grow like it), each new group
         # leader, then each prompt-prefix fork (its shared pages stay where their owner put them).
         if first_step:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from directkv_cute.cache import CacheCapacityError
+from directkv_cute.cache.pages import fork_tiers
 
 
 def hbm_targets(num_pages: int, quota: int, sink_pages: int) -> set[int]:
@@ -164,11 +165,13 @@ def stored_tokens(rows: Sequence[int], q_lens: Sequence[int], writers: Sequence[
     return [t for b in writers for t in range(int(cu[pos[b]]) + skip.get(b, 0), int(cu[pos[b] + 1]))]
 
 
-def fork_needs(tails: Sequence[str | None]) -> dict[str, int]:
-    """Free pages per tier that forks of sequences need: a fork copies the partial last page,
-    whose tier is ``tails[i]`` (None: the sequence ends on a full page, nothing to copy)."""
+def fork_needs(tails: Sequence[str | None], free: dict[str, int]) -> dict[str, int]:
+    """Free pages per tier that forks of sequences take: a fork copies the partial last page,
+    whose tier is ``tails[i]`` (None: the sequence ends on a full page, nothing to copy), into
+    that tier or, when it is full, the other (``cache.pages.fork_tiers``; ``CacheCapacityError``
+    when neither has room)."""
     need: dict[str, int] = {}
-    for tier in tails:
+    for tier in fork_tiers(tails, free):
         if tier is not None:
             need[tier] = need.get(tier, 0) + 1
     return need
