@@ -267,3 +267,84 @@ def test_a_pinned_buffer_beyond_the_address_space_is_a_memory_error(nbytes):
 
     with pytest.raises(MemoryError, match=str(nbytes)):
         PinnedHostBuffer(nbytes)
+
+
+def _ops():
+    from hypothesis import strategies as st
+
+    op = st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 3 * P)),
+        st.tuples(st.just("free"), st.integers(0, 5)),
+        st.tuples(st.just("fork"), st.integers(0, 5)),
+        st.tuples(st.just("truncate"), st.integers(0, 5), st.integers(0, 3 * P)),
+        st.tuples(st.just("move"), st.integers(0, 5), st.sampled_from(["host", "hbm"])),
+        st.tuples(st.just("mirror"), st.integers(0, 5)),
+        st.tuples(st.just("extend"), st.integers(0, 5), st.integers(0, P)),
+    )
+    return st.lists(op, max_size=6)
+
+
+def test_a_write_through_old_slots_is_refused_or_lands_only_in_their_own_sequence():
+    """Random operations between taking a sequence's slots and writing through them: the write
+    is refused (nothing written), or every other sequence reads what it read before."""
+    from hypothesis import given, settings
+
+    from directkv_cute.cache import CacheCapacityError
+
+    @settings(max_examples=150, deadline=None)
+    @given(_ops())
+    def run(ops):
+        cache = make(host=12, hbm=4, window=3)
+        a = cache.add_sequence()
+        cache.append(a, *rand(2 * P + 3, 0))
+        slots = cache.token_slots([a], [P], [P + 3])
+        for i, op in enumerate(ops):
+            live = cache.seq_ids
+            pick = (lambda j: live[j % len(live)]) if live else None
+            try:
+                if op[0] == "add":
+                    s = cache.add_sequence()
+                    cache.append(s, *rand(op[1], 10 + i))
+                elif pick is None:
+                    continue
+                elif op[0] == "free":
+                    cache.free(pick(op[1]))
+                elif op[0] == "fork":
+                    cache.fork(pick(op[1]))
+                elif op[0] == "truncate":
+                    s = pick(op[1])
+                    cache.truncate(s, min(op[2], cache.seq_len(s)))
+                elif op[0] == "move":
+                    s = pick(op[1])
+                    cache.move_pages(s, range(len(cache.page_table(s))), op[2])
+                elif op[0] == "mirror":
+                    s = pick(op[1])
+                    if cache.seq_len(s):
+                        cache.mirror(s, 0, cache.seq_len(s))
+                elif op[0] == "extend":
+                    s = pick(op[1])
+                    start = cache.extend(s, op[2])
+                    if op[2]:
+                        k, v = rand(op[2], 20 + i)
+                        for layer in range(L):
+                            cache.write(s, layer, start, k[:, layer], v[:, layer])
+            except CacheCapacityError:
+                pass
+        others = {s: cache.read(s, None) for s in cache.seq_ids if s != a}
+        k, v = torch.full((P + 3, H, D), 7.0), torch.full((P + 3, H, D), -7.0)
+        try:
+            cache.write_slots(slots, 1, k, v)
+        except StaleTablesError:
+            wrote = False
+        else:
+            wrote = True
+        for s, (ok, ov) in others.items():
+            got_k, got_v = cache.read(s, None)
+            assert torch.equal(got_k, ok) and torch.equal(got_v, ov), f"sequence {s} changed"
+        if wrote:
+            assert a in cache.seq_ids
+            assert torch.equal(cache.read(a, 1, P, 2 * P + 3)[0], k)
+            got_k, _ = read_through_tables(cache, a)
+            assert torch.equal(got_k[P : 2 * P + 3, 1], k)
+
+    run()

@@ -130,8 +130,8 @@ class PageBook:
     ``generation`` goes up whenever an existing page changes owner or meaning (freed, moved,
     copied on write, a mirror dropped) or a sequence is freed: kernel tables built before then
     are stale. ``slot_generation`` goes up with it and also when a page gains a sharer (fork) or
-    a mirror: token slots taken before then would write a page another sequence reads, or miss
-    a mirror the tables name.
+    a mirror, or a sequence is truncated: token slots taken before then would write a page
+    another sequence reads, miss a mirror the tables name, or write past a sequence's end.
     """
 
     def __init__(self, capacity: dict[str, int], page_size: int, num_window_pages: int = 0,
@@ -369,6 +369,7 @@ class PageBook:
         seq.pages = seq.pages[:keep]
         seq._table = None
         seq.length = length
+        self.slot_generation += 1  # slots may name tokens past the new end
         if partial_shared:
             self.unshare(seq, [last])
 
