@@ -624,9 +624,10 @@ class CacheMachine(RuleBasedStateMachine):
     def fork(self, data) -> None:
         s = self.pick(data)
         table = self.cache.page_table(s)
-        needs = {decode_page(table[-1])[0]: 1} if len(self.model[s]) % P else {}
+        # The copy of a partial last page goes to its own tier, or the other when that one is full.
+        short = bool(len(self.model[s]) % P) and not (self.cache.free_pages("host") + self.cache.free_pages("hbm"))
         child: list[int] = []
-        if self.attempt("fork", lambda: child.append(self.cache.fork(s)), self.short(needs)):
+        if self.attempt("fork", lambda: child.append(self.cache.fork(s)), short):
             event("fork")
             self.model[child[0]] = self.model[s].clone()
             assert self.cache.page_table(child[0])[: len(self.model[s]) // P] == table[: len(self.model[s]) // P]
