@@ -15,6 +15,7 @@ A cache serves one generation at a time: the thread that runs its first step own
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from collections.abc import Sequence
@@ -214,7 +215,7 @@ class DirectKVCache(Cache):
     # ---- transformers Cache API ----------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self._enter()
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or \
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or \
                 not 0 <= layer_idx < self.spec.num_layers:
             if self._step is not None:  # the step this forward's earlier layers stored
                 self._rollback(self._step)
