@@ -215,12 +215,18 @@ class DirectKVCache(Cache):
     # ---- transformers Cache API ----------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self._enter()
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral) or \
-                not 0 <= layer_idx < self.spec.num_layers:
-            if self._step is not None:  # the step this forward's earlier layers stored
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+            self.abort_step()
+            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
+        if layer_idx >= self.spec.num_layers:
+            # Layers 0 .. num_layers - 1 of this forward ran and stored the step: undo it.
+            if self._step is not None:
                 self._rollback(self._step)
             raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers "
                              "(a model with more layers than the cache was built for?); the step was rolled back")
+        if layer_idx < 0:
+            self.abort_step()
+            raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers")
         HANDOFF.pending = (self, layer_idx, key_states)
         HANDOFF.last = weakref.ref(self)
         return key_states, value_states
