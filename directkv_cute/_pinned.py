@@ -18,6 +18,7 @@ Without CUDA (``register=False``) the same allocation serves as an ordinary CPU 
 from __future__ import annotations
 
 import mmap
+import sys
 import weakref
 
 import torch
@@ -73,10 +74,15 @@ class PinnedHostBuffer:
 
     def __init__(self, nbytes: int, device: torch.device | None = None) -> None:
         """Map ``nbytes`` of host memory; if ``device`` is a CUDA device, register and map it there."""
-        if not isinstance(nbytes, int) or nbytes <= 0:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        if nbytes > sys.maxsize:
+            raise MemoryError(f"cannot map {nbytes} bytes: more than an allocation can address ({sys.maxsize} bytes)")
         self.nbytes = nbytes
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as exc:
+            raise MemoryError(f"cannot map {nbytes} bytes ({nbytes / 2**30:.3g} GiB) of host memory: {exc}") from exc
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)  # (nbytes,)
         self.host_ptr = self.tensor.data_ptr()
         self.device: torch.device | None = None

@@ -327,9 +327,6 @@ def test_capacity_errors_leave_the_cache_unchanged(randn):
     with pytest.raises(CacheCapacityError):
         cache.append(b, randn(30, L, H, D), randn(30, L, H, D))
     assert_unchanged(cache, before)
-    with pytest.raises(CacheCapacityError, match="fork"):
-        cache.fork(b)
-    assert_unchanged(cache, before)
     with pytest.raises(CacheCapacityError, match="copy-on-write"):
         cache.write(b, 0, 0, randn(1, H, D), randn(1, H, D))  # page 0 is shared with a
     assert_unchanged(cache, before)
@@ -338,6 +335,13 @@ def test_capacity_errors_leave_the_cache_unchanged(randn):
     assert_unchanged(cache, before)
     with pytest.raises(CacheCapacityError, match="set_hbm_fraction"):
         cache.set_hbm_fraction(b, 1.0)
+    assert_unchanged(cache, before)
+    c = cache.fork(b)  # the host tier is full: the copy of b's partial page takes the free HBM page
+    assert cache.page_table(c)[-1] < 0 and cache.free_pages("hbm") == 0
+    assert all(torch.equal(x, y) for x, y in zip(cache.read(c, None), cache.read(b, None)))
+    before = snapshot(cache)
+    with pytest.raises(CacheCapacityError, match="fork"):
+        cache.fork(b)  # both tiers full
     assert_unchanged(cache, before)
     assert isinstance(CacheCapacityError("x"), ValueError)
 
@@ -620,9 +624,10 @@ class CacheMachine(RuleBasedStateMachine):
     def fork(self, data) -> None:
         s = self.pick(data)
         table = self.cache.page_table(s)
-        needs = {decode_page(table[-1])[0]: 1} if len(self.model[s]) % P else {}
+        # The copy of a partial last page goes to its own tier, or the other when that one is full.
+        short = bool(len(self.model[s]) % P) and not (self.cache.free_pages("host") + self.cache.free_pages("hbm"))
         child: list[int] = []
-        if self.attempt("fork", lambda: child.append(self.cache.fork(s)), self.short(needs)):
+        if self.attempt("fork", lambda: child.append(self.cache.fork(s)), short):
             event("fork")
             self.model[child[0]] = self.model[s].clone()
             assert self.cache.page_table(child[0])[: len(self.model[s]) // P] == table[: len(self.model[s]) // P]

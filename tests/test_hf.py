@@ -496,9 +496,9 @@ def test_window_steps_read_new_tokens_from_hbm_and_generate_like_dynamic_cache(m
     def watch(self, step, query, key, value, scaling, layer_idx):
         marks.append(step.tables)
         if layer_idx == 0:
-            before = {sid: length for sid, length in step.undo}
+            before = dict(step.undo.lengths)  # sequences the step made were empty
             seen.append((step.tables.host_table.copy(), list(step.tables.host_seq_lens),
-                         [before[self._seqs[b]] for b in step.rows]))
+                         [before.get(self._seqs[b], 0) for b in step.rows]))
         return real(self, step, query, key, value, scaling, layer_idx)
 
     monkeypatch.setattr(dkhf.DirectKVCache, "_attend_layer", watch)

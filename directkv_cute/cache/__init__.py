@@ -51,6 +51,13 @@ Design choices
   host copies are current); a sequence's partial last page keeps its mirror from step to step, so
   after the first step nothing is copied into the window. Structural changes (fork, truncate,
   move, free) keep the mirrors consistent or drop them.
+* **Stale tables and slots** are refused, never used: ``KernelTables`` and ``TokenSlots`` carry
+  the identity of the cache that built them and its generation then. Tables go stale when a
+  page they name is freed, moved or copied on write, or a sequence is freed (``check_tables``,
+  ``check_kernel_tables``); slots go stale on those and also when a page gains a sharer (fork)
+  or a mirror (``check_slots``), so a write never lands in a page another sequence now owns or
+  reads. A mirror starts as a copy of its host page unless nothing was written to that page
+  since ``extend`` handed it out and the writes to come cover it.
 * **Writes** of GPU tensors go straight into the destination pages -- host pages through
   ``host_pool_cuda`` (the GPU stores into host memory over the link), no staging buffer -- as a
   few advanced-index stores covering all touched pages. All data movement (writes, copies,
@@ -91,7 +98,14 @@ from directkv_cute.cache.pages import (
     encode_page,
 )
 from directkv_cute.cache.pools import CPU_ONLY_DTYPES, PAGE_DTYPES, SUPPORTED_DTYPES, DevicePools, page_bytes
-from directkv_cute.cache.tables import KernelTables, StaleTablesError, TokenSlots
+from directkv_cute.cache.tables import (
+    KernelTables,
+    StaleTablesError,
+    TokenSlots,
+    check_kernel_tables,
+    check_slots,
+    check_tables,
+)
 
 __all__ = [
     "CPU_ONLY_DTYPES",
@@ -111,6 +125,9 @@ __all__ = [
     "Tier",
     "TokenSlots",
     "UnknownSequenceError",
+    "check_kernel_tables",
+    "check_slots",
+    "check_tables",
     "decode_page",
     "encode_page",
     "page_bytes",

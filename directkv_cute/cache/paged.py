@@ -12,7 +12,14 @@ import torch
 
 from directkv_cute.cache.pages import MAX_PAGES, CacheState, PageBook, SeqPages, Tier, check_int, check_tier
 from directkv_cute.cache.pools import DevicePools, page_bytes, resolve_device, resolve_dtypes
-from directkv_cute.cache.tables import KernelTables, TokenSlots, build_kernel_tables, check_tables
+from directkv_cute.cache.tables import (
+    KernelTables,
+    StaleTablesError,
+    TokenSlots,
+    build_kernel_tables,
+    check_slots,
+    check_tables,
+)
 from directkv_cute.config import SUPPORTED_PAGE_SIZES
 
 
@@ -210,6 +217,12 @@ class PagedKVCache:
         """Per sequence, per logical page: whether it lives in HBM (``plan.decode_traffic`` input)."""
         return [(self._seq(s).table() < 0).tolist() for s in seq_ids]
 
+    @property
+    def page_generation(self) -> int:
+        """Goes up whenever a page changes owner or meaning, or a sequence is freed: kernel
+        tables built before are stale (``check_tables``)."""
+        return self._book.generation
+
     @_locked
     def state(self) -> CacheState:
         """A deep snapshot of the bookkeeping, for invariant checks and tests."""
@@ -296,7 +309,32 @@ class PagedKVCache:
         returned; the capacity for those copies is checked before any is made.
         """
         entry, off = self.token_entries(seq_ids, starts, counts)
-        return TokenSlots.build(entry, off, self.device, self.mirror_entries(seq_ids, starts, counts))
+        return self.build_slots(entry, off, self.mirror_entries(seq_ids, starts, counts),
+                                taken_at=self._book.generation)
+
+    @_locked
+    def build_slots(self, entry: np.ndarray, off: np.ndarray, mirror: np.ndarray | None = None, *,
+                    taken_at: int) -> TokenSlots:
+        """``TokenSlots`` of per-token page entries and rows (``token_entries``, several calls
+        concatenated) and window pages (``mirror_entries``), stamped with this cache's identity
+        and slot generation now: ``write_slots`` refuses them once a page may have changed owner
+        since (freed, moved, copied, forked or mirrored).
+
+        ``taken_at``: ``page_generation`` read when the first of the entries were taken; the
+        entries are refused (``StaleTablesError``) if a page has been freed, moved or copied, or
+        a sequence freed, since. Forks and new mirrors in between are the caller's to mean:
+        a fork then shares what the slots write."""
+        self._check_open()
+        if taken_at != self._book.generation:
+            raise StaleTablesError("stale token entries: a page they name was freed, moved or copied since they "
+                                   "were taken; take them again")
+        return TokenSlots.build(entry, off, self.device, mirror, cache_id=id(self),
+                                generation=self._book.slot_generation)
+
+    def check_slots(self, slots: TokenSlots) -> None:
+        """Raise ``StaleTablesError`` unless ``slots`` came from this cache (``token_slots`` /
+        ``build_slots``) and no page has changed owner since (``TypeError`` for non-slots)."""
+        check_slots(slots, id(self), self._book.slot_generation)
 
     @_locked
     def mirror_entries(self, seq_ids: Sequence[int], starts: Sequence[int], counts: Sequence[int]) -> np.ndarray:
@@ -308,8 +346,10 @@ class PagedKVCache:
     @_locked
     def mirror(self, seq_id: int, start: int, n: int) -> int:
         """Give the host pages holding tokens ``[start, start + n)`` (allocated) an HBM mirror
-        from the window, first page first, as far as free window pages go; a page already holding
-        tokens before ``start`` is copied into its mirror first (all layers). Pages in the HBM
+        from the window, first page first, as far as free window pages go. A mirror starts as a
+        copy of its host page (all layers), except a page that ``extend`` handed out, that no
+        write went to since, and whose tokens all lie in the range: the writes to come fill that
+        one. Kernel tables naming a mirror thus read what its host page holds. Pages in the HBM
         tier, and pages already mirrored, are left as they are. Returns the pages mirrored now.
 
         From then on every write to such a page goes to both copies, and ``kernel_tables`` names
@@ -344,6 +384,8 @@ class PagedKVCache:
         engine then copies this layer of those pages into their host pages on a side stream
         (ordered after this write), off the current stream's path; every later operation of the
         cache that reads host pages, and every ``kernel_tables`` call, waits for it first."""
+        self._check_open()
+        self.check_slots(slots)
         layer = self._check_layer(layer)
         n = self._pools.check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
@@ -356,6 +398,8 @@ class PagedKVCache:
     def copy_mirrors_to_host(self, slots: TokenSlots, layer: int) -> None:
         """The host half of ``write_slots(defer_host=True)`` for a writer that stored the slots'
         mirrored tokens itself (``kv_project``): queue the copies of this layer of their pages."""
+        self._check_open()
+        self.check_slots(slots)
         self._copy_back(self._check_layer(layer), slots.runs)
 
     def note_host_write(self, pages=None) -> None:
@@ -364,12 +408,20 @@ class PagedKVCache:
         recorded; call this after a write by other means (``kv_project`` into
         ``kv_proj.cache_destinations``), so that staged attention calls copy those pages after it."""
         if isinstance(pages, TokenSlots):
+            with self._lock:
+                self.check_slots(pages)
             pages = pages.host_pages
         elif pages is not None:
-            pages = np.unique(np.asarray(pages, dtype=np.int64).reshape(-1))
+            if isinstance(pages, torch.Tensor):
+                pages = pages.detach().cpu().numpy()
+            raw = np.asarray(pages)
+            if raw.size and (raw.dtype.kind not in "iu"):
+                raise TypeError(f"host pages must be integers (page indices), got {raw.dtype} values")
+            pages = np.unique(raw.astype(np.int64).reshape(-1))
             if pages.size and (pages[0] < 0 or pages[-1] >= self._capacity["host"]):
                 raise IndexError(f"host pages {pages[0]}..{pages[-1]} outside the pool's {self._capacity['host']}")
         with self._lock:
+            self._book.written_host(pages)
             self._pools.log.record(pages)
 
     def host_writes(self) -> list[tuple[object, np.ndarray | None]]:
@@ -473,7 +525,8 @@ class PagedKVCache:
 
     def check_tables(self, tables: KernelTables) -> None:
         """Raise ``StaleTablesError`` unless ``tables`` came from this cache's ``kernel_tables``
-        and no page has been freed, moved or copied-on-write since (two integer compares)."""
+        and no page has been freed, moved or copied-on-write, nor any sequence freed, since (two
+        integer compares); ``TypeError`` unless they are ``KernelTables``."""
         check_tables(tables, id(self), self._book.generation)
 
     # ---- internals -------------------------------------------------------------------------
@@ -499,5 +552,6 @@ class PagedKVCache:
         """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their
         pages, window mirrors written through."""
         lsel = slice(None) if layer is None else layer
+        self._book.written(seq, start, k.shape[0])
         slots = TokenSlots.of(self._book, seq, start, k.shape[0], self.device, mirrors=True)
         self._pools.store(slots.parts + slots.mirrored, lsel, k, v, slots.host_pages)

@@ -16,6 +16,7 @@ last page, copy-on-write, a move between tiers, a mirror of a page with history)
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -63,6 +64,26 @@ def check_tier(tier: str) -> Tier:
     return tier
 
 
+def fork_tiers(tails: Sequence[Tier | None], free: dict[str, int]) -> list[Tier | None]:
+    """The tier of each fork's copy of its sequence's partial last page, in order: the page's own
+    tier (``tails[i]``; None: the sequence ends on a full page, nothing to copy) while it has
+    free pages (``free``), else the other tier. ``CacheCapacityError`` when neither has one."""
+    left = {t: free.get(t, 0) for t in TIERS}
+    out: list[Tier | None] = []
+    for tier in tails:
+        if tier is not None:
+            if not left[tier]:
+                tier = "host" if tier == "hbm" else "hbm"
+            if not left[tier]:
+                copies = sum(t is not None for t in tails)
+                raise CacheCapacityError(f"cannot fork: {copies} partial last pages to copy, "
+                                         f"{free.get('host', 0)} host and {free.get('hbm', 0)} hbm pages free; "
+                                         "the cache is unchanged")
+            left[tier] -= 1
+        out.append(tier)
+    return out
+
+
 @dataclass(frozen=True)
 class CacheState:
     """A deep snapshot of the cache's bookkeeping (not its data), comparable with ``==``."""
@@ -107,7 +128,10 @@ class PageBook:
     ``num_window_pages`` HBM pages numbered after the HBM tier's (``mirror``).
 
     ``generation`` goes up whenever an existing page changes owner or meaning (freed, moved,
-    copied on write, a mirror dropped): tables built before then are stale.
+    copied on write, a mirror dropped) or a sequence is freed: kernel tables built before then
+    are stale. ``slot_generation`` goes up with it and also when a page gains a sharer (fork) or
+    a mirror, or a sequence is truncated: token slots taken before then would write a page
+    another sequence reads, miss a mirror the tables name, or write past a sequence's end.
     """
 
     def __init__(self, capacity: dict[str, int], page_size: int, num_window_pages: int = 0,
@@ -116,6 +140,7 @@ class PageBook:
         self.page_size = page_size
         self.copy_page = copy_page
         self.generation = 0
+        self.slot_generation = 0
         self.refs = {tier: np.zeros(n, dtype=np.int32) for tier, n in self.capacity.items()}
         # Free lists are stacks popped from the end, so pages are handed out in increasing order.
         self.free = {tier: list(range(n - 1, -1, -1)) for tier, n in self.capacity.items()}
@@ -123,6 +148,9 @@ class PageBook:
         self.free_window = list(range(hbm + num_window_pages - 1, hbm - 1, -1))
         self.seqs: dict[int, SeqPages] = {}
         self._next_id = 0
+        # Host pages ``extend`` handed out that no write was planned into since (``written``):
+        # nothing in them to copy into a mirror.
+        self.unwritten: set[int] = set()
 
     # ---- queries ---------------------------------------------------------------------------
     def seq(self, seq_id: int) -> SeqPages:
@@ -183,9 +211,25 @@ class PageBook:
         need = self.pages_for(seq.length + n) - len(seq.pages)
         self.require({tier: need}, f"extend sequence {seq_id} by {n} tokens")
         start = seq.length
-        seq.add_entries([encode_page(tier, self.alloc(tier)) for _ in range(need)])
+        new = [self.alloc(tier) for _ in range(need)]
+        seq.add_entries([encode_page(tier, i) for i in new])
+        if tier == "host":
+            self.unwritten.update(new)
         seq.length += n
         return start
+
+    def written(self, seq: SeqPages, start: int, n: int) -> None:
+        """Note that tokens [start, start + n) of the sequence are about to be written."""
+        if n and self.unwritten:
+            for lp in range(start // self.page_size, (start + n - 1) // self.page_size + 1):
+                self.unwritten.discard(seq.pages[lp])  # HBM entries are negative: never there
+
+    def written_host(self, pages) -> None:
+        """Note writes to host pages by other means (None: any page)."""
+        if pages is None:
+            self.unwritten.clear()
+        else:
+            self.unwritten.difference_update(int(p) for p in pages)
 
     def unshare_range(self, seq_id: int, start: int, stop: int) -> None:
         """Copy-on-write before a write of tokens [start, stop): private copies of the shared
@@ -215,6 +259,8 @@ class PageBook:
         self.require(needs, "copy-on-write of shared pages before a batched write")
         for seq, lps in shared:
             self.unshare(seq, lps)
+        for seq, start, n in spans:
+            self.written(seq, start, n)
         got = [self.entries(seq, start, n) for seq, start, n in spans]
         entry = np.concatenate([e for e, _ in got]) if got else np.zeros(0, np.int64)  # (total,)
         off = np.concatenate([o for _, o in got]) if got else np.zeros(0, np.int64)  # (total,)
@@ -232,17 +278,24 @@ class PageBook:
         if n == 0:
             return 0
         made = 0
-        for lp in range(start // self.page_size, (start + n - 1) // self.page_size + 1):
+        ps = self.page_size
+        for lp in range(start // ps, (start + n - 1) // ps + 1):
             if lp in seq.mirrors or seq.pages[lp] < 0:
                 continue
             if not self.free_window:
                 break
             w = self.free_window.pop()
             seq.mirrors[lp] = w
-            if lp * self.page_size < start:  # history in the page: the mirror starts as its copy
+            # The mirror starts as a copy of its host page, unless nothing was written there since
+            # ``extend`` handed it out and no token of the page lies outside the range (before it,
+            # or after it up to the sequence's end): then the writes to come fill it.
+            fresh = seq.pages[lp] in self.unwritten
+            if not fresh or lp * ps < start or min((lp + 1) * ps, seq.length) > start + n:
                 self.copy_page(seq.pages[lp], encode_page("hbm", w))
             made += 1
         seq._table = None
+        if made:
+            self.slot_generation += 1  # slots taken before would miss the mirrors
         return made
 
     def release_mirrors(self, seq_id: int, keep_partial: bool = True) -> int:
@@ -270,22 +323,23 @@ class PageBook:
             new_id = self.add_sequence()
             self.seqs[new_id].add_entries(entries)
             self.seqs[new_id].length = length
+            self.slot_generation += 1  # its pages gained a sharer
             return new_id
         n_full = seq.length // self.page_size
         partial = seq.pages[n_full:]  # [] or [the partial last page]
-        self.require(self.tier_counts(seq, range(n_full, len(seq.pages))), f"fork sequence {seq_id}")
+        dst = fork_tiers([decode_page(e)[0] for e in partial], {t: len(self.free[t]) for t in TIERS})
         entries = list(seq.pages[:n_full])
         for entry in entries:
             tier, index = decode_page(entry)
             self.refs[tier][index] += 1
-        for entry in partial:
-            tier = decode_page(entry)[0]
+        for entry, tier in zip(partial, dst):
             copy = encode_page(tier, self.alloc(tier))
             self.copy_page(entry, copy)
             entries.append(copy)
         new_id = self.add_sequence()
         self.seqs[new_id].add_entries(entries)
         self.seqs[new_id].length = seq.length
+        self.slot_generation += 1  # its full pages gained a sharer
         return new_id
 
     def free_sequence(self, seq_id: int) -> None:
@@ -295,6 +349,7 @@ class PageBook:
         for entry in seq.pages:
             self.decref(entry)
         del self.seqs[seq_id]
+        self.changed()  # tables and slots naming the sequence are refused from now on
 
     def truncate(self, seq_id: int, length: int) -> None:
         """Shorten the sequence to its first ``length`` tokens; a shared page that becomes the
@@ -314,6 +369,7 @@ class PageBook:
         seq.pages = seq.pages[:keep]
         seq._table = None
         seq.length = length
+        self.slot_generation += 1  # slots may name tokens past the new end
         if partial_shared:
             self.unshare(seq, [last])
 
@@ -347,8 +403,11 @@ class PageBook:
         the last pages; "strided": page i iff floor((i + 1) * f) > floor(i * f)), the rest in host
         memory; capacity for both directions checked first."""
         seq = self.seq(seq_id)
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+        if isinstance(fraction, (bool, np.bool_)) or not isinstance(fraction, numbers.Real):
+            raise TypeError(f"fraction must be a real number in [0, 1], got {type(fraction).__name__} {fraction!r}")
+        fraction = float(fraction)
+        if not math.isfinite(fraction) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be a finite number in [0, 1], got {fraction!r}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
         n = len(seq.pages)
@@ -371,6 +430,11 @@ class PageBook:
         self.move_pages(seq_id, to_hbm, "hbm")
 
     # ---- page-level steps ------------------------------------------------------------------
+    def changed(self) -> None:
+        """A page changed owner or meaning: tables and slots built before are stale."""
+        self.generation += 1
+        self.slot_generation += 1
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_size)
 
@@ -394,14 +458,18 @@ class PageBook:
         self.refs[tier][index] -= 1
         if self.refs[tier][index] == 0:
             self.free[tier].append(index)
-            self.generation += 1
+            if tier == "host":
+                self.unwritten.discard(index)
+            self.changed()
 
     def release(self, entry: int) -> None:
         """Return a page to its free list whatever its refcount (its users were repointed)."""
         tier, index = decode_page(entry)
         self.refs[tier][index] = 0
         self.free[tier].append(index)
-        self.generation += 1
+        if tier == "host":
+            self.unwritten.discard(index)
+        self.changed()
 
     def drop_mirrors(self, seq: SeqPages, logical_pages: list[int]) -> None:
         """Return the given logical pages' mirrors to the window (tables naming them go stale)."""
@@ -409,7 +477,7 @@ class PageBook:
             self.free_window.append(seq.mirrors.pop(lp))
         if logical_pages:
             seq._table = None
-            self.generation += 1
+            self.changed()
 
     def shared_pages(self, seq: SeqPages, start: int, stop: int) -> list[int]:
         """Logical pages holding tokens [start, stop) whose physical page is shared."""
@@ -435,4 +503,4 @@ class PageBook:
             self.copy_page(old, new)
             self.decref(old)
             seq.set_entry(lp, new)
-            self.generation += 1
+            self.changed()

@@ -21,6 +21,7 @@ host-page write is noted in ``log`` (``HostWriteLog``).
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -101,7 +102,17 @@ class DevicePools:
         self.page_data_bytes = math.prod(self.page_shape) * dtype.itemsize
         self.page_scale_bytes = math.prod(self.scale_shape) * SCALE_DTYPE.itemsize if self.fp8 else 0
         self.page_bytes = page_bytes(num_layers, num_kv_heads, page_size, head_dim, dtype)
+        # Every size as a Python int, checked before anything is allocated: a pool no machine can
+        # address is one MemoryError naming its bytes, not an overflow deep in an allocator.
         host_bytes = capacity["host"] * self.page_data_bytes
+        hbm_pages = capacity["hbm"] + num_window_pages
+        hbm_bytes = hbm_pages * (self.page_data_bytes + self.page_scale_bytes)
+        for what, nbytes in ((f"host tier ({capacity['host']} pages of {self.page_bytes} bytes)",
+                              capacity["host"] * self.page_bytes),
+                             (f"HBM tier and window ({hbm_pages} pages of {self.page_bytes} bytes)", hbm_bytes)):
+            if nbytes > sys.maxsize:
+                raise MemoryError(f"the {what} needs {nbytes} bytes ({nbytes / 2**30:.3g} GiB), more than an "
+                                  f"allocation can address ({sys.maxsize} bytes); nothing was allocated")
         cuda = device if device.type == "cuda" else None
         try:
             self._host_buffer = PinnedHostBuffer(host_bytes, cuda)
@@ -116,10 +127,14 @@ class DevicePools:
                                if cuda is not None else None)
         # (num_hbm_pages + num_window_pages, L, Hkv, 2, page_size, d) on the cache device: the HBM
         # tier, then the window that mirrors pages being written.
-        self.hbm_pool = torch.zeros((capacity["hbm"] + num_window_pages, *self.page_shape), dtype=dtype,
-                                    device=device)
-        # FP8 scales (num_pages, L, Hkv, 2, page_size) float32: host (pinned, mapped) and HBM + window.
         self._scale_buffer = self.host_scales = self.host_scales_cuda = self.hbm_scales = None
+        try:
+            self.hbm_pool = torch.zeros((hbm_pages, *self.page_shape), dtype=dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            self._host_buffer.close()
+            raise MemoryError(f"cannot allocate {hbm_bytes} bytes ({hbm_bytes / 2**30:.3g} GiB) on {device} for "
+                              f"{hbm_pages} HBM and window pages of {self.page_bytes} bytes: {exc}") from exc
+        # FP8 scales (num_pages, L, Hkv, 2, page_size) float32: host (pinned, mapped) and HBM + window.
         if self.fp8:
             scale_bytes = capacity["host"] * self.page_scale_bytes
             try:
@@ -132,8 +147,13 @@ class DevicePools:
             self.host_scales_cuda = (self._scale_buffer.cuda_view(SCALE_DTYPE).view(capacity["host"],
                                                                                     *self.scale_shape)
                                      if cuda is not None else None)
-            self.hbm_scales = torch.zeros((capacity["hbm"] + num_window_pages, *self.scale_shape),
-                                          dtype=SCALE_DTYPE, device=device)
+            try:
+                self.hbm_scales = torch.zeros((hbm_pages, *self.scale_shape), dtype=SCALE_DTYPE, device=device)
+            except (RuntimeError, MemoryError) as exc:
+                self._host_buffer.close()
+                self._scale_buffer.close()
+                raise MemoryError(f"cannot allocate the FP8 scales of {hbm_pages} HBM and window pages on "
+                                  f"{device}: {exc}") from exc
         self.log = HostWriteLog(device)
         self._copy_stream = self._copy_done = None
         self._copy_pending = False

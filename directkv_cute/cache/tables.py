@@ -82,13 +82,42 @@ def build_kernel_tables(book: PageBook, seqs: list[SeqPages], device: torch.devi
 
 def check_tables(tables: KernelTables, cache_id: int, generation: int) -> None:
     """Raise ``StaleTablesError`` unless ``tables`` came from the cache ``cache_id`` at page
-    generation ``generation``."""
-    if getattr(tables, "cache_id", 0) != cache_id:
+    generation ``generation`` (``TypeError`` unless they are ``KernelTables``)."""
+    if not isinstance(tables, KernelTables):
+        raise TypeError(f"tables must be KernelTables from the cache's kernel_tables(), got {type(tables).__name__}")
+    if tables.cache_id != cache_id:
         raise StaleTablesError("kernel tables from another cache (or built by hand); build them with "
                                "this cache's kernel_tables()")
     if tables.generation != generation:
         raise StaleTablesError("stale kernel tables: pages they name were freed, moved or copied since "
                                "they were built; call kernel_tables() again")
+
+
+def check_kernel_tables(tables, cache) -> None:
+    """The check every user of kernel tables runs before reading through them: ``TypeError``
+    unless ``tables`` are ``KernelTables``; over a ``PagedKVCache`` (anything with
+    ``check_tables``), ``StaleTablesError`` unless that cache built them and no page they name
+    was freed, moved or copied since, and no sequence of the cache was freed since. Pool views
+    without a page book (the plain-tensor op) have only the type checked."""
+    if not isinstance(tables, KernelTables):
+        raise TypeError(f"tables must be KernelTables from the cache's kernel_tables(), got {type(tables).__name__}")
+    check = getattr(cache, "check_tables", None)
+    if check is not None:
+        check(tables)
+
+
+def check_slots(slots, cache_id: int, generation: int) -> None:
+    """Raise ``StaleTablesError`` unless ``slots`` are ``TokenSlots`` that the cache ``cache_id``
+    built at slot generation ``generation`` (``TypeError`` unless they are ``TokenSlots``)."""
+    if not isinstance(slots, TokenSlots):
+        raise TypeError(f"slots must be TokenSlots from the cache's token_slots(), got {type(slots).__name__}")
+    if slots.cache_id != cache_id:
+        raise StaleTablesError("token slots from another cache (or built by hand); take them with this cache's "
+                               "token_slots()")
+    if slots.generation != generation:
+        raise StaleTablesError("stale token slots: a page they name was freed, moved, copied, forked or mirrored "
+                               "since they were taken (it may belong to another sequence now); nothing was "
+                               "written: call token_slots() again")
 
 
 @dataclass(frozen=True)
@@ -107,11 +136,19 @@ class TokenSlots:
     mirrored: tuple = ()
     runs: tuple = ()
     host_pages: np.ndarray | None = None  # int64: the distinct host pages the rows go to (mirrored ones too)
+    # The cache that took them (id(), 0: built by hand) and its slot generation then: a write
+    # through them is refused once any page may have changed owner (``check_slots``).
+    cache_id: int = 0
+    generation: int = -1
 
     @staticmethod
-    def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None) -> "TokenSlots":
+    def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None, *,
+              cache_id: int = 0, generation: int = -1) -> "TokenSlots":
         """From per-token page entries and rows (``token_entries``); ``mirror`` int64 (total,):
-        each token's HBM window page (``mirror_entries``, -1: none) -- a second destination."""
+        each token's HBM window page (``mirror_entries``, -1: none) -- a second destination.
+        ``cache_id``, ``generation``: the identity ``check_slots`` compares (a cache's
+        ``build_slots`` fills them)."""
+        stamp = {"cache_id": cache_id, "generation": generation}
         total = len(entry)
         in_hbm = entry < 0
         mirrored = np.zeros(total, bool) if mirror is None else mirror >= 0
@@ -123,7 +160,7 @@ class TokenSlots:
                               ("hbm", mir, mirror[mir] if len(mir) else mir), ("host", mir, entry[mir])) if len(g[1])]
         host_pages = np.unique(entry[~in_hbm]).astype(np.int64)
         if not groups:
-            return TokenSlots(0, (), host_pages=host_pages)
+            return TokenSlots(0, (), host_pages=host_pages, **stamp)
         dev = torch.from_numpy(np.concatenate([a for _, tok, pidx in groups for a in (tok, pidx, off[tok])]))
         dev = dev.to(device, non_blocking=True)  # staged by the driver before it returns; no wait for the GPU
         parts, at = [], 0
@@ -133,14 +170,14 @@ class TokenSlots:
                           dev[at + 2 * m : at + 3 * m]))
             at += 3 * m
         if not len(mir):
-            return TokenSlots(total, tuple(parts), host_pages=host_pages)
+            return TokenSlots(total, tuple(parts), host_pages=host_pages, **stamp)
         runs: list[list[int]] = []  # (window page, host page, pages) over the distinct pairs, in order
         for w, h in dict.fromkeys(zip(mirror[mir].tolist(), entry[mir].tolist())):
             if runs and runs[-1][0] + runs[-1][2] == w and runs[-1][1] + runs[-1][2] == h:
                 runs[-1][2] += 1
             else:
                 runs.append([w, h, 1])
-        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)), host_pages)
+        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)), host_pages, **stamp)
 
     @staticmethod
     def of(book: PageBook, seq: SeqPages, start: int, n: int, device, mirrors: bool = False) -> "TokenSlots":

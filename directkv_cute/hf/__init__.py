@@ -24,6 +24,12 @@ first ``sink_pages`` pages and its most recent pages, an equal share of the budg
 when a sequence outgrows its share its oldest non-sink HBM page moves to host memory, so every
 byte crosses the link once, as in the host-only cache.
 
+A step is all or nothing: its capacity is checked before anything changes, and a refusal or an
+error at any layer rolls it back, so a retry generates what a fresh cache generates. A cache
+serves the model it was built for (another layer count, KV heads or head_dim is refused at the
+first layer) and one generation at a time: the thread of its first step owns it until
+``reset()``; another thread's steps are refused with a RuntimeError while the owner lives.
+
 ``get_seq_length()`` counts the token columns processed (pads included), as transformers'
 ``DynamicCache`` does: generate slices its inputs and the attention mask by it. Each sequence's
 real length is ``cache.seq_lengths()``.

@@ -22,16 +22,24 @@ def directkv_attention(module, query, key, value, attention_mask, scaling=None, 
     """The ``attn_implementation="directkv"`` attention function: (out (B, S, Hq, d), None)."""
     pending, HANDOFF.pending = HANDOFF.pending, None
     if pending is None or pending[2] is not key:
+        last = HANDOFF.last() if HANDOFF.last is not None else None
+        if last is not None:  # a layer that skipped the cache update: undo what the step stored
+            last.abort_own_step()
         raise RuntimeError("attn_implementation='directkv' needs a directkv_cute.hf.DirectKVCache as the "
                            "model's cache (generate(..., past_key_values=cache))")
     cache, layer_idx, _ = pending
-    if getattr(module, "layer_idx", layer_idx) != layer_idx:
-        raise RuntimeError(f"attention of layer {module.layer_idx} after the cache update of layer {layer_idx}")
-    if dropout:
-        raise UnsupportedModelError("attention dropout is not supported (inference only)")
-    for feature in ("sliding_window", "softcap", "s_aux", "sinks"):
-        if kwargs.get(feature) is not None:
-            raise UnsupportedModelError(f"attention with {feature}={kwargs[feature]!r} is not supported by DirectKV")
+    try:  # a refusal at any layer rolls back the step earlier layers stored
+        if getattr(module, "layer_idx", layer_idx) != layer_idx:
+            raise RuntimeError(f"attention of layer {module.layer_idx} after the cache update of layer {layer_idx}")
+        if dropout:
+            raise UnsupportedModelError("attention dropout is not supported (inference only)")
+        for feature in ("sliding_window", "softcap", "s_aux", "sinks"):
+            if kwargs.get(feature) is not None:
+                raise UnsupportedModelError(f"attention with {feature}={kwargs[feature]!r} is not supported by "
+                                            "DirectKV")
+    except BaseException:
+        cache.abort_own_step()
+        raise
     return cache.attend(module, query, key, value, attention_mask, scaling, layer_idx), None
 
 

@@ -6,12 +6,18 @@ mask); the attention function of the first layer plans the step once (``step.Bat
 the attention included: ``DirectKVAttention.plan``) and every layer then stores its new K/V into
 their pages and runs that plan over the whole history (``Step.attention``). Pad tokens never
 enter the cache; their query rows get zeros.
+
+A step is all or nothing: its capacity is checked before anything changes, and a refusal or an
+error at any layer rolls it back (``abort_step``), so a retry generates what a fresh cache would.
+A cache serves one generation at a time: the thread that runs its first step owns it until
+``reset()``, and a step (or reset, reorder) from another live thread is refused at once.
 """
 
 from __future__ import annotations
 
-import math
+import numbers
 import threading
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
 from directkv_cute.cache import CacheCapacityError, PagedKVCache, page_bytes
+from directkv_cute.config import SUPPORTED_PAGE_SIZES
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.hf.model import (
     KERNEL_HEAD_DIMS,
@@ -34,14 +41,16 @@ from directkv_cute.hf.model import (
     text_config,
 )
 from directkv_cute.hf.step import BatchSequences, Step
-from directkv_cute.hf.step_plan import as_index_list
+from directkv_cute.hf.step_plan import as_count, as_index_list
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 
 class _Handoff(threading.local):
-    """``update`` -> attention function hand-off within one thread (one layer at a time)."""
+    """``update`` -> attention function hand-off within one thread (one layer at a time), and
+    the cache of the thread's last update (a refusal before the hand-off rolls its step back)."""
 
     pending: tuple | None = None
+    last = None  # weakref.ref of the DirectKVCache of the thread's last update
 
 
 HANDOFF = _Handoff()
@@ -131,6 +140,11 @@ class DirectKVCache(Cache):
             computes in its own dtype; half the bytes of bf16 per token over the link (on a GPU:
             decode reads FP8 pages in place, ``kernels/decode_fp8.py``; prefill chunks dequantize
             the pages they read once into HBM, group by group of KV heads as their copy lands).
+
+    The cache serves the model it was built for (a model with another layer count, KV heads or
+    head_dim is refused at its first layer) and one generation at a time: the first step's thread
+    owns it until ``reset()``; another thread's steps are refused with a RuntimeError while the
+    owner lives.
     """
 
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
@@ -154,9 +168,11 @@ class DirectKVCache(Cache):
         device = torch.device(device)
         for name, value, low in (("max_tokens", max_tokens, 1), ("max_batch_size", max_batch_size, 1),
                                  ("hbm_budget", hbm_budget, 0), ("sink_pages", sink_pages, 0),
-                                 ("window_tokens", window_tokens, 0)):
+                                 ("window_tokens", window_tokens, 0), ("page_size", page_size, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
         if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
             raise UnsupportedModelError(
                 f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
@@ -168,8 +184,8 @@ class DirectKVCache(Cache):
         hbm_pages = hbm_budget // page_bytes(self.spec.num_layers, self.spec.num_kv_heads, page_size,
                                              self.spec.head_dim, page_dtype)
         # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
-        host_pages = math.ceil(max_tokens / page_size) + max_batch_size
-        window_pages = math.ceil(window_tokens / page_size) + 2 * max_batch_size if window_tokens else 0
+        host_pages = -(-max_tokens // page_size) + max_batch_size
+        window_pages = -(-window_tokens // page_size) + 2 * max_batch_size if window_tokens else 0
         # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
         with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
             self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
@@ -183,8 +199,12 @@ class DirectKVCache(Cache):
         self.share_prompts = bool(share_prompts)
         self.processed = 0
         self._batch = BatchSequences(self.kv, sink_pages, self.share_prompts)
-        self._step: Step | None = None
-        self._checked_modules: set[int] = set()
+        self._step: Step | None = None  # the step in flight, or the last one
+        self._checked_configs: set[int] = set()
+        # The thread whose generation the cache serves (None: free until the next step). A step
+        # from another live thread is refused before it touches anything.
+        self._owner_thread: threading.Thread | None = None
+        self._owner_lock = threading.Lock()
         super().__init__(layers=[DirectKVLayer(self, i) for i in range(self.spec.num_layers)])
 
     @property
@@ -194,11 +214,21 @@ class DirectKVCache(Cache):
 
     # ---- transformers Cache API ----------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if not 0 <= layer_idx < self.spec.num_layers:
+        self._enter()
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+            self.abort_step()
+            raise TypeError(f"layer_idx must be an int, got {type(layer_idx).__name__}")
+        if layer_idx >= self.spec.num_layers:
+            # Layers 0 .. num_layers - 1 of this forward ran and stored the step: undo it.
+            if self._step is not None:
+                self._rollback(self._step)
+            raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers "
+                             "(a model with more layers than the cache was built for?); the step was rolled back")
+        if layer_idx < 0:
+            self.abort_step()
             raise IndexError(f"layer {layer_idx} out of range for a cache of {self.spec.num_layers} layers")
-        if layer_idx == 0:
-            self._step = None
         HANDOFF.pending = (self, layer_idx, key_states)
+        HANDOFF.last = weakref.ref(self)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -218,15 +248,20 @@ class DirectKVCache(Cache):
         return len(self._seqs) if self._seqs else -1
 
     def reset(self) -> None:
+        """Free every sequence; the cache is then free for the next generation, on any thread."""
+        self._enter()
         self._batch.reset()
         self.processed = 0
         self._step = None
+        with self._owner_lock:
+            self._owner_thread = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("DirectKVCache.crop (assisted / speculative decoding in generate) is not supported")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select([i for i in range(len(self._seqs)) for _ in range(int(repeats))])
+        repeats = as_count(repeats, "repeats", 1)
+        self._select([i for i in range(len(self._seqs)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
         self._select(as_index_list(indices))
@@ -255,6 +290,10 @@ class DirectKVCache(Cache):
         """Raise ``CacheCapacityError`` now if the batch rows, with ``lengths`` more real prompt
         tokens and ``max_new_tokens`` generated tokens each, would not fit (call before ``generate``)."""
         ps = self.kv.page_size
+        if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+            raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
+        lengths = [as_count(n, "every prompt length") for n in lengths]
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
         rows = self._seqs or [None] * len(lengths)
         if len(rows) != len(lengths):
             raise ValueError(f"{len(lengths)} prompts for a cache holding {len(rows)} sequences")
@@ -275,25 +314,100 @@ class DirectKVCache(Cache):
     # ---- the step ------------------------------------------------------------------------
     def _select(self, rows: list[int]) -> None:
         """Batch rows become ``self._seqs[rows[i]]`` (``BatchSequences.select``)."""
+        self._enter()
+        if self._step is not None and not self._step.complete(self.spec.num_layers):
+            raise RuntimeError("batch rows reordered in the middle of a step")
         if self._seqs:
             self._batch.select(rows)
             self._step = None
 
     def _check_module(self, module) -> None:
-        if id(module) not in self._checked_modules:
-            check_module(module)
-            self._checked_modules.add(id(module))
+        check_module(module)  # every call: a module may be put in training mode between steps
+
+    def _check_model(self, module) -> None:
+        """Refuse a model whose shape differs from the cache's, from its attention module's
+        config (once per config): layer count always, KV heads and head_dim unless tensor
+        parallel (the cache then holds the rank's heads)."""
+        config = getattr(module, "config", None)
+        if config is None or id(config) in self._checked_configs:
+            return
+        try:
+            spec = model_spec(config)
+        except (AttributeError, TypeError):  # not a decoder config: the per-layer checks still hold
+            return
+        theirs = [("layers", spec.num_layers, self.spec.num_layers)]
+        if self.shard is None:
+            theirs += [("KV heads", spec.num_kv_heads, self.spec.num_kv_heads),
+                       ("head_dim", spec.head_dim, self.spec.head_dim)]
+        wrong = [f"{what} {got} (the cache: {want})" for what, got, want in theirs if got != want]
+        if wrong:
+            raise UnsupportedModelError(f"this DirectKVCache was built for another model: the model has "
+                                        f"{', '.join(wrong)}; build one for this model")
+        self._checked_configs.add(id(config))
+
+    # ---- one generation at a time, one step at a time -----------------------------------
+    def _enter(self) -> None:
+        """Refuse a call from a thread other than the one whose generation the cache serves
+        (while that thread lives); otherwise the calling thread owns the cache from now on."""
+        me = threading.current_thread()
+        with self._owner_lock:
+            owner = self._owner_thread
+            if owner is not None and owner is not me and owner.is_alive():
+                raise RuntimeError(
+                    f"this DirectKVCache serves a generation of thread {owner.name!r}: one cache serves one "
+                    "generation at a time (use one cache per concurrent generate, or reset() it from that "
+                    "thread when its generation is done)")
+            self._owner_thread = me
+
+    def abort_step(self) -> None:
+        """Roll back the step in flight, if one is (a refusal or an error part-way through it):
+        its sequences back at their lengths before it, ``get_seq_length()`` too."""
+        self._enter()
+        step = self._step
+        if step is not None and not step.complete(self.spec.num_layers):
+            self._rollback(step)
+
+    def abort_own_step(self) -> None:
+        """``abort_step`` when the calling thread owns the cache; otherwise nothing (a refusal
+        on the way must not turn into another thread's error)."""
+        if self._owner_thread is threading.current_thread():
+            self.abort_step()
+
+    def _run_layer(self, module, layer_idx: int, run):
+        """One layer of the step under the step's rules: the owner's thread only; at layer 0 the
+        model's shape is checked and the last step must have run every layer; any refusal or
+        error rolls the whole step back, whatever the layer."""
+        self._enter()
+        try:
+            if layer_idx == 0:
+                last = self._step
+                if last is not None and not last.complete(self.spec.num_layers):
+                    self._rollback(last)
+                    raise RuntimeError(
+                        f"the last step stopped after {last.layers_done} of {self.spec.num_layers} layers (an error "
+                        "outside the attention, or a model with fewer layers than the cache); it was rolled back: "
+                        "run the forward again")
+                self._step = None
+                self._check_model(module)
+            self._check_module(module)
+            out = run()
+        except BaseException:
+            self.abort_step()
+            raise
+        self._step.layers_done += 1
+        return out
 
     def step_for(self, query: torch.Tensor, key, value, attention_mask, layer_idx: int) -> Step:
         """The step a layer runs in: planned by layer 0 (``key``/``value`` None when the layer
-        projects its K/V itself), reused by the others."""
+        projects its K/V itself), reused by the others, in layer order."""
         batch, _, q_len, _ = query.shape
-        if layer_idx == 0 or self._step is None:
-            if layer_idx != 0:
-                raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
+        if layer_idx == 0:
             self._step = self._batch.plan(query, key, value, attention_mask, self.processed)
             self.processed += q_len
         step = self._step
+        if step is None or step.layers_done != layer_idx:
+            raise RuntimeError(f"layer {layer_idx} ran out of order: the step has run "
+                               f"{0 if step is None else step.layers_done} layers")
         if (batch, q_len) != (step.batch, step.q_len):
             raise RuntimeError(f"layer {layer_idx} has {batch}x{q_len} tokens, the step {step.batch}x{step.q_len}")
         return step
@@ -301,14 +415,13 @@ class DirectKVCache(Cache):
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                scaling: float | None, layer_idx: int) -> torch.Tensor:
         """One layer of the step: store its new K/V, attend over the history; (B, S, Hq, d)."""
-        self._check_module(module)
+        return self._run_layer(module, layer_idx, lambda: self._attend(query, key, value, attention_mask, scaling,
+                                                                       layer_idx))
+
+    def _attend(self, query, key, value, attention_mask, scaling, layer_idx: int) -> torch.Tensor:
         check_qkv(query, key, value, self.spec, self.dtype, self.device)
         step = self.step_for(query, key, value, attention_mask, layer_idx)
-        try:
-            return self._attend_layer(step, query, key, value, scaling, layer_idx)
-        except BaseException:
-            self._rollback(step)
-            raise
+        return self._attend_layer(step, query, key, value, scaling, layer_idx)
 
     def attend_fused(self, module, query: torch.Tensor, hidden_states: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, attention_mask, scaling: float | None, layer_idx: int) -> torch.Tensor:
@@ -316,7 +429,8 @@ class DirectKVCache(Cache):
         ``fused.attend_fused``; (B, S, Hq, d)."""
         from directkv_cute.hf.fused import attend_fused
 
-        return attend_fused(self, module, query, hidden_states, cos, sin, attention_mask, scaling, layer_idx)
+        return self._run_layer(module, layer_idx, lambda: attend_fused(self, module, query, hidden_states, cos, sin,
+                                                                       attention_mask, scaling, layer_idx))
 
     def _rollback(self, step: Step) -> None:
         self._batch.rollback(step)

@@ -108,7 +108,6 @@ def attend_fused(cache: DirectKVCache, module, query: torch.Tensor, hidden_state
     in ``DirectKVCache.attend``; (B, S, Hq, d)."""
     from directkv_cute.kv_proj import cache_destinations, kv_project
 
-    cache._check_module(module)
     kv = cache.kv
     batch, hq, q_len, d = query.shape
     if hidden_states.shape[:2] != (batch, q_len):
@@ -116,7 +115,7 @@ def attend_fused(cache: DirectKVCache, module, query: torch.Tensor, hidden_state
     w_k, w_v = module.k_proj.weight, module.v_proj.weight
     b_k, b_v = module.k_proj.bias, module.v_proj.bias
     x = hidden_states.reshape(batch * q_len, -1)  # (B * S, hidden)
-    planning = layer_idx == 0 or cache._step is None
+    planning = layer_idx == 0
     # kv_project stores bf16/fp16 rows only, so FP8 pages take its dense K/V and quantize them
     # as ``attend`` stores them; and sharing is found from the first layer's K/V
     # (share_prompts), so that layer too projects densely and stores the unfused way.
@@ -127,32 +126,27 @@ def attend_fused(cache: DirectKVCache, module, query: torch.Tensor, hidden_state
                    sin=sin.reshape(-1, d).contiguous(), out_k=kd, out_v=vd, check_slots=False)
         key = kd.view(batch, q_len, -1, d).transpose(1, 2)  # (B, Hkv, S, d)
         value = vd.view(batch, q_len, -1, d).transpose(1, 2)
-        return cache.attend(module, query, key, value, attention_mask, scaling, layer_idx)
+        return cache._attend(query, key, value, attention_mask, scaling, layer_idx)
     if planning:
-        if layer_idx != 0:
-            raise RuntimeError(f"layer {layer_idx} ran before layer 0 in this step")
         check_query(query, cache.spec, cache.dtype, cache.device)
     step = cache.step_for(query, None, None, attention_mask, layer_idx)
-    try:
-        if not step.rows:
-            return query.new_zeros(batch, q_len, hq, d)
-        sel = step.tok_idx
-        if step.write_idx is not None:
-            sel = step.write_idx if sel is None else sel[step.write_idx]
-        c, s_ = cos.reshape(-1, d), sin.reshape(-1, d)
-        if sel is not None:
-            x, c, s_ = x[sel], c[sel], s_[sel]
-        if step.fused_dest is None:
-            step.fused_dest = cache_destinations(kv, step.slots, step.defer_host)
-        kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=c.contiguous(), sin=s_.contiguous(), layer=layer_idx,
-                   check_slots=False, **step.fused_dest)
-        kv.note_host_write(step.slots)  # staged calls copy these host pages after the kernel
-        if step.defer_host:
-            kv.copy_mirrors_to_host(step.slots, layer_idx)
-        q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
-        if step.tok_idx is not None:
-            q = q[step.tok_idx]
-        return cache._attention(step, q, scaling, layer_idx, query)
-    except BaseException:
-        cache._rollback(step)
-        raise
+    kv.check_slots(step.slots)  # kv_project writes where they point
+    if not step.rows:
+        return query.new_zeros(batch, q_len, hq, d)
+    sel = step.tok_idx
+    if step.write_idx is not None:
+        sel = step.write_idx if sel is None else sel[step.write_idx]
+    c, s_ = cos.reshape(-1, d), sin.reshape(-1, d)
+    if sel is not None:
+        x, c, s_ = x[sel], c[sel], s_[sel]
+    if step.fused_dest is None:
+        step.fused_dest = cache_destinations(kv, step.slots, step.defer_host)
+    kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=c.contiguous(), sin=s_.contiguous(), layer=layer_idx,
+               check_slots=False, **step.fused_dest)
+    kv.note_host_write(step.slots)  # staged calls copy these host pages after the kernel
+    if step.defer_host:
+        kv.copy_mirrors_to_host(step.slots, layer_idx)
+    q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
+    if step.tok_idx is not None:
+        q = q[step.tok_idx]
+    return cache._attention(step, q, scaling, layer_idx, query)

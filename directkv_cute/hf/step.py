@@ -14,16 +14,25 @@ import numpy as np
 import torch
 
 from directkv_cute.attention import DirectKVAttention
-from directkv_cute.cache import CacheCapacityError, PagedKVCache, TokenSlots
+from directkv_cute.cache import CacheCapacityError, PagedKVCache
 from directkv_cute.hf.step_plan import (
     fork_needs,
     identical_rows,
-    plan_growth,
     plan_step_growth,
     shared_prefixes,
     stored_tokens,
     valid_tokens,
 )
+
+
+@dataclass
+class Undo:
+    """What undoing a step needs: the batch rows' sequences before it, the lengths of the
+    sequences it found, and the sequences it made (new ones, forks)."""
+
+    seqs: list[int]
+    lengths: list[tuple[int, int]]
+    created: list[int]
 
 
 @dataclass
@@ -39,12 +48,17 @@ class Step:
     slots: object  # TokenSlots of the real tokens, row by row
     tables: object | None  # KernelTables of `rows`
     max_seq_len: int
-    undo: list[tuple[int, int]]  # (seq_id, length before the step)
+    undo: Undo  # what rolling the step back needs
     processed_before: int
     attn: DirectKVAttention | None = None  # planned for this step's tables (None when no row has tokens)
     write_idx: torch.Tensor | None = None  # int64: the real tokens stored (merged rows store once), None: all
     defer_host: bool = False  # mirrored pages reach their host pages by the copy engine (write_slots)
     fused_dest: dict | None = None  # kv_project's destinations of the step's slots (fused layers)
+    layers_done: int = 0  # layers that ran to the end; the step is complete once all have
+
+    def complete(self, num_layers: int) -> bool:
+        """True once every layer of the model ran."""
+        return self.layers_done >= num_layers
 
     def attention(self, q: torch.Tensor, scaling, layer_idx: int) -> torch.Tensor:
         """One layer's attention of every row over its whole history, the step's new tokens
@@ -97,16 +111,10 @@ class BatchSequences:
     def check_forks(self, sids: list[int], what: str) -> None:
         """``CacheCapacityError`` unless the free pages cover a fork of each of ``sids`` (a fork
         copies the partial last page), before any is made."""
-        kv = self.kv
-        tails = [None if kv.seq_len(sid) % kv.page_size == 0 else
-                 "hbm" if kv.page_table(sid)[-1] < 0 else "host" for sid in sids]
-        for tier, n in fork_needs(tails).items():
-            if n > kv.free_pages(tier):
-                raise CacheCapacityError(f"{what} {n} sequences needs {n} free {tier} pages, "
-                                         f"{kv.free_pages(tier)} free; the cache is unchanged")
-
-    def hbm_quota(self) -> int:
-        return self.kv.num_pages("hbm") // max(1, len(set(self.seqs)))
+        try:
+            fork_needs([self._tail(sid) for sid in sids], {t: self.kv.free_pages(t) for t in ("host", "hbm")})
+        except CacheCapacityError as exc:
+            raise CacheCapacityError(f"{what} {len(sids)} sequences: {exc}") from None
 
     def _hbm_pages(self, sid: int) -> list[int]:
         return [lp for lp, e in enumerate(self.kv.page_table(sid)) if e < 0]
@@ -115,8 +123,12 @@ class BatchSequences:
              processed: int) -> Step:
         """Plan the step whose first layer has ``query`` (B, Hq, S, d) and new ``key``/``value``
         (B, Hkv, S, d; None when the layer projects them itself, which rules out sharing):
-        sequences grown, mirrored and sliced into store slots, tables built. On failure every
-        sequence is back at its length before the step."""
+        sequences grown, mirrored and sliced into store slots, tables built.
+
+        Every decision is made and the capacity of the whole step (forks of diverging rows and
+        prompt prefixes, growth, placement) is checked before anything changes: a step refused
+        for capacity leaves the cache as it was, mirrors included. A failure after that rolls
+        the step back (``rollback``)."""
         kv = self.kv
         batch, hq, q_len, d = query.shape
         if self.seqs and batch != len(self.seqs):
@@ -124,21 +136,67 @@ class BatchSequences:
                              "(one DirectKVCache per batch; reset() it for a new one)")
         valid = valid_tokens(attention_mask, batch, q_len)  # bool (B, S) or None
         counts = [q_len] * batch if valid is None else valid.sum(dim=1).tolist()
-        prefixes, groups_of = self._assign(key, value, valid, batch)
-        uniq = [sid for sid in dict.fromkeys(self.seqs) if sid >= 0]  # each sequence once, in row order
-        first = {}
-        for b, sid in enumerate(self.seqs):
-            if sid >= 0:
-                first.setdefault(sid, b)
-        for sid in uniq:  # last step's full pages are current on the host: read there from now on
-            kv.release_mirrors(sid)
-        plans = plan_step_growth([kv.seq_len(sid) for sid in uniq], [self._hbm_pages(sid) for sid in uniq],
-                                 [counts[first[sid]] for sid in uniq], kv.page_size, self.hbm_quota(),
-                                 self.sink_pages, {t: kv.free_pages(t) for t in ("host", "hbm")})
-        undo = [(sid, kv.seq_len(sid)) for sid in uniq]
-        before = dict(undo)
+        # ---- decisions, nothing changed yet ---------------------------------------------------
+        first_step = not self.seqs
+        if first_step:
+            share = self.share_prompts and batch > 1
+            groups = identical_rows(key, value, valid, list(range(batch))) if share else [[b] for b in range(batch)]
+            prefixes = (shared_prefixes(key, value, valid, [g[0] for g in groups], kv.page_size)
+                        if share and len(groups) > 1 else {})
+            groups_of = {g[0]: g for g in groups}
+            splits: list[tuple[int, list[int]]] = []
+        else:
+            prefixes, groups_of = {}, {}
+            splits = self._splits(key, value, valid) if self.share_prompts and len(set(self.seqs)) < batch else []
+        n_seqs = (len(groups) if first_step else len(set(self.seqs)) + len(splits))
+        quota = kv.num_pages("hbm") // max(1, n_seqs)
+        free = {t: kv.free_pages(t) for t in ("host", "hbm")}
+        try:
+            for tier, n in fork_needs([self._tail(sid) for sid, _ in splits], free).items():
+                free[tier] -= n
+        except CacheCapacityError as exc:
+            raise CacheCapacityError(f"rows that diverged forking {len(splits)} sequences: {exc}") from None
+        # Growing sequences: each existing one (its split copies grow like it), each new group
+        # leader, then each prompt-prefix fork (its shared pages stay where their owner put them).
+        if first_step:
+            grow = [(0, [], int(counts[g[0]])) for g in groups if g[0] not in prefixes]
+            grow += [(m, [], int(counts[b]) - m) for b, (_, m) in sorted(prefixes.items())]
+        else:  # in the order of the rows' sequences once split (a split copy grows like its sequence)
+            after: list[tuple[int, int]] = [(sid, -1) for sid in self.seqs]  # (sequence, split index)
+            for i, (_, g) in enumerate(splits):
+                for b in g:
+                    after[b] = (after[b][0], i)
+            leads: dict[tuple[int, int], int] = {}
+            for b, key_ in enumerate(after):
+                leads.setdefault(key_, b)
+            grow = [(kv.seq_len(sid), self._hbm_pages(sid), int(counts[b])) for (sid, _), b in leads.items()]
+        plans = plan_step_growth([g[0] for g in grow], [g[1] for g in grow], [g[2] for g in grow], kv.page_size,
+                                 quota, self.sink_pages, free)
+        # ---- the step's changes, undone on failure -------------------------------------------
+        undo = Undo(list(self.seqs), [(sid, kv.seq_len(sid)) for sid in dict.fromkeys(self.seqs)], [])
         skip: dict[int, int] = {}  # sequence -> leading tokens of this step it shares (not stored)
         try:
+            if first_step:
+                self.seqs = [-1] * batch
+                for g in groups:
+                    if g[0] not in prefixes:  # the others fork an earlier row once it is extended
+                        sid = kv.add_sequence()
+                        undo.created.append(sid)
+                        for b in g:
+                            self.seqs[b] = sid
+            for sid, g in splits:
+                child = kv.fork(sid)
+                undo.created.append(child)
+                for b in g:
+                    self.seqs[b] = child
+            uniq = [sid for sid in dict.fromkeys(self.seqs) if sid >= 0]  # each sequence once, in row order
+            first: dict[int, int] = {}
+            for b, sid in enumerate(self.seqs):
+                if sid >= 0:
+                    first.setdefault(sid, b)
+            before = {sid: kv.seq_len(sid) for sid in uniq}
+            for sid in uniq:  # last step's full pages are current on the host: read there from now on
+                kv.release_mirrors(sid)
             for sid, growth in zip(uniq, plans):
                 self._grow(sid, growth)
             rows = [b for b in range(batch) if counts[b]]
@@ -150,23 +208,21 @@ class BatchSequences:
             for sid, start, n in zip(*spans):
                 kv.mirror(sid, start, n)
             entries = [(*kv.token_entries(*spans), kv.mirror_entries(*spans))]
-            for b in sorted(prefixes):  # rows sharing an earlier row's prompt prefix: fork it there
-                a, m = prefixes[b]
-                child = kv.fork(self.seqs[a], m)
-                undo.append((child, 0))
+            taken_at = kv.page_generation  # no page may move or be freed until the slots are built
+            for (b, (a, m)), growth in zip(sorted(prefixes.items()), plans[len(uniq):]):
+                child = kv.fork(self.seqs[a], m)  # rows sharing an earlier row's prompt prefix fork it there
+                undo.created.append(child)
                 before[child], skip[child] = m, m
                 for r in groups_of[b]:
                     self.seqs[r] = child
                 first[child] = b
-                self._grow(child, plan_growth(m, self._hbm_pages(child), int(counts[b]) - m, kv.page_size,
-                                              self.hbm_quota(), self.sink_pages))
+                self._grow(child, growth)
                 if counts[b] > m:  # its tokens after the shared prefix, taken before any later fork of it
                     span = ([child], [m], [int(counts[b]) - m])
                     kv.mirror(child, m, int(counts[b]) - m)
                     entries.append((*kv.token_entries(*span), kv.mirror_entries(*span)))
                     writers.append(b)
-            slots = TokenSlots.build(*(np.concatenate([e[i] for e in entries]) for i in range(2)), kv.device,
-                                     np.concatenate([e[2] for e in entries]))
+            slots = kv.build_slots(*(np.concatenate([e[i] for e in entries]) for i in range(3)), taken_at=taken_at)
             seq_ids = [self.seqs[b] for b in rows]
             q_lens = [int(counts[b]) for b in rows]
             max_seq_len = max((kv.seq_len(sid) for sid in seq_ids), default=0)
@@ -176,8 +232,7 @@ class BatchSequences:
                 attn = self.attention
                 attn.plan(tables=tables, q_lens=q_lens, num_q_heads=hq, max_seq_len=max_seq_len, q=query)
         except BaseException:
-            for sid, length in undo:
-                kv.truncate(sid, length)
+            self.undo(undo)
             raise
         tok_idx = None
         if valid is not None and sum(counts) != batch * q_len:
@@ -193,28 +248,11 @@ class BatchSequences:
         return Step(batch, q_len, rows, q_lens, seq_ids, tok_idx, slots, tables, max_seq_len, undo, processed, attn,
                     write_idx, defer)
 
-    def _assign(self, key, value, valid, batch: int) -> tuple[dict[int, tuple[int, int]], dict[int, list[int]]]:
-        """Give every batch row its sequence for this step. First step: identical rows share a new
-        sequence, and a row whose prompt starts with whole pages of an earlier row's is left at
-        -1 to fork it (returned: row -> (earlier row, shared tokens), and each group's rows by its
-        first row). Later steps: rows of one sequence whose new tokens differ fork it."""
-        share = self.share_prompts and batch > 1
-        prefixes: dict[int, tuple[int, int]] = {}
-        groups_of: dict[int, list[int]] = {}
-        if not self.seqs:
-            groups = identical_rows(key, value, valid, list(range(batch))) if share else [[b] for b in range(batch)]
-            if share and len(groups) > 1:
-                prefixes = shared_prefixes(key, value, valid, [g[0] for g in groups], self.kv.page_size)
-            self.seqs = [-1] * batch
-            for g in groups:
-                groups_of[g[0]] = g
-                if g[0] not in prefixes:  # the others fork an earlier row once it is extended
-                    sid = self.kv.add_sequence()
-                    for b in g:
-                        self.seqs[b] = sid
-        elif share and len(set(self.seqs)) < batch:
-            self._split(key, value, valid)
-        return prefixes, groups_of
+    def _tail(self, sid: int) -> str | None:
+        """The tier of the sequence's partial last page (None: it ends on a full page)."""
+        if self.kv.seq_len(sid) % self.kv.page_size == 0:
+            return None
+        return "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
 
     def _grow(self, sid: int, growth) -> None:
         """Apply one sequence's ``Growth``: its demotions to host, then its extends by tier."""
@@ -224,15 +262,23 @@ class BatchSequences:
             self.kv.extend(sid, n, tier)
 
     def rollback(self, step: Step) -> None:
-        """Every sequence the step grew (or forked) back at its length before the step."""
-        for sid, length in step.undo:
+        """The step undone: sequences it made freed, the others back at their lengths before it,
+        every batch row back on its sequence."""
+        self.undo(step.undo)
+
+    def undo(self, undo: "Undo") -> None:
+        for sid in undo.created:
+            if sid in self.kv.seq_ids:
+                self.kv.free(sid)
+        for sid, length in undo.lengths:
             if self.kv.seq_len(sid) > length:
                 self.kv.truncate(sid, length)
+        self.seqs = list(undo.seqs)
 
-    def _split(self, key: torch.Tensor, value: torch.Tensor, valid) -> None:
-        """Rows that share a sequence but whose new tokens differ now get their own: each group
-        of rows that still agree forks the sequence (its state before this step), capacity
-        checked for all the forks first."""
+    def _splits(self, key: torch.Tensor, value: torch.Tensor, valid) -> list[tuple[int, list[int]]]:
+        """(sequence, rows) for each group of rows that share a sequence but whose new tokens now
+        differ from its first row's: each such group forks the sequence (its state before this
+        step)."""
         by_sid: dict[int, list[int]] = {}
         for b, sid in enumerate(self.seqs):
             by_sid.setdefault(sid, []).append(b)
@@ -241,8 +287,4 @@ class BatchSequences:
             if len(rows) > 1:
                 groups = identical_rows(key, value, valid, rows)
                 splits += [(sid, g) for g in groups if rows[0] not in g]
-        self.check_forks([sid for sid, _ in splits], "rows that diverged forking")
-        for sid, g in splits:
-            child = self.kv.fork(sid)
-            for b in g:
-                self.seqs[b] = child
+        return splits

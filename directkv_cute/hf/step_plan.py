@@ -9,6 +9,7 @@ every byte crosses the link once, as in the host-only cache.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from directkv_cute.cache import CacheCapacityError
+from directkv_cute.cache.pages import fork_tiers
 
 
 def hbm_targets(num_pages: int, quota: int, sink_pages: int) -> set[int]:
@@ -163,20 +165,48 @@ def stored_tokens(rows: Sequence[int], q_lens: Sequence[int], writers: Sequence[
     return [t for b in writers for t in range(int(cu[pos[b]]) + skip.get(b, 0), int(cu[pos[b] + 1]))]
 
 
-def fork_needs(tails: Sequence[str | None]) -> dict[str, int]:
-    """Free pages per tier that forks of sequences need: a fork copies the partial last page,
-    whose tier is ``tails[i]`` (None: the sequence ends on a full page, nothing to copy)."""
+def fork_needs(tails: Sequence[str | None], free: dict[str, int]) -> dict[str, int]:
+    """Free pages per tier that forks of sequences take: a fork copies the partial last page,
+    whose tier is ``tails[i]`` (None: the sequence ends on a full page, nothing to copy), into
+    that tier or, when it is full, the other (``cache.pages.fork_tiers``; ``CacheCapacityError``
+    when neither has room)."""
     need: dict[str, int] = {}
-    for tier in tails:
+    for tier in fork_tiers(tails, free):
         if tier is not None:
             need[tier] = need.get(tier, 0) + 1
     return need
 
 
 def as_index_list(indices) -> list[int]:
-    """Batch indices (a list, a tensor of indices or a bool mask) as a list of ints."""
+    """Batch indices (a sequence of ints, an integer tensor or a bool mask) as a list of ints;
+    ``TypeError`` for anything else (a float index is refused, never truncated)."""
     if isinstance(indices, torch.Tensor):
         if indices.dtype == torch.bool:
             indices = indices.nonzero().squeeze(1)
-        return [int(i) for i in indices.tolist()]
-    return [int(i) for i in indices]
+        elif indices.dtype.is_floating_point or indices.dtype.is_complex:
+            raise TypeError(f"batch indices must be integers, got a {indices.dtype} tensor")
+        return [int(i) for i in indices.reshape(-1).tolist()]
+    if isinstance(indices, np.ndarray):
+        if indices.dtype == np.bool_:
+            return [int(i) for i in np.flatnonzero(indices)]
+        indices = indices.reshape(-1).tolist()
+    if isinstance(indices, (str, bytes)) or not hasattr(indices, "__iter__"):
+        raise TypeError(f"batch indices must be a sequence of ints, got {type(indices).__name__}")
+    out = []
+    for i in indices:
+        if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"batch indices must be integers, got {type(i).__name__} {i!r}")
+        out.append(int(i))
+    return out
+
+
+def as_count(value, name: str, minimum: int = 0) -> int:
+    """A whole count (an int, a numpy integer or a 0-d integer tensor), at least ``minimum``."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point \
+            and value.dtype != torch.bool:
+        value = int(value)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
