@@ -24,6 +24,7 @@ import numbers
 import numpy as np
 import torch
 
+from directkv_cute.cache.tables import check_kernel_tables
 from directkv_cute.machine import DeviceInfo, MachineModel
 from directkv_cute.planner import AttentionPlan, CallShape, ProfileConfigs, plan_attention
 from directkv_cute.validate import check_attention, check_config, check_q_lens, check_seq_ids
@@ -77,9 +78,7 @@ class DirectKVAttention:
             seq_ids = check_seq_ids(seq_ids)
             tables = cache.kernel_tables(seq_ids, back_to_back=True)
         else:
-            check_tables = getattr(cache, "check_tables", None)
-            if check_tables is not None and getattr(tables, "cache_id", 0):
-                check_tables(tables)  # from this cache, and no page freed or moved since
+            check_kernel_tables(tables, cache)  # KernelTables of this cache, no page freed or moved since
         if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, numbers.Integral) or num_q_heads < 1 \
                 or num_q_heads % cache.num_kv_heads:
             raise ValueError(f"num_q_heads {num_q_heads!r} must be a positive multiple of the cache's "

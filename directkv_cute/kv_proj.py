@@ -498,6 +498,9 @@ def cache_destinations(cache, slots, defer_host: bool = False) -> dict:
     ``cache.copy_mirrors_to_host(slots, layer)``, as ``write_slots(defer_host=True)`` does).
     After enqueueing the ``kv_project`` that writes them, call ``cache.note_host_write(slots)``:
     a staged attention call then copies those host pages after it (``PagedKVCache.host_writes``)."""
+    check_slots = getattr(cache, "check_slots", None)
+    if check_slots is not None:
+        check_slots(slots)  # this cache's slots, no page they name freed or moved since
     out = {}
     for tier, tok, pidx, off in slots.parts + (() if defer_host else slots.mirrored):
         s = pidx * cache.page_size + off

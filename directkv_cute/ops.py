@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from directkv_cute.cache.tables import check_kernel_tables
 from directkv_cute.config import DecodeConfig
 from directkv_cute.validate import check_attention, check_seq_ids
 
@@ -54,13 +55,9 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     steers the decode split count and the profile bucket; without it the page table's width
     stands in. The call is planned anew each time: a step's layers plan once with
     ``DirectKVAttention``."""
-    page_table, seq_lens = tables.page_table, tables.seq_lens
     # ---- validation (before anything is written; messages are only built on failure) -------
-    check_tables = getattr(cache, "check_tables", None)
-    if check_tables is not None and getattr(tables, "cache_id", 0):
-        check_tables(tables)  # from this cache, and no page freed or moved since (two int compares)
-    if not (isinstance(page_table, torch.Tensor) and isinstance(seq_lens, torch.Tensor)):
-        raise TypeError("tables must be KernelTables from cache.kernel_tables()")
+    check_kernel_tables(tables, cache)  # KernelTables of this cache, no page freed or moved since
+    page_table, seq_lens = tables.page_table, tables.seq_lens
     layer, q_lens = check_attention(q, cache, layer, batch=page_table.shape[0] if page_table.dim() == 2 else -1,
                                     q_lens=q_lens, out=out, config=config, softmax_scale=softmax_scale,
                                     seq_lens=getattr(tables, "host_seq_lens", None), cuda=True)
