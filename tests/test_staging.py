@@ -245,6 +245,12 @@ def test_q_tiled_config_legality():
 def test_q_tiled_config_dicts_drop_the_staging_keys_left_to_the_planner():
     """Dicts of configs that held staging fields (tuned profiles: all 0, the planner's choice)
     still load; a staging value that asks for something is refused, naming the StagingRequest."""
+    import dataclasses
+
+    from directkv_cute.config import STAGING_KEYS
+    from directkv_cute.planner import StagingRequest
+
+    assert STAGING_KEYS == tuple(f.name for f in dataclasses.fields(StagingRequest))
     old = {"tile_n": 64, "stages": 4, "carveout": 100, "piece_pages": 0, "splits": 0, "order": 0, "pingpong": 1,
            "cluster": 2, "copy_order": 0}
     assert QTiledConfig.from_dict(old) == QTiledConfig(tile_n=64, stages=4)
