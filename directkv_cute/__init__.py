@@ -8,6 +8,7 @@ Public API:
     DirectKVAttention       plan once per model step (an AttentionPlan, printable), run per layer
     kv_project              fused K/V projection + RoPE + store of new tokens into host/HBM pages
     DecodeConfig            kernel knobs (tile, stages, splits, SMEM carveout, warpgroups)
+    StagingRequest          an explicit Q-tiled call's staging (pieces, KV splits, launch/copy order)
     paged_attention_ref     the float32 reference (also the CPU path)
 """
 
@@ -29,6 +30,7 @@ _LAZY = {
     "cascade_attention": "directkv_cute.cascade",
     "DirectKVAttention": "directkv_cute.attention",
     "AttentionPlan": "directkv_cute.planner",
+    "StagingRequest": "directkv_cute.planner",
     "DeviceInfo": "directkv_cute.machine",
     "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",
@@ -65,6 +67,7 @@ __all__ = [
     "KVProjConfig",
     "KernelTables",
     "PagedKVCache",
+    "StagingRequest",
     "__version__",
     "cascade_attention",
     "default_decode_config",

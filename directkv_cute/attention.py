@@ -26,7 +26,7 @@ import torch
 
 from directkv_cute.cache.tables import check_kernel_tables
 from directkv_cute.machine import DeviceInfo, MachineModel
-from directkv_cute.planner import AttentionPlan, CallShape, ProfileConfigs, plan_attention
+from directkv_cute.planner import AttentionPlan, CallShape, ProfileConfigs, StagingRequest, plan_attention
 from directkv_cute.validate import check_attention, check_config, check_q_lens, check_seq_ids
 
 
@@ -51,7 +51,8 @@ class DirectKVAttention:
 
     # ---- planning ----------------------------------------------------------------------------
     def plan(self, seq_ids=None, *, tables=None, q_lens=None, num_q_heads: int, softmax_scale: float | None = None,
-             max_seq_len: int | None = None, return_lse: bool = False, config=None, cascade=True, groups=None,
+             max_seq_len: int | None = None, return_lse: bool = False, config=None,
+             staging: StagingRequest | None = None, cascade=True, groups=None,
              device_info: DeviceInfo | None = None, q: torch.Tensor | None = None) -> AttentionPlan:
         """Plan the attention of one step (every layer runs this plan) and return it.
 
@@ -67,6 +68,8 @@ class DirectKVAttention:
                        profile bucket (default: the page table's width).
         return_lse:    ``run`` returns (out, lse) instead of out.
         config:        an explicit DecodeConfig or QTiledConfig (default: the planner's choice).
+        staging:       with a QTiledConfig, a ``StagingRequest`` for its staged launch (pieces,
+                       KV splits, launch and copy order; default: the planner's choice).
         cascade:       read the pages that sequences share once per batch (the cascade), where
                        that pays; False: per sequence. A ``cascade.CascadePlan`` may be given.
         groups:        the rows that may share (default: any).
@@ -98,6 +101,8 @@ class DirectKVAttention:
                 raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
             if not (is_fp8(cache.dtype) and isinstance(config, DecodeConfig)):
                 check_config(config, cache.head_dim, cache.page_size)
+        if staging is not None and not isinstance(staging, StagingRequest):
+            raise TypeError(f"staging must be a StagingRequest, got {type(staging).__name__}")
         device = tables.page_table.device if q is None else q.device
         if device_info is None:
             device_info = DeviceInfo.for_cpu() if device.type != "cuda" else DeviceInfo.current(device, cache)
@@ -113,7 +118,7 @@ class DirectKVAttention:
         if shape.host_table is None and device_info is not None and _needs_host_table(shape, config):
             tables = _with_host_table(tables)  # the dispatcher's bare tables: read back once
             shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len)
-        plan, staged = _planned(shape, device_info, machine, configs, config, cascade_plan)
+        plan, staged = _planned(shape, device_info, machine, configs, config, cascade_plan, staging)
         from directkv_cute.runner import bind
 
         self._bound = bind(plan, tables, device, staged)
@@ -158,14 +163,15 @@ _RECENT: "collections.OrderedDict" = None
 _RECENT_KEPT = 8
 
 
-def _planned(shape: CallShape, device_info, machine, configs, config, cascade_plan):
+def _planned(shape: CallShape, device_info, machine, configs, config, cascade_plan, staging=None):
     """(plan, the device copies of its staged tables made so far: a dict to fill) of a shape."""
     import collections
     import hashlib
 
     global _RECENT
     if shape.host_table is None or cascade_plan is not None or type(configs) is not ProfileConfigs:
-        return plan_attention(shape, device_info, machine, configs, config, cascade_plan=cascade_plan), {}
+        return plan_attention(shape, device_info, machine, configs, config, staging=staging,
+                              cascade_plan=cascade_plan), {}
     import os
 
     from directkv_cute.tuning.lookup import cache_epoch
@@ -173,15 +179,15 @@ def _planned(shape: CallShape, device_info, machine, configs, config, cascade_pl
     table = np.ascontiguousarray(shape.host_table)
     key = (hashlib.blake2b(table.tobytes(), digest_size=16).digest(), table.shape,
            *(getattr(shape, f.name) for f in dataclasses.fields(shape) if f.name != "host_table"),
-           config, device_info, machine, configs.gpu_name, cache_epoch(), os.environ.get("DIRECTKV_PROFILE_DIR"),
-           os.environ.get("XDG_CONFIG_HOME"))
+           config, staging, device_info, machine, configs.gpu_name, cache_epoch(),
+           os.environ.get("DIRECTKV_PROFILE_DIR"), os.environ.get("XDG_CONFIG_HOME"))
     if _RECENT is None:
         _RECENT = collections.OrderedDict()
     hit = _RECENT.get(key)
     if hit is not None:
         _RECENT.move_to_end(key)
         return hit
-    got = (plan_attention(shape, device_info, machine, configs, config), {})
+    got = (plan_attention(shape, device_info, machine, configs, config, staging=staging), {})
     _RECENT[key] = got
     while len(_RECENT) > _RECENT_KEPT:
         _RECENT.popitem(last=False)

@@ -391,6 +391,11 @@ def multi_token_splits(cfg: DecodeConfig, max_context: int, batch: int = 1, num_
     return max(1, min(n_chunks, wave // max(1, batch * num_kv_heads * cfg.cluster)))
 
 
+# A staging request's keys (``planner.StagingRequest``), which tuned profiles record in their
+# q_tiled configs at 0 (the planner's choice): ``QTiledConfig.from_dict`` drops them there.
+STAGING_KEYS = ("piece_pages", "splits", "order", "copy_order")
+
+
 @dataclass(frozen=True)
 class QTiledConfig:
     """Static configuration of the Q-tiled kernel (``kernels/q_tiled.py``): one CTA per
@@ -400,42 +405,25 @@ class QTiledConfig:
     tile_n:      KV tokens per ring stage.
     stages:      depth of the SMEM ring.
     carveout:    percent of the unified L1/SMEM reserved as SMEM.
-    piece_pages: staging only: pages per ready piece (0 = the planner's choice): a tile is issued once
-                 the copy engine has finished the piece holding its pages, so compute starts after
-                 the first piece instead of the whole copy.
-    splits:      staging only: KV splits (0 = the planner's choice), each a run of pieces, folded into
-                 one fp32 accumulator inside the kernel: the CTAs of early splits run while later
-                 pieces still copy, instead of every CTA's walk being paced by the copy. Pages already in HBM
-                 at the end of the call (a step's own tokens mirrored) get splits of their own
-                 beyond these, launched first (``plan.q_tiled_splits``, ``plan.ready_split``).
-    The four staging fields generate no code (the compile key holds them at 0): an explicit
-    config's staging request, which the plan takes into its layout.
-    order:       staging only: launch order of the query tiles (0 = the planner's choice; 1 = heaviest
-                 first; 2 = lightest first, one split: the tiles that need the fewest keys run
-                 while the copy lands the rest, as in a prefill from the first token).
     pingpong:    1 = the two consumer warpgroups take turns issuing their WGMMAs (a named-barrier
                  handshake), so one's softmax runs while the other's GEMMs keep the tensor cores
                  busy; 0 = each issues as soon as it is ready.
-    copy_order:  staging only: 0 = the planner's choice; 1 = each piece copies the pages of every KV
-                 head; 2 = head by head (one split): the copy lands KV head 0's pages, then head
-                 1's, ..., and the CTAs run head-major, so only the first head's copy is exposed
-                 (about 1/Hkv of it) and no partials are written.
     cluster:     CTAs of a thread-block cluster (1 = none, or 2) that share each KV tile: adjacent
                  query tiles of one KV head walk the same KV tiles (the cluster's longest causal
                  range), each CTA issues half of a tile's TMA boxes multicast to both, halving
                  the KV bytes the SMs pull from L2/HBM (measured 1.06-1.10x faster than 1 on
                  8k/32k x q512-8192).
+
+    Every field generates code. How a call's host pages are staged and its splits launched
+    (pieces, KV splits, query-tile order, copy order) is the plan's: the planner chooses it per
+    call, or follows an explicit ``planner.StagingRequest``.
     """
 
     tile_n: int = 128
     stages: int = 3
     carveout: int = 100
-    piece_pages: int = 0
-    splits: int = 0
-    order: int = 0
     pingpong: int = 1
     cluster: int = 2
-    copy_order: int = 0
 
     CONSUMER_WGS = 2
 
@@ -459,17 +447,6 @@ class QTiledConfig:
         out = []
         if self.tile_n not in (64, 128):
             out.append(f"tile_n {self.tile_n} must be 64 or 128")
-        if self.piece_pages < 0:
-            out.append("piece_pages must be >= 0 (0 = automatic)")
-        if self.splits < 0:
-            out.append("splits must be >= 0 (0 = automatic)")
-        for name, one, two in (("order", "heaviest first", "lightest first"),
-                               ("copy_order", "all heads per piece", "head by head")):
-            value = getattr(self, name)
-            if value not in (0, 1, 2):
-                out.append(f"{name} {value} must be 0 (automatic), 1 ({one}) or 2 ({two})")
-            elif value == 2 and self.splits > 1:
-                out.append(f"{name} 2 ({two}) runs one split, got splits {self.splits}")
         if self.pingpong not in (0, 1):
             out.append(f"pingpong {self.pingpong} must be 0 or 1")
         if self.cluster not in (1, 2):
@@ -489,7 +466,16 @@ class QTiledConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "QTiledConfig":
+        """The config of a dict (a profile record's, a command line's). Staging keys
+        (``STAGING_KEYS``) are dropped where 0, the planner's choice; any other value is refused:
+        staging is asked of the planner (``planner.StagingRequest``), not of the kernel."""
         names = {f.name for f in dataclasses.fields(cls)}
+        staged = {k: d[k] for k in STAGING_KEYS if k in d}
+        asked = {k: v for k, v in staged.items() if isinstance(v, bool) or v not in (0, "0")}
+        if asked:
+            raise ConfigError(f"QTiledConfig has no staging fields, got {asked}: pass them to the planner as a "
+                              "StagingRequest (directkv_cute.planner) instead")
+        d = {k: v for k, v in d.items() if k not in staged}
         unknown = set(d) - names
         if unknown:
             raise ConfigError(f"unknown QTiledConfig fields: {sorted(unknown)}")

@@ -11,24 +11,30 @@ other dispatcher users.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from directkv_cute.cache.tables import check_kernel_tables
-from directkv_cute.config import DecodeConfig
+from directkv_cute.config import DecodeConfig, QTiledConfig
 from directkv_cute.validate import check_attention, check_seq_ids
+
+if TYPE_CHECKING:
+    from directkv_cute.planner import StagingRequest
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
-                    softmax_scale: float | None = None, *, config: DecodeConfig | None = None,
-                    out: torch.Tensor | None = None, return_lse: bool = False):
+                    softmax_scale: float | None = None, *, config: DecodeConfig | QTiledConfig | None = None,
+                    staging: StagingRequest | None = None, out: torch.Tensor | None = None,
+                    return_lse: bool = False):
     """Attention of new query tokens over their sequences' whole cached history.
 
     q: (total_q, Hq, d), packed by sequence (``q_lens[i]`` rows for ``seq_ids[i]``, default 1).
     The new tokens' K/V must already be in the cache; query j of a sequence of length L and
     q_len Q sits at position L - Q + j and attends causally to keys [0, L - Q + j].
     Returns out (total_q, Hq, d) in q's dtype, and the natural-log LSE (total_q, Hq) fp32 when
-    ``return_lse``.
+    ``return_lse``. ``config``: an explicit DecodeConfig or QTiledConfig (default: the planner's
+    choice); ``staging``: with a QTiledConfig, a ``planner.StagingRequest`` for its staged launch.
     """
     seq_ids = check_seq_ids(seq_ids)
     lengths = [cache.seq_len(s) for s in seq_ids]  # unknown ids raise here
@@ -42,14 +48,14 @@ def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], 
             out.copy_(o)
             o = out
         return (o, lse) if return_lse else o
-    return _plan_and_run(q, cache, layer, cache.kernel_tables(seq_ids), q_lens, softmax_scale, config, out,
-                         return_lse, max(lengths))
+    return _plan_and_run(q, cache, layer, cache.kernel_tables(seq_ids), q_lens, softmax_scale, config, staging,
+                         out, return_lse, max(lengths))
 
 
 def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=None,
-                           softmax_scale: float | None = None, *, config: DecodeConfig | None = None,
-                           out: torch.Tensor | None = None, return_lse: bool = False,
-                           max_seq_len: int | None = None):
+                           softmax_scale: float | None = None, *, config: DecodeConfig | QTiledConfig | None = None,
+                           staging: StagingRequest | None = None, out: torch.Tensor | None = None,
+                           return_lse: bool = False, max_seq_len: int | None = None):
     """``paged_attention`` with page tables built once (``cache.kernel_tables``) and reused,
     e.g. inside a CUDA graph. ``max_seq_len`` (the longest sequence, if the caller knows it) only
     steers the decode split count and the profile bucket; without it the page table's width
@@ -70,15 +76,16 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     batch, max_pages = page_table.shape
     if batch < 1 or seq_lens.shape != (batch,):
         raise ValueError("seq_lens must have one entry per page-table row")
-    return _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, out, return_lse, max_seq_len)
+    return _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, staging, out, return_lse,
+                         max_seq_len)
 
 
-def _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, out, return_lse, max_seq_len):
+def _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, staging, out, return_lse, max_seq_len):
     from directkv_cute.attention import DirectKVAttention
 
     dk = DirectKVAttention(cache)
     dk.plan(tables=tables, q_lens=q_lens, num_q_heads=q.shape[1], softmax_scale=softmax_scale,
-            max_seq_len=max_seq_len, return_lse=return_lse, config=config, cascade=False, q=q)
+            max_seq_len=max_seq_len, return_lse=return_lse, config=config, staging=staging, cascade=False, q=q)
     return dk.run(q, layer, out)
 
 

@@ -9,7 +9,8 @@
   captured, whether staged copies may run ahead (decided once per step);
 - ``machine.MachineModel``: the cost model's rates (from the GPU's profile);
 - ``configs``: the tuned configs (``ProfileConfigs``: the profile lookup; ``DefaultConfigs``);
-- an explicit config, if the caller gives one;
+- an explicit config, if the caller gives one, and with an explicit ``QTiledConfig`` an explicit
+  ``StagingRequest`` (pieces, KV splits, launch and copy order of its staged launch);
 
 and returns a frozen ``AttentionPlan``: which kernel runs with which config, whether and how the
 host pages are staged into HBM first (pieces, splits, order, copies ahead), the FP8 variant, the
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from directkv_cute import plan as cm
-from directkv_cute.config import DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
+from directkv_cute.config import ConfigError, DecodeConfig, QTiledConfig, multi_token_splits, q_tiles
 from directkv_cute.kernels.specs import config_kernel, op_kernel
 from directkv_cute.kernels.specs import get as get_spec
 from directkv_cute.machine import DeviceInfo, MachineModel
@@ -215,6 +216,73 @@ def _itemsize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class StagingRequest:
+    """How an explicit Q-tiled call stages its host pages and launches its KV splits (with an
+    explicit ``QTiledConfig``); each field 0 leaves that decision to the planner. None of it
+    generates code: the plan's layout (``QTiledLayout``) and staging plan carry it to the launch.
+
+    piece_pages: pages per ready piece: a KV tile is issued once the copy engine has finished the
+                 piece holding its pages, so compute starts after the first piece instead of the
+                 whole copy.
+    splits:      KV splits, each a run of pieces, folded into one fp32 accumulator inside the
+                 kernel: the CTAs of early splits run while later pieces still copy. Pages already
+                 in HBM at the end of the call (a step's own tokens mirrored) get splits of their
+                 own beyond these, launched first (``plan.q_tiled_splits``, ``plan.ready_split``).
+    order:       launch order of the query tiles: 1 = heaviest first; 2 = lightest first, one
+                 split (the tiles that need the fewest keys run while the copy lands the rest, as
+                 in a prefill from the first token).
+    copy_order:  1 = each piece copies the pages of every KV head; 2 = head by head, one split:
+                 the copy lands KV head 0's pages, then head 1's, ..., and the CTAs run head-major,
+                 so only the first head's copy is exposed (about 1/Hkv of it) and no partials are
+                 written.
+
+    An invalid request raises when it is made (``TypeError``, or ``ConfigError`` naming the rule).
+    """
+
+    piece_pages: int = 0
+    splits: int = 0
+    order: int = 0
+    copy_order: int = 0
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"StagingRequest.{f.name} must be an int, got {type(value).__name__} {value!r}")
+        problems = self.problems()
+        if problems:
+            raise ConfigError(f"{self}: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.piece_pages < 0:
+            out.append("piece_pages must be >= 0 (0 = the planner's choice)")
+        if self.splits < 0:
+            out.append("splits must be >= 0 (0 = the planner's choice)")
+        for name, one, two in (("order", "heaviest first", "lightest first"),
+                               ("copy_order", "all heads per piece", "head by head")):
+            value = getattr(self, name)
+            if value not in (0, 1, 2):
+                out.append(f"{name} {value} must be 0 (the planner's choice), 1 ({one}) or 2 ({two})")
+            elif value == 2 and self.splits > 1:
+                out.append(f"{name} 2 ({two}) runs one split, got splits {self.splits}")
+        return out
+
+    @property
+    def automatic(self) -> bool:
+        """Every decision left to the planner."""
+        return not (self.piece_pages or self.splits or self.order or self.copy_order)
+
+    @property
+    def one_split(self) -> bool:
+        """Lightest first or head by head: one split, in the order the copy lands."""
+        return 2 in (self.order, self.copy_order)
+
+
+AUTOMATIC = StagingRequest()
+
+
 class ProfileConfigs:
     """The tuned configs of one GPU for one cache geometry: the profile lookup (exact bucket,
     else the nearest, else the kernel's default, warned as ``tuning.lookup`` does)."""
@@ -368,11 +436,19 @@ class PlanError(ValueError):
 
 # ---- the planner -----------------------------------------------------------------------------
 def plan_attention(shape: CallShape, device: DeviceInfo, machine: MachineModel, configs, config=None, *,
-                   cascade_plan=None) -> AttentionPlan:
+                   staging: StagingRequest | None = None, cascade_plan=None) -> AttentionPlan:
     """The plan of a call (see the module docstring). ``config``: an explicit DecodeConfig (runs
     the streaming or the multi-token kernel in place) or QTiledConfig (runs the Q-tiled kernel,
-    or raises ``PlanError`` saying why it cannot). ``cascade_plan``: the batch's
-    ``cascade.plan_cascade``, where the caller has made it (``shape.cascade``)."""
+    or raises ``PlanError`` saying why it cannot). ``staging``: with a QTiledConfig, the
+    ``StagingRequest`` its staged launch follows (None: the planner's choice). ``cascade_plan``:
+    the batch's ``cascade.plan_cascade``, where the caller has made it (``shape.cascade``)."""
+    if staging is not None:
+        if not isinstance(staging, StagingRequest):
+            raise TypeError(f"staging must be a StagingRequest, got {type(staging).__name__}")
+        if not isinstance(config, QTiledConfig):
+            raise PlanError("a StagingRequest steers the Q-tiled kernel's staged launch: it needs an explicit "
+                            f"QTiledConfig (config=QTiledConfig(...)), got config {config!r}")
+    staging = staging or AUTOMATIC
     if shape.cascade and shape.host_table is not None and config is None:
         got = _plan_cascade(shape, device, machine, configs, cascade_plan)
         if got is not None:
@@ -380,8 +456,8 @@ def plan_attention(shape: CallShape, device: DeviceInfo, machine: MachineModel, 
     if device.cpu:
         return _done(AttentionPlan("reference", None, why=("a CPU cache: the float32 reference",)), shape, machine)
     if shape.fp8:
-        return _plan_fp8(shape, device, machine, configs, config)
-    return _plan_16bit(shape, device, machine, configs, config)
+        return _plan_fp8(shape, device, machine, configs, config, staging)
+    return _plan_16bit(shape, device, machine, configs, config, staging)
 
 
 def _done(plan: AttentionPlan, shape: CallShape, machine: MachineModel) -> AttentionPlan:
@@ -393,9 +469,9 @@ def _done(plan: AttentionPlan, shape: CallShape, machine: MachineModel) -> Atten
     return dataclasses.replace(plan, shape=shape, machine=machine.name, capture=capture)
 
 
-def _plan_16bit(shape, device, machine, configs, config) -> AttentionPlan:
+def _plan_16bit(shape, device, machine, configs, config, staging: StagingRequest = AUTOMATIC) -> AttentionPlan:
     if isinstance(config, QTiledConfig) or config is None:
-        route = _q_tiled_route(shape, device, machine, configs, config)
+        route = _q_tiled_route(shape, device, machine, configs, config, staging)
         if route is not None:
             plan = route
             if config is None and plan.staging is not None:
@@ -490,16 +566,18 @@ def ready_page(host_table, n_pages) -> int:
     return int(np.where(host.any(axis=1), past_last, 0).max())
 
 
-def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, configs, config):
+def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, configs, config,
+                   req: StagingRequest = AUTOMATIC):
     """The Q-tiled plan of a call, or None where another kernel runs it.
 
     It runs directly when every page of a multi-token call is in HBM and its query tiles fill a
     wave, or over host pages staged into HBM when the cost model (``plan.choose_staged``) says the
     copy plus its compute beats reading in place: compute-bound chunks, and long link-bound reads
     (decode included), where the copy engine outruns the SMs' reads of host memory. An explicit
-    QTiledConfig always runs it, or raises where it cannot; without one the config is the tuned
-    profile's, looked up once the call is one the kernel may run."""
+    QTiledConfig always runs it, or raises where it cannot, staged as ``req`` asks; without one
+    the config is the tuned profile's, looked up once the call is one the kernel may run."""
     explicit = isinstance(config, QTiledConfig)
+    asked = "an explicit QTiledConfig" + ("" if req.automatic else f" and {req}")
 
     def refuse(why: str):
         if explicit:
@@ -522,14 +600,14 @@ def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, config
         if explicit or fills_a_wave(shape, device.sms):
             cfg = config if explicit else looked_up()
             n_qt = q_tiles(max(q_lens), group, cfg.rows)
-            why = "an explicit QTiledConfig" if explicit else \
+            why = asked if explicit else \
                 f"every page in HBM and {n_qt * shape.num_kv_heads * shape.batch} query-tile CTAs fill a wave"
             return AttentionPlan("q_tiled_hbm", "q_tiled", cfg, 1,
-                                 QTiledLayout(1, math.ceil(max(lens) / cfg.tile_n), 1, 0, False, cfg.order == 2,
+                                 QTiledLayout(1, math.ceil(max(lens) / cfg.tile_n), 1, 0, False, req.order == 2,
                                               n_qt), why=(why,))
         return None
     cfg = config if explicit else looked_up()
-    got = staging_choice(shape, device, m, cfg, explicit, shape.back_to_back and device.copies_ahead)
+    got = staging_choice(shape, device, m, cfg, explicit, shape.back_to_back and device.copies_ahead, req)
     if isinstance(got, str):
         return refuse(got)
     if got is None:
@@ -537,9 +615,9 @@ def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, config
     choice, stage_plan = got
     if not explicit and not choice.staged:
         return None
-    order = cfg.order or 1
-    copy_order = cfg.copy_order or (2 if choice.by_head else 1)
-    want = cfg.splits or (1 if 2 in (order, copy_order) else choice.splits)
+    order = req.order or 1
+    copy_order = req.copy_order or (2 if choice.by_head else 1)
+    want = req.splits or (1 if 2 in (order, copy_order) else choice.splits)
     by_head = copy_order == 2
     in_order = by_head or order == 2  # one split, in the order the copy lands
     P = shape.page_size
@@ -554,30 +632,25 @@ def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, config
     bound = "compute-bound" if cm.compute_bound(m, n_host * shape.layer_page_bytes(shape.compute_dtype),
                                                 cm.causal_flops(lens, q_lens, shape.num_q_heads, shape.head_dim)) \
         else "link-bound"
-    why = ("an explicit QTiledConfig" if explicit else
+    why = (asked if explicit else
            f"{bound}: staged beats in place ({choice.staged_ms:.3f} vs {choice.in_place_ms:.3f} ms)",
            "copy head by head" if by_head else ("one wave in coarse pieces" if choice.coarse else
                                                  f"{splits} split(s) folded in the kernel"))
     if choice.pipelined:
         why += ("planned for its copy running ahead of its kernel (back-to-back calls)",)
-    return AttentionPlan("q_tiled_staged", "q_tiled", _codegen(cfg), 1,
+    return AttentionPlan("q_tiled_staged", "q_tiled", cfg, 1,
                          QTiledLayout(splits, split_tiles, piece_tiles, first, by_head, order == 2,
                                       q_tiles(max(q_lens), group, cfg.rows)),
                          stage_plan, ahead, choice=choice, why=why)
 
 
-def _codegen(cfg: QTiledConfig) -> QTiledConfig:
-    """The config as the kernel is compiled for it: its launch fields are the plan's."""
-    return dataclasses.replace(cfg, piece_pages=0, splits=0, order=0, copy_order=0)
-
-
 def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: QTiledConfig | None = None,
-                   explicit: bool = False, pipelined: bool = False):
-    """The cost model's verdict on staging one call (some pages on the host): (StagedChoice,
-    StagePlan); None when staging cannot pay (decided before planning; never for an explicit
-    config); a str saying why it cannot run (over the staging cap). With ``pipelined`` (the call's
-    copy runs ahead of its kernel) a chunk whose config leaves the launch fields to the planner is
-    planned by ``_pipelined_choice``."""
+                   explicit: bool = False, pipelined: bool = False, req: StagingRequest = AUTOMATIC):
+    """The cost model's verdict on staging one call (some pages on the host) with ``cfg`` as
+    ``req`` asks: (StagedChoice, StagePlan); None when staging cannot pay (decided before
+    planning; never for an explicit config); a str saying why it cannot run (over the staging
+    cap). With ``pipelined`` (the call's copy runs ahead of its kernel) a chunk whose request
+    leaves every decision to the planner is planned by ``_pipelined_choice``."""
     cfg = cfg or QTiledConfig()
     host_table, lens, q_lens = shape.host_table, shape.seq_lens, shape.q_lens
     P, L = shape.page_size, shape.in_place_layers
@@ -593,10 +666,10 @@ def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: Q
     ctas = q_tiles(max(q_lens), group, cfg.rows) * heads * len(lens)
     coarse_link = chunk and ctas > device.sms and cm.trails_copy(m, n_host * page_bytes, flops)
     pieces, split_choices = cm.link_bound_staging(max(lens)) if coarse_link else (16, cm.SPLIT_CHOICES)
-    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=pieces)
+    pp = piece_pages_for(max(n_pages), P, cfg.tile_n, req.piece_pages, pieces=pieces)
     hbm_runs = hbm_runs_per_sequence(host_table, n_pages) if chunk else 0
     window = chunk and hbm_runs <= 1
-    if hbm_runs == 1 and not cfg.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start
+    if hbm_runs == 1 and not req.piece_pages:  # a step's own pages in HBM: pieces of their own, ready at the start
         pp = cm.window_piece_pages(pp, ready_page(host_table, n_pages), max(n_pages), max(1, cfg.tile_n // P),
                                    math.ceil(max(n_pages) / MAX_PIECES))
     calls = sum(math.ceil(n / pp) for n in n_pages)  # at least one copy per sequence and piece
@@ -605,10 +678,10 @@ def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: Q
         return None
     # Staged head by head: fewer, larger pieces per head (each piece is copied once per head);
     # only the first head's copy is exposed, so finer pieces would only add copy calls.
-    stage_plan = plan_staging(host_table, lens, P, pp, L) if cfg.copy_order != 2 else None
+    stage_plan = plan_staging(host_table, lens, P, pp, L) if req.copy_order != 2 else None
     head_plan = None  # weighed where compute binds (elsewhere the pieces of all heads win: measured)
-    if cfg.copy_order == 2 or (cfg.copy_order == 0 and cfg.splits <= 1 and bound):
-        pp_h = piece_pages_for(max(n_pages), P, cfg.tile_n, cfg.piece_pages, pieces=HEAD_PIECES)
+    if req.copy_order == 2 or (req.copy_order == 0 and req.splits <= 1 and bound):
+        pp_h = piece_pages_for(max(n_pages), P, cfg.tile_n, req.piece_pages, pieces=HEAD_PIECES)
         head_plan = stage_plan if stage_plan is not None and pp_h == pp else \
             plan_staging(host_table, lens, P, pp_h, L)
         if len(head_plan.pieces) * heads > MAX_FLAGS:
@@ -617,7 +690,7 @@ def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: Q
         return f"copy_order 2 (head by head) needs at most {MAX_FLAGS} (KV head, piece) ready flags"
     # A chunk whose CTAs all fit one wave: one split over LINK_PIECES coarse pieces is weighed too.
     wave_plan = None
-    if (chunk and stage_plan is not None and cfg.splits <= 1 and cfg.order != 2 and not cfg.piece_pages
+    if (chunk and stage_plan is not None and req.splits <= 1 and req.order != 2 and not req.piece_pages
             and ctas <= device.sms):
         wave_plan = plan_staging(host_table, lens, P,
                                  piece_pages_for(max(n_pages), P, cfg.tile_n, pieces=cm.LINK_PIECES), L)
@@ -633,10 +706,9 @@ def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: Q
     # What the Q-tiled kernel reads from the buffer beyond its compute: each sequence's pages
     # (its query tiles read them together, through the L2), however many sequences share them.
     kv_read = used.size * page_bytes
-    one_split = 2 in (cfg.order, cfg.copy_order)
     choice = cm.choose_staged(m, host_b, need - host_b, flops,
                               cm.partial_bytes(sum(q_lens), shape.num_q_heads, head_dim),
-                              1 if one_split else cfg.splits, host_calls=host_calls, hbm_calls=hbm_calls,
+                              1 if req.one_split else req.splits, host_calls=host_calls, hbm_calls=hbm_calls,
                               in_place_bytes=n_host * page_bytes, kv_read_bytes=kv_read, heads=heads,
                               head_calls=head_calls, chunk_q=chunk_q, wave_calls=wave_calls,
                               pieces=len(any_plan.pieces),
@@ -645,7 +717,7 @@ def staging_choice(shape: CallShape, device: DeviceInfo, m: MachineModel, cfg: Q
     if stage_plan is None:  # head by head asked for
         choice = dataclasses.replace(choice, by_head=True, splits=1, coarse=False)
     out = (choice, head_plan) if choice.by_head else (choice, wave_plan if choice.coarse else stage_plan)
-    if pipelined and chunk and not (cfg.piece_pages or cfg.splits or cfg.order or cfg.copy_order):
+    if pipelined and chunk and req.automatic:
         # Weighed against this plan back to back: the step's own host pages, or a kernel as long
         # as the copy, may keep it the better one.
         return _pipelined_choice(shape, device, m, used, n_host, page_bytes, flops, chunk_q, ctas, cfg, out) or out
@@ -774,14 +846,15 @@ def fp8_head_groups(m: MachineModel, hkv: int, page_size: int, head_dim: int, el
     return head_groups(hkv, 2 * page_size * head_dim * elem_bytes, first=1 if bound else 0)
 
 
-def _plan_fp8(shape: CallShape, device: DeviceInfo, m: MachineModel, configs, config) -> AttentionPlan:
+def _plan_fp8(shape: CallShape, device: DeviceInfo, m: MachineModel, configs, config,
+              req: StagingRequest = AUTOMATIC) -> AttentionPlan:
     """FP8 pages: the streaming FP8 kernel in place (decode, short windows), staged first where
     the copy engine outruns the link; multi-token calls dequantized into an HBM buffer."""
     group, q_len = shape.group, shape.max_q_len
     explicit = isinstance(config, DecodeConfig)
     kernel = config_kernel(config, group, q_len) if explicit else op_kernel(group, q_len)
     if isinstance(config, QTiledConfig) or kernel != "decode":
-        return _done(_plan_fp8_chunk(shape, device, m, configs, config), shape, m)
+        return _done(_plan_fp8_chunk(shape, device, m, configs, config, req), shape, m)
     cfg = config if explicit else fp8_decode_config(configs, shape, group, shape.batch, shape.context, q_len)
     splits = cfg.splits_for(shape.batch, shape.num_kv_heads, shape.context, device.sms)
     why = ("an explicit config" if explicit else "decode_fp8 config: profile (or the decode entry adapted)",)
@@ -829,13 +902,16 @@ def _fp8_stage_plan(shape: CallShape, device: DeviceInfo, m: MachineModel) -> St
     return sp
 
 
-def _plan_fp8_chunk(shape: CallShape, device: DeviceInfo, m: MachineModel, configs, config) -> AttentionPlan:
+def _plan_fp8_chunk(shape: CallShape, device: DeviceInfo, m: MachineModel, configs, config,
+                    req: StagingRequest = AUTOMATIC) -> AttentionPlan:
     """Multi-token calls over FP8 pages: every page the batch reads (once, however many sequences
     share it) is copied by the copy engine into a staging buffer (the FP8 bytes and their scales),
     dequantized into a buffer in the q dtype, and the call runs over that as an all-HBM cache
     (``inner``: the multi-token kernel, or an explicit DecodeConfig's), or, where the Q-tiled
     kernel would run it, group by group of KV heads (``fp8_by_head``). The link carries each
-    page's FP8 bytes and scales once. A call over the staging cap is refused before any copy."""
+    page's FP8 bytes and scales once. A call over the staging cap is refused before any copy.
+    Of a ``StagingRequest`` only ``order`` applies here (2: lightest query tiles first): the pages
+    are staged in one piece, copied group by group of heads."""
     if device.capturing:
         raise PlanError("paged_attention: multi-token calls over FP8 pages dequantize into a buffer planned per "
                         "call and cannot be captured in a CUDA graph (decode-sized calls can)")
@@ -859,7 +935,7 @@ def _plan_fp8_chunk(shape: CallShape, device: DeviceInfo, m: MachineModel, confi
         groups = fp8_head_groups(m, hkv, P, d, _itemsize(shape.page_dtype), lens, shape.q_lens, shape.num_q_heads)
         n_qt = q_tiles(max(shape.q_lens), group, cfg.rows)
         return AttentionPlan("fp8_by_head", "q_tiled", cfg, 1,
-                             QTiledLayout(1, math.ceil(max(lens) / cfg.tile_n), 1, 0, False, cfg.order == 2, n_qt),
+                             QTiledLayout(1, math.ceil(max(lens) / cfg.tile_n), 1, 0, False, req.order == 2, n_qt),
                              sp, head_groups=tuple(groups),
                              why=("FP8 pages of a multi-token call: staged, dequantized group by group of KV heads, "
                                   f"each group's Q-tiled launch under the next group's copy ({len(groups)} groups)",))

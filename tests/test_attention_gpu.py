@@ -52,12 +52,13 @@ def _check(out, lse, q, ks, vs, q_lens, dtype):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-3, rtol=1e-4), (lse.double() - ref_lse).abs().max()
 
 
-def _run(lens, q_lens, hq, hkv, d, page_size, dtype, hbm_fraction=0.0, config=None, seed=0, placement="strided"):
+def _run(lens, q_lens, hq, hkv, d, page_size, dtype, hbm_fraction=0.0, config=None, seed=0, placement="strided",
+         staging=None):
     cache, ids, ks, vs, layer = _build(lens, hkv, d, page_size, dtype, hbm_fraction, placement, seed=seed)
     total = sum(q_lens) if q_lens else len(lens)
     q = torch.randn(total, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1)).to(dtype)
     out = torch.full_like(q, float("nan"))
-    o, lse = paged_attention(q, cache, layer, ids, q_lens, config=config, out=out, return_lse=True)
+    o, lse = paged_attention(q, cache, layer, ids, q_lens, config=config, staging=staging, out=out, return_lse=True)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     _check(o, lse, q, ks, vs, q_lens, dtype)

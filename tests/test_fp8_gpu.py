@@ -20,6 +20,7 @@ from directkv_cute import DecodeConfig, fp8
 from directkv_cute.cache import PagedKVCache
 from directkv_cute.config import QTiledConfig
 from directkv_cute.ops import paged_attention, paged_attention_tables
+from directkv_cute.planner import StagingRequest
 from directkv_cute.reference import dense_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -49,12 +50,12 @@ def _build(lens, hkv, d, page_size, dtype, kv_dtype, hbm_fraction=0.0, layers=2,
     return cache, ids, ks, vs, layer
 
 
-def _run(lens, q_lens, hq, hkv, d, page_size, dtype, kv_dtype, hbm_fraction=0.0, config=None, seed=0):
+def _run(lens, q_lens, hq, hkv, d, page_size, dtype, kv_dtype, hbm_fraction=0.0, config=None, seed=0, staging=None):
     cache, ids, ks, vs, layer = _build(lens, hkv, d, page_size, dtype, kv_dtype, hbm_fraction, seed=seed)
     total = sum(q_lens) if q_lens else len(lens)
     q = torch.randn(total, hq, d, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1)).to(dtype)
     out = torch.full_like(q, float("nan"))
-    o, lse = paged_attention(q, cache, layer, ids, q_lens, config=config, out=out, return_lse=True)
+    o, lse = paged_attention(q, cache, layer, ids, q_lens, config=config, staging=staging, out=out, return_lse=True)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     ref_o, ref_lse = dense_attention_ref(q, ks, vs, q_lens, None)
@@ -205,16 +206,17 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(dtype, kv_dtype, page
     cache.close()
 
 
-@pytest.mark.parametrize("lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config", [
+@pytest.mark.parametrize("lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config, staging", [
     # ragged, one sequence with fewer queries than a query tile, pages partly in HBM
-    ([12000, 700, 5000], [2048, 700, 1], 32, 8, 64, torch.bfloat16, E4M3, 0.3, None),
+    ([12000, 700, 5000], [2048, 700, 1], 32, 8, 64, torch.bfloat16, E4M3, 0.3, None, None),
     # GQA 8, page 16, fp16 / e5m2, one long chunk
-    ([9000], [4096], 64, 8, 16, torch.float16, E5M2, 0.0, None),
+    ([9000], [4096], 64, 8, 16, torch.float16, E5M2, 0.0, None, None),
     # an explicit config: no clusters, 64-key tiles, lightest query tiles first
     ([3000, 6000], [1500, 1000], 16, 4, 64, torch.bfloat16, E4M3, 0.0,
-     QTiledConfig(tile_n=64, stages=4, cluster=1, order=2)),
+     QTiledConfig(tile_n=64, stages=4, cluster=1), StagingRequest(order=2)),
 ])
-def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config):
+def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config,
+                                     staging):
     """Multi-token calls over FP8 pages that fill a wave run one Q-tiled launch per group of KV
     heads (``planner.fp8_head_groups``), each after its group's copy and dequantization, on several
     streams: every head's rows match the reference (poisoned output, LSE checked), and each KV
@@ -225,7 +227,7 @@ def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, d
     heads = []
     real = L.launch_q_tiled
     monkeypatch.setattr(L, "launch_q_tiled", lambda *a, **k: heads.append(k["heads"]) or real(*a, **k))
-    _run(lens, q_lens, hq, hkv, 128, page, dtype, kv_dtype, frac, config, seed=11)
+    _run(lens, q_lens, hq, hkv, 128, page, dtype, kv_dtype, frac, config, seed=11, staging=staging)
     m = machine.machine_for(torch.cuda.get_device_name())
     assert heads == planner.fp8_head_groups(m, hkv, page, 128, 1, lens, q_lens, hq), heads
 

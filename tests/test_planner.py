@@ -164,6 +164,15 @@ def test_a_plan_made_again_for_the_same_values_is_the_same_plan(monkeypatch):
         attention._planned(CallShape.example([32768], [2048]), dataclasses.replace(FACTS, capturing=True), H200,
                            configs, None, None)
         assert len(made) == 3
+        # an explicit staging request is part of the values: another request, another plan
+        from directkv_cute.config import QTiledConfig
+        from directkv_cute.planner import StagingRequest
+
+        shape = CallShape.example([32768], [2048])
+        d, _ = attention._planned(shape, FACTS, H200, configs, QTiledConfig(), None)
+        e, _ = attention._planned(shape, FACTS, H200, configs, QTiledConfig(), None, StagingRequest(piece_pages=4))
+        f, _ = attention._planned(shape, FACTS, H200, configs, QTiledConfig(), None, StagingRequest(piece_pages=4))
+        assert len(made) == 5 and e is f and e != d and e.staging.piece_pages != d.staging.piece_pages
 
 
 def test_the_machine_section_of_a_profile_is_checked_and_kept(tmp_path):

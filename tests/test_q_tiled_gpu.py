@@ -13,54 +13,62 @@ import torch
 from directkv_cute.cache import PagedKVCache
 from directkv_cute.config import QTiledConfig
 from directkv_cute.ops import paged_attention
+from directkv_cute.planner import StagingRequest
 from test_attention_gpu import _build, _check, _run
 
 pytestmark = pytest.mark.gpu
 
+
+def qt(**fields):
+    """(QTiledConfig, StagingRequest or None) of the fields of both."""
+    asked = {k: fields.pop(k) for k in ("piece_pages", "splits", "order", "copy_order") if k in fields}
+    return QTiledConfig(**fields), StagingRequest(**asked) if asked else None
+
+
 CASES = [
-    # lens, q_lens, hq, hkv, d, page, dtype, hbm fraction, config
-    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig()),
-    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 1.0, QTiledConfig()),  # direct: no staging
-    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 1.0, QTiledConfig(cluster=1)),  # one CTA per query tile
-    ([1300], [1000], 32, 8, 128, 16, torch.float16, 0.0, QTiledConfig(cluster=1)),
-    ([1300], [1000], 32, 8, 128, 16, torch.bfloat16, 0.5, QTiledConfig()),
-    ([5000, 77, 3001], [513, 1, 64], 32, 8, 128, 64, torch.float16, 0.0, QTiledConfig(piece_pages=2)),
-    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 0.25, QTiledConfig(tile_n=64, stages=4)),
-    ([4099], [300], 64, 8, 128, 32, torch.bfloat16, 1.0, QTiledConfig(tile_n=64, stages=3)),
-    ([9000], [4096], 32, 2, 128, 64, torch.bfloat16, 0.0, QTiledConfig(piece_pages=4)),  # group 16
-    ([333, 1], [333, 1], 8, 8, 64, 16, torch.float16, 0.0, QTiledConfig(tile_n=64, stages=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=3, piece_pages=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.float16, 0.3, QTiledConfig(splits=1)),
-    ([5000], [17], 32, 8, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=8, piece_pages=8)),
-    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(order=2, piece_pages=2)),
-    ([4000, 2500], [4000, 1000], 16, 8, 64, 32, torch.float16, 0.5, QTiledConfig(order=1, splits=1)),
+    # lens, q_lens, hq, hkv, d, page, dtype, hbm fraction, config, staging
+    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt()),
+    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 1.0, *qt()),  # direct: no staging
+    ([700], [700], 32, 8, 128, 64, torch.bfloat16, 1.0, *qt(cluster=1)),  # one CTA per query tile
+    ([1300], [1000], 32, 8, 128, 16, torch.float16, 0.0, *qt(cluster=1)),
+    ([1300], [1000], 32, 8, 128, 16, torch.bfloat16, 0.5, *qt()),
+    ([5000, 77, 3001], [513, 1, 64], 32, 8, 128, 64, torch.float16, 0.0, *qt(piece_pages=2)),
+    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 0.25, *qt(tile_n=64, stages=4)),
+    ([4099], [300], 64, 8, 128, 32, torch.bfloat16, 1.0, *qt(tile_n=64, stages=3)),
+    ([9000], [4096], 32, 2, 128, 64, torch.bfloat16, 0.0, *qt(piece_pages=4)),  # group 16
+    ([333, 1], [333, 1], 8, 8, 64, 16, torch.float16, 0.0, *qt(tile_n=64, stages=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(splits=3, piece_pages=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.float16, 0.3, *qt(splits=1)),
+    ([5000], [17], 32, 8, 128, 16, torch.bfloat16, 0.0, *qt(splits=8, piece_pages=8)),
+    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(order=2, piece_pages=2)),
+    ([4000, 2500], [4000, 1000], 16, 8, 64, 32, torch.float16, 0.5, *qt(order=1, splits=1)),
     # clusters of two CTAs sharing each tile (the default; odd tile counts: a padded cluster with
     # an empty CTA), staged and direct
-    ([1300], [1000], 32, 8, 128, 16, torch.float16, 0.5, QTiledConfig(stages=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=3, piece_pages=2)),
-    ([4099, 77], [300, 77], 64, 8, 128, 32, torch.bfloat16, 1.0, QTiledConfig(cluster=2, tile_n=64, stages=3)),
-    ([5000, 77, 3001], [513, 1, 64], 32, 8, 128, 64, torch.float16, 0.0, QTiledConfig(cluster=2, piece_pages=2)),
-    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(cluster=2, order=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.3, QTiledConfig(cluster=2, splits=3)),
-    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 1.0, QTiledConfig(cluster=2, tile_n=64)),
+    ([1300], [1000], 32, 8, 128, 16, torch.float16, 0.5, *qt(stages=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(splits=3, piece_pages=2)),
+    ([4099, 77], [300, 77], 64, 8, 128, 32, torch.bfloat16, 1.0, *qt(cluster=2, tile_n=64, stages=3)),
+    ([5000, 77, 3001], [513, 1, 64], 32, 8, 128, 64, torch.float16, 0.0, *qt(cluster=2, piece_pages=2)),
+    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(cluster=2, order=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 64, torch.bfloat16, 0.3, *qt(cluster=2, splits=3)),
+    ([2500, 2500], [1, 2047], 16, 16, 64, 128, torch.bfloat16, 1.0, *qt(cluster=2, tile_n=64)),
     # many splits folded in the kernel in launch order (more CTAs per split than SMs: a rank waits
     # for the one before), single and ragged; a GQA group of 7 (padded rows, 18 tokens per CTA)
-    ([20000], [1500], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=8)),
-    ([17000, 3000, 9000], [1200, 1, 700], 32, 8, 128, 16, torch.float16, 0.0, QTiledConfig(splits=6, cluster=1)),
-    ([12000, 5000], [900, 300], 28, 4, 128, 16, torch.bfloat16, 0.0, QTiledConfig(splits=4)),
-    ([33000], [2048], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(splits=16)),
+    ([20000], [1500], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(splits=8)),
+    ([17000, 3000, 9000], [1200, 1, 700], 32, 8, 128, 16, torch.float16, 0.0, *qt(splits=6, cluster=1)),
+    ([12000, 5000], [900, 300], 28, 4, 128, 16, torch.bfloat16, 0.0, *qt(splits=4)),
+    ([33000], [2048], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(splits=16)),
     # the copy staged head by head, the CTAs remapped head-major (over the batch too)
-    ([6000, 900, 3001], [2000, 900, 64], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2)),
-    ([6000, 900], [2000, 900], 32, 8, 128, 16, torch.float16, 0.3, QTiledConfig(copy_order=2, cluster=1)),
-    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2, order=2)),
-    ([9000], [4096], 32, 2, 128, 64, torch.bfloat16, 0.0, QTiledConfig(copy_order=2, piece_pages=4)),
-    ([333, 1], [333, 1], 8, 8, 64, 16, torch.float16, 0.0, QTiledConfig(copy_order=2, tile_n=64, stages=2)),
+    ([6000, 900, 3001], [2000, 900, 64], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(copy_order=2)),
+    ([6000, 900], [2000, 900], 32, 8, 128, 16, torch.float16, 0.3, *qt(copy_order=2, cluster=1)),
+    ([4000, 2500], [4000, 1000], 32, 8, 128, 64, torch.bfloat16, 0.0, *qt(copy_order=2, order=2)),
+    ([9000], [4096], 32, 2, 128, 64, torch.bfloat16, 0.0, *qt(copy_order=2, piece_pages=4)),
+    ([333, 1], [333, 1], 8, 8, 64, 16, torch.float16, 0.0, *qt(copy_order=2, tile_n=64, stages=2)),
 ]
 
 
-@pytest.mark.parametrize("lens,q_lens,hq,hkv,d,page,dtype,hbm,config", CASES)
-def test_q_tiled_matches_reference(lens, q_lens, hq, hkv, d, page, dtype, hbm, config):
-    _run(lens, q_lens, hq, hkv, d, page, dtype, hbm, config)
+@pytest.mark.parametrize("lens,q_lens,hq,hkv,d,page,dtype,hbm,config,staging", CASES)
+def test_q_tiled_matches_reference(lens, q_lens, hq, hkv, d, page, dtype, hbm, config, staging):
+    _run(lens, q_lens, hq, hkv, d, page, dtype, hbm, config, staging=staging)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -71,9 +79,9 @@ def test_q_tiled_random_shapes(seed):
     d, page = r.choice([64, 128]), r.choice([16, 32, 64, 128])
     lens = [r.randint(1, 4000) for _ in range(r.choice([1, 3, 5]))]
     q_lens = [r.randint(1, n) for n in lens]
-    cfg = QTiledConfig(tile_n=r.choice([64, 128]), stages=2, piece_pages=r.choice([0, 1, 3]),
-                       cluster=r.choice([1, 2]), copy_order=r.choice([0, 1, 2]))
-    _run(lens, q_lens, hkv * group, hkv, d, page, dtype, r.choice([0.0, 0.4, 1.0]), cfg, seed=seed)
+    cfg, st = qt(tile_n=r.choice([64, 128]), stages=2, piece_pages=r.choice([0, 1, 3]), cluster=r.choice([1, 2]),
+                 copy_order=r.choice([0, 1, 2]))
+    _run(lens, q_lens, hkv * group, hkv, d, page, dtype, r.choice([0.0, 0.4, 1.0]), cfg, seed=seed, staging=st)
 
 
 def test_staged_calls_back_to_back_reuse_the_buffer():
@@ -89,9 +97,8 @@ def test_staged_calls_back_to_back_reuse_the_buffer():
     outs = []
     for layer in (0, 1, 0):
         out = torch.full_like(q, float("nan"))
-        outs.append(paged_attention(q, cache, layer, ids, [3000, 1200], config=QTiledConfig(piece_pages=3, splits=3),
-                                    out=out,
-                                    return_lse=True))
+        outs.append(paged_attention(q, cache, layer, ids, [3000, 1200], config=QTiledConfig(),
+                                    staging=StagingRequest(piece_pages=3, splits=3), out=out, return_lse=True))
     torch.cuda.synchronize()
     st = staging.stager(q.device, torch.cuda.current_stream())
     assert st.epoch >= 3
@@ -162,12 +169,12 @@ def test_staging_cap_refuses_before_writing(monkeypatch):
     cache.close()
 
 
-@pytest.mark.parametrize("lens,q_lens,page,dtype,config", [
-    ([8192], [2048], 64, torch.bfloat16, None),
-    ([16384, 9000], [2048, 1000], 16, torch.float16, None),
-    ([6000, 700], [1500, 700], 64, torch.bfloat16, QTiledConfig(splits=3, cluster=1)),
+@pytest.mark.parametrize("lens,q_lens,page,dtype,config,staging", [
+    ([8192], [2048], 64, torch.bfloat16, None, None),
+    ([16384, 9000], [2048, 1000], 16, torch.float16, None, None),
+    ([6000, 700], [1500, 700], 64, torch.bfloat16, *qt(splits=3, cluster=1)),
 ])
-def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, page, dtype, config):
+def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, page, dtype, config, staging):
     """A step's own tokens mirrored in HBM (the window a model step leaves), the history on the
     host, ragged: the staged call launches the window's splits first (``split_first`` > 0) and
     matches the reference over the whole sequences, every output row written."""
@@ -204,7 +211,8 @@ def test_window_chunks_run_their_ready_splits_first(monkeypatch, lens, q_lens, p
     assert (cache.kernel_tables(ids).host_table < 0).any()
     q = torch.randn(sum(q_lens), hq, d, generator=g, device="cuda").to(dtype)
     out = torch.full_like(q, float("nan"))
-    o, lse = paged_attention(q, cache, layers - 1, ids, q_lens, config=config, out=out, return_lse=True)
+    o, lse = paged_attention(q, cache, layers - 1, ids, q_lens, config=config, staging=staging, out=out,
+                             return_lse=True)
     torch.cuda.synchronize()
     _check(o, lse, q, ks, vs, q_lens, dtype)
     assert firsts and firsts[-1] > 0, firsts
@@ -282,8 +290,8 @@ def test_staged_copy_follows_a_late_write_to_its_history():
     from directkv_cute.reference import paged_attention_ref
 
     cache, ids, q = _stage_case(11)
-    cfg = QTiledConfig(piece_pages=4)
-    paged_attention(q, cache, 0, ids, [2000], config=cfg)  # compiled, slot chosen
+    cfg = dict(config=QTiledConfig(), staging=StagingRequest(piece_pages=4))
+    paged_attention(q, cache, 0, ids, [2000], **cfg)  # compiled, slot chosen
     torch.cuda.synchronize()
     st = staging.stager(q.device, torch.cuda.current_stream())
     slot = st.slot
@@ -293,7 +301,7 @@ def test_staged_copy_follows_a_late_write_to_its_history():
     torch.cuda._sleep(100_000_000)  # about 50 ms: the write below runs late
     cache.write(ids[0], 1, 0, k_new, v_new)
     out = torch.full_like(q, float("nan"))
-    o, lse = paged_attention(q, cache, 1, ids, [2000], config=cfg, out=out, return_lse=True)
+    o, lse = paged_attention(q, cache, 1, ids, [2000], **cfg, out=out, return_lse=True)
     assert st.slot != slot, "the call did not take the other slot (no copy ahead)"
     torch.cuda.synchronize()
     ref_o, ref_lse = paged_attention_ref(q, cache, 1, ids, [2000], None)
@@ -354,16 +362,16 @@ def test_staged_history_copy_runs_ahead_of_the_current_stream(monkeypatch):
     from directkv_cute.reference import paged_attention_ref
 
     cache, ids, q = _stage_case(21)
-    cfg = QTiledConfig(piece_pages=4)
+    cfg = dict(config=QTiledConfig(), staging=StagingRequest(piece_pages=4))
     for layer in (0, 1):
-        paged_attention(q, cache, layer, ids, [2000], config=cfg)
+        paged_attention(q, cache, layer, ids, [2000], **cfg)
     torch.cuda.synchronize()
     st = staging.stager(q.device, torch.cuda.current_stream())
     ref_o, _ = paged_attention_ref(q, cache, 0, ids, [2000], None)
     for overlap in ("1", "0"):
         monkeypatch.setenv("DIRECTKV_STAGE_OVERLAP", overlap)
         torch.cuda._sleep(400_000_000)  # about 200 ms
-        out = paged_attention(q, cache, 0, ids, [2000], config=cfg)
+        out = paged_attention(q, cache, 0, ids, [2000], **cfg)
         time.sleep(0.05)
         landed = st.stream.query()
         torch.cuda.synchronize()

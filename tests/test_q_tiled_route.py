@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from directkv_cute import runner
-from directkv_cute.config import DecodeConfig, QTiledConfig
+from directkv_cute.config import ConfigError, DecodeConfig, QTiledConfig
 from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.plan import LINK_PIECES
-from directkv_cute.planner import (FP8_TAIL_SHARE, CallShape, PlanError, ProfileConfigs, fp8_head_groups,
-                                   plan_attention, split_staged_table)
+from directkv_cute.planner import (FP8_TAIL_SHARE, CallShape, PlanError, ProfileConfigs, StagingRequest,
+                                   fp8_head_groups, plan_attention, split_staged_table)
 from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS
 from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
@@ -47,8 +47,10 @@ def shape(lens, q_lens, tier="host", hq=32, hkv=8, page=64, fp8=False, marked=Fa
                              page_dtype=E4M3 if fp8 else None, back_to_back=marked)
 
 
-def plan(s, config=None, device=H200_FACTS, gpu=GPU):
-    return plan_attention(s, device, H200, ProfileConfigs(gpu), config)
+def plan(s, config=None, device=H200_FACTS, gpu=GPU, **staging):
+    """The plan of ``s``; keyword arguments: a StagingRequest with ``config`` (a QTiledConfig)."""
+    return plan_attention(s, device, H200, ProfileConfigs(gpu), config,
+                          staging=StagingRequest(**staging) if staging else None)
 
 
 # ---- the routing table: shape -> route, and how the staged ones are staged -------------------------
@@ -125,11 +127,10 @@ def test_plans_are_values_made_without_the_gpu(monkeypatch):
         a.route = "decode"
 
 
-def test_the_staged_decode_reads_the_buffer_as_hbm_pages_and_compiles_only_code_fields():
+def test_the_staged_decode_reads_the_buffer_as_hbm_pages():
     p = plan(shape([32768], [8192]))
     assert (p.staging.table < 0).all(), "the kernel reads the staging buffer as HBM pages"
     assert len(p.staging.pieces) * 8 <= MAX_FLAGS
-    assert (p.config.piece_pages, p.config.splits, p.config.order, p.config.copy_order) == (0, 0, 0, 0)
     # a capture of the same call reads in place: its plan is part of this one
     assert p.capture is not None and p.capture.route == "multi_token"
 
@@ -153,20 +154,43 @@ def test_an_explicit_config_always_runs_its_kernel():
     assert p.route == "multi_token"
 
 
-def test_copy_orders_and_explicit_launch_fields_are_kept():
-    p = plan(shape([32768], [8192]), QTiledConfig(copy_order=1))
+def test_copy_orders_and_explicit_staging_requests_are_kept():
+    p = plan(shape([32768], [8192]), QTiledConfig(), copy_order=1)
     assert not p.layout.by_head and p.layout.splits > 1 and len(p.staging.pieces) == 16
     # q 64 over 32k is link-bound: the model keeps the pieces of all heads together
     assert not plan(shape([32768], [64])).layout.by_head
-    p = plan(shape([32768, 5000], [64, 7]), QTiledConfig(copy_order=2))
+    p = plan(shape([32768, 5000], [64, 7]), QTiledConfig(), copy_order=2)
     assert p.layout.by_head and p.layout.splits == 1 and p.staging.host_pages == 512 + 79
-    p = plan(shape([8192], [8192]), QTiledConfig(copy_order=2, order=2))
+    p = plan(shape([8192], [8192]), QTiledConfig(), copy_order=2, order=2)
     assert p.layout.by_head and p.layout.ascending and p.layout.splits == 1
-    p = plan(shape([8192], [8192]), QTiledConfig(order=2))
+    p = plan(shape([8192], [8192]), QTiledConfig(), order=2)
     assert p.layout.ascending and p.layout.splits == 1
-    p = plan(shape([8192, 3000], [8192, 100]), QTiledConfig(splits=3, piece_pages=4))
+    p = plan(shape([8192, 3000], [8192, 100]), QTiledConfig(), splits=3, piece_pages=4)
     assert p.layout.splits == 3 and p.staging.piece_pages == 4 and p.staging.pages == 128 + 47
-    assert plan(shape([8192], [512]), QTiledConfig(piece_pages=4)).staging.piece_pages == 4
+    assert "StagingRequest(piece_pages=4, splits=3" in p.explain()
+    assert plan(shape([8192], [512]), QTiledConfig(), piece_pages=4).staging.piece_pages == 4
+    # an all-automatic request is no request: the same plan as none
+    assert plan(shape([32768], [2048]), QTiledConfig(), **{"order": 0}) == plan(shape([32768], [2048]), QTiledConfig())
+    # the lightest-first order holds over pages all in HBM too (one split there)
+    assert plan(shape([8192], [8192], tier="hbm"), QTiledConfig(), order=2).layout.ascending
+
+
+def test_staging_requests_are_checked_and_go_with_a_q_tiled_config():
+    with pytest.raises(ConfigError, match="copy_order 2 .* runs one split"):
+        StagingRequest(copy_order=2, splits=4)
+    with pytest.raises(ConfigError, match="order 3"):
+        StagingRequest(order=3)
+    with pytest.raises(ConfigError, match="piece_pages must be >= 0"):
+        StagingRequest(piece_pages=-1)
+    with pytest.raises(TypeError, match="splits must be an int"):
+        StagingRequest(splits=2.0)
+    assert StagingRequest(order=2, splits=1).one_split and StagingRequest().automatic
+    for config in (None, DecodeConfig()):  # staging belongs to the Q-tiled kernel's launch
+        with pytest.raises(PlanError, match="needs an explicit QTiledConfig"):
+            plan(shape([32768], [2048]), config, piece_pages=4)
+    with pytest.raises(TypeError, match="StagingRequest"):
+        plan_attention(shape([32768], [2048]), H200_FACTS, H200, ProfileConfigs(GPU), QTiledConfig(),
+                       staging={"piece_pages": 4})
 
 
 def test_explicit_config_refusals_name_the_reason():
@@ -225,7 +249,7 @@ def test_a_model_tuned_profile_is_what_the_planner_runs(tmp_path, monkeypatch):
     entries = {bk: QTiledConfig.from_dict(rec["config"]) for ck, bk, rec in prof.records() if ck == Q_CLASS}
     assert set(entries) == {(1, 32768, 2048), (1, 32768, 8192)} and not prof.stale()
     tuned = entries[1, 32768, 2048]
-    assert tuned != QTiledConfig() and (tuned.piece_pages, tuned.splits, tuned.order) == (0, 0, 0)
+    assert tuned != QTiledConfig()
     assert tuned.pingpong == 0  # the model's slow handshake favours issuing without turns
 
     L.clear_cache()

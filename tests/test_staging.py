@@ -237,21 +237,37 @@ def test_q_tiled_config_legality():
         QTiledConfig(tile_n=32).check(128, 64)
     with pytest.raises(ConfigError, match="SMEM"):
         QTiledConfig(tile_n=128, stages=4).check(128, 64)
-    with pytest.raises(ConfigError, match="piece_pages"):
-        QTiledConfig(piece_pages=-1).check(128, 64)
     assert QTiledConfig.from_dict({"tile_n": 64}).tile_n == 64
     with pytest.raises(ConfigError, match="unknown"):
         QTiledConfig.from_dict({"chunk_tiles": 2})
+
+
+def test_q_tiled_config_dicts_drop_the_staging_keys_left_to_the_planner():
+    """Dicts of configs that held staging fields (tuned profiles: all 0, the planner's choice)
+    still load; a staging value that asks for something is refused, naming the StagingRequest."""
+    import dataclasses
+
+    from directkv_cute.config import STAGING_KEYS
+    from directkv_cute.planner import StagingRequest
+
+    assert STAGING_KEYS == tuple(f.name for f in dataclasses.fields(StagingRequest))
+    old = {"tile_n": 64, "stages": 4, "carveout": 100, "piece_pages": 0, "splits": 0, "order": 0, "pingpong": 1,
+           "cluster": 2, "copy_order": 0}
+    assert QTiledConfig.from_dict(old) == QTiledConfig(tile_n=64, stages=4)
+    assert QTiledConfig.from_dict(old).to_dict() == {"tile_n": 64, "stages": 4, "carveout": 100, "pingpong": 1,
+                                                     "cluster": 2}
+    for key, value in (("piece_pages", 4), ("splits", 2), ("order", 2), ("copy_order", 1), ("splits", False)):
+        with pytest.raises(ConfigError, match=f"no staging fields.*{key}.*StagingRequest"):
+            QTiledConfig.from_dict({**old, key: value})
     assert q_tiles(8192, 4) == 256 and q_tiles(33, 4) == 2 and q_tiles(1, 128) == 1
 
 
-def test_q_tiled_compile_key_ignores_only_the_runtime_piece_size():
+def test_q_tiled_compile_key_changes_with_every_code_input():
     import torch
 
     from directkv_cute.kernels.jit import q_tiled_key
 
     base = q_tiled_key(QTiledConfig(), torch.bfloat16, 128, 64, 4, True)
-    assert q_tiled_key(QTiledConfig(piece_pages=8), torch.bfloat16, 128, 64, 4, True) == base
     for other in (q_tiled_key(QTiledConfig(stages=3, tile_n=64), torch.bfloat16, 128, 64, 4, True),
                   q_tiled_key(QTiledConfig(), torch.bfloat16, 128, 64, 4, False),
                   q_tiled_key(QTiledConfig(), torch.float16, 128, 64, 4, True),
@@ -289,11 +305,13 @@ def test_q_tiled_kernel_compiles_for_hopper(monkeypatch, cfg, dtype, d, page, gr
 
 
 def test_order_legality():
-    assert QTiledConfig(order=2, splits=1).is_legal(128, 64)
+    from directkv_cute.planner import StagingRequest
+
+    assert StagingRequest(order=2, splits=1).one_split
     with pytest.raises(ConfigError, match="one split"):
-        QTiledConfig(order=2, splits=4).check(128, 64)
-    with pytest.raises(ConfigError, match="order"):
-        QTiledConfig(order=3).check(128, 64)
+        StagingRequest(order=2, splits=4)
+    with pytest.raises(ConfigError, match="order 3"):
+        StagingRequest(order=3)
 
 
 def test_release_staging_counts_and_frees_the_buffers(monkeypatch):
@@ -402,12 +420,16 @@ def test_cost_model_copies_compute_bound_chunks_head_by_head():
 
 
 def test_copy_order_legality():
-    assert QTiledConfig(copy_order=2, splits=1).is_legal(128, 64)
-    assert QTiledConfig(copy_order=2, order=2).is_legal(128, 64)
+    from directkv_cute.planner import StagingRequest
+
+    assert StagingRequest(copy_order=2, splits=1).one_split and StagingRequest(copy_order=2, order=2).one_split
+    assert not StagingRequest(copy_order=1, splits=4).one_split
     with pytest.raises(ConfigError, match="one split"):
-        QTiledConfig(copy_order=2, splits=4).check(128, 64)
-    with pytest.raises(ConfigError, match="copy_order"):
-        QTiledConfig(copy_order=3).check(128, 64)
+        StagingRequest(copy_order=2, splits=4)
+    with pytest.raises(ConfigError, match="copy_order 3"):
+        StagingRequest(copy_order=3)
+    with pytest.raises(ConfigError, match="splits must be >= 0"):
+        StagingRequest(splits=-1)
 
 
 def _fake_stager(monkeypatch, plan_pages: int, buf_shape, events: list):

@@ -258,6 +258,30 @@ def test_unknown_kernel_entries_are_kept(tmp_path):
     assert prof.get(("future-kernel", "bf16", 128, 8, 64), (1, 4096, 128))["config"] == {"tile_m": 128}
 
 
+def test_q_tiled_entries_holding_staging_keys(tmp_path):
+    """Tuned q_tiled entries once held the staging keys, all 0 (the planner's choice): they load
+    as the code-generating config, silently; a key that asks for staging is refused, named."""
+    from directkv_cute.config import QTiledConfig
+
+    old = {"tile_n": 64, "stages": 4, "carveout": 100, "piece_pages": 0, "splits": 0, "order": 0, "pingpong": 1,
+           "cluster": 2}
+
+    def doc_with(config):
+        doc = good_doc()
+        doc["entries"].append({"kernel": "q_tiled", "dtype": "bf16", "head_dim": 128, "group": 4, "page_size": 64,
+                               "buckets": [{"batch": 1, "context": 8192, "q_len": 512, "config": config,
+                                            "p50_us": 10.0, "default_p50_us": 12.0, "trials": 3, "kernel_hash": KH}]})
+        return write_doc(tmp_path / "NVIDIA_H200.yaml", doc)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prof = P.load_profile(doc_with(old))
+    rec = prof.get(("q_tiled", "bf16", 128, 4, 64), (1, 8192, 512))
+    assert QTiledConfig.from_dict(rec["config"]) == QTiledConfig(tile_n=64, stages=4)
+    with pytest.raises(P.ProfileError, match=r"buckets\[0\]\.config: .*no staging fields.*'order': 2"):
+        P.load_profile(doc_with({**old, "order": 2}))
+
+
 # ---- schema 1 ----------------------------------------------------------------------------------
 
 

@@ -270,23 +270,23 @@ Q_SHAPE = TuneShape(32, 8, 128, batch=1, context=32768, q_len=2048)
 @pytest.mark.parametrize("head_dim, page_size, group", [(128, 64, 4), (128, 16, 7), (64, 64, 8), (128, 128, 12)])
 def test_q_tiled_space_is_the_specs_legality_over_the_codegen_fields(head_dim, page_size, group):
     """Every point of the q_tiled space is judged by the kernel's spec (the config's rules and its
-    GQA group), the legal ones are distinct kernels (distinct compile keys: only code-generating
-    fields are tuned) and leave the launch fields to the op (0)."""
+    GQA group), the legal ones are distinct kernels (distinct compile keys), and the space tunes
+    every field of the config, each of which generates code (staging is the planner's)."""
     from directkv_cute.config import QTiledConfig
     from directkv_cute.kernels import jit, specs
 
     space = get_space("q_tiled")
     assert space.kernel == space.source_kernel == "q_tiled" and space.config_cls is QTiledConfig
     spec = specs.get("q_tiled")
-    assert {p.name for p in space.params} <= set(spec.codegen_fields)
-    assert {p.name for p in space.params} >= {"tile_n", "stages", "pingpong", "cluster"}
+    fields = [f.name for f in dataclasses.fields(QTiledConfig)]
+    assert sorted(p.name for p in space.params) == sorted(spec.codegen_fields) == sorted(fields)
+    assert spec.launch_fields == () and space.fixed(TuneShape(32, 8, 128, 1, 8192, 512)) == {}
     shape = TuneShape(group * 8, 8, head_dim, batch=1, context=8192, q_len=512, page_size=page_size)
     rep = space.legality(shape)
     assert rep.total == space.cardinality() == 2 * 3 * 3 * 2 * 2
     assert 0 < rep.legal_count <= rep.total and (rep.legal_count < rep.total) == (head_dim == 128)
     for cfg in rep.legal:
         assert spec.problems(cfg, head_dim, page_size, group=group) == []
-        assert (cfg.piece_pages, cfg.splits, cfg.order) == (0, 0, 0)
         assert space.in_space(cfg)
     for cfg, reasons in rep.illegal:
         assert reasons == spec.problems(cfg, head_dim, page_size, group=group) and reasons

@@ -324,8 +324,7 @@ class GpuObjective:
     ``kernel="q_tiled"``: every page is in the HBM tier (the kernel reads HBM; over host pages
     the op stages them into an HBM buffer and runs the same kernel), as many distinct sequences
     as fit ``max_hbm_bytes`` (default: a quarter of the GPU's memory), and the config is forced
-    (an explicit ``QTiledConfig`` always runs the Q-tiled kernel; its launch fields left 0 are the
-    op's choice, which over HBM pages is one split).
+    (an explicit ``QTiledConfig`` always runs the Q-tiled kernel; over HBM pages in one split).
 
     ``device="cpu"`` runs the same steps on the CPU with wall-clock timing (a smoke test of the
     harness: the op runs its reference path there); ``op`` replaces

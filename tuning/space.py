@@ -497,11 +497,11 @@ class QTiledSpace(KernelSpace):
     """The Q-tiled kernel (``QTiledConfig``, ``kernels/q_tiled.py``): the op's kernel for
     compute-bound multi-token calls, over HBM pages or host pages it staged into HBM.
 
-    Only the fields that generate code are tuned (the spec's ``codegen_fields``): the KV tile,
-    the ring depth, the carveout, the consumers' pingpong and the cluster. The launch
-    fields (``piece_pages``, ``splits``, ``order``) stay 0: the op's cost model picks them per call
-    from the call's tiers and lengths (``directkv_cute.planner``), and the measured launch (all pages
-    in HBM: no staging, one split) does not read them. Legality is the spec's: the config's rules
+    Every config field generates code (the spec's ``codegen_fields``) and is tuned: the KV tile,
+    the ring depth, the carveout, the consumers' pingpong and the cluster. How a call is staged
+    (pieces, KV splits, launch and copy order) is no config field: the planner picks it per call
+    from the call's tiers and lengths (``directkv_cute.planner``), and the measured launch (all
+    pages in HBM: no staging, one split) has none. Legality is the spec's: the config's rules
     (tile_n 64/128, the ring and the Q tile within SMEM under the carveout) and the GQA group.
     """
 
@@ -515,11 +515,7 @@ class QTiledSpace(KernelSpace):
         Param("pingpong", (0, 1), "the two consumer warpgroups take turns at the tensor cores (1) or not (0)"),
         Param("cluster", (1, 2), "CTAs per cluster sharing each KV tile by TMA multicast (2: adjacent query tiles)"),
     )
-    fixed_doc = ("piece_pages = splits = order = 0 (the op's cost model picks the staging pieces, KV splits "
-                 "and launch order per call)")
-
-    def fixed(self, shape: TuneShape) -> dict:
-        return {"piece_pages": 0, "splits": 0, "order": 0}
+    fixed_doc = "no field (the planner picks the staging pieces, KV splits and launch order per call)"
 
     def problems(self, cfg, shape: TuneShape) -> list[str]:
         return specs.get(self.source_kernel).problems(cfg, shape.head_dim, shape.page_size, shape.elem_bytes,

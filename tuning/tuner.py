@@ -684,7 +684,7 @@ def _short_config(c) -> str:
              "chunk_tiles": "k", "max_inflight": "f",
              "link_credits": "L", "edge_tiles": "e", "q_regs": "q",
              "q_cluster": "m", "stagger": "g",
-             "piece_pages": "pp", "splits": "sp", "order": "o", "pingpong": "pg", "cluster": "cl"}
+             "pingpong": "pg", "cluster": "cl"}
     return " ".join(f"{names.get(k, k)}{v}" for k, v in d.items())
 
 

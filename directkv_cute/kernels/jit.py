@@ -227,9 +227,9 @@ def _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, split_
 
 def q_tiled_key(cfg: QTiledConfig, dtype: torch.dtype, head_dim: int, page_size: int, group: int,
                 wait_ready: bool, fold: bool = False):
-    # piece_pages, splits, order and copy_order are runtime arguments (piece_tiles, num_splits /
-    # split_tiles, ascending, flag_stride), except that more than one split folds them (fold);
-    # the spec fixes them in the key, everything else generates code.
+    # Every config field generates code. The plan's staging (pieces, KV splits, launch and copy
+    # order) enters as runtime arguments (piece_tiles, num_splits / split_tiles, ascending,
+    # flag_stride), except that more than one split folds them (fold).
     return ("q_tiled", arch(), str(dtype), head_dim, page_size, group, bool(wait_ready), bool(fold),
             *specs.get("q_tiled").key_values(cfg, head_dim))
 

@@ -241,8 +241,7 @@ SPECS: tuple[KernelSpec, ...] = (
         key="directkv_cute.kernels.jit.q_tiled_key",
         launch="directkv_cute.kernels.launch.launch_q_tiled",
         config="directkv_cute.config.QTiledConfig",
-        codegen_fields=("tile_n", "stages", "carveout", "pingpong", "cluster"),
-        launch_fields=(("piece_pages", 0), ("splits", 0), ("order", 0), ("copy_order", 0)),
+        codegen_fields=("tile_n", "stages", "carveout", "pingpong", "cluster"),  # every field: staging is the plan's
         shape_rules=_q_tiled_rules,
         launches=("q_tiled",),  # staged calls in KV splits fold them in the kernel
     ),
