@@ -315,10 +315,11 @@ def test_staged_copy_follows_a_late_write_to_its_history():
 
 
 def test_back_to_back_chunks_are_planned_for_copies_ahead():
-    """A staged chunk over tables marked back to back (a model step's layers) is planned as a copy
-    that runs ahead of the current stream (coarse pieces, the pieces of the step's own pages
-    apart); over unmarked tables it is not. Both run while an earlier kernel still occupies the
-    GPU. Ragged batch, the step's own tokens of layer 1 rewritten (recorded host writes its copy
+    """A staged chunk over tables marked back to back (a model step's layers) is planned for its
+    copy running ahead of the kernel before it (``choice.pipelined``: coarse pieces, the pieces of
+    the step's own pages apart); over unmarked tables it is not. Both copies may run ahead of the
+    current stream (the cache records its host writes), and both run while an earlier kernel
+    still occupies the GPU. Ragged batch, the step's own tokens of layer 1 rewritten (recorded host writes its copy
     follows), poisoned outputs; every call matches the reference."""
     from directkv_cute import DirectKVAttention
     from directkv_cute.reference import paged_attention_ref
@@ -336,8 +337,9 @@ def test_back_to_back_chunks_are_planned_for_copies_ahead():
     plain_plan = plain.plan(tables=cache.kernel_tables(ids), q_lens=q_lens, num_q_heads=32, cascade=False)
     marked_plan = marked.plan(tables=cache.kernel_tables(ids, back_to_back=True), q_lens=q_lens, num_q_heads=32,
                               cascade=False)
-    assert plain_plan.staged and not plain_plan.copy_ahead, plain_plan.explain()
-    assert marked_plan.staged and marked_plan.copy_ahead, marked_plan.explain()
+    assert plain_plan.staged and plain_plan.copy_ahead and not plain_plan.choice.pipelined, plain_plan.explain()
+    assert marked_plan.staged and marked_plan.copy_ahead and marked_plan.choice.pipelined, marked_plan.explain()
+    assert len(marked_plan.staging.pieces) < len(plain_plan.staging.pieces)  # coarse pieces
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # about 50 ms: the calls below queue behind it
     outs = [(0, plain.run(q, 0, out=torch.full_like(q, float("nan")))),

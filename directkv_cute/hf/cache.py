@@ -326,8 +326,11 @@ class DirectKVCache(Cache):
 
     def _check_model(self, module) -> None:
         """Refuse a model whose shape differs from the cache's, from its attention module's
-        config (once per config): layer count always, KV heads and head_dim unless tensor
-        parallel (the cache then holds the rank's heads)."""
+        config (once per config): fewer layers than the cache (its last layers would silently
+        never be stored); KV heads and head_dim unless tensor parallel (the cache then holds the
+        rank's heads). A config with more layers is let through: a view of a model that runs
+        some of its layers shares their modules, and a layer past the cache's is refused at its
+        ``update`` with the step rolled back."""
         config = getattr(module, "config", None)
         if config is None or id(config) in self._checked_configs:
             return
@@ -335,7 +338,7 @@ class DirectKVCache(Cache):
             spec = model_spec(config)
         except (AttributeError, TypeError):  # not a decoder config: the per-layer checks still hold
             return
-        theirs = [("layers", spec.num_layers, self.spec.num_layers)]
+        theirs = [("layers", spec.num_layers, self.spec.num_layers)] if spec.num_layers < self.spec.num_layers else []
         if self.shard is None:
             theirs += [("KV heads", spec.num_kv_heads, self.spec.num_kv_heads),
                        ("head_dim", spec.head_dim, self.spec.head_dim)]
