@@ -45,7 +45,7 @@ def _attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 def test_every_python_block_has_a_check():
     # One test below per block, in order: a new block needs its own check.
-    assert len(_python_blocks()) == 3
+    assert len(_python_blocks()) == 4
 
 
 def test_transformers_block_generates_as_sdpa_does():
@@ -115,3 +115,21 @@ def test_numbers_table_files_are_the_committed_results():
     for row in rows:  # each row: a command, a date, the GPU (or CPU)
         assert re.search(r"\| 20\d\d-\d\d-\d\d, (H200|CPU) \|", row), row
 
+
+
+def test_plan_block_runs_every_layer_and_explains_a_gpu_plan(capsys):
+    scope = _run(3)
+    cache, attn, plan, outs, a = scope["cache"], scope["attn"], scope["plan"], scope["outs"], scope["a"]
+    assert attn.current is plan and plan.shape.q_lens == (100,) and plan.shape.seq_lens == (600,)
+    if not torch.cuda.is_available():
+        assert plan.route == "reference"
+    # each layer's output against a float64 attention over that layer's stored pages
+    assert len(outs) == 2
+    for layer, out in enumerate(outs):
+        k, v = cache.read(a, layer)
+        ref = _attention_ref(scope["qs"][layer], k, v)
+        assert out.shape == (100, 32, 128)
+        assert ((out.double().cpu() - ref).norm() / ref.norm()).item() < 2e-2
+    # the H200 plan printed for a 32k prompt chunk of 2048 tokens is staged, and says why
+    printed = capsys.readouterr().out
+    assert "route q_tiled_staged" in printed and "compute-bound" in printed and "cost model" in printed
