@@ -614,15 +614,6 @@ def _estimate_weight_bytes(ns: argparse.Namespace, config, dtype: torch.dtype) -
     return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in path.glob(pattern) if f.is_file())
 
 
-def _window_tokens() -> int:
-    """DirectKVCache's write window (its default), part of the device memory it allocates."""
-    import inspect
-
-    from directkv_cute.hf import DirectKVCache
-
-    return int(inspect.signature(DirectKVCache.__init__).parameters["window_tokens"].default)
-
-
 def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _Plan:
     """Read the model's config (and tokenizer), size the request and refuse it (``p.error``)
     when it cannot run: the prompt plus the new tokens beyond the model's positions, a model the
@@ -630,6 +621,7 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
     and weights beyond the machine's memory or the GPU's free memory. Nothing large is allocated."""
     import directkv_cute.hf as dkhf
     from directkv_cute.cache import page_bytes
+    from directkv_cute.hf.step_plan import cache_pages
 
     config, tok = _load_config(p, ns)
     encoded = None
@@ -651,10 +643,8 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
     page_dtype = a.kv_dtype or a.dtype
     one = page_bytes(spec.num_layers, spec.num_kv_heads, ns.page_size, spec.head_dim, page_dtype)
     ps = ns.page_size
-    host_pages = -(-batch * total // ps) + batch  # DirectKVCache's host tier for max_tokens = batch * total
-    window = _window_tokens()
-    window_pages = -(-window // ps) + 2 * batch if window else 0
-    hbm_pages = a.hbm_budget // one
+    pages = cache_pages(batch * total, batch, ps, one, a.hbm_budget)  # what DirectKVCache will allocate
+    host_pages, hbm_pages, window_pages = pages.host, pages.hbm, pages.window
     rows = f"{batch} x ({prompt_len} + {ns.max_new_tokens}) tokens"
     if host_pages > MAX_PAGE_ID or hbm_pages + window_pages > MAX_PAGE_ID:
         p.error(f"a KV cache for {rows} needs more than {MAX_PAGE_ID} pages of {ps} tokens (int32 page ids); "

@@ -612,3 +612,23 @@ def test_fuse_kv_projection_refuses_what_it_cannot_fuse():
     model = _llama128().to(torch.bfloat16)
     assert dkhf.fuse_kv_projection(model) == dkhf.fuse_kv_projection(model) == 2  # idempotent
     assert dkhf.unfuse_kv_projection(model) == 2 and dkhf.unfuse_kv_projection(model) == 0
+
+
+@pytest.mark.parametrize("max_tokens,batch,page,budget_pages,window", [
+    (1000, 1, 16, 0, 8192), (4097, 3, 64, 5, 0), (64, 2, 32, 2, 100), (1, 1, 128, 0, 1)])
+def test_cache_pages_is_what_the_cache_allocates(max_tokens, batch, page, budget_pages, window):
+    """``directkv-generate`` sizes a request with ``cache_pages`` before the model loads: it must
+    be exactly what DirectKVCache then allocates (host, HBM tier and window pages)."""
+    from directkv_cute.cache import page_bytes
+    from directkv_cute.hf.step_plan import cache_pages
+
+    model = _llama()
+    spec = dkhf.model_spec(model.config)
+    one = page_bytes(spec.num_layers, spec.num_kv_heads, page, spec.head_dim, torch.float32)
+    budget = budget_pages * one + one // 2  # a partial page of budget buys no page
+    cache = dkhf.DirectKVCache(model, max_tokens=max_tokens, max_batch_size=batch, page_size=page,
+                               hbm_budget=budget, window_tokens=window, device="cpu")
+    want = cache_pages(max_tokens, batch, page, one, budget, window)
+    assert (cache.kv.num_pages("host"), cache.kv.num_pages("hbm"), cache.kv.num_window_pages) == \
+        (want.host, want.hbm, want.window)
+    assert want.hbm == budget_pages and want.host >= -(-max_tokens // page)

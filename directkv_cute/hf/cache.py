@@ -41,7 +41,7 @@ from directkv_cute.hf.model import (
     text_config,
 )
 from directkv_cute.hf.step import BatchSequences, Step
-from directkv_cute.hf.step_plan import as_count, as_index_list
+from directkv_cute.hf.step_plan import WINDOW_TOKENS, as_count, as_index_list, cache_pages
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 
@@ -150,7 +150,7 @@ class DirectKVCache(Cache):
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, share_prompts: bool = True,
-                 window_tokens: int = 8192, kv_dtype: str | torch.dtype | None = None):
+                 window_tokens: int = WINDOW_TOKENS, kv_dtype: str | torch.dtype | None = None):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
         # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
@@ -181,11 +181,10 @@ class DirectKVCache(Cache):
             raise UnsupportedModelError(
                 f"kv_dtype {page_dtype} on {device} with a {dtype} model: the GPU kernels compute in bfloat16 or "
                 "float16 (load the model in one of those)")
-        hbm_pages = hbm_budget // page_bytes(self.spec.num_layers, self.spec.num_kv_heads, page_size,
-                                             self.spec.head_dim, page_dtype)
-        # The host tier alone holds max_tokens: a short sequence leaves part of its HBM share unused.
-        host_pages = -(-max_tokens // page_size) + max_batch_size
-        window_pages = -(-window_tokens // page_size) + 2 * max_batch_size if window_tokens else 0
+        pages = cache_pages(max_tokens, max_batch_size, page_size, page_bytes(
+            self.spec.num_layers, self.spec.num_kv_heads, page_size, self.spec.head_dim, page_dtype), hbm_budget,
+            window_tokens)
+        host_pages, hbm_pages, window_pages = pages.host, pages.hbm, pages.window
         # The pinned pool on the NUMA node nearest the GPU (pages land where they are first touched).
         with on_node(gpu_numa_node(device) if device.type == "cuda" else None):
             self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,

@@ -20,6 +20,30 @@ from directkv_cute.cache import CacheCapacityError
 from directkv_cute.cache.pages import fork_tiers
 
 
+WINDOW_TOKENS = 8192  # DirectKVCache's default write window: new tokens per step mirrored in HBM
+
+
+@dataclass(frozen=True)
+class CachePages:
+    """The page pools a ``DirectKVCache`` allocates for a request (``cache_pages``)."""
+
+    host: int  # pinned host pages: the host tier alone holds every token
+    hbm: int  # HBM tier pages under the budget
+    window: int  # HBM window pages (mirrors of the pages a step writes)
+
+
+def cache_pages(max_tokens: int, max_batch_size: int, page_size: int, page_bytes: int, hbm_budget: int = 0,
+                window_tokens: int = WINDOW_TOKENS) -> CachePages:
+    """The one sizing rule of ``DirectKVCache``'s pools (``directkv-generate`` checks memory with
+    it before a model loads). The host tier holds ``max_tokens`` on its own, one partial page per
+    sequence included (a short sequence leaves part of its HBM share unused); the window holds
+    ``ceil(window_tokens / page_size) + 2 * max_batch_size`` pages (a step's pages and each
+    sequence's partial last page); the HBM tier whole pages of ``hbm_budget`` bytes."""
+    host = -(-max_tokens // page_size) + max_batch_size
+    window = -(-window_tokens // page_size) + 2 * max_batch_size if window_tokens else 0
+    return CachePages(host, hbm_budget // page_bytes, window)
+
+
 def hbm_targets(num_pages: int, quota: int, sink_pages: int) -> set[int]:
     """Logical pages a sequence of ``num_pages`` pages keeps in HBM under ``quota`` pages:
     the first sink pages, then the most recent ones."""
