@@ -17,7 +17,7 @@ import sys as _sys
 
 from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_multi_token_config
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # torch-backed pieces load on first use, so that `directkv_cute.config` and
 # `directkv_cute.tuning` stay importable without torch (the tuner's CLI, CI tools).

@@ -20,3 +20,9 @@ def test_every_subpackage_is_packaged():
     assert found and found <= packages, sorted(found - packages)
     for name in found:
         assert dirs.get(name) == name.replace(".", "/"), name
+
+
+def test_the_package_and_pyproject_agree_on_the_version():
+    import directkv_cute
+
+    assert directkv_cute.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
