@@ -68,8 +68,8 @@ same method's rows already measured) exceeds what is left.
 prefill of batch x context tokens grows with the square of the context (4 methods x 128k, and
 batch 8 at 32k is 8x batch 1's tokens). Then hf-offloaded's decode (seconds per token at 128k,
 which is why it times only ``--offloaded-tokens``), then pinning host memory (``setup_s``, not
-in any timing). Batch 8 at 128k is 128 GiB of bf16 KV for the 8B shape: more than the host
-memory of the one-GPU machine and, with the weights, more than the GPU's, so its rows are
+in any timing). Batch 8 at 128k is 128 GiB of bf16 KV for the 8B shape: all the host memory of
+a 128 GiB machine and, with the weights, more than the GPU's, so its rows are
 skipped up front; the rows run batch 1 first so that the main targets are measured before the
 budget can run out. The JSON is rewritten after every row, so a run cut short keeps its rows.
 

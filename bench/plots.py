@@ -137,7 +137,7 @@ class PlotError(RuntimeError):
 def plot_results(doc: Mapping, prefix: str | Path) -> list[Path]:
     """The PNG plots of every bench in a results document (a merged ``all`` run has both):
     <prefix>-decode-gbps.png, <prefix>-decode-hybrid.png and <prefix>-prefill.png. For runs made
-    where matplotlib is missing (the lent GPU machine), from their JSON afterwards."""
+    where matplotlib is not installed, from their JSON afterwards."""
     if _pyplot() is None:
         raise PlotError("matplotlib is not installed (pip install 'directkv-cute[bench]')")
     files: list[Path] = []

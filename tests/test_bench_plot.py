@@ -1,5 +1,5 @@
-"""``python -m bench plot``: PNG plots of a saved results JSON (runs on the lent GPU machine have
-no matplotlib), and a clear exit 2 when it cannot plot."""
+"""``python -m bench plot``: PNG plots of a saved results JSON (for runs made where matplotlib is
+not installed), and a clear exit 2 when it cannot plot."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LOG_WORD = re.compile(r"\b" + "ses" + r"sions?\b", re.I)
 ISSUE_REF = re.compile(r"\b" + "iss" + r"ues? #?\d+", re.I)
 OUTSIDE_PATH = re.compile(r"\.\./" + "shared|" + r"\bscr" + r"atch/|/root/" + "out")
+LENT_MACHINE = re.compile(r"\b(lent|borrowed|leased) (GPU |device )?machine", re.I)
 PYTEST_SCOPE = 'scope="' + "ses" + 'sion"'
 
 
@@ -41,7 +42,7 @@ def test_no_work_log_words_in_the_tree():
     for path, text in _text_files():
         for n, line in enumerate(text.splitlines(), 1):
             line = line.replace(PYTEST_SCOPE, "")
-            for pattern in (LOG_WORD, ISSUE_REF, OUTSIDE_PATH):
+            for pattern in (LOG_WORD, ISSUE_REF, OUTSIDE_PATH, LENT_MACHINE):
                 if pattern.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
     assert not found, "\n".join(found)

@@ -1,5 +1,5 @@
 """GpuObjective's harness logic on the CPU, against contract-shaped fakes of the cache, the
-reference and the op (the real ones run on the GPU machine; this checks setup, table rotation,
+reference and the op (the real ones need a GPU; this checks setup, table rotation,
 poisoning, the numerics gate, failure classification and timing bookkeeping)."""
 
 import math
