@@ -46,8 +46,6 @@ class DirectKVAttention:
         self._bound = None
         self._scale = None
         self._return_lse = False
-        self._config = None
-        self._seq_lens = None
 
     # ---- planning ----------------------------------------------------------------------------
     def plan(self, seq_ids=None, *, tables=None, q_lens=None, num_q_heads: int, softmax_scale: float | None = None,
@@ -91,8 +89,7 @@ class DirectKVAttention:
             raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
         batch = tables.page_table.shape[0]
         seq_lens = getattr(tables, "host_seq_lens", None)
-        lens = check_q_lens(q_lens, batch, sum(q_lens) if q_lens is not None and not isinstance(q_lens, torch.Tensor)
-                            else (int(q_lens.sum()) if isinstance(q_lens, torch.Tensor) else batch), seq_lens)
+        lens = check_q_lens(q_lens, batch, None, seq_lens)  # q comes per layer: run checks its rows
         if config is not None:
             from directkv_cute.config import DecodeConfig, QTiledConfig
             from directkv_cute.fp8 import is_fp8
@@ -115,7 +112,7 @@ class DirectKVAttention:
         cascade_plan = cascade if not isinstance(cascade, bool) else None
         shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len,
                              cascade=bool(cascade) and config is None, groups=groups)
-        if shape.host_table is None and device_info is not None and _needs_host_table(shape, config):
+        if shape.host_table is None and _needs_host_table(shape, config):
             tables = _with_host_table(tables)  # the dispatcher's bare tables: read back once
             shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len)
         plan, staged = _planned(shape, device_info, machine, configs, config, cascade_plan, staging)
@@ -123,7 +120,7 @@ class DirectKVAttention:
 
         self._bound = bind(plan, tables, device, staged)
         self.current, self.tables = plan, tables
-        self._scale, self._return_lse, self._config, self._seq_lens = softmax_scale, return_lse, config, seq_lens
+        self._scale, self._return_lse = softmax_scale, return_lse
         return plan
 
     def check(self, tables, q_lens) -> None:

@@ -42,11 +42,12 @@ def check_seq_ids(seq_ids) -> list[int]:
     return ids
 
 
-def check_q_lens(q_lens, batch: int, total_q: int, seq_lens: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Query rows per sequence (default one each), checked against q and, when the host knows
-    them, the sequences' lengths (a sequence's new tokens are part of its history)."""
+def check_q_lens(q_lens, batch: int, total_q: int | None, seq_lens: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Query rows per sequence (default one each), checked against q's ``total_q`` rows (None:
+    planned before q exists) and, when the host knows them, the sequences' lengths (a sequence's
+    new tokens are part of its history)."""
     if q_lens is None:
-        if total_q != batch:
+        if total_q is not None and total_q != batch:
             raise ValueError(f"q has {total_q} rows but there are {batch} sequences and no q_lens")
         lens = (1,) * batch
     else:
@@ -61,7 +62,7 @@ def check_q_lens(q_lens, batch: int, total_q: int, seq_lens: Sequence[int] | Non
             raise ValueError(f"q_lens has {len(lens)} entries for {batch} sequences")
         if min(lens) < 1:
             raise ValueError(f"every q_len must be >= 1, got {min(lens)}")
-        if sum(lens) != total_q:
+        if total_q is not None and sum(lens) != total_q:
             raise ValueError(f"sum(q_lens) = {sum(lens)} but q has {total_q} rows")
     if seq_lens is not None:
         for i, (n, length) in enumerate(zip(lens, seq_lens)):

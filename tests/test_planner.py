@@ -90,15 +90,7 @@ def test_a_shared_prefix_plans_the_cascade_and_runs_it_like_the_reference(randn)
 def test_a_batch_sharing_a_long_prompt_on_a_gpu_is_planned_as_a_cascade_or_one_staged_call():
     """64 forks of a 32k prompt, nothing own: the staged kernel's reads of every sequence's pages
     bind, so the cascade; 16 forks with 8k of their own: one staged call of the batch."""
-    def forks(batch, own):
-        prompt = 512
-        table = np.zeros((batch, prompt + own // 64 + 1), dtype=np.int32)
-        table[:, :prompt] = np.arange(prompt)
-        for b in range(batch):
-            table[b, prompt:] = prompt + b * (own // 64 + 1) + np.arange(own // 64 + 1)
-        lens = (32768 + own + 1,) * batch
-        return CallShape(table, lens, (1,) * batch, 32, 8, 128, 64, torch.bfloat16, torch.bfloat16, 32, 1,
-                         table.shape[1], cascade=True)
+    from test_architecture_routing import forks
 
     p = plan_attention(forks(64, 0), FACTS, H200, DefaultConfigs())
     assert p.route == "cascade" and p.passes[1].n_pseudo == 2 and p.passes[1].plan.route == "q_tiled_staged"
