@@ -1,4 +1,5 @@
-"""``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,check,regress,refresh,timeline,breakdown,plot,e2e}``
+"""``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,check,regress,refresh,timeline,breakdown,plot,e2e,
+vllm}``
 (also ``directkv-bench``).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
@@ -25,13 +26,17 @@ timeline                per-CTA chunk and pass timeline of the multi-token kerne
                         with its timeline stamps (GPU only; ``bench/timeline.py``).
 breakdown               the kernels and copies of one op call, their GPU times and the gaps
                         between them, from torch.profiler (GPU only; ``bench/breakdown.py``).
+vllm                    vLLM 0.26 serving the same model shape with dummy weights as a peer: all KV in
+                        HBM and with vLLM's native host offloading, TTFT, ms per token, tokens/s and
+                        memory per context and batch, next to the link floor (``bench/vllm.py``; GPU
+                        only, each engine in its own worker process).
 plot                    PNG plots of a results JSON (``--results FILE``; a prefix run's too),
                         for runs made where matplotlib is missing; exit 2 if it cannot plot.
 
 Every command that writes files writes them under ``--out-dir`` (default ./bench-results under
 the current directory, created on demand; ``refresh`` writes bench/baselines/, its job). Without
-a CUDA GPU the GPU benches refuse (exit status 2) unless ``--device cpu`` asks for a smoke run;
-a CPU run prints no ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and
+a CUDA GPU the GPU benches refuse (exit status 2) unless ``--device cpu`` asks for a smoke run
+(``timeline``, ``breakdown`` and ``vllm`` have none); a CPU run prints no ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and
 ``regress`` / ``refresh`` of given ``--results`` files need no GPU.
 """
 
@@ -54,6 +59,8 @@ from bench.prefix import cmd_prefix
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
+from bench.vllm import add_arguments as add_vllm_arguments
+from bench.vllm import cmd_vllm
 
 REPLAYED_ARGS = ("preset", "batches", "contexts", "q_lens", "heads", "head_dim", "dtype", "page_size",
                  "hbm_fractions", "placement", "num_layers", "max_gb", "config")
@@ -83,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_e2e_arguments(sub.add_parser("e2e", help="end to end: a whole model's prefill and decode, ours vs transformers' caches"))
     add_prefix_arguments(sub.add_parser("prefix", help="forks of one shared prompt: cascade vs per-sequence attention"))
     add_kvproj_arguments(sub.add_parser("kvproj", help="fused K/V projection + RoPE + store vs the separate path"))
+    add_vllm_arguments(sub.add_parser("vllm", help="vLLM's own KV handling (HBM, native offload) as a peer"))
     add_fp8_arguments(sub.add_parser("fp8-accuracy", help="FP8 KV pages: op and end-to-end accuracy vs bf16 (CPU)"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
@@ -247,7 +255,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
             "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix, "kvproj": cmd_kvproj,
-            "fp8-accuracy": cmd_fp8_accuracy}
+            "fp8-accuracy": cmd_fp8_accuracy, "vllm": cmd_vllm}
 
 
 def main(argv: list[str] | None = None) -> int:

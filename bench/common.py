@@ -108,7 +108,7 @@ class Shape:
 
     @property
     def label(self) -> str:
-        return (f"B{self.batch} ctx{_kilo(self.context)} q{self.q_len} "
+        return (f"B{self.batch} ctx{kilo(self.context)} q{self.q_len} "
                 f"{self.hq}/{self.hkv} d{self.head_dim} {self.dtype}")
 
     def fields(self) -> dict:
@@ -116,7 +116,8 @@ class Shape:
         return dataclasses.asdict(self)
 
 
-def _kilo(n: int) -> str:
+def kilo(n: int) -> str:
+    """Tokens in thousands where exact: 32768 -> "32k", 1000 -> "1000"."""
     return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
 
 
@@ -249,6 +250,28 @@ def env_info(device: str) -> dict:
     info["gpu_key"] = gpu_key(info["gpu"])
     info["versions"] = versions
     return info
+
+
+def host_available_bytes() -> int | None:
+    """The host memory available for new allocations (``MemAvailable``), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
 
 
 # ---- results documents ---------------------------------------------------------------------
@@ -586,7 +609,8 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n / MiB:.0f}M" if n < 100 * GiB else f"{n / GiB:.0f}G"
 
 
-def _fmt(v: float | None, spec: str) -> str:
+def fmt_opt(v: float | None, spec: str) -> str:
+    """``v`` formatted with ``spec``, or "-" for None."""
     return "-" if v is None else format(v, spec)
 
 
@@ -611,13 +635,13 @@ def format_table(records: Iterable[Mapping], ceilings: Ceilings | None, variants
         variant = (variants or {}).get(f"{shape_key(rec)}|{method}")
         if variant:
             method = f"{method}[{variant}]"
-        shape = (f"B{rec['batch']} ctx{_kilo(rec['context'])} q{rec['q_len']} "
+        shape = (f"B{rec['batch']} ctx{kilo(rec['context'])} q{rec['q_len']} "
                  f"{rec['hq']}/{rec['hkv']} d{rec['head_dim']}")
         pct_host = None if rec["gbps"] is None or ceilings is None else 100.0 * rec["gbps"] / ceilings.host_read_gbps
         pct_ideal = None if rec["frac_of_ceiling"] is None or ceilings is None else 100.0 * rec["frac_of_ceiling"]
         ms = "missing" if rec["ms"] is None else f"{rec['ms']:.3f}"
-        rows.append((method, shape, f"{100 * float(rec['hbm_fraction']):.0f}", ms, _fmt(rec["gbps"], ".1f"),
-                     _fmt(pct_host, ".1f"), _fmt(pct_ideal, ".1f"), _fmt_bytes(rec["staging_bytes"]),
+        rows.append((method, shape, f"{100 * float(rec['hbm_fraction']):.0f}", ms, fmt_opt(rec["gbps"], ".1f"),
+                     fmt_opt(pct_host, ".1f"), fmt_opt(pct_ideal, ".1f"), _fmt_bytes(rec["staging_bytes"]),
                      _fmt_bytes(rec["gpu_bytes"])))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(TABLE_COLUMNS))]
     lines = ["  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))

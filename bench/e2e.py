@@ -103,8 +103,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (UsageError, add_device_argument, add_out_dir_argument, checked_out_dir, is_cpu_run,
-                          require_gpu)
+from bench.common import UsageError, add_device_argument, add_out_dir_argument, checked_out_dir
+from bench.common import fmt_opt as _f
+from bench.common import host_available_bytes, is_cpu_run, pyplot, require_gpu
+from bench.common import kilo as _kilo
 
 E2E_SCHEMA = "directkv-bench-e2e/1"
 GiB = 1 << 30
@@ -402,10 +404,6 @@ def agree_tokens(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 # ---- tables and plots ------------------------------------------------------------------------
-def _kilo(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
 def _fmt_gib(n) -> str:
     if n is None:
         return "-"
@@ -425,10 +423,6 @@ def _fmt_size(n) -> str:
         if n >= size:
             return f"{n / size:.1f}{unit}"
     return f"{int(n)}B"
-
-
-def _f(v, spec) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 TABLE_COLUMNS = ("method", "B", "ctx", "status", "prefill s", "ms/token", "tok/s", "peak GiB", "host KV", "HBM KV",
@@ -486,11 +480,8 @@ _STYLE = {"ours[host]": "o-", "ours[hbm]": "s-", "dynamic": "d-.", "fa4": "v-.",
 def plot_e2e(doc: dict, path: str | Path) -> Path | None:
     """PNG: decode ms/token (top) and prefill s (bottom) per method against context, one column
     per batch. None when matplotlib is missing or nothing was measured."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     rows = [r for r in doc["rows"] if r["decode_ms"] is not None and r["role"] != "non-attention"]
     if not rows:
@@ -531,16 +522,6 @@ def plot_e2e(doc: dict, path: str | Path) -> Path | None:
 
 
 # ---- memory estimates ------------------------------------------------------------------------
-def host_available_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def predict_skip(method: Method, *, batch: int, kv_bytes: int, weights: int, gpu_total: int | None,
                  host_avail: int | None, budget: int | None) -> str | None:
     """Why a batch > 1 row clearly cannot fit (its KV alone exceeds the host memory available, or

@@ -6,19 +6,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from bench.common import pyplot as _pyplot
+
 DECODE_METHODS = ("ours", "zero_copy", "swap", "host_read", "hbm")
 PREFILL_METHODS = ("ours", "zero_copy", "swap", "hbm", "floor")
 _STYLE = {"ours": "o-", "zero_copy": "s--", "swap": "^--", "host_read": "k:", "hbm": "d-.", "floor": "k:"}
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        return None
 
 
 def _measured(records: Iterable[Mapping], bench: str) -> list[Mapping]:

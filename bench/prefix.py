@@ -106,6 +106,8 @@ from bench import peers
 from bench.common import (CEILING_METHODS, GiB, MiB, Ceilings, Shape, UsageError, add_check, add_device_argument,
                           add_out_dir_argument, checked_out_dir, dtype_name, env_info, is_cpu_run, new_results,
                           problem_lines, progress_bar, require_gpu, results_path, shape_key, write_json)
+from bench.common import fmt_opt as _fmt
+from bench.common import kilo as _kilo
 from bench.harness import BenchOptions, ShapeBench, _Inputs, memory_problem, _short_error, peak_extra_bytes
 from bench.hostmem import PinnedBuffer
 from bench.methods import q_as_4d
@@ -184,10 +186,6 @@ def rows_for(*, prompt: int, batches, own_tokens, q_lens, heads, head_dim: int, 
     if control:
         rows.append(PrefixRow(control_batch, prompt, 0, 1, hq, hkv, head_dim, dtype, shared=False))
     return rows
-
-
-def _kilo(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def footprint(row: PrefixRow, page_size: int) -> tuple[int, int]:
@@ -585,10 +583,6 @@ def evaluate_targets(doc: dict) -> list[dict]:
                 ("not measured" if x is None else f"{tps / 1e6:.1f} M tok/s vs link {link_tps / 1e6:.1f} M tok/s")
                 + f"; {at_floor:.1f}x at the floor")
     return out
-
-
-def _fmt(v, spec) -> str:
-    return "-" if v is None else format(v, spec)
 
 
 TABLE_COLUMNS = ("method", "row", "hbm%", "ms", "host MB", "KV tok/s", "x floor", "speedup", "status")

@@ -31,11 +31,12 @@ GPU_COMMANDS = {
     "kvproj": ["kvproj"], "e2e": ["e2e"], "e2e-quick": ["e2e", "--quick"],
     "regress": ["regress"], "refresh": ["refresh"],  # without --results: a fresh run
     "timeline": ["timeline", "--context", "4096", "--json"], "breakdown": ["breakdown", "--context", "4096", "--json"],
+    "vllm": ["vllm"], "vllm-smoke": ["vllm", "--smoke"],
 }
-GPU_ONLY = {"timeline", "breakdown"}
+GPU_ONLY = {"timeline", "breakdown", "vllm", "vllm-smoke"}
 # Subcommands that write files, and what a run of each needs (none of them runs here).
 WRITERS = ("decode", "prefill", "all", "prefix", "kvproj", "e2e", "fp8-accuracy", "timeline", "breakdown", "plot",
-           "regress", "refresh")
+           "regress", "refresh", "vllm")
 
 
 @pytest.fixture

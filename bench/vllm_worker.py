@@ -1,0 +1,216 @@
+"""One method of ``python -m bench vllm`` in its own process: ``python -P -m bench.vllm_worker SPEC.json``.
+
+Builds one vLLM engine from the spec (``bench.vllm.worker_spec``), warms it up, runs every
+(context, batch) row and the short non-attention rows, and writes its result document to
+``spec["out"]`` after every row: {"method", "status", "error", "vllm_version", "engine": {...},
+"rows": [...]}. Exit status 0 when the engine ran (rows may still hold errors), 1 when it could
+not start, 2 when vLLM is not importable (one line naming the fix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from bench.vllm import METHOD_NAMES, VLLM_MISSING, max_batch, new_row, reduce_timing, resolve_batches
+
+GiB = 1 << 30
+
+
+class GpuMemory:
+    """Device memory in use (bytes): NVML where available (no CUDA context in this process),
+    else ``torch.cuda.mem_get_info``; ``peak`` is the most seen by ``sample`` since ``reset``."""
+
+    def __init__(self):
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+            self._nvml = pynvml.nvmlDeviceGetHandleByIndex(int(visible)) if visible.isdigit() else None
+            self._info = pynvml.nvmlDeviceGetMemoryInfo
+        except Exception:  # noqa: BLE001 - no NVML: torch's view of the device
+            self._nvml = None
+        self.peak = 0
+        self._last = 0.0
+
+    def used(self) -> int:
+        if self._nvml is not None:
+            return int(self._info(self._nvml).used)
+        import torch
+
+        free, total = torch.cuda.mem_get_info()
+        return int(total - free)
+
+    def sample(self, every_s: float = 0.05) -> None:
+        now = time.perf_counter()
+        if now - self._last >= every_s:
+            self._last = now
+            self.peak = max(self.peak, self.used())
+
+    def reset(self) -> None:
+        self.peak, self._last = self.used(), time.perf_counter()
+
+
+def engine_kwargs(spec: dict) -> dict:
+    """``vllm.LLM``'s arguments for the spec: dummy weights from the local config.json, bf16,
+    token-id prompts only, vLLM's generation defaults; offload adds the native host buffer."""
+    kw = dict(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              generation_config="vllm", max_model_len=spec["max_model_len"],
+              gpu_memory_utilization=spec["gpu_memory_utilization"], seed=spec["seed"],
+              enforce_eager=spec["enforce_eager"])
+    if spec["method"] == "offload":
+        kw.update(kv_offloading_size=float(spec["offload_gib"]), kv_offloading_backend="native")
+    return kw
+
+
+def drive(engine, prompts: list[list[int]], params, mem: GpuMemory, tag: str) -> tuple[dict, list]:
+    """Submit every prompt, then step the engine until all are finished, stamping each growth of
+    a request's (cumulative) output: (submit times, [(time, request, tokens)])."""
+    submit = {}
+    for i, ids in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        submit[rid] = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    counts: dict[str, int] = {}
+    events = []
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        t = time.perf_counter()
+        for o in outs:
+            n = len(o.outputs[0].token_ids)  # RequestOutput.request_id is the id given to add_request
+            if n > counts.get(o.request_id, 0):
+                counts[o.request_id] = n
+                events.append((t, o.request_id, n))
+        mem.sample()
+    return submit, events
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(Path(argv[0]).read_text())
+    out = Path(spec["out"])
+    name = METHOD_NAMES[spec["method"]]
+    result = {"method": spec["method"], "status": "ok", "error": None, "vllm_version": None, "engine": {}, "rows": []}
+
+    def write():
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, out)
+
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+    except ImportError as e:
+        print(f"{VLLM_MISSING} ({type(e).__name__}: {e})", file=sys.stderr)
+        result.update(status="error", error=VLLM_MISSING)
+        write()
+        return 2
+    import torch
+
+    result["vllm_version"] = vllm.__version__
+    mem = GpuMemory()
+    before = mem.used()
+    t0 = time.perf_counter()
+    try:
+        llm = LLM(**engine_kwargs(spec))
+    except Exception as e:  # noqa: BLE001 - the engine's failure is this method's result
+        traceback.print_exc()
+        result.update(status="error", error=f"engine did not start: {type(e).__name__}: {str(e).strip()[:400]}")
+        write()
+        return 1
+    engine = llm.llm_engine
+    cache = engine.vllm_config.cache_config
+    block = int(cache.block_size)
+    gpu_tokens = int(cache.kv_cache_size_tokens or cache.num_gpu_blocks * block)
+    token_bytes = int(spec["token_bytes"])
+    host_bytes = int(spec["offload_gib"] * GiB) if spec["offload_gib"] else 0
+    capacity = gpu_tokens + host_bytes // token_bytes
+    max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+    staging = gpu_tokens * token_bytes
+    result["engine"] = {"startup_s": time.perf_counter() - t0, "block_size": block,
+                        "num_gpu_blocks": cache.num_gpu_blocks, "gpu_kv_tokens": gpu_tokens,
+                        "host_kv_tokens": host_bytes // token_bytes, "capacity_tokens": capacity,
+                        "staging_bytes": staging, "host_bytes": host_bytes, "max_num_seqs": max_seqs,
+                        "gpu_bytes_after_start": mem.used() - before,
+                        "kv_connector": getattr(engine.vllm_config.kv_transfer_config, "kv_connector", None)}
+    print(f"{name}: {gpu_tokens} GPU KV tokens ({staging / GiB:.1f} GiB, block {block}), host {host_bytes / GiB:g} "
+          f"GiB, max_num_seqs {max_seqs}, started in {result['engine']['startup_s']:.0f} s", flush=True)
+    write()
+    params = SamplingParams(temperature=0.0, max_tokens=spec["seq_extra"], ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    vocab = engine.model_config.get_vocab_size()
+    gen = torch.Generator().manual_seed(int(spec["seed"]))
+    rows_done = [0]
+
+    def prompts(batch: int, context: int) -> list[list[int]]:
+        return torch.randint(0, vocab, (batch, context), generator=gen).tolist()
+
+    def run_row(context: int, batch: int, spec_text: str, role: str) -> dict:
+        base = dict(method=name, role=role, context=context, batch=batch, batch_spec=spec_text,
+                    new_tokens=spec["seq_extra"] - 1, staging_bytes=staging, host_bytes=host_bytes)
+        t_row = time.perf_counter()
+        try:
+            mem.reset()
+            submit, events = drive(engine, prompts(batch, context), params, mem, f"c{context}b{batch}r{rows_done[0]}")
+            timing = reduce_timing(submit, events)
+            mem.sample(0.0)
+            return new_row(**base, status="ok", gpu_bytes=mem.peak - before, wall_s=time.perf_counter() - t_row,
+                           **timing)
+        except Exception as e:  # noqa: BLE001 - a failing row is a result; the next row goes on
+            traceback.print_exc()
+            return new_row(**base, status="error", error=f"{type(e).__name__}: {str(e).strip()[:400]}",
+                           wall_s=time.perf_counter() - t_row)
+        finally:
+            rows_done[0] += 1
+
+    def emit(row: dict) -> bool:
+        result["rows"].append(row)
+        write()
+        r = row
+        print(f"{name} {r['role']} ctx {r['context']} B{r['batch']} ({r['batch_spec']}): {r['status']} "
+              f"TTFT {r['ttft_ms'] or 0:.0f} ms, {r['decode_ms'] or 0:.2f} ms/token/seq, "
+              f"{r['tokens_per_s'] or 0:.0f} tok/s, peak {r['peak_concurrent']}"
+              + (f" [{r['error']}]" if r["error"] else ""), flush=True)
+        return "EngineDead" not in (r["error"] or "")
+
+    # Warm-up: compilation, CUDA graph capture and the first steps are not timed.
+    drive(engine, prompts(2, 64), params, mem, "warmup")
+    own_batches = []
+    alive = True
+    for context in spec["contexts"]:
+        for spec_text, batch in resolve_batches(spec["batches"], capacity, context, spec["seq_extra"], block,
+                                                max_seqs):
+            if not alive:
+                break
+            if batch < 1:
+                emit(new_row(method=name, context=context, batch_spec=spec_text, status="skipped",
+                             error=f"not one sequence of {context} tokens fits {capacity} tokens"))
+                continue
+            own_batches.append(batch)
+            alive = emit(run_row(context, batch, spec_text, "measured"))
+    if spec["short_context"] and alive:
+        fits = max_batch(gpu_tokens, spec["short_context"], spec["seq_extra"], block, max_seqs)
+        for batch in sorted({1, *own_batches, *spec["short_batches"]}):
+            if not alive:
+                break
+            if batch > fits:  # not all decoding at once: no clean non-attention time
+                emit(new_row(method=name, role="non-attention", context=spec["short_context"], batch=batch,
+                             batch_spec=str(batch), status="skipped",
+                             error=f"more than the {fits} sequences that decode together at this context"))
+                continue
+            alive = emit(run_row(spec["short_context"], batch, str(batch), "non-attention"))
+    if not alive:
+        result.update(status="error", error="the engine died; the rows after it were not run")
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

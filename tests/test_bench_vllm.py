@@ -1,0 +1,337 @@
+"""``python -m bench vllm`` without vLLM or a GPU (CPU tests): the command line and its refusals,
+batch sizing, the floor, the model's config.json, the timing reducer, the worker protocol (a
+fake worker's result, a failing and a hanging worker) and the table built from a result."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import bench.vllm as bv
+from bench.__main__ import main
+from bench.common import GiB
+
+TOKEN_BYTES_8B = 32 * 2 * 8 * 128 * 2  # layers x K/V x KV heads x head dim x bf16 = 131072
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A machine that claims a GPU it does not have: any GPU work (the header, the ceilings) raises
+    instead of the one-line refusal the tests expect."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bv, "host_available_bytes", lambda: 100 * GiB)
+
+
+def _refused(argv, capsys) -> str:
+    assert main(["vllm"] + argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    return err
+
+
+# ---- command line ----------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,words", [
+    (["--contexts", "0"], "context must be >= 1"),
+    (["--contexts", "32k"], "--contexts takes integers"),
+    (["--batches", "0"], "positive integers or 'max'"),
+    (["--batches", "1,most"], "positive integers or 'max'"),
+    (["--batches", "2.5"], "positive integers or 'max'"),
+    (["--offload-gib", "-1"], "--offload-gib must be >= 0"),
+    (["--offload-gib", "101"], "more than the host memory available (100.0 GiB)"),
+    (["--gpu-memory-utilization", "0"], "(0, 1]"),
+    (["--gpu-memory-utilization", "1.2"], "(0, 1]"),
+    (["--new-tokens", "0"], "--new-tokens must be >= 1"),
+    (["--methods", "hbm,swap"], "unknown method 'swap'"),
+    (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+    (["--worker-timeout-s", "0"], "--worker-timeout-s must be > 0"),
+    (["--device", "cpu"], "bench vllm has no CPU run"),
+])
+def test_bad_values_are_one_line_and_exit_2_before_gpu_work(argv, words, fake_gpu, cwd, capsys):
+    assert words in _refused(argv, capsys)
+    assert list(cwd.iterdir()) == []
+
+
+def test_without_a_gpu_it_refuses(monkeypatch, cwd, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _refused([], capsys)
+    assert err.startswith("no CUDA GPU here") and "bench vllm needs CUDA" in err
+    assert list(cwd.iterdir()) == []
+
+
+def test_without_vllm_it_names_the_fix_before_gpu_work(fake_gpu, monkeypatch, cwd, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    err = _refused(["--smoke"], capsys)
+    assert "pip install" in err and "PYTHONPATH" in err
+
+
+def test_options_and_smoke_defaults(fake_gpu):
+    from bench.__main__ import build_parser
+
+    parse = build_parser().parse_args
+    opts = bv.resolve_options(parse(["vllm"]), host_avail=100 * GiB)
+    assert opts["contexts"] == [32768, 65536, 131072] and opts["batches"] == ["1", "max"]
+    assert opts["methods"] == ["offload", "hbm"] and opts["offload_gib"] is None
+    assert opts["gpu_memory_utilization"] == 0.90 and opts["max_model_len"] == 131072 + 33
+    smoke = bv.resolve_options(parse(["vllm", "--smoke"]), host_avail=None)
+    assert (smoke["preset"], smoke["contexts"], smoke["batches"]) == ("tiny", [2048], ["1", "2"])
+    assert smoke["offload_gib"] == bv.SMOKE_OFFLOAD_GIB and smoke["max_model_len"] == 2048 + 9
+    mixed = bv.resolve_options(parse(["vllm", "--batches", "max, 4,max", "--methods", "vllm[hbm]",
+                                      "--contexts", "1000", "--short-context", "0"]), host_avail=None)
+    assert mixed["batches"] == ["max", "4"] and mixed["methods"] == ["hbm"] and mixed["max_model_len"] == 1033
+
+
+# ---- batch sizing and the offload buffer ------------------------------------------------------
+def test_max_batch_counts_whole_blocks_and_caps_at_max_num_seqs():
+    # 1000 blocks of 16; a sequence of 1000 + 33 tokens takes ceil(1033 / 16) = 65 blocks -> 15 fit.
+    assert bv.max_batch(16000, 1000, 33, 16, None) == 15
+    assert bv.max_batch(16000 + 15, 1000, 33, 16, 256) == 15  # a partial block holds nothing
+    assert bv.max_batch(16000, 1000, 33, 16, 8) == 8
+    assert bv.max_batch(16000, 20000, 33, 16, 256) == 0
+    assert bv.max_batch(65 * 16 * 2, 1007, 33, 16, 256) == 2  # 1040 tokens: exactly 65 blocks
+
+
+def test_resolve_batches_sizes_max_and_drops_repeats():
+    assert bv.resolve_batches(["1", "max"], 16000, 1000, 33, 16, 256) == [("1", 1), ("max", 15)]
+    assert bv.resolve_batches(["1", "max"], 1100, 1000, 33, 16, 256) == [("1", 1)]  # max == 1
+    assert bv.resolve_batches(["max", "3"], 100, 1000, 33, 16, 256) == [("max", 0), ("3", 3)]
+
+
+def test_default_offload_buffer():
+    kw = dict(token_bytes=TOKEN_BYTES_8B, contexts=[32768, 131072], seq_extra=33, hbm_kv_bytes=100 * GiB)
+    # batch max: as much again as the GPU blocks hold
+    assert bv.default_offload_gib(batches=["1", "max"], host_avail=None, **kw)[0] == 100.0
+    # B8 at 128k: 8 x 131105 x 128 KiB = 128.03 GiB, 28.03 beyond the GPU blocks -> 29 GiB
+    gib, why = bv.default_offload_gib(batches=["1", "8"], host_avail=None, **kw)
+    assert gib == 29.0 and "B8" in why
+    assert bv.default_offload_gib(batches=["1"], host_avail=None, **kw)[0] == 1.0  # fits: the minimum
+    gib, why = bv.default_offload_gib(batches=["max"], host_avail=120 * GiB, **kw)
+    assert gib == 60.0 and "capped" in why  # at most half the available host memory
+
+
+# ---- the model -------------------------------------------------------------------------------
+def test_config_json_has_the_llama3_8b_shape(tmp_path):
+    folder = bv.write_model_dir(tmp_path / "m", "llama3-8b", 131072 + 33)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
+            cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (32, 4096, 32, 8, 128, 14336, 128256)
+    assert cfg["rope_theta"] == 500000.0 and cfg["rope_scaling"]["rope_type"] == "llama3"
+    assert cfg["max_position_embeddings"] == 131072 + 33 and cfg["torch_dtype"] == "bfloat16"
+    assert cfg["eos_token_id"] is None
+    small = json.loads((bv.write_model_dir(tmp_path / "s", "llama3-8b", 4096) / "config.json").read_text())
+    assert small["max_position_embeddings"] == 131072  # never below the model's own
+    assert bv.kv_token_bytes(bv.model_shape("llama3-8b")) == TOKEN_BYTES_8B
+
+
+def test_config_json_loads_in_transformers_with_the_same_shape(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = bv.write_model_dir(tmp_path / "m", "qwen2.5-7b", 200000)
+    cfg = transformers.AutoConfig.from_pretrained(str(folder))
+    assert type(cfg).__name__ == "Qwen2Config" and cfg.max_position_embeddings == 200000
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers) == (4, 128, 28)
+    llama = transformers.AutoConfig.from_pretrained(str(bv.write_model_dir(tmp_path / "l", "llama3-8b", 10)))
+    assert llama.rope_parameters["rope_type"] == "llama3" and llama.rope_parameters["rope_theta"] == 500000.0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen2.5-7b"])
+def test_weight_bytes_match_the_built_model(preset):
+    pytest.importorskip("transformers")
+    from directkv_cute.presets import preset_config
+
+    with torch.device("meta"):
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_config(preset_config(preset))
+    params = sum(p.numel() for p in model.parameters())
+    assert bv.weight_bytes(bv.model_shape(preset)) == 2 * params
+
+
+# ---- the floor -------------------------------------------------------------------------------
+def test_floor_against_a_hand_computation():
+    shape = bv.model_shape("llama3-8b")
+    kv = bv.kv_bytes_per_step(2, 32768, shape)
+    assert kv == 2 * 32768 * 32 * 2 * 8 * 128 * 2 == 8 * GiB
+    # 8 GiB = 8.589934592 GB at 50 GB/s = 171.79869184 ms, plus 6.5 ms of non-attention time
+    assert bv.floor_ms(kv, 50.0, 6.5) == pytest.approx(178.29869184, rel=1e-12)
+    assert bv.floor_ms(kv, 50.0, None) == pytest.approx(171.79869184, rel=1e-12)
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def test_reduce_timing_of_a_synthetic_batch():
+    submit = {"a": 0.0, "b": 0.1}
+    # a: first token at 1.0, then one per step at 1.1 .. 1.5 (6 tokens); b: first at 1.2, then
+    # 1.3 .. 1.7 (6 tokens). Steps 1.3, 1.4, 1.5 decode both.
+    events = [(1.0, "a", 1), (1.1, "a", 2), (1.2, "a", 3), (1.2, "b", 1), (1.3, "a", 4), (1.3, "b", 2),
+              (1.4, "a", 5), (1.4, "b", 3), (1.5, "a", 6), (1.5, "b", 4), (1.6, "b", 5), (1.7, "b", 6)]
+    r = bv.reduce_timing(submit, list(reversed(events)))  # order does not matter
+    assert r["ttft_ms"] == pytest.approx(1050.0) and r["ttft_max_ms"] == pytest.approx(1100.0)
+    assert r["decode_ms"] == pytest.approx(100.0)  # both: 0.5 s over 5 tokens
+    # all decoding from 1.2 (b's first) to 1.5 (a's last): steps 1.3, 1.4, 1.5 -> 6 tokens in 0.3 s
+    assert r["tokens_per_s"] == pytest.approx(20.0) and r["all_decoding"] is True
+    assert r["peak_concurrent"] == 2 and r["requests"] == 2
+
+
+def test_reduce_timing_of_one_request_and_of_requests_never_together():
+    one = bv.reduce_timing({"x": 10.0}, [(10.5, "x", 1), (10.52, "x", 2), (10.54, "x", 3), (10.56, "x", 4)])
+    assert one["ttft_ms"] == one["ttft_max_ms"] == pytest.approx(500.0)
+    assert one["decode_ms"] == pytest.approx(20.0) and one["tokens_per_s"] == pytest.approx(50.0)
+    assert one["peak_concurrent"] == 1
+    # b starts after a finished (a preempted-for-capacity batch): never all decoding at once
+    apart = bv.reduce_timing({"a": 0.0, "b": 0.0}, [(1.0, "a", 1), (2.0, "a", 3), (3.0, "b", 1), (3.5, "b", 2)])
+    assert apart["all_decoding"] is False and apart["peak_concurrent"] == 1
+    assert apart["tokens_per_s"] == pytest.approx(3 / 2.5)  # 3 decode tokens from 1.0 to 3.5
+    assert apart["decode_ms"] == pytest.approx(500.0)  # median of 500 and 500
+    with pytest.raises(ValueError, match="produced no token"):
+        bv.reduce_timing({"a": 0.0, "b": 0.0}, [(1.0, "a", 1)])
+
+
+# ---- workers ---------------------------------------------------------------------------------
+def _spec(tmp_path, method="hbm") -> dict:
+    return {"method": method, "out": str(tmp_path / f"{method}.json")}
+
+
+def _recorded_results() -> list[dict]:
+    """What the two workers write on a GPU (numbers made up, shapes real)."""
+    common = dict(new_tokens=32, requests=None, all_decoding=True, wall_s=9.0)
+    hbm = {"method": "hbm", "status": "ok", "error": None, "vllm_version": "0.26.0",
+           "engine": {"gpu_kv_tokens": 800000, "block_size": 16, "staging_bytes": 800000 * TOKEN_BYTES_8B},
+           "rows": [
+               dict(method="vllm[hbm]", role="measured", context=32768, batch=1, batch_spec="1", status="ok",
+                    ttft_ms=2500.0, ttft_max_ms=2500.0, decode_ms=9.0, tokens_per_s=111.0, peak_concurrent=1,
+                    gpu_bytes=120 * GiB, staging_bytes=100 * GiB, host_bytes=0, **common),
+               dict(method="vllm[hbm]", role="measured", context=32768, batch=24, batch_spec="max", status="ok",
+                    ttft_ms=30000.0, ttft_max_ms=60000.0, decode_ms=40.0, tokens_per_s=600.0, peak_concurrent=24,
+                    gpu_bytes=120 * GiB, staging_bytes=100 * GiB, host_bytes=0, **common),
+               dict(method="vllm[hbm]", role="non-attention", context=1024, batch=1, batch_spec="1", status="ok",
+                    decode_ms=6.5, **common),
+               dict(method="vllm[hbm]", role="non-attention", context=1024, batch=24, batch_spec="24", status="ok",
+                    decode_ms=7.5, **common)]}
+    off = {"method": "offload", "status": "ok", "error": None, "vllm_version": "0.26.0", "engine": {},
+           "rows": [dict(method="vllm[offload]", role="measured", context=32768, batch=48, batch_spec="max",
+                         status="ok", ttft_ms=70000.0, ttft_max_ms=140000.0, decode_ms=45.0, tokens_per_s=530.0,
+                         peak_concurrent=24, gpu_bytes=121 * GiB, staging_bytes=100 * GiB, host_bytes=100 * GiB,
+                         **common)]}
+    return [off, hbm]
+
+
+def _doc() -> dict:
+    return {"schema": bv.VLLM_SCHEMA, "bench": "vllm",
+            "header": {"gpu": "NVIDIA H200", "gpu_key": "NVIDIA_H200", "date": "2030-01-01", "versions": {}},
+            "ceilings": {"memcpy_h2d_gbps": 50.0, "host_read_gbps": 45.0, "hbm_read_gbps": 4000.0},
+            "args": {"preset": "llama3-8b"}, "model": bv.model_shape("llama3-8b"), "engines": {}, "passed": True,
+            "rows": []}
+
+
+def _writer(results: list[dict]) -> list[str]:
+    """A fake worker command: writes the recorded result of the spec's method to the spec's out."""
+    code = ("import json, sys; spec = json.load(open(sys.argv[-1])); print('engine up'); "
+            "json.dump(json.loads(sys.argv[1])[spec['method']], open(spec['out'], 'w'))")
+    return [sys.executable, "-c", code, json.dumps({r["method"]: r for r in results})]
+
+
+def test_a_recorded_worker_result_through_the_parent(tmp_path, capsys):
+    recorded = _recorded_results()
+    cmd = _writer(recorded)
+    results = [bv.run_worker(_spec(tmp_path, m), command=cmd, timeout_s=60, echo=False, env={})
+               for m in ("offload", "hbm")]
+    assert [r["status"] for r in results] == ["ok", "ok"] and results[0]["log_tail"] == ["engine up"]
+    doc = bv.collect(_doc(), results)
+    assert doc["passed"] and doc["header"]["versions"]["vllm"] == "0.26.0"
+    assert set(doc["engines"]) == {"vllm[hbm]", "vllm[offload]"}
+    assert all(set(r) == set(bv.ROW_FIELDS) for r in doc["rows"])
+    rows = {(r["method"], r["role"], r["batch"]): r for r in doc["rows"]}
+    b1 = rows[("vllm[hbm]", "measured", 1)]
+    # 32768 x 128 KiB = 4 GiB at 50 GB/s = 85.89934592 ms + 6.5 ms at the short context
+    assert b1["kv_bytes_per_step"] == 4 * GiB and b1["non_attention_ms"] == 6.5
+    assert b1["floor_ms"] == pytest.approx(92.39934592)
+    b24 = rows[("vllm[hbm]", "measured", 24)]
+    assert b24["floor_ms"] == pytest.approx(24 * 85.89934592 + 7.5)
+    off = rows[("vllm[offload]", "measured", 48)]  # no short row at B48: the link alone, noted
+    assert off["non_attention_ms"] is None and off["floor_ms"] == pytest.approx(48 * 85.89934592)
+    assert "no short row" in off["note"]
+    assert rows[("vllm[hbm]", "non-attention", 1)]["floor_ms"] is None
+    text = bv.format_table(doc)
+    lines = text.splitlines()
+    assert "memcpy H2D 50.0 GB/s" in lines[1]
+    header = next(line for line in lines if line.startswith("method"))
+    for col in ("TTFT ms", "ms/tok/seq", "tok/s", "peak conc.", "GPU GiB", "staging GiB", "host GiB", "floor ms",
+                "%ceil"):
+        assert col in header
+    row24 = next(line for line in lines if line.startswith("vllm[hbm]") and " 24  " in line and "32k" in line)
+    assert "30000 / 60000" in row24 and "40.00" in row24 and "batch max" in row24
+    assert f"{24 * 85.89934592 + 7.5:.2f}" in row24 and f"{100 * (24 * 85.89934592 + 7.5) / 40:.0f}" in row24
+    row48 = next(line for line in lines if line.startswith("vllm[offload]"))
+    assert " 48 " in row48 and "100.0" in row48  # host GiB
+    json.dumps(doc)  # the document is plain JSON
+
+
+def test_a_failing_worker_is_an_error_entry(tmp_path):
+    cmd = [sys.executable, "-c", "import sys; print('loading'); print('CUDA out of memory', file=sys.stderr); "
+                                 "sys.exit(1)"]
+    res = bv.run_worker(_spec(tmp_path, "offload"), command=cmd, timeout_s=60, echo=False, env={})
+    assert res["status"] == "error" and res["returncode"] == 1 and res["rows"] == []
+    assert "status 1" in res["error"] and "CUDA out of memory" in res["error"]
+    recorded = _recorded_results()[1]
+    doc = bv.collect(_doc(), [res, recorded | {"returncode": 0}])
+    assert not doc["passed"] and doc["engines"]["vllm[offload]"]["status"] == "error"
+    (err_row,) = [r for r in doc["rows"] if r["method"] == "vllm[offload]"]
+    assert err_row["status"] == "error" and "CUDA out of memory" in err_row["error"]
+    assert any(r["method"] == "vllm[hbm]" and r["status"] == "ok" for r in doc["rows"])  # the other still ran
+    text = bv.format_table(doc)
+    assert "vllm[offload]: error: worker exited with status 1" in text
+
+
+def test_a_hanging_worker_times_out_and_keeps_the_rows_it_wrote(tmp_path):
+    spec = _spec(tmp_path, "hbm")
+    row = dict(method="vllm[hbm]", role="measured", context=8, batch=1, batch_spec="1", status="ok", decode_ms=1.0)
+    code = ("import json, sys, time, subprocess; spec = json.load(open(sys.argv[-1])); "
+            f"json.dump({{'method': 'hbm', 'status': 'ok', 'error': None, 'rows': [{row!r}]}}, open(spec['out'], 'w')); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('stuck', flush=True); "
+            "time.sleep(60)")
+    t0 = time.monotonic()
+    res = bv.run_worker(spec, command=[sys.executable, "-c", code], timeout_s=2,
+                        echo=False, env={})
+    assert time.monotonic() - t0 < 20  # the grandchild holding the pipe is killed too
+    assert res["status"] == "timeout" and "timed out after 2 s" in res["error"] and "stuck" in res["error"]
+    assert len(res["rows"]) == 1
+    doc = bv.collect(_doc(), [res])
+    assert not doc["passed"] and doc["engines"]["vllm[hbm]"]["status"] == "timeout"
+
+
+def test_the_real_worker_without_vllm_names_the_fix(tmp_path):
+    pytest.importorskip("bench.vllm")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    res = bv.run_worker(_spec(tmp_path, "hbm") | {"method": "hbm"}, timeout_s=120, echo=False)
+    assert res["returncode"] == 2 and res["status"] == "error"
+    assert "pip install" in res["error"] and "PYTHONPATH" in res["error"]
+
+
+def test_the_worker_engine_arguments():
+    from bench.vllm_worker import engine_kwargs
+
+    spec = {"method": "offload", "model_dir": "m", "max_model_len": 2057, "gpu_memory_utilization": 0.9, "seed": 0,
+            "enforce_eager": False, "offload_gib": 3}
+    kw = engine_kwargs(spec)
+    assert kw["kv_offloading_size"] == 3.0 and kw["kv_offloading_backend"] == "native"
+    assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] and kw["generation_config"] == "vllm"
+    assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 2057
+    assert "kv_offloading_size" not in engine_kwargs(spec | {"method": "hbm"})
