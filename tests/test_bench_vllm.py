@@ -301,7 +301,8 @@ def test_a_hanging_worker_times_out_and_keeps_the_rows_it_wrote(tmp_path):
     spec = _spec(tmp_path, "hbm")
     row = dict(method="vllm[hbm]", role="measured", context=8, batch=1, batch_spec="1", status="ok", decode_ms=1.0)
     code = ("import json, sys, time, subprocess; spec = json.load(open(sys.argv[-1])); "
-            f"json.dump({{'method': 'hbm', 'status': 'ok', 'error': None, 'rows': [{row!r}]}}, open(spec['out'], 'w')); "
+            f"json.dump({{'method': 'hbm', 'status': 'ok', 'error': None, 'rows': [{row!r}]}}, "
+            "open(spec['out'], 'w')); "
             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('stuck', flush=True); "
             "time.sleep(60)")
     t0 = time.monotonic()
