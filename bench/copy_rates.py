@@ -7,7 +7,8 @@ rows (one call per group of KV heads, as a copy staged head by head) or whole pa
 events around each pattern, median of 10 after 3 warm-ups. The per-call and per-flag costs in
 ``plan`` (``COPY_CALL_MS``, ``FLAG_MS``, ``LINK_PIECES``) are read off this table. Writes
 ``<out-dir>/<gpu>-<date>-copy-rates.json`` (default ./bench-results). It needs a CUDA GPU (no CPU
-run).
+run). The copy pattern is the library's (``directkv_cute.probes.copy_pattern``), which
+``directkv-tune machine`` times too.
 """
 
 from __future__ import annotations
@@ -21,26 +22,17 @@ PAGES = 128
 
 
 def measure() -> dict:
-    import cuda.bindings.driver as drv
-    import cuda.bindings.runtime as rt
     import torch
+
+    from directkv_cute.probes import copy_pattern
 
     host = torch.empty(PAGES * PAGE, dtype=torch.uint8).pin_memory()
     dev = torch.empty(PAGES * PAGE, dtype=torch.uint8, device="cuda")
     flags = torch.zeros(4096, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
-    kind = rt.cudaMemcpyKind.cudaMemcpyDefault
 
     def pattern(width: int, pieces: int, flag: bool) -> None:
-        per = PAGES // pieces
-        for g in range(PAGE // width):
-            for p in range(pieces):
-                off = p * per * PAGE + g * width
-                rt.cudaMemcpy2DAsync(dev.data_ptr() + off, PAGE, host.data_ptr() + off, PAGE, width, per, kind,
-                                     stream.cuda_stream)
-                if flag:
-                    ptr = drv.CUdeviceptr(flags.data_ptr() + 4 * (g * pieces + p))
-                    drv.cuStreamWriteValue32(drv.CUstream(stream.cuda_stream), ptr, 1, 0)
+        copy_pattern(dev, host, flags, stream, PAGE, width, pieces, flag)
 
     rows = {}
     with torch.cuda.stream(stream):

@@ -2,9 +2,9 @@
 facts of one step (``DeviceInfo``).
 
 The machine model comes from the GPU's profile (``machine:`` in ``profiles/<GPU>.yaml``, checked
-by ``tuning.profiles``). A GPU without one gets ``CONSERVATIVE`` and one warning: it assumes no
-edge for the copy engine over the SMs' reads of host memory, so link-bound calls read in place and
-only compute-bound ones are staged.
+by ``tuning.profiles``; ``directkv-tune machine`` measures and writes it). A GPU without one
+gets ``CONSERVATIVE`` and one warning: it assumes no edge for the copy engine over the SMs' reads
+of host memory, so link-bound calls read in place and only compute-bound ones are staged.
 
 Plain Python: ``DeviceInfo.current`` is the only function here that asks torch about the GPU,
 once per step; the planner takes the frozen values.
@@ -91,6 +91,9 @@ class MachineModel:
 #   0.09 / 0.10 at 8k / 16k q512.
 # ``python -m bench prefill`` and ``python -m bench decode`` time the calls these were fitted to;
 # their result files: ``git show 7747519:bench/results/``.
+# ``directkv-tune machine`` measures these rates on another GPU and writes its profile's
+# ``machine:`` (``directkv_cute.tuning.machine``: q_tiled_read_gbps, partial_gbps and fold_gbps
+# scaled from the H200's by the measured HBM read rate).
 H200 = MachineModel(
     name="NVIDIA H200", link_gbps=51.0, memcpy_gbps=54.8, d2d_gbps=1500.0, chunked_tflops=250.0,
     q_tiled_tflops=680.0, q_tiled_read_gbps=2800.0, partial_gbps=10000.0, fold_gbps=2200.0,

@@ -5,6 +5,7 @@
     directkv-tune check  [--dir DIR] [--compile]
     directkv-tune lookup --gpu NAME --shape HQ,HKV,D,BATCH,CONTEXT,QLEN [--page-size N] [--dtype T] [--kernel K]
     directkv-tune presets
+    directkv-tune machine [--output DIR] [--gpu NAME] [--dry-run]
 
 ``run`` is the default subcommand. Without a source checkout install, run it as
 ``python -m tuning.cli`` from the repository root.
@@ -27,7 +28,7 @@ from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kerne
     dump_yaml, find_profiles, list_profiles, load_profile, output_problem, profile_dirs, sanitize_gpu_name
 from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel
 
-SUBCOMMANDS = ("run", "show", "check", "lookup", "presets")
+SUBCOMMANDS = ("run", "show", "check", "lookup", "presets", "machine")
 CACHE_DIR_ENV = envvars.CACHE_DIR
 DRY_RUN_ENUMERATE = 50_000  # spaces up to this many points are filtered exactly in --dry-run
 DRY_RUN_SAMPLE = 20_000  # larger ones: the legal share of this many seeded random points
@@ -259,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
                          f"{STREAM_MAX_ROWS}, else multi_token). {KERNEL_ALIAS_HELP}")
 
     sub.add_parser("presets", help="list the model presets and their buckets")
+
+    m = sub.add_parser("machine", help="measure the planner's machine model on this GPU and write it into the "
+                                       "GPU's profile (machine:)")
+    m.add_argument("--output", type=Path, default=None,
+                   help=f"profile folder (default as for run: the first ${PROFILE_DIR_ENV} folder, else a source "
+                        "checkout's profiles/, else ~/.config/directkv_cute/profiles); checked before measuring")
+    m.add_argument("--gpu", default=None, type=_gpu_arg,
+                   help="the GPU name the profile is written for (default: this GPU's name as torch reports it)")
+    m.add_argument("--dry-run", "--print", dest="dry_run", action="store_true",
+                   help="measure and print the rates and the machine: section; write nothing")
     return ap
 
 
@@ -788,6 +799,40 @@ def _cmd_presets(_a, out) -> int:
     return 0
 
 
+def _cmd_machine(a, out) -> int:
+    from . import machine as mm
+    from .tuner import plain_table
+
+    output = None if a.dry_run else (a.output if a.output is not None else default_output_dir())
+    problem = None if output is None else _folder_problem(output, "--output")
+    if problem:
+        return _fail(problem)
+    try:
+        probes = mm.gpu_probes()
+    except (RuntimeError, ImportError) as e:
+        return _fail(e)
+    env = dict(probes.env)
+    if a.gpu:
+        env["gpu_name"] = resolve_gpu_name(a.gpu)
+    problem = None if output is None else output_problem(output, env["gpu_name"])
+    if problem:
+        return _fail(problem)
+    print(f"directkv-tune machine: measuring the machine model of {probes.gpu_name}", file=out, flush=True)
+    try:
+        measured = mm.measure_machine(probes, env["gpu_name"],
+                                      log=lambda msg: print(f"  {msg}", file=out, flush=True))
+    except (mm.MeasureError, ValueError) as e:
+        return _fail(f"machine: {e}", 1)
+    print(plain_table(["rate", "value", "how"], mm.table_rows(measured)), file=out)
+    if output is None:
+        print(dump_yaml({"machine": mm.rounded(measured.model)}, default_flow_style=None, width=120), file=out)
+        print("profile: not written (--dry-run)", file=out)
+        return 0
+    path = mm.write_profile(output, env, measured)
+    print(f"profile: {path} (machine: written, its entries kept)", file=out)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
@@ -796,7 +841,7 @@ def main(argv=None) -> int:
     out = sys.stdout
     try:
         return {"run": _cmd_run, "show": _cmd_show, "check": _cmd_check, "lookup": _cmd_lookup,
-                "presets": _cmd_presets}[a.cmd](a, out)
+                "presets": _cmd_presets, "machine": _cmd_machine}[a.cmd](a, out)
     except (ProfileError, envvars.EnvironmentVariableError) as e:  # a bad file or variable: one line
         return _fail(e)
 

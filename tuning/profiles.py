@@ -15,6 +15,8 @@ Layout (schema_version 3)::
       versions: {cutlass_dsl: 4.8.1, torch: 2.11.0, cuda: '13.0', optuna: 5.0.0, directkv_cute: 0.1.0}
       created: '2026-11-30T10:00:00Z'
       updated: '2026-11-30T10:42:00Z'
+      machine_sources: {link_gbps: 'measured: ...', fold_gbps: scaled from H200 by HBM bandwidth, ...}
+    machine: {link_gbps: 51.0, ...}   # the planner's rates (directkv_cute.machine.MachineModel)
     entries:
     - kernel: decode                  # key, part 1: kernel, dtype, head_dim, GQA group, page_size
       dtype: bf16
@@ -551,6 +553,29 @@ def _schema(doc, source) -> tuple[dict, int | None]:
     return doc, None
 
 
+MAX_SOURCE_CHARS = 200  # one entry of metadata.machine_sources
+
+
+def _machine_sources(v: _V, md: dict) -> None:
+    """``metadata.machine_sources`` (optional): how each rate of ``machine:`` was obtained, a
+    mapping of rate names (``MachineModel.fields()``) to short non-empty strings."""
+    if "machine_sources" not in md:
+        return
+    from directkv_cute.machine import MachineModel
+
+    ms, where = md["machine_sources"], "metadata.machine_sources"
+    if not isinstance(ms, dict):
+        v.bad(where, f"must be a mapping of rate names to strings, got {type(ms).__name__}")
+        return
+    unknown = sorted(clip(repr(k), 40) for k in ms if k not in MachineModel.fields())
+    if unknown:
+        v.bad(where, f"unknown rates {unknown[:5]}" + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    for k, val in ms.items():
+        if k in MachineModel.fields() and (not isinstance(val, str) or not val or len(val) > MAX_SOURCE_CHARS):
+            v.bad(f"{where}.{k}", f"must be a non-empty string of at most {MAX_SOURCE_CHARS} characters, "
+                                  f"got {_typed(val)}")
+
+
 def _validate(doc, source) -> Profile:
     doc, migrated_from = _schema(doc, source)
     sv = doc["schema_version"]
@@ -578,6 +603,7 @@ def _validate(doc, source) -> Profile:
             if s is not None:
                 md[k] = s
         v.str_(md, "objective", "metadata", required=False)
+        _machine_sources(v, md)
         vers = md.get("versions", {})
         if not isinstance(vers, dict):
             v.bad("metadata.versions", "must be a mapping")
@@ -900,6 +926,8 @@ def save_profile(profile: Profile, path=None, *, merge: bool = True) -> Profile:
                         merged.set(ck, bk, rec)
             if merged.machine is None:
                 merged.machine = old.machine  # the machine model is kept until one is measured anew
+                if "machine_sources" in old.metadata:  # and the record of how it was obtained with it
+                    merged.metadata["machine_sources"] = old.metadata["machine_sources"]
             merged.metadata["created"] = old.metadata.get("created", merged.metadata.get("created"))
         merged.metadata["updated"] = utc_now()
         text = merged.to_yaml()
