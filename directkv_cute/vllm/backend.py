@@ -187,7 +187,8 @@ def pool_view(kv_cache: torch.Tensor, name: str):
 
 
 class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
-    can_return_lse_for_decode: bool = False
+    can_return_lse_for_decode: bool = False  # so vLLM refuses decode context parallelism
+    supports_dcp: bool = False
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
