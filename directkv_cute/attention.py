@@ -131,11 +131,13 @@ class DirectKVAttention:
             raise ValueError("the prepared plan was made for other tables or q_lens")
 
     # ---- running -----------------------------------------------------------------------------
-    def run(self, q: torch.Tensor, layer: int, out: torch.Tensor | None = None, *, softmax_scale=None):
+    def run(self, q: torch.Tensor, layer: int, out: torch.Tensor | None = None, *, softmax_scale=None, pools=None):
         """Attention of q (total_q, Hq, d), packed by sequence, for ``layer`` under the current plan;
         returns out (total_q, Hq, d) in q's dtype, and the natural-log LSE (total_q, Hq) fp32 with
         the plan's ``return_lse``. ``out``: written in place. ``softmax_scale``: instead of the
-        plan's."""
+        plan's. ``pools``: pools of the cache's geometry to read instead of the cache's own
+        (``runner.PoolView``; a model whose layers each own a pool, as in vLLM, plans once over
+        one layer's and runs each layer over its own)."""
         plan = self.current
         if plan is None:
             raise RuntimeError("DirectKVAttention.run before plan")
@@ -146,10 +148,16 @@ class DirectKVAttention:
             raise ValueError(f"q has {q.shape[1]} heads, the plan was made for {shape.num_q_heads}")
         if q.device != self.tables.page_table.device:
             raise ValueError(f"tables on {self.tables.page_table.device}, q on {q.device}")
+        if pools is not None:
+            geometry = ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype")
+            if any(getattr(pools, a) != getattr(self.cache, a) for a in geometry):
+                raise ValueError("pools of another geometry than the cache's: " + ", ".join(
+                    f"{a} {getattr(pools, a)} vs {getattr(self.cache, a)}" for a in geometry))
         from directkv_cute.runner import run
 
         scale = self._scale if softmax_scale is None else softmax_scale
-        return run(plan, self._bound, q, self.cache, layer, scale, out, self._return_lse)
+        return run(plan, self._bound, q, self.cache if pools is None else pools, layer, scale, out,
+                   self._return_lse)
 
 
 # The latest plans by value: calls that plan the same shape again (the layers of a step through

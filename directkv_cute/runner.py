@@ -100,6 +100,10 @@ class PoolView:
         self.dtype = host_pool.dtype
         self.compute_dtype = compute_dtype or host_pool.dtype
 
+    def device_pool(self, tier: str) -> torch.Tensor:
+        """The tier's pool as the reference reads it (a CPU view runs the reference)."""
+        return self.host_pool if tier == "host" else self.hbm_pool
+
 
 def tables_from_host(table: np.ndarray, lens, device, like=None):
     """KernelTables over a host table and lengths, one host-to-device copy (``like``: the cache id

@@ -1,0 +1,54 @@
+"""One vLLM engine of the plugin's GPU test (run by tests/test_vllm_plugin_gpu.py, one process
+per engine so that each frees its GPU memory on exit): load the tiny Llama with dummy weights,
+give every parameter the same seeded values (identical in both engines), generate greedily for
+prompts of different lengths at once, and write each request's tokens and logprobs as JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+PROMPT_LENS = (3, 17, 64, 150, 333)  # ragged: within one page, page-aligned, several pages
+MAX_TOKENS = 12
+TOP_LOGPROBS = 2
+
+
+def reweight(model) -> int:
+    """Seeded weights of a usable scale (vLLM's dummy weights are +-1e-3, logits near ties):
+    norms 1, everything else N(0, 0.05^2), drawn on the CPU in name order."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n = 0
+    for name, p in sorted(model.named_parameters()):
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_((torch.randn(p.shape, generator=g) * 0.05).to(p.dtype))
+        n += 1
+    return n
+
+
+def main(model_dir: str, backend: str, eager: str, out_path: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+              max_model_len=1024, block_size=16, max_num_batched_tokens=128,  # chunked prefill: mixed steps
+              kv_cache_memory_bytes=1 << 30, attention_backend=backend, enforce_eager=eager == "eager",
+              enable_prefix_caching=False)
+    assert llm.apply_model(reweight)[0] > 0
+    g = torch.Generator(device="cpu").manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(0, 1000, (n,), generator=g).tolist()} for n in PROMPT_LENS]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, detokenize=False,
+                            ignore_eos=True)
+    result = []
+    for out in llm.generate(prompts, params):
+        c = out.outputs[0]
+        result.append({"tokens": list(c.token_ids),
+                       "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]})
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
