@@ -245,3 +245,50 @@ def test_the_subpackage_imports_without_vllm():
     code = ("import sys, directkv_cute.vllm, directkv_cute.vllm.step; "
             "assert callable(directkv_cute.vllm.register); assert 'vllm' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ---- against vLLM itself, where it is installed (its import needs no GPU) ---------------------
+def _params(fn) -> list[str]:
+    import inspect
+
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.VAR_KEYWORD]
+
+
+def test_register_resolves_custom_to_the_backend_and_matches_vllm_signatures():
+    pytest.importorskip("vllm")
+    from vllm.v1.attention import backend as vb
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import directkv_cute.vllm as plugin
+    from directkv_cute.vllm import backend as ours
+
+    plugin.register()
+    plugin.register()  # idempotent
+    assert AttentionBackendEnum.CUSTOM.get_class() is ours.DirectKVBackend
+    for cls in (ours.DirectKVBackend, ours.DirectKVImpl, ours.DirectKVMetadataBuilder):
+        assert not getattr(cls, "__abstractmethods__", None), cls
+    # vLLM's attention layer passes these positionally, then keyword extras (sinks).
+    assert _params(ours.DirectKVImpl.__init__)[:len(_params(vb.AttentionImpl.__init__))] == \
+        _params(vb.AttentionImpl.__init__)
+    assert _params(ours.DirectKVImpl.forward) == _params(vb.AttentionImpl.forward)
+    assert _params(ours.DirectKVMetadataBuilder.__init__) == _params(vb.AttentionMetadataBuilder.__init__)
+    assert _params(ours.DirectKVMetadataBuilder.build) == _params(vb.AttentionMetadataBuilder.build)
+    shape = ours.DirectKVBackend.get_kv_cache_shape(10, 16, 8, 128)
+    assert shape == (10, 8, 2, 16, 128)
+    assert ours.DirectKVBackend.get_kv_cache_block_dim(16, 8, 128) == 0
+
+
+def test_register_wraps_the_v2_runner_kv_allocation_once():
+    pytest.importorskip("vllm")
+    import vllm.v1.worker.gpu.attn_utils as attn_utils
+    import vllm.v1.worker.gpu.model_runner as model_runner
+
+    import directkv_cute.vllm as plugin
+
+    plugin.register()
+    wrapped = model_runner.init_kv_cache
+    assert getattr(wrapped, "directkv", False)
+    plugin.register()
+    assert model_runner.init_kv_cache is wrapped  # not wrapped twice
+    assert _params(wrapped.__wrapped__) == _params(attn_utils.init_kv_cache)
+    assert _params(attn_utils._allocate_kv_cache) == ["kv_cache_config", "shared_layers", "device"]
