@@ -31,6 +31,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from directkv_cute._pinned import available_host_bytes as host_available_bytes  # noqa: F401 (re-exported)
+
 SCHEMA = "directkv-bench/1"
 
 RECORD_FIELDS = (
@@ -252,15 +254,6 @@ def env_info(device: str) -> dict:
     return info
 
 
-def host_available_bytes() -> int | None:
-    """The host memory available for new allocations (``MemAvailable``), None where unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def pyplot():

@@ -28,6 +28,19 @@ import torch
 CUDA_HOST_REGISTER_PORTABLE = 0x01
 CUDA_HOST_REGISTER_MAPPED = 0x02
 _CUDA_SUCCESS = 0
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available for new allocations (``MemAvailable`` of /proc/meminfo, in
+    bytes), None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 _CUDA_ERROR_CUDART_UNLOADING = 4  # returned at interpreter exit once the runtime is torn down
 
 _CAI_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # element size -> raw integer typestr

@@ -23,8 +23,8 @@ import logging
 
 import torch
 
-from directkv_cute._pinned import PinnedHostBuffer
-from directkv_cute.vllm.step import available_host_bytes, check_host_bytes
+from directkv_cute._pinned import PinnedHostBuffer, available_host_bytes
+from directkv_cute.vllm.step import check_host_bytes
 
 log = logging.getLogger(__name__)
 

@@ -201,17 +201,6 @@ def host_blocks(host_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
     return host_bytes // one
 
 
-def available_host_bytes() -> int | None:
-    """The host's ``MemAvailable`` in bytes (None where /proc/meminfo is not there)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
 
 def check_host_bytes(nbytes: int, available: int | None) -> None:
     """Refuse to pin ``nbytes`` of KV pages that the host's available memory cannot hold."""
@@ -222,4 +211,4 @@ def check_host_bytes(nbytes: int, available: int | None) -> None:
 
 
 __all__ = ["StepShape", "step_shape", "page_table", "SlotDestinations", "slot_destinations", "store_kv", "check_geometry",
-           "kv_bytes_per_block", "host_blocks", "available_host_bytes", "check_host_bytes"]
+           "kv_bytes_per_block", "host_blocks", "check_host_bytes"]
