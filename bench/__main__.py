@@ -27,9 +27,10 @@ timeline                per-CTA chunk and pass timeline of the multi-token kerne
 breakdown               the kernels and copies of one op call, their GPU times and the gaps
                         between them, from torch.profiler (GPU only; ``bench/breakdown.py``).
 vllm                    vLLM 0.26 serving the same model shape with dummy weights as a peer: all KV in
-                        HBM and with vLLM's native host offloading, TTFT, ms per token, tokens/s and
-                        memory per context and batch, next to the link floor (``bench/vllm.py``; GPU
-                        only, each engine in its own worker process).
+                        HBM, with vLLM's native host offloading and with the DirectKV plugin (all KV
+                        in pinned host memory), TTFT, ms per token, tokens/s and memory per context
+                        and batch, next to the link floor (``bench/vllm.py``; GPU only, each engine
+                        in its own worker process).
 plot                    PNG plots of a results JSON (``--results FILE``; a prefix run's too),
                         for runs made where matplotlib is missing; exit 2 if it cannot plot.
 
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_e2e_arguments(sub.add_parser("e2e", help="end to end: a whole model's prefill and decode, ours vs transformers' caches"))
     add_prefix_arguments(sub.add_parser("prefix", help="forks of one shared prompt: cascade vs per-sequence attention"))
     add_kvproj_arguments(sub.add_parser("kvproj", help="fused K/V projection + RoPE + store vs the separate path"))
-    add_vllm_arguments(sub.add_parser("vllm", help="vLLM's own KV handling (HBM, native offload) as a peer"))
+    add_vllm_arguments(sub.add_parser("vllm", help="vLLM (HBM, native offload) as a peer, and vLLM + the DirectKV plugin"))
     add_fp8_arguments(sub.add_parser("fp8-accuracy", help="FP8 KV pages: op and end-to-end accuracy vs bf16 (CPU)"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")

@@ -1,8 +1,10 @@
-"""vLLM as a peer: ``python -m bench vllm`` -- vLLM's own KV handling serving a Llama-3-8B-shaped
-model with dummy weights, next to the link floor of a DirectKV-style host read, in one run.
+"""vLLM as a peer: ``python -m bench vllm`` -- vLLM's own KV handling and vLLM with the DirectKV
+plugin serving a Llama-3-8B-shaped model with dummy weights, next to the link floor of a host
+read, in one run.
 
     python -m bench vllm                                   # llama3-8b, 32k/64k/128k, batch 1 + max
     python -m bench vllm --methods hbm --contexts 32768 --batches 1,8
+    python -m bench vllm --methods directkv --directkv-gib 64
     python -m bench vllm --smoke                           # 2-layer tiny Llama, 2048 tokens, batch 1 + 2
 
 Methods (``--methods``), each one vLLM engine (``vllm.LLM``, ``load_format="dummy"``: random
@@ -13,15 +15,32 @@ weights from a ``config.json`` written into a temporary folder; bf16; token-id p
   (``kv_offloading_size=--offload-gib``, ``kv_offloading_backend="native"``). vLLM still attends
   only to tokens in its GPU blocks: the host buffer holds blocks it can load back, so a batch
   whose KV does not fit in the GPU blocks waits or is preempted rather than decoded at once
-  (``peak conc.`` shows how many decoded together).
+  (``peak conc.`` shows how many decoded together);
+* ``vllm+directkv[host]``: the DirectKV plugin (``directkv_cute.vllm``, loaded by vLLM through its
+  ``vllm.general_plugins`` entry point): ``attention_backend="CUSTOM"`` and
+  ``kv_cache_memory_bytes=--directkv-gib``, every KV block in pinned host memory, attention reading
+  it in place over the link (vLLM's V2 model runner, its default for this model; an environment
+  with ``VLLM_USE_V2_MODEL_RUNNER=0`` is refused). The worker checks in the engine's own process
+  that every attention layer runs the plugin's backend over pinned host KV
+  (``bench/vllm_worker.py``). Its target: decode at >= 95% of the link floor (``target``).
 
 Batches (``--batches``) are integers or ``max``: the largest batch whose KV fits the method,
 from the capacity the engine reports after startup (GPU blocks x block size; for offload plus
-the host buffer's tokens), each sequence rounded up to whole blocks and capped at vLLM's
-``max_num_seqs``. The default ``--offload-gib`` holds what the GPU blocks cannot for the largest
-integer batch at the longest context, or (with ``max``) as much again as the GPU blocks are
-estimated to hold; at most half of the host memory available. An ``--offload-gib`` beyond the
-host memory available is refused.
+the host buffer's tokens; for directkv its blocks, all in host memory), each sequence rounded up
+to whole blocks and capped at vLLM's ``max_num_seqs``. The default ``--offload-gib`` holds what
+the GPU blocks cannot for the largest integer batch at the longest context, the default
+``--directkv-gib`` that whole batch; with ``max`` either holds at least as much as vllm[hbm]'s
+GPU blocks are estimated to hold; at most half of the host memory available
+(``default_host_gib``). A host size beyond the host memory available is refused, and so is a
+``--directkv-gib`` below one sequence of the longest length (vLLM refuses to start with less).
+
+With ``kv_cache_memory_bytes`` set, vLLM's startup needs nothing else for a KV size beyond the
+free HBM: ``Worker.determine_available_memory`` runs the profile pass and returns the bytes as
+given (no HBM check); ``get_kv_cache_configs`` makes blocks of them (bytes / block bytes /
+layers) and ``_check_enough_kv_cache_memory`` only asks for one sequence of ``max_model_len``;
+the startup plan (``VLLM_ENABLE_STARTUP_PLAN``) neither applies nor saves a plan when the size is
+given. ``request_memory`` still asks for ``--gpu-memory-utilization`` of the device's memory to
+be free at startup, whatever the KV size.
 
 **Timing.** Each (method, context, batch) submits ``batch`` requests of distinct random token
 ids (nothing shared between requests or rows) with greedy sampling, ``ignore_eos``,
@@ -35,20 +54,25 @@ requests that got a decode token in the same step. A short request warms the eng
 
 **Memory.** ``GPU`` is the device memory in use during the row minus before the engine started
 (NVML where available, else ``torch.cuda.mem_get_info``); ``staging`` is vLLM's GPU KV pool (every
-token vLLM attends to sits in these blocks); ``host`` the offload buffer.
+token vLLM attends to sits in these blocks; 0 for directkv, which keeps no KV block in HBM: the
+planner's own staging buffers are part of ``GPU``); ``host`` the offload buffer, or directkv's
+pinned KV (its blocks x block size x KV bytes per token).
 
 **Floor and ceilings, same run.** Before any engine starts the host-read, HBM-read and memcpy H2D
 ceilings are measured (``bench.ceilings``) and their GPU memory freed. ``vllm[hbm]`` also decodes
 at ``--short-context`` (1024) for batch 1 and every row's batch: the model's non-attention step
 time. A row's floor is its KV bytes per decode step (batch x context x layers x 2 x KV heads x
-head dim x 2 bytes) over the memcpy H2D ceiling plus that time; ``%ceil`` is floor / measured.
+head dim x 2 bytes) over the memcpy H2D ceiling plus that time; ``%floor`` is floor / measured
+(``pct_floor``), and a directkv row's ``target`` is MET at >= 95% (``target_pct``, ``target_met``;
+no verdict without the non-attention time). vLLM's own methods need not read their KV over the
+link each step, so their ``%floor`` may pass 100.
 
 **Processes.** Each method runs in its own worker process (``python -P -m bench.vllm_worker
 SPEC.json``; the environment, PYTHONPATH included, passes through), which builds one engine,
 runs all its rows and writes a JSON after every row; the parent collects them. A worker that
 fails, crashes or runs past ``--worker-timeout-s`` (its whole process group is killed) is an
-error entry in the results, and the other methods still run. ``vllm[offload]`` runs first, so
-that ``vllm[hbm]``'s short rows cover its batches too.
+error entry in the results, and the other methods still run. ``vllm[offload]`` and
+``vllm+directkv[host]`` run first, so that ``vllm[hbm]``'s short rows cover their batches too.
 
 Files under ``--out-dir`` (default ./bench-results): ``<gpu>-<date>-vllm-<preset>.json`` (schema
 ``directkv-bench-vllm/1``: header with vLLM's version, ceilings, args, model, engines, rows), the
@@ -76,8 +100,11 @@ from bench.common import (GB, GiB, UsageError, add_out_dir_argument, checked_out
                           kilo, pyplot)
 
 VLLM_SCHEMA = "directkv-bench-vllm/1"
-METHODS = ("offload", "hbm")  # run order: hbm's short rows then cover offload's batches
-METHOD_NAMES = {"hbm": "vllm[hbm]", "offload": "vllm[offload]"}
+METHODS = ("offload", "directkv", "hbm")  # run order: hbm's short rows then cover the others' batches
+METHOD_NAMES = {"hbm": "vllm[hbm]", "offload": "vllm[offload]", "directkv": "vllm+directkv[host]"}
+HOST_KV_METHODS = {"offload": "--offload-gib", "directkv": "--directkv-gib"}  # methods with host KV: their option
+DIRECTKV_BACKEND = "CUSTOM"  # vLLM's attention backend slot the directkv plugin registers into
+DIRECTKV_TARGET_PCT = 95.0  # decode over host KV only: at least this share of the link floor
 DEFAULTS = dict(preset="llama3-8b", contexts=[32768, 65536, 131072], batches=["1", "max"], new_tokens=32,
                 short_context=1024)
 SMOKE = dict(preset="tiny", contexts=[2048], batches=["1", "2"], new_tokens=8, short_context=256)
@@ -92,7 +119,7 @@ VLLM_MISSING = ("bench vllm: vLLM is not importable: `pip install -e .[vllm]` (v
 ROW_FIELDS = ("bench", "method", "role", "context", "batch", "batch_spec", "status", "error", "note", "ttft_ms",
               "ttft_max_ms", "decode_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",
               "new_tokens", "gpu_bytes", "staging_bytes", "host_bytes", "kv_bytes_per_step", "non_attention_ms",
-              "floor_ms", "wall_s")
+              "floor_ms", "pct_floor", "target_pct", "target_met", "wall_s")
 STATUSES = ("ok", "error", "timeout", "skipped")
 
 
@@ -199,27 +226,31 @@ def parse_methods(text: str) -> list[str]:
         if not item:
             continue
         if item not in names:
-            raise UsageError(f"bench vllm: unknown method {item!r}; use hbm, offload")
+            raise UsageError(f"bench vllm: unknown method {item!r}; use {', '.join(METHODS)}")
         got.add(names[item])
     if not got:
         raise UsageError("bench vllm: --methods is empty")
     return [m for m in METHODS if m in got]
 
 
-def default_offload_gib(*, token_bytes: int, contexts: list[int], batches: list[str], seq_extra: int,
-                        hbm_kv_bytes: int, host_avail: int | None) -> tuple[float, str]:
-    """The default offload buffer (GiB, whole) and why: what the GPU blocks (``hbm_kv_bytes``,
-    estimated) cannot hold for the largest integer batch at the longest context; with ``max``
-    at least as much again as the GPU blocks hold (so ``max`` can outgrow HBM); at least 1 GiB;
-    at most ``HOST_FRACTION`` of the available host memory."""
+def default_host_gib(method: str, *, token_bytes: int, contexts: list[int], batches: list[str], seq_extra: int,
+                     hbm_kv_bytes: int, host_avail: int | None) -> tuple[float, str]:
+    """The default host KV (GiB, whole) of a method with host KV and why. ``offload``'s buffer
+    holds what its GPU blocks (``hbm_kv_bytes``, estimated) cannot for the largest integer batch
+    (at least one sequence) at the longest context; ``directkv`` keeps every block in host memory,
+    so it holds that whole batch. With ``max`` either holds at least as much as ``vllm[hbm]``'s GPU
+    blocks (so ``max`` can outgrow HBM). At least 1 GiB; at most ``HOST_FRACTION`` of the
+    available host memory."""
+    if method not in HOST_KV_METHODS:
+        raise ValueError(f"{method!r} keeps no KV in host memory")
+    in_gpu = hbm_kv_bytes if method == "offload" else 0  # what the engine's own GPU blocks hold
     need, why = 0, []
-    ints = [int(b) for b in batches if b != "max"]
-    if ints:
-        over = max(ints) * (max(contexts) + seq_extra) * token_bytes - hbm_kv_bytes
-        if over > 0:
-            need, why = over, [f"B{max(ints)} at {kilo(max(contexts))} beyond the GPU blocks"]
+    largest = max((int(b) for b in batches if b != "max"), default=1)
+    over = largest * (max(contexts) + seq_extra) * token_bytes - in_gpu
+    if over > 0:
+        need, why = over, [f"B{largest} at {kilo(max(contexts))}" + (" beyond the GPU blocks" if in_gpu else "")]
     if "max" in batches and hbm_kv_bytes > need:
-        need, why = hbm_kv_bytes, ["as much as the GPU blocks hold (batch max)"]
+        need, why = hbm_kv_bytes, ["as much as vllm[hbm]'s GPU blocks hold (batch max)"]
     gib = max(1, math.ceil(need / GiB))
     why = why or ["every batch fits the GPU blocks: the minimum"]
     if host_avail is not None and gib * GiB > HOST_FRACTION * host_avail:
@@ -250,19 +281,43 @@ def resolve_options(ns: argparse.Namespace, host_avail: int | None) -> dict:
     opts["gpu_memory_utilization"] = float(util)
     if ns.worker_timeout_s <= 0:
         raise UsageError(f"bench vllm: --worker-timeout-s must be > 0, got {ns.worker_timeout_s}")
-    gib = ns.offload_gib
-    if gib is None and ns.smoke:
-        gib = SMOKE_OFFLOAD_GIB
-    if gib is not None:
-        if not math.isfinite(gib) or gib < 0:
-            raise UsageError(f"bench vllm: --offload-gib must be >= 0, got {gib}")
-        if host_avail is not None and gib * GiB > host_avail:
-            raise UsageError(f"bench vllm: --offload-gib {gib:g} is more than the host memory available "
-                             f"({host_avail / GiB:.1f} GiB)")
-    opts["offload_gib"] = gib  # None: sized from the GPU's memory once it is known (default_offload_gib)
     opts["seq_extra"] = 1 + opts["new_tokens"]  # max_tokens per request
     opts["max_model_len"] = max(opts["contexts"] + [opts["short_context"]]) + opts["seq_extra"]
+    token_bytes = kv_token_bytes(model_shape(opts["preset"]))
+    opts["offload_gib"] = check_host_gib("offload", SMOKE_OFFLOAD_GIB if ns.offload_gib is None and ns.smoke
+                                         else ns.offload_gib, host_avail=host_avail)
+    opts["directkv_gib"] = check_host_gib("directkv", ns.directkv_gib, host_avail=host_avail,
+                                          min_bytes=opts["max_model_len"] * token_bytes)
+    # None: sized from the GPU's memory once it is known (default_host_gib)
+    if "directkv" in opts["methods"]:
+        check_directkv_env(os.environ)
     return opts
+
+
+def check_host_gib(method: str, gib: float | None, *, host_avail: int | None, min_bytes: int = 0) -> float | None:
+    """A method's host KV option (``HOST_KV_METHODS``) checked: finite, >= 0 (``directkv``: > 0,
+    its every KV block lives there), at least ``min_bytes``, at most the host memory available.
+    None (the default, sized later) passes."""
+    if gib is None:
+        return None
+    option = HOST_KV_METHODS[method]
+    if not math.isfinite(gib) or gib < 0 or (method == "directkv" and gib == 0):
+        raise UsageError(f"bench vllm: {option} must be {'>' if method == 'directkv' else '>='} 0, got {gib}")
+    if host_avail is not None and gib * GiB > host_avail:
+        raise UsageError(f"bench vllm: {option} {gib:g} is more than the host memory available "
+                         f"({host_avail / GiB:.1f} GiB)")
+    if gib * GiB < min_bytes:
+        raise UsageError(f"bench vllm: {option} {gib:g} holds less than one sequence of the longest length "
+                         f"({min_bytes / GiB:.2f} GiB); vLLM refuses to start with that")
+    return float(gib)
+
+
+def check_directkv_env(environ) -> None:
+    """The directkv backend needs vLLM's V2 model runner: refuse an environment that turns it off
+    (``VLLM_USE_V2_MODEL_RUNNER=0``; unset lets vLLM pick it, which it does for this model)."""
+    value = str(environ.get("VLLM_USE_V2_MODEL_RUNNER", "")).strip()
+    if value and value.lstrip("-").isdigit() and int(value) == 0:
+        raise UsageError("bench vllm: method directkv needs vLLM's V2 model runner; unset VLLM_USE_V2_MODEL_RUNNER=0")
 
 
 # ---- batch sizing and timing (used by the worker; no vLLM needed) ------------------------------
@@ -345,8 +400,11 @@ def floor_ms(kv_bytes: int, memcpy_h2d_gbps: float, non_attention_ms: float | No
 
 
 def add_floors(rows: list[dict], shape: dict, memcpy_h2d_gbps: float) -> None:
-    """Fill kv_bytes_per_step, non_attention_ms and floor_ms of every measured row in place;
-    the non-attention time is vllm[hbm]'s decode_ms at the short context with the row's batch."""
+    """Fill kv_bytes_per_step, non_attention_ms, floor_ms and pct_floor (100 x floor / decode ms)
+    of every measured row in place; the non-attention time is vllm[hbm]'s decode_ms at the short
+    context with the row's batch. ``vllm+directkv[host]`` rows also get their target
+    (``target_pct``: ``DIRECTKV_TARGET_PCT`` of the link floor) and whether they meet it; a row
+    whose floor lacks the non-attention time gets no verdict."""
     short = {r["batch"]: r["decode_ms"] for r in rows
              if r["role"] == "non-attention" and r["status"] == "ok" and r["decode_ms"]}
     for r in rows:
@@ -355,6 +413,11 @@ def add_floors(rows: list[dict], shape: dict, memcpy_h2d_gbps: float) -> None:
         r["kv_bytes_per_step"] = kv_bytes_per_step(r["batch"], r["context"], shape)
         r["non_attention_ms"] = short.get(r["batch"])
         r["floor_ms"] = floor_ms(r["kv_bytes_per_step"], memcpy_h2d_gbps, r["non_attention_ms"])
+        r["pct_floor"] = 100 * r["floor_ms"] / r["decode_ms"] if r["decode_ms"] else None
+        if r["method"] == METHOD_NAMES["directkv"]:
+            r["target_pct"] = DIRECTKV_TARGET_PCT
+            complete = r["pct_floor"] is not None and r["non_attention_ms"] is not None
+            r["target_met"] = r["pct_floor"] >= DIRECTKV_TARGET_PCT if complete else None
         if r["non_attention_ms"] is None:
             r["note"] = "; ".join(filter(None, [r["note"], "floor without non-attention time (no short row)"]))
 
@@ -468,7 +531,7 @@ def collect(doc: dict, results: list[dict]) -> dict:
 
 # ---- table and plot --------------------------------------------------------------------------
 TABLE_COLUMNS = ("method", "ctx", "B", "status", "TTFT ms", "ms/tok/seq", "tok/s", "peak conc.", "GPU GiB",
-                 "staging GiB", "host GiB", "floor ms", "%ceil", "note")
+                 "staging GiB", "host GiB", "floor ms", "%floor", "target", "note")
 
 
 def _gib(n) -> str:
@@ -485,7 +548,6 @@ def format_table(doc: dict) -> str:
         ttft = fmt_opt(r["ttft_ms"], ".0f")
         if r["ttft_max_ms"] is not None and (r["batch"] or 0) > 1:
             ttft += f" / {r['ttft_max_ms']:.0f}"
-        pct = 100 * r["floor_ms"] / r["decode_ms"] if r["floor_ms"] and r["decode_ms"] else None
         note = r["error"] or r["note"] or ""
         if r["role"] == "non-attention":
             note = "non-attention time (floor)"
@@ -495,12 +557,15 @@ def format_table(doc: dict) -> str:
             note = "; ".join(filter(None, [note, "never all decoding at once"]))
         if len(note) > 100:
             note = note[:97] + "..."
+        target = "" if r["target_pct"] is None else f">={r['target_pct']:.0f}% " + {
+            True: "MET", False: "MISS", None: "?"}[r["target_met"]]
         lines.append((r["method"], "-" if r["context"] is None else kilo(r["context"]), fmt_opt(r["batch"], "d"),
                       r["status"], ttft, fmt_opt(r["decode_ms"], ".2f"), fmt_opt(r["tokens_per_s"], ".0f"),
                       fmt_opt(r["peak_concurrent"], "d"), _gib(r["gpu_bytes"]), _gib(r["staging_bytes"]),
-                      _gib(r["host_bytes"]), fmt_opt(r["floor_ms"], ".2f"), fmt_opt(pct, ".0f"), note))
+                      _gib(r["host_bytes"]), fmt_opt(r["floor_ms"], ".2f"), fmt_opt(r["pct_floor"], ".0f"), target,
+                      note))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(TABLE_COLUMNS))]
-    left = (0, 3, len(TABLE_COLUMNS) - 1)
+    left = tuple(TABLE_COLUMNS.index(c) for c in ("method", "status", "target", "note"))
     body = ["  ".join(str(c).ljust(w) if i in left else str(c).rjust(w)
                       for i, (c, w) in enumerate(zip(line, widths))).rstrip() for line in lines]
     body.insert(1, "  ".join("-" * w for w in widths))
@@ -509,14 +574,15 @@ def format_table(doc: dict) -> str:
             f"{h['gpu']} {h['date']}",
             f"ceilings: memcpy H2D {c['memcpy_h2d_gbps']:.1f} GB/s (the floor's link), SM host read "
             f"{c['host_read_gbps']:.1f} GB/s, HBM read {c['hbm_read_gbps']:.0f} GB/s; floor = KV per step / "
-            "memcpy H2D + non-attention time; %ceil = floor / ms per token"]
+            "memcpy H2D + non-attention time; %floor = floor / ms per token; target: "
+            f"{METHOD_NAMES['directkv']} at >= {DIRECTKV_TARGET_PCT:.0f}% of its floor"]
     for name, e in doc["engines"].items():
         if e["status"] != "ok":
             head.append(f"{name}: {e['status']}: {e['error']}")
     return "\n".join(head + body)
 
 
-_STYLE = {"vllm[hbm]": "d-", "vllm[offload]": "^--"}
+_STYLE = {"vllm[hbm]": "d-", "vllm[offload]": "^--", "vllm+directkv[host]": "o-"}
 
 
 def plot_vllm(doc: dict, path: str | Path) -> Path | None:
@@ -554,19 +620,21 @@ def plot_vllm(doc: dict, path: str | Path) -> Path | None:
 
 
 # ---- the run ---------------------------------------------------------------------------------
-def worker_spec(method: str, opts: dict, *, model_dir: Path, out: Path, offload_gib: float,
+def worker_spec(method: str, opts: dict, *, model_dir: Path, out: Path, host_gib: dict[str, float],
                 short_batches: list[int]) -> dict:
-    """What one worker runs: its engine's options and its rows."""
+    """What one worker runs: its engine's options and its rows (``host_gib``: the host KV in GiB
+    of each method in ``HOST_KV_METHODS``; ``spec["host_gib"]`` is this method's, None without)."""
     return {"method": method, "name": METHOD_NAMES[method], "out": str(out), "model_dir": str(model_dir),
             "contexts": opts["contexts"], "batches": opts["batches"], "new_tokens": opts["new_tokens"],
             "seq_extra": opts["seq_extra"], "max_model_len": opts["max_model_len"],
             "gpu_memory_utilization": opts["gpu_memory_utilization"],
-            "offload_gib": offload_gib if method == "offload" else None, "enforce_eager": opts["enforce_eager"],
+            "host_gib": host_gib.get(method) if method in HOST_KV_METHODS else None,
+            "enforce_eager": opts["enforce_eager"],
             "short_context": opts["short_context"] if method == "hbm" else 0, "short_batches": short_batches,
             "token_bytes": kv_token_bytes(model_shape(opts["preset"])), "seed": opts["seed"]}
 
 
-def run_methods(opts: dict, *, work_dir: Path, offload_gib: float, write, doc: dict,
+def run_methods(opts: dict, *, work_dir: Path, host_gib: dict[str, float], write, doc: dict,
                 command: list[str] | None = None, echo: bool = True) -> list[dict]:
     """Every method's worker in run order; ``vllm[hbm]`` also gets the batches the earlier methods
     resolved, for its short rows (a run without ``hbm`` still runs its short rows in an hbm worker
@@ -579,7 +647,7 @@ def run_methods(opts: dict, *, work_dir: Path, offload_gib: float, write, doc: d
     for method in methods:
         batches = sorted({r["batch"] for res in results for r in res.get("rows", []) if r.get("batch")})
         spec = worker_spec(method, opts, model_dir=model_dir, out=work_dir / f"{method}.json",
-                           offload_gib=offload_gib, short_batches=batches)
+                           host_gib=host_gib, short_batches=batches)
         if method not in opts["methods"]:
             spec["contexts"] = []
         print(f"-- {METHOD_NAMES[method]}: worker starting (timeout {opts['worker_timeout_s']:g} s)", flush=True)
@@ -620,19 +688,22 @@ def run_vllm(ns: argparse.Namespace) -> int:
     torch.cuda.empty_cache()  # the engines get the GPU memory back
     print(f"ceilings: memcpy H2D {ceilings.memcpy_h2d_gbps:.2f} GB/s, host read {ceilings.host_read_gbps:.2f} GB/s, "
           f"HBM read {ceilings.hbm_read_gbps:.1f} GB/s", flush=True)
-    offload_gib, why = opts["offload_gib"], "--offload-gib"
-    if offload_gib is None:
-        hbm_kv = int(header["gpu_mem_bytes"] * opts["gpu_memory_utilization"] - weight_bytes(shape)
-                     - RESERVED_GPU_BYTES)
-        offload_gib, why = default_offload_gib(token_bytes=kv_token_bytes(shape), contexts=opts["contexts"],
-                                               batches=opts["batches"], seq_extra=opts["seq_extra"],
-                                               hbm_kv_bytes=max(0, hbm_kv), host_avail=host_avail)
-    if "offload" in opts["methods"]:
-        print(f"offload buffer: {offload_gib:g} GiB ({why})", flush=True)
+    hbm_kv = max(0, int(header["gpu_mem_bytes"] * opts["gpu_memory_utilization"] - weight_bytes(shape)
+                        - RESERVED_GPU_BYTES))  # vllm[hbm]'s GPU blocks, estimated
+    host_gib, why = {}, {}
+    for method, option in HOST_KV_METHODS.items():
+        host_gib[method], why[method] = opts[f"{method}_gib"], option
+        if host_gib[method] is None:
+            host_gib[method], why[method] = default_host_gib(
+                method, token_bytes=kv_token_bytes(shape), contexts=opts["contexts"], batches=opts["batches"],
+                seq_extra=opts["seq_extra"], hbm_kv_bytes=hbm_kv, host_avail=host_avail)
+        if method in opts["methods"]:
+            print(f"{METHOD_NAMES[method]} host KV: {host_gib[method]:g} GiB ({why[method]})", flush=True)
     args = {k: v for k, v in vars(ns).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
     args.update({k: opts[k] for k in ("preset", "contexts", "batches", "new_tokens", "short_context", "methods",
                                       "gpu_memory_utilization", "max_model_len", "smoke")},
-                offload_gib=offload_gib, offload_gib_reason=why)
+                **{f"{m}_gib": host_gib[m] for m in HOST_KV_METHODS},
+                **{f"{m}_gib_reason": why[m] for m in HOST_KV_METHODS})
     doc = {"schema": VLLM_SCHEMA, "bench": "vllm", "header": header, "ceilings": ceilings.to_dict(),
            "ceiling_details": details, "args": args,
            "model": shape | {"kv_token_bytes": kv_token_bytes(shape), "weight_bytes": weight_bytes(shape)},
@@ -643,7 +714,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
 
     write()
     with tempfile.TemporaryDirectory(prefix="directkv-vllm-") as tmp:
-        results = run_methods(opts, work_dir=Path(tmp), offload_gib=offload_gib, write=write, doc=doc,
+        results = run_methods(opts, work_dir=Path(tmp), host_gib=host_gib, write=write, doc=doc,
                               echo=not ns.quiet)
     write()
     text = format_table(doc)
@@ -667,7 +738,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``vllm`` subcommand's options (defaults in brackets; ``--smoke`` ones in parentheses)."""
-    p.add_argument("--methods", default="hbm,offload", help="hbm, offload [hbm,offload]")
+    p.add_argument("--methods", default="hbm,offload,directkv", help="hbm, offload, directkv [all three]")
     p.add_argument("--preset", default=None, help="model shape from directkv_cute.presets [llama3-8b] (smoke: tiny)")
     p.add_argument("--contexts", default=None, help="prompt tokens [32768,65536,131072] (smoke: 2048)")
     p.add_argument("--batches", default=None,
@@ -679,6 +750,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-gib", type=float, default=None,
                    help="vllm[offload]'s host buffer in GiB (default: what HBM cannot hold for the largest batch, "
                         f"at most {HOST_FRACTION:.0%}% of the available host memory; smoke: {SMOKE_OFFLOAD_GIB:g})")
+    p.add_argument("--directkv-gib", type=float, default=None,
+                   help="vllm+directkv[host]'s KV cache in pinned host memory, GiB (vLLM's kv_cache_memory_bytes; "
+                        "default: the largest batch at the longest context, with batch max as much as vllm[hbm]'s "
+                        f"GPU blocks, at most {HOST_FRACTION:.0%}% of the available host memory)")
     p.add_argument("--smoke", action="store_true",
                    help="the 2-layer tiny Llama at 2048 tokens, batches 1 and 2: the whole path in well under a minute")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compilation (faster startup)")
@@ -698,6 +773,6 @@ def cmd_vllm(ns: argparse.Namespace) -> int:
 
 
 __all__ = ["METHOD_NAMES", "ROW_FIELDS", "VLLM_SCHEMA", "add_arguments", "add_floors", "cmd_vllm", "collect",
-           "config_json", "default_offload_gib", "floor_ms", "format_table", "kv_bytes_per_step", "max_batch",
+           "config_json", "default_host_gib", "floor_ms", "format_table", "kv_bytes_per_step", "max_batch",
            "new_row", "plot_vllm", "reduce_timing", "resolve_batches", "resolve_options", "run_worker",
            "write_model_dir"]

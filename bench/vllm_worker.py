@@ -4,7 +4,17 @@ Builds one vLLM engine from the spec (``bench.vllm.worker_spec``), warms it up, 
 (context, batch) row and the short non-attention rows, and writes its result document to
 ``spec["out"]`` after every row: {"method", "status", "error", "vllm_version", "engine": {...},
 "rows": [...]}. Exit status 0 when the engine ran (rows may still hold errors), 1 when it could
-not start, 2 when vLLM is not importable (one line naming the fix).
+not start (or, for ``directkv``, runs another attention backend), 2 when vLLM is not importable
+(one line naming the fix).
+
+``directkv``: vLLM's engine core runs in its own process, so the frontend's config only says what
+was asked for (``attention_config.backend``). The worker asks the engine's workers themselves
+(``LLM.collective_rpc(backend_probe)``: which backend class each attention layer runs, whether its
+KV tensor lies in the plugin's pinned host memory, the model runner); shipping that function needs
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickle between this process and its engine only), which
+this worker sets for ``directkv`` alone. A layer on another backend, or KV outside pinned host
+memory, fails the worker before any row; a probe that cannot run leaves ``backend_verified`` None
+(the frontend's config values are still recorded).
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.vllm import METHOD_NAMES, VLLM_MISSING, max_batch, new_row, reduce_timing, resolve_batches
+from bench.vllm import (DIRECTKV_BACKEND, METHOD_NAMES, VLLM_MISSING, max_batch, new_row, reduce_timing,
+                        resolve_batches)
 
 GiB = 1 << 30
 
@@ -59,14 +70,87 @@ class GpuMemory:
 
 def engine_kwargs(spec: dict) -> dict:
     """``vllm.LLM``'s arguments for the spec: dummy weights from the local config.json, bf16,
-    token-id prompts only, vLLM's generation defaults; offload adds the native host buffer."""
+    token-id prompts only, vLLM's generation defaults; offload adds the native host buffer;
+    directkv picks the plugin's backend (``CUSTOM``) and gives the host KV as vLLM's
+    ``kv_cache_memory_bytes``, which skips vLLM's HBM profiling for the KV size (the plugin
+    allocates those bytes in pinned host memory, not in HBM)."""
     kw = dict(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               generation_config="vllm", max_model_len=spec["max_model_len"],
               gpu_memory_utilization=spec["gpu_memory_utilization"], seed=spec["seed"],
               enforce_eager=spec["enforce_eager"])
     if spec["method"] == "offload":
-        kw.update(kv_offloading_size=float(spec["offload_gib"]), kv_offloading_backend="native")
+        kw.update(kv_offloading_size=float(spec["host_gib"]), kv_offloading_backend="native")
+    elif spec["method"] == "directkv":
+        kw.update(attention_backend=DIRECTKV_BACKEND, kv_cache_memory_bytes=int(spec["host_gib"] * GiB))
     return kw
+
+
+def engine_entry(engine, spec: dict) -> dict:
+    """The engine's KV sizes from its config after startup (``engine``: ``LLM.llm_engine``).
+
+    gpu_kv_tokens: tokens in vLLM's GPU blocks (0 for directkv, whose blocks are all host pages);
+    host_kv_tokens: tokens in host memory (offload: the buffer over the token size; directkv: the
+    blocks x block size); capacity_tokens: both, what ``max`` batches are sized by; staging_bytes:
+    KV bytes in HBM blocks (directkv: 0; the planner's own staging buffers are in the measured GPU
+    bytes, not here); host_bytes: KV bytes in host memory."""
+    config = engine.vllm_config
+    cache = config.cache_config
+    block = int(cache.block_size)
+    token_bytes = int(spec["token_bytes"])
+    if spec["method"] == "directkv":
+        gpu_tokens, host_tokens = 0, int(cache.num_gpu_blocks) * block  # vLLM's "GPU" blocks are host pages
+        host_bytes = host_tokens * token_bytes
+    else:
+        gpu_tokens = int(cache.kv_cache_size_tokens or cache.num_gpu_blocks * block)
+        host_bytes = int(spec["host_gib"] * GiB) if spec.get("host_gib") else 0
+        host_tokens = host_bytes // token_bytes
+    entry = {"block_size": block, "num_gpu_blocks": cache.num_gpu_blocks, "gpu_kv_tokens": gpu_tokens,
+             "host_kv_tokens": host_tokens, "capacity_tokens": gpu_tokens + host_tokens,
+             "staging_bytes": gpu_tokens * token_bytes, "host_bytes": host_bytes,
+             "max_num_seqs": config.scheduler_config.max_num_seqs,
+             "kv_connector": getattr(config.kv_transfer_config, "kv_connector", None)}
+    if spec["method"] == "directkv":
+        backend = config.attention_config.backend
+        entry.update(attention_backend_requested=DIRECTKV_BACKEND,
+                     attention_config_backend=getattr(backend, "name", backend),
+                     kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+                     use_v2_model_runner=bool(config.use_v2_model_runner))
+    return entry
+
+
+def backend_probe(worker) -> dict:
+    """Run on each of the engine's workers (``LLM.collective_rpc``): the backend class of every
+    attention layer, how many layers' KV tensors lie in the directkv plugin's pinned host memory,
+    and the model runner's class. Plain values only (they travel back to the frontend)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(worker.vllm_config, AttentionLayerBase)
+    backends = sorted({".".join(layer.get_attn_backend().full_cls_name()) for layer in layers.values()})
+    try:
+        from directkv_cute.vllm.memory import is_pinned_host
+    except ImportError:  # the plugin is not importable in the engine: nothing is pinned by it
+        pinned = 0
+    else:
+        pinned = sum(1 for layer in layers.values()
+                     if getattr(layer, "kv_cache", None) is not None and is_pinned_host(layer.kv_cache))
+    runner = type(getattr(worker, "model_runner", None))
+    return {"backends": backends, "layers": len(layers), "kv_pinned_host_layers": pinned,
+            "model_runner": f"{runner.__module__}.{runner.__qualname__}"}
+
+
+def backend_verdict(probes: list[dict], backend_path: str) -> str | None:
+    """None when every worker's attention layers run ``backend_path`` over pinned host KV, else
+    what is wrong (one line)."""
+    if not probes:
+        return "no engine worker answered"
+    for i, p in enumerate(probes):
+        if p["backends"] != [backend_path]:
+            return f"engine worker {i} runs attention backends {p['backends']}, not {backend_path}"
+        if p["kv_pinned_host_layers"] != p["layers"]:
+            return (f"engine worker {i}: {p['kv_pinned_host_layers']} of {p['layers']} layers have their KV in "
+                    "pinned host memory (the V2 model runner and the directkv plugin are needed)")
+    return None
 
 
 def drive(engine, prompts: list[list[int]], params, mem: GpuMemory, tag: str) -> tuple[dict, list]:
@@ -103,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(result, indent=1))
         os.replace(tmp, out)
 
+    if spec["method"] == "directkv":  # backend_probe travels to the engine's process (module docstring)
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -126,22 +212,32 @@ def main(argv: list[str] | None = None) -> int:
         write()
         return 1
     engine = llm.llm_engine
-    cache = engine.vllm_config.cache_config
-    block = int(cache.block_size)
-    gpu_tokens = int(cache.kv_cache_size_tokens or cache.num_gpu_blocks * block)
-    token_bytes = int(spec["token_bytes"])
-    host_bytes = int(spec["offload_gib"] * GiB) if spec["offload_gib"] else 0
-    capacity = gpu_tokens + host_bytes // token_bytes
-    max_seqs = engine.vllm_config.scheduler_config.max_num_seqs
-    staging = gpu_tokens * token_bytes
-    result["engine"] = {"startup_s": time.perf_counter() - t0, "block_size": block,
-                        "num_gpu_blocks": cache.num_gpu_blocks, "gpu_kv_tokens": gpu_tokens,
-                        "host_kv_tokens": host_bytes // token_bytes, "capacity_tokens": capacity,
-                        "staging_bytes": staging, "host_bytes": host_bytes, "max_num_seqs": max_seqs,
-                        "gpu_bytes_after_start": mem.used() - before,
-                        "kv_connector": getattr(engine.vllm_config.kv_transfer_config, "kv_connector", None)}
+    result["engine"] = entry = {"startup_s": time.perf_counter() - t0, **engine_entry(engine, spec),
+                                "gpu_bytes_after_start": mem.used() - before}
+    block, max_seqs = entry["block_size"], entry["max_num_seqs"]
+    gpu_tokens, capacity = entry["gpu_kv_tokens"], entry["capacity_tokens"]
+    staging, host_bytes = entry["staging_bytes"], entry["host_bytes"]
     print(f"{name}: {gpu_tokens} GPU KV tokens ({staging / GiB:.1f} GiB, block {block}), host {host_bytes / GiB:g} "
-          f"GiB, max_num_seqs {max_seqs}, started in {result['engine']['startup_s']:.0f} s", flush=True)
+          f"GiB ({entry['host_kv_tokens']} tokens), max_num_seqs {max_seqs}, started in {entry['startup_s']:.0f} s",
+          flush=True)
+    if spec["method"] == "directkv":
+        from directkv_cute.vllm import BACKEND_PATH
+
+        try:
+            entry["backend_probe"] = llm.collective_rpc(backend_probe)
+        except Exception as e:  # noqa: BLE001 - unverified, not wrong: the config values stay recorded
+            entry["backend_probe_error"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+            entry["backend_verified"] = None
+            print(f"{name}: the engine's attention backend could not be probed ({entry['backend_probe_error']}); "
+                  f"attention_config.backend is {entry['attention_config_backend']}", flush=True)
+        else:
+            wrong = backend_verdict(entry["backend_probe"], BACKEND_PATH)
+            entry["backend_verified"] = wrong is None
+            print(f"{name}: attention {entry['backend_probe']}" + (f": {wrong}" if wrong else ""), flush=True)
+            if wrong:
+                result.update(status="error", error=f"not the DirectKV backend: {wrong}")
+                write()
+                return 1
     write()
     params = SamplingParams(temperature=0.0, max_tokens=spec["seq_extra"], ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.CUMULATIVE)

@@ -1,6 +1,8 @@
-"""``python -m bench vllm`` without vLLM or a GPU (CPU tests): the command line and its refusals,
-batch sizing, the floor, the model's config.json, the timing reducer, the worker protocol (a
-fake worker's result, a failing and a hanging worker) and the table built from a result."""
+"""``python -m bench vllm`` without a GPU or an engine (CPU tests): the command line and its
+refusals, batch sizing and the host KV sizes, the floor, the model's config.json, the timing
+reducer, the worker protocol (a fake worker's result, a failing and a hanging worker), the
+engine's arguments per method (checked against vLLM's EngineArgs where vLLM is importable), the
+engine entry and the directkv backend check from fakes, and the table built from a result."""
 
 from __future__ import annotations
 
@@ -51,10 +53,15 @@ def _refused(argv, capsys) -> str:
     (["--batches", "2.5"], "positive integers or 'max'"),
     (["--offload-gib", "-1"], "--offload-gib must be >= 0"),
     (["--offload-gib", "101"], "more than the host memory available (100.0 GiB)"),
+    (["--directkv-gib", "0"], "--directkv-gib must be > 0"),
+    (["--directkv-gib", "-2"], "--directkv-gib must be > 0"),
+    (["--directkv-gib", "nan"], "--directkv-gib must be > 0"),
+    (["--directkv-gib", "101"], "--directkv-gib 101 is more than the host memory available (100.0 GiB)"),
+    (["--directkv-gib", "8"], "less than one sequence of the longest length (16.00 GiB)"),
     (["--gpu-memory-utilization", "0"], "(0, 1]"),
     (["--gpu-memory-utilization", "1.2"], "(0, 1]"),
     (["--new-tokens", "0"], "--new-tokens must be >= 1"),
-    (["--methods", "hbm,swap"], "unknown method 'swap'"),
+    (["--methods", "hbm,swap"], "unknown method 'swap'; use offload, directkv, hbm"),
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--worker-timeout-s", "0"], "--worker-timeout-s must be > 0"),
     (["--device", "cpu"], "bench vllm has no CPU run"),
@@ -86,7 +93,8 @@ def test_options_and_smoke_defaults(fake_gpu):
     parse = build_parser().parse_args
     opts = bv.resolve_options(parse(["vllm"]), host_avail=100 * GiB)
     assert opts["contexts"] == [32768, 65536, 131072] and opts["batches"] == ["1", "max"]
-    assert opts["methods"] == ["offload", "hbm"] and opts["offload_gib"] is None
+    assert opts["methods"] == ["offload", "directkv", "hbm"] and opts["offload_gib"] is None
+    assert opts["directkv_gib"] is None
     assert opts["gpu_memory_utilization"] == 0.90 and opts["max_model_len"] == 131072 + 33
     smoke = bv.resolve_options(parse(["vllm", "--smoke"]), host_avail=None)
     assert (smoke["preset"], smoke["contexts"], smoke["batches"]) == ("tiny", [2048], ["1", "2"])
@@ -94,6 +102,22 @@ def test_options_and_smoke_defaults(fake_gpu):
     mixed = bv.resolve_options(parse(["vllm", "--batches", "max, 4,max", "--methods", "vllm[hbm]",
                                       "--contexts", "1000", "--short-context", "0"]), host_avail=None)
     assert mixed["batches"] == ["max", "4"] and mixed["methods"] == ["hbm"] and mixed["max_model_len"] == 1033
+    named = bv.resolve_options(parse(["vllm", "--methods", "vllm+directkv[host],hbm", "--directkv-gib", "16.5"]),
+                               host_avail=100 * GiB)
+    assert named["methods"] == ["directkv", "hbm"] and named["directkv_gib"] == 16.5
+
+
+def test_directkv_refuses_the_v1_model_runner(fake_gpu, monkeypatch, cwd, capsys):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert "V2 model runner" in _refused(["--methods", "directkv"], capsys)
+    assert list(cwd.iterdir()) == []
+    from bench.__main__ import build_parser
+
+    ns = build_parser().parse_args(["vllm", "--methods", "hbm"])
+    assert bv.resolve_options(ns, host_avail=None)["methods"] == ["hbm"]  # only directkv needs it
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    ns = build_parser().parse_args(["vllm", "--methods", "directkv"])
+    assert bv.resolve_options(ns, host_avail=None)["methods"] == ["directkv"]
 
 
 # ---- batch sizing and the offload buffer ------------------------------------------------------
@@ -115,13 +139,29 @@ def test_resolve_batches_sizes_max_and_drops_repeats():
 def test_default_offload_buffer():
     kw = dict(token_bytes=TOKEN_BYTES_8B, contexts=[32768, 131072], seq_extra=33, hbm_kv_bytes=100 * GiB)
     # batch max: as much again as the GPU blocks hold
-    assert bv.default_offload_gib(batches=["1", "max"], host_avail=None, **kw)[0] == 100.0
+    assert bv.default_host_gib("offload", batches=["1", "max"], host_avail=None, **kw)[0] == 100.0
     # B8 at 128k: 8 x 131105 x 128 KiB = 128.03 GiB, 28.03 beyond the GPU blocks -> 29 GiB
-    gib, why = bv.default_offload_gib(batches=["1", "8"], host_avail=None, **kw)
+    gib, why = bv.default_host_gib("offload", batches=["1", "8"], host_avail=None, **kw)
     assert gib == 29.0 and "B8" in why
-    assert bv.default_offload_gib(batches=["1"], host_avail=None, **kw)[0] == 1.0  # fits: the minimum
-    gib, why = bv.default_offload_gib(batches=["max"], host_avail=120 * GiB, **kw)
+    assert bv.default_host_gib("offload", batches=["1"], host_avail=None, **kw)[0] == 1.0  # fits: the minimum
+    gib, why = bv.default_host_gib("offload", batches=["max"], host_avail=120 * GiB, **kw)
     assert gib == 60.0 and "capped" in why  # at most half the available host memory
+
+
+def test_default_directkv_host_kv():
+    kw = dict(token_bytes=TOKEN_BYTES_8B, contexts=[32768, 131072], seq_extra=33, hbm_kv_bytes=100 * GiB)
+    # every block in host memory: B8 at 128k whole, 8 x 131105 x 128 KiB = 128.03 GiB -> 129 GiB
+    gib, why = bv.default_host_gib("directkv", batches=["1", "8"], host_avail=None, **kw)
+    assert gib == 129.0 and why == "B8 at 128k"
+    # B1 alone: one sequence, 131105 x 128 KiB = 16.0032 GiB -> 17 GiB (vLLM needs at least one)
+    assert bv.default_host_gib("directkv", batches=["1"], host_avail=None, **kw)[0] == 17.0
+    assert bv.default_host_gib("directkv", batches=["max"], host_avail=None, **kw)[0] == 17.0 + 83  # as hbm's
+    # max and a larger integer batch: the larger rule wins; capped like the offload buffer
+    assert bv.default_host_gib("directkv", batches=["8", "max"], host_avail=None, **kw)[0] == 129.0
+    gib, why = bv.default_host_gib("directkv", batches=["8", "max"], host_avail=200 * GiB, **kw)
+    assert gib == 100.0 and "capped at 50% of 200 GiB" in why
+    with pytest.raises(ValueError):
+        bv.default_host_gib("hbm", batches=["1"], host_avail=None, **kw)
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -271,7 +311,7 @@ def test_a_recorded_worker_result_through_the_parent(tmp_path, capsys):
     assert "memcpy H2D 50.0 GB/s" in lines[1]
     header = next(line for line in lines if line.startswith("method"))
     for col in ("TTFT ms", "ms/tok/seq", "tok/s", "peak conc.", "GPU GiB", "staging GiB", "host GiB", "floor ms",
-                "%ceil"):
+                "%floor", "target"):
         assert col in header
     row24 = next(line for line in lines if line.startswith("vllm[hbm]") and " 24  " in line and "32k" in line)
     assert "30000 / 60000" in row24 and "40.00" in row24 and "batch max" in row24
@@ -326,13 +366,184 @@ def test_the_real_worker_without_vllm_names_the_fix(tmp_path):
     assert "pip install" in res["error"] and "PYTHONPATH" in res["error"]
 
 
+def _worker_spec(method: str, host_gib=None) -> dict:
+    return {"method": method, "model_dir": "m", "max_model_len": 2057, "gpu_memory_utilization": 0.9, "seed": 0,
+            "enforce_eager": False, "host_gib": host_gib, "token_bytes": TOKEN_BYTES_8B}
+
+
 def test_the_worker_engine_arguments():
     from bench.vllm_worker import engine_kwargs
 
-    spec = {"method": "offload", "model_dir": "m", "max_model_len": 2057, "gpu_memory_utilization": 0.9, "seed": 0,
-            "enforce_eager": False, "offload_gib": 3}
-    kw = engine_kwargs(spec)
+    kw = engine_kwargs(_worker_spec("offload", 3))
     assert kw["kv_offloading_size"] == 3.0 and kw["kv_offloading_backend"] == "native"
     assert kw["load_format"] == "dummy" and kw["skip_tokenizer_init"] and kw["generation_config"] == "vllm"
     assert kw["dtype"] == "bfloat16" and kw["max_model_len"] == 2057
-    assert "kv_offloading_size" not in engine_kwargs(spec | {"method": "hbm"})
+    assert "attention_backend" not in kw and "kv_cache_memory_bytes" not in kw
+    hbm = engine_kwargs(_worker_spec("hbm"))
+    assert not {"kv_offloading_size", "attention_backend", "kv_cache_memory_bytes"} & set(hbm)
+    dkv = engine_kwargs(_worker_spec("directkv", 16.5))
+    assert dkv["attention_backend"] == "CUSTOM" and dkv["kv_cache_memory_bytes"] == int(16.5 * GiB)
+    assert "kv_offloading_size" not in dkv
+    assert {k: v for k, v in dkv.items() if k not in ("attention_backend", "kv_cache_memory_bytes")} == hbm
+
+
+def test_the_worker_spec_carries_each_method_its_own_host_kv(tmp_path, fake_gpu):
+    from bench.__main__ import build_parser
+
+    opts = bv.resolve_options(build_parser().parse_args(["vllm", "--smoke"]), host_avail=None)
+    host = {"offload": 1.0, "directkv": 2.0}
+    specs = {m: bv.worker_spec(m, opts, model_dir=tmp_path, out=tmp_path / f"{m}.json", host_gib=host,
+                               short_batches=[1]) for m in bv.METHODS}
+    assert {m: sp["host_gib"] for m, sp in specs.items()} == {"offload": 1.0, "directkv": 2.0, "hbm": None}
+    assert specs["directkv"]["short_context"] == 0 and specs["hbm"]["short_context"] == 256
+    assert specs["directkv"]["name"] == "vllm+directkv[host]"
+
+
+@pytest.mark.parametrize("method,host_gib", [("hbm", None), ("offload", 3.0), ("directkv", 16.5)])
+def test_vllm_accepts_the_engine_arguments(method, host_gib):
+    """Every keyword the worker passes is a field of vLLM's EngineArgs (what ``vllm.LLM`` builds)."""
+    pytest.importorskip("vllm")
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    from bench.vllm_worker import engine_kwargs
+
+    kw = engine_kwargs(_worker_spec(method, host_gib))
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(kw) <= fields, set(kw) - fields
+    args = EngineArgs(**kw)  # builds the dataclass only: no config, no engine
+    if method == "directkv":
+        assert args.kv_cache_memory_bytes == int(16.5 * GiB) and args.attention_backend == "CUSTOM"
+        from vllm.config.attention import AttentionConfig
+
+        assert AttentionConfig.validate_backend_before(args.attention_backend).name == "CUSTOM"
+
+
+def _fake_engine(num_blocks: int, block: int = 16, kv_tokens=None, backend=None, kv_bytes=None, v2=True):
+    from types import SimpleNamespace as NS
+
+    cache = NS(block_size=block, num_gpu_blocks=num_blocks, kv_cache_size_tokens=kv_tokens,
+               kv_cache_memory_bytes=kv_bytes)
+    return NS(vllm_config=NS(cache_config=cache, scheduler_config=NS(max_num_seqs=256),
+                             kv_transfer_config=None, attention_config=NS(backend=backend),
+                             use_v2_model_runner=v2))
+
+
+def test_engine_entry_of_each_method():
+    from enum import Enum
+
+    from bench.vllm_worker import engine_entry
+
+    hbm = engine_entry(_fake_engine(50000, kv_tokens=800000), _worker_spec("hbm"))
+    assert (hbm["gpu_kv_tokens"], hbm["host_kv_tokens"], hbm["capacity_tokens"]) == (800000, 0, 800000)
+    assert hbm["staging_bytes"] == 800000 * TOKEN_BYTES_8B and hbm["host_bytes"] == 0
+    assert "attention_config_backend" not in hbm
+    off = engine_entry(_fake_engine(50000, kv_tokens=800000), _worker_spec("offload", 2))
+    assert off["host_bytes"] == 2 * GiB and off["host_kv_tokens"] == 2 * GiB // TOKEN_BYTES_8B == 16384
+    assert off["capacity_tokens"] == 800000 + 16384 and off["staging_bytes"] == hbm["staging_bytes"]
+    # directkv: 64 GiB of host KV = 32768 blocks of 16 tokens (2 MiB a block); vLLM calls them GPU blocks
+    backend = Enum("AttentionBackendEnum", "FLASH_ATTN CUSTOM").CUSTOM
+    dkv = engine_entry(_fake_engine(32768, kv_tokens=524288, backend=backend, kv_bytes=64 * GiB),
+                       _worker_spec("directkv", 64))
+    assert (dkv["gpu_kv_tokens"], dkv["host_kv_tokens"], dkv["capacity_tokens"]) == (0, 524288, 524288)
+    assert dkv["staging_bytes"] == 0 and dkv["host_bytes"] == 64 * GiB
+    assert dkv["attention_backend_requested"] == "CUSTOM" and dkv["attention_config_backend"] == "CUSTOM"
+    assert dkv["kv_cache_memory_bytes"] == 64 * GiB and dkv["use_v2_model_runner"] is True
+    json.dumps(dkv)  # plain values for the result document
+    assert bv.max_batch(dkv["capacity_tokens"], 32768, 33, 16, 256) == 15  # 2051 blocks a sequence
+
+
+def test_the_backend_verdict():
+    from bench.vllm_worker import backend_verdict
+
+    path = "directkv_cute.vllm.backend.DirectKVBackend"
+    good = {"backends": [path], "layers": 32, "kv_pinned_host_layers": 32, "model_runner": "x"}
+    assert backend_verdict([good], path) is None
+    assert "no engine worker" in backend_verdict([], path)
+    other = good | {"backends": ["vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"]}
+    assert "FlashAttentionBackend" in backend_verdict([good, other], path)
+    assert "31 of 32 layers" in backend_verdict([good | {"kv_pinned_host_layers": 31}], path)
+
+
+def test_the_backend_probe_on_a_fake_worker(monkeypatch):
+    """``backend_probe`` as it runs in the engine's process, over vLLM's own layer lookup."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace as NS
+
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    import directkv_cute.vllm.memory as memory
+    from bench.vllm_worker import backend_probe, backend_verdict
+    from directkv_cute.vllm import BACKEND_PATH
+    from directkv_cute.vllm.backend import DirectKVBackend
+
+    class Layer(AttentionLayerBase):
+        def __init__(self, kv):
+            self.kv_cache = kv
+
+        def get_attn_backend(self):
+            return DirectKVBackend
+
+        def get_kv_cache_spec(self, vllm_config):
+            return None
+
+    kv = [torch.zeros(64, dtype=torch.int8) for _ in range(3)]
+    monkeypatch.setattr(memory, "_RANGES", sorted((t.data_ptr(), t.numel()) for t in kv[:2]))
+    layers = {f"model.layers.{i}.self_attn.attn": Layer(t) for i, t in enumerate(kv)} | {"lm_head": object()}
+    worker = NS(vllm_config=NS(compilation_config=NS(static_forward_context=layers)), model_runner=NS())
+    probe = backend_probe(worker)
+    assert probe["backends"] == [BACKEND_PATH] and probe["layers"] == 3
+    assert probe["kv_pinned_host_layers"] == 2 and probe["model_runner"].endswith("SimpleNamespace")
+    json.dumps(probe)
+    assert "2 of 3 layers" in backend_verdict([probe], BACKEND_PATH)
+
+
+def _directkv_result() -> dict:
+    """What the directkv worker writes on a GPU (numbers made up, shapes real): 64 GiB of host KV."""
+    common = dict(new_tokens=32, requests=None, all_decoding=True, wall_s=9.0, staging_bytes=0,
+                  host_bytes=64 * GiB)
+    return {"method": "directkv", "status": "ok", "error": None, "vllm_version": "0.26.0",
+            "engine": {"gpu_kv_tokens": 0, "host_kv_tokens": 524288, "capacity_tokens": 524288,
+                       "staging_bytes": 0, "host_bytes": 64 * GiB, "attention_backend_requested": "CUSTOM",
+                       "attention_config_backend": "CUSTOM", "backend_verified": True},
+            "rows": [dict(method="vllm+directkv[host]", role="measured", context=32768, batch=1, batch_spec="1",
+                          status="ok", ttft_ms=3000.0, ttft_max_ms=3000.0, decode_ms=95.0, tokens_per_s=10.5,
+                          peak_concurrent=1, gpu_bytes=20 * GiB, **common),
+                     dict(method="vllm+directkv[host]", role="measured", context=32768, batch=15,
+                          batch_spec="max", status="ok", ttft_ms=40000.0, ttft_max_ms=80000.0, decode_ms=1400.0,
+                          tokens_per_s=10.7, peak_concurrent=15, gpu_bytes=21 * GiB, **common)]}
+
+
+def test_a_recorded_directkv_worker_through_the_parent(tmp_path):
+    recorded = [_directkv_result()] + _recorded_results()[1:]  # directkv, then hbm and its short rows
+    cmd = _writer(recorded)
+    results = [bv.run_worker(_spec(tmp_path, m), command=cmd, timeout_s=60, echo=False, env={})
+               for m in ("directkv", "hbm")]
+    doc = bv.collect(_doc(), results)
+    assert doc["passed"] and set(doc["engines"]) == {"vllm+directkv[host]", "vllm[hbm]"}
+    assert doc["engines"]["vllm+directkv[host]"]["backend_verified"] is True
+    assert all(set(r) == set(bv.ROW_FIELDS) for r in doc["rows"])
+    rows = {(r["method"], r["batch"]): r for r in doc["rows"] if r["role"] == "measured"}
+    b1 = rows[("vllm+directkv[host]", 1)]
+    # 4 GiB at 50 GB/s = 85.89934592 ms + 6.5 ms (hbm's short row at B1) = 92.39934592 ms; 95 ms measured
+    assert b1["floor_ms"] == pytest.approx(92.39934592) and b1["pct_floor"] == pytest.approx(9239.934592 / 95)
+    assert b1["target_pct"] == 95.0 and b1["target_met"] is True
+    b15 = rows[("vllm+directkv[host]", 15)]  # no short row at B15: the link alone, no verdict
+    assert b15["floor_ms"] == pytest.approx(15 * 85.89934592) and b15["target_met"] is None
+    hbm1 = rows[("vllm[hbm]", 1)]
+    assert hbm1["target_pct"] is None and hbm1["pct_floor"] == pytest.approx(100 * 92.39934592 / 9.0)
+    text = bv.format_table(doc)
+    lines = text.splitlines()
+    assert "target: vllm+directkv[host] at >= 95% of its floor" in lines[1]
+    dkv = [line for line in lines if line.startswith("vllm+directkv[host]")]
+    assert len(dkv) == 2
+    assert " 97 " in dkv[0] and ">=95% MET" in dkv[0] and " 64.0 " in dkv[0] and " 0.0 " in dkv[0]
+    assert ">=95% ?" in dkv[1] and "batch max" in dkv[1]
+    assert not any(">=95%" in line for line in lines if line.startswith("vllm[hbm]"))
+    order = [line.split()[0] for line in lines[3:]]
+    assert order.index("vllm+directkv[host]") > order.index("vllm[hbm]")  # hbm's measured rows first
+    doc["header"]["versions"]["vllm"] = "0.26.0"
+    assert json.loads(json.dumps(doc))["rows"] == doc["rows"]
+    png = bv.plot_vllm(doc, tmp_path / "v.png")
+    assert png is None or png.stat().st_size > 0
