@@ -292,3 +292,55 @@ def test_register_wraps_the_v2_runner_kv_allocation_once():
     assert model_runner.init_kv_cache is wrapped  # not wrapped twice
     assert _params(wrapped.__wrapped__) == _params(attn_utils.init_kv_cache)
     assert _params(attn_utils._allocate_kv_cache) == ["kv_cache_config", "shared_layers", "device"]
+
+
+def test_blocks_shared_by_prefix_caching_are_planned_once_for_their_sharers():
+    """Eight requests whose block tables share 300 prefix blocks (vLLM's prefix caching gives
+    them one block id) and own 2 each: on an H200 the step is planned as the cascade, reading
+    the shared span once (316 host pages instead of 2416); on a CPU the same tables give the
+    dense result."""
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.machine import DeviceInfo
+    from directkv_cute.runner import PoolView, tables_from_host
+
+    NB, Hkv, Hq, P, d, B = 320, 8, 32, 16, 128, 8
+    pool = torch.zeros(NB, Hkv, 2, P, d, dtype=torch.bfloat16)
+    view = PoolView(pool.unsqueeze(1), pool.unsqueeze(1)[:0])
+    blocks = np.array([list(range(300)) + [300 + 2 * b, 301 + 2 * b] for b in range(B)])
+    lens = [302 * P - 3] * B
+    table = page_table(blocks, lens, P, NB)
+    tables = tables_from_host(table, lens, "cpu")._replace(back_to_back=True)
+    h200 = DeviceInfo("NVIDIA H200", 132, 143 * 2**30)
+    plan = DirectKVAttention(view).plan(tables=tables, q_lens=[1] * B, num_q_heads=Hq, device_info=h200)
+    assert plan.route == "cascade"
+    assert "316 host pages read instead of 2416" in plan.explain()
+    alone = DirectKVAttention(view).plan(tables=tables, q_lens=[1] * B, num_q_heads=Hq, device_info=h200,
+                                         cascade=False)
+    assert alone.route != "cascade"
+
+
+def test_a_step_over_shared_blocks_matches_dense_attention_on_the_cpu():
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.runner import PoolView, tables_from_host
+
+    torch.manual_seed(1)
+    NB, Hkv, Hq, P, d = 12, 2, 4, 16, 64
+    pool = torch.randn(NB, Hkv, 2, P, d)
+    view = PoolView(pool.unsqueeze(1), pool.unsqueeze(1)[:0])
+    blocks = np.array([[4, 9, 2], [4, 9, 7], [4, 9, 11]])  # two shared prefix blocks, one own block each
+    lens = np.array([40, 35, 48])
+    q_lens = (1, 3, 1)
+    tables = tables_from_host(page_table(blocks, lens, P, NB), lens, "cpu")._replace(back_to_back=True)
+    dk = DirectKVAttention(view)
+    dk.plan(tables=tables, q_lens=q_lens, num_q_heads=Hq)
+    q = torch.randn(sum(q_lens), Hq, d)
+    scale = 1 / math.sqrt(d)
+    out = dk.run(q, 0, softmax_scale=scale)
+    at = 0
+    for b, (qn, n) in enumerate(zip(q_lens, lens)):
+        pos = np.arange(n)
+        k = pool[blocks[b][pos // P], :, 0, pos % P]
+        v = pool[blocks[b][pos // P], :, 1, pos % P]
+        want = _dense_causal(q[at:at + qn], k, v, n - qn, scale)
+        torch.testing.assert_close(out[at:at + qn].double(), want, atol=1e-5, rtol=1e-5)
+        at += qn

@@ -28,16 +28,16 @@ TINY_LLAMA = {
 }
 
 
-def _engine(tmp_path: Path, backend: str, eager: bool) -> list:
+def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged") -> list:
     pytest.importorskip("vllm")
     model = tmp_path / "tiny-llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    out = tmp_path / f"{backend}-{'eager' if eager else 'graphs'}.json"
+    out = tmp_path / f"{backend}-{'eager' if eager else 'graphs'}-{mode}.json"
     # apply_model ships a function to the engine: allowed by this variable.
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(HERE))
     subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), str(model), backend,
-                    "eager" if eager else "graphs", str(out)], check=True, env=env, timeout=900)
+                    "eager" if eager else "graphs", str(out), mode], check=True, env=env, timeout=900)
     return json.loads(out.read_text())
 
 
@@ -71,3 +71,15 @@ def test_directkv_matches_flash_attn_eager(tmp_path, reference):
 def test_directkv_matches_flash_attn_with_piecewise_graphs(tmp_path, reference):
     """vLLM's default compilation: the rest of the model in CUDA graphs, attention between them."""
     _compare(_engine(tmp_path, "CUSTOM", eager=False), reference)
+
+
+def test_directkv_matches_flash_attn_over_prefix_cached_blocks(tmp_path):
+    """Requests sharing a 200-token prefix with prefix caching on: requests scheduled after the
+    prefix was computed get its cached blocks' ids, so their block tables share blocks (which the
+    planner reads once for all sharers where its cascade pays)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    reference = _engine(tmp_path, "FLASH_ATTN", eager=True, mode="prefix")
+    _compare(_engine(tmp_path, "CUSTOM", eager=True, mode="prefix"), reference)

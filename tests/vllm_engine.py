@@ -11,6 +11,8 @@ import sys
 import torch
 
 PROMPT_LENS = (3, 17, 64, 150, 333)  # ragged: within one page, page-aligned, several pages
+SHARED_PREFIX = 200  # the "prefix" mode: requests that share a 200-token prompt prefix ...
+OWN_LENS = (5, 40, 90, 1)  # ... then tokens of their own (prefix caching gives them one block id)
 MAX_TOKENS = 12
 TOP_LOGPROBS = 2
 
@@ -29,20 +31,28 @@ def reweight(model) -> int:
     return n
 
 
-def main(model_dir: str, backend: str, eager: str, out_path: str) -> None:
+def prompts(mode: str, g: torch.Generator) -> list[dict]:
+    """"ragged": PROMPT_LENS of distinct tokens; "prefix": one shared prefix, OWN_LENS after it."""
+    if mode == "prefix":
+        prefix = torch.randint(0, 1000, (SHARED_PREFIX,), generator=g).tolist()
+        return [{"prompt_token_ids": prefix + torch.randint(0, 1000, (n,), generator=g).tolist()} for n in OWN_LENS]
+    return [{"prompt_token_ids": torch.randint(0, 1000, (n,), generator=g).tolist()} for n in PROMPT_LENS]
+
+
+def main(model_dir: str, backend: str, eager: str, out_path: str, mode: str = "ragged") -> None:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=1024, block_size=16, max_num_batched_tokens=128,  # chunked prefill: mixed steps
               kv_cache_memory_bytes=1 << 30, attention_backend=backend, enforce_eager=eager == "eager",
-              enable_prefix_caching=False)
+              enable_prefix_caching=mode == "prefix")
     assert llm.apply_model(reweight)[0] > 0
     g = torch.Generator(device="cpu").manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(0, 1000, (n,), generator=g).tolist()} for n in PROMPT_LENS]
+    requests = prompts(mode, g)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS, detokenize=False,
                             ignore_eos=True)
     result = []
-    for out in llm.generate(prompts, params):
+    for out in llm.generate(requests, params):
         c = out.outputs[0]
         result.append({"tokens": list(c.token_ids),
                        "logprobs": [{str(t): lp.logprob for t, lp in step.items()} for step in c.logprobs]})
@@ -51,4 +61,4 @@ def main(model_dir: str, backend: str, eager: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

@@ -162,8 +162,10 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         table = page_table(blocks, shape.seq_lens, self.page_size, num_blocks)
         tables = tables_from_host(table, shape.seq_lens, self.device)._replace(back_to_back=True)
         attention = DirectKVAttention(pools)
+        # Blocks that prefix caching shares (one block id in several rows) are read once for all
+        # their sharers where the planner finds that pays (the cascade).
         plan = attention.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=self.num_q_heads,
-                              max_seq_len=shape.max_seq_len, cascade=False)
+                              max_seq_len=shape.max_seq_len)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
