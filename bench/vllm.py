@@ -5,6 +5,7 @@ read, in one run.
     python -m bench vllm                                   # llama3-8b, 32k/64k/128k, batch 1 + max
     python -m bench vllm --methods hbm --contexts 32768 --batches 1,8
     python -m bench vllm --methods directkv --directkv-gib 64
+    python -m bench vllm --methods offload,directkv --directkv-hbm-gib auto
     python -m bench vllm --smoke                           # 2-layer tiny Llama, 2048 tokens, batch 1 + 2
 
 Methods (``--methods``), each one vLLM engine (``vllm.LLM``, ``load_format="dummy"``: random
@@ -23,6 +24,11 @@ weights from a ``config.json`` written into a temporary folder; bf16; token-id p
   with ``VLLM_USE_V2_MODEL_RUNNER=0`` is refused). The worker checks in the engine's own process
   that every attention layer runs the plugin's backend over pinned host KV
   (``bench/vllm_worker.py``). Its target: decode at >= 95% of the link floor (``target``).
+  With ``--directkv-hbm-gib X`` (> 0) the plugin also keeps HBM copies of blocks in X GiB
+  (``DIRECTKV_VLLM_HBM_GB=X`` in that worker's environment; docs/SERVING.md), and the method is
+  named ``vllm+directkv[hbm X GiB]`` (no target: part of its KV is read from HBM). ``auto``
+  gives it as much HBM as ``vllm[offload]``'s GPU KV blocks took in the same run (that engine's
+  ``staging_bytes``; offload runs first): DirectKV and vLLM's native offloading at equal HBM.
 
 Batches (``--batches``) are integers or ``max``: the largest batch whose KV fits the method,
 from the capacity the engine reports after startup (GPU blocks x block size; for offload plus
@@ -54,8 +60,8 @@ requests that got a decode token in the same step. A short request warms the eng
 
 **Memory.** ``GPU`` is the device memory in use during the row minus before the engine started
 (NVML where available, else ``torch.cuda.mem_get_info``); ``staging`` is vLLM's GPU KV pool (every
-token vLLM attends to sits in these blocks; 0 for directkv, which keeps no KV block in HBM: the
-planner's own staging buffers are part of ``GPU``); ``host`` the offload buffer, or directkv's
+token vLLM attends to sits in these blocks; for directkv its HBM tier's block mirrors, 0 without
+one: the planner's own staging buffers are part of ``GPU``); ``host`` the offload buffer, or directkv's
 pinned KV (its blocks x block size x KV bytes per token).
 
 **Floor and ceilings, same run.** Before any engine starts the host-read, HBM-read and memcpy H2D
@@ -218,6 +224,45 @@ def parse_contexts(text: str) -> list[int]:
     return out
 
 
+def method_name(method: str, hbm_gib: float = 0.0) -> str:
+    """A method's name in the rows and the table: ``directkv`` with an HBM tier is
+    ``vllm+directkv[hbm X GiB]``."""
+    if method == "directkv" and hbm_gib:
+        return f"vllm+directkv[hbm {hbm_gib:.3g} GiB]"
+    return METHOD_NAMES[method]
+
+
+def method_of(name: str) -> str | None:
+    """The method a row's name stands for (``method_name``'s inverse), None for another name."""
+    if name.startswith("vllm+directkv["):
+        return "directkv"
+    return next((m for m, n in METHOD_NAMES.items() if n == name), None)
+
+
+def parse_hbm_gib(text) -> float | str:
+    """``--directkv-hbm-gib``: a finite number of GiB >= 0, or ``auto``; one line and exit 2 otherwise."""
+    item = str(text).strip().lower()
+    if item == "auto":
+        return "auto"
+    try:
+        gib = float(item)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib < 0:
+        raise UsageError(f"bench vllm: --directkv-hbm-gib takes GiB (a finite number >= 0) or 'auto', got {text!r}")
+    return gib
+
+
+def auto_hbm_gib(results: list[dict]) -> float:
+    """``--directkv-hbm-gib auto``: the GPU KV bytes (``staging_bytes``) that the ``vllm[offload]``
+    engine of this run reported, in GiB; ValueError (one line) when it reported none."""
+    for res in results:
+        if res.get("method") == "offload" and (res.get("engine") or {}).get("staging_bytes"):
+            return res["engine"]["staging_bytes"] / GiB
+    raise ValueError("--directkv-hbm-gib auto: vllm[offload] reported no GPU KV bytes in this run (its engine did "
+                     "not start); give the GiB as a number")
+
+
 def parse_methods(text: str) -> list[str]:
     """``hbm,offload`` (or ``vllm[hbm]``...) -> the methods in run order."""
     names = {**{m: m for m in METHODS}, **{v: k for k, v in METHOD_NAMES.items()}}
@@ -289,6 +334,10 @@ def resolve_options(ns: argparse.Namespace, host_avail: int | None) -> dict:
     opts["directkv_gib"] = check_host_gib("directkv", ns.directkv_gib, host_avail=host_avail,
                                           min_bytes=opts["max_model_len"] * token_bytes)
     # None: sized from the GPU's memory once it is known (default_host_gib)
+    opts["directkv_hbm_gib"] = parse_hbm_gib(ns.directkv_hbm_gib)
+    if opts["directkv_hbm_gib"] == "auto" and "directkv" in opts["methods"] and "offload" not in opts["methods"]:
+        raise UsageError("bench vllm: --directkv-hbm-gib auto takes vllm[offload]'s GPU KV bytes of the same run: "
+                         "add offload to --methods, or give the GiB as a number")
     if "directkv" in opts["methods"]:
         check_directkv_env(os.environ)
     return opts
@@ -414,7 +463,7 @@ def add_floors(rows: list[dict], shape: dict, memcpy_h2d_gbps: float) -> None:
         r["non_attention_ms"] = short.get(r["batch"])
         r["floor_ms"] = floor_ms(r["kv_bytes_per_step"], memcpy_h2d_gbps, r["non_attention_ms"])
         r["pct_floor"] = 100 * r["floor_ms"] / r["decode_ms"] if r["decode_ms"] else None
-        if r["method"] == METHOD_NAMES["directkv"]:
+        if r["method"] == METHOD_NAMES["directkv"]:  # host KV only: an HBM tier reads part of it from HBM
             r["target_pct"] = DIRECTKV_TARGET_PCT
             complete = r["pct_floor"] is not None and r["non_attention_ms"] is not None
             r["target_met"] = r["pct_floor"] >= DIRECTKV_TARGET_PCT if complete else None
@@ -472,7 +521,7 @@ def run_worker(spec: dict, *, command: list[str] | None = None, timeout_s: float
         for line in proc.stdout:
             tail.append(line.rstrip())
             if echo:
-                print(f"[{METHOD_NAMES.get(method, method)}] {line.rstrip()}", flush=True)
+                print(f"[{spec.get('name') or METHOD_NAMES.get(method, method)}] {line.rstrip()}", flush=True)
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -513,7 +562,7 @@ def collect(doc: dict, results: list[dict]) -> dict:
     """The workers' results into ``doc``: their engines, rows (a failed worker without rows is one
     error row), vLLM's version, floors and ``passed``."""
     for res in results:
-        name = METHOD_NAMES.get(res["method"], res["method"])
+        name = res.get("name") or METHOD_NAMES.get(res["method"], res["method"])
         engine = dict(res.get("engine") or {}) | {"status": res["status"], "error": res.get("error"),
                                                   "returncode": res.get("returncode")}
         doc["engines"][name] = engine
@@ -540,9 +589,9 @@ def _gib(n) -> str:
 
 def format_table(doc: dict) -> str:
     """The rows (the non-attention rows first) under the ceilings line."""
-    order = {name: i for i, name in enumerate(METHOD_NAMES.values())}
-    rows = sorted(doc["rows"], key=lambda r: (r["role"] != "non-attention", order.get(r["method"], 9),
-                                              r["context"] or 0, r["batch"] or 0))
+    order = {m: i for i, m in enumerate(METHOD_NAMES)}
+    rows = sorted(doc["rows"], key=lambda r: (r["role"] != "non-attention", order.get(method_of(r["method"]), 9),
+                                              r["method"], r["context"] or 0, r["batch"] or 0))
     lines = [TABLE_COLUMNS]
     for r in rows:
         ttft = fmt_opt(r["ttft_ms"], ".0f")
@@ -621,10 +670,15 @@ def plot_vllm(doc: dict, path: str | Path) -> Path | None:
 
 # ---- the run ---------------------------------------------------------------------------------
 def worker_spec(method: str, opts: dict, *, model_dir: Path, out: Path, host_gib: dict[str, float],
-                short_batches: list[int]) -> dict:
+                short_batches: list[int], hbm_gib: float = 0.0) -> dict:
     """What one worker runs: its engine's options and its rows (``host_gib``: the host KV in GiB
-    of each method in ``HOST_KV_METHODS``; ``spec["host_gib"]`` is this method's, None without)."""
-    return {"method": method, "name": METHOD_NAMES[method], "out": str(out), "model_dir": str(model_dir),
+    of each method in ``HOST_KV_METHODS``; ``spec["host_gib"]`` is this method's, None without;
+    ``hbm_gib``: directkv's HBM tier, GiB)."""
+    shape = model_shape(opts["preset"])
+    hbm_gib = float(hbm_gib) if method == "directkv" else 0.0
+    return {"method": method, "name": method_name(method, hbm_gib), "out": str(out), "model_dir": str(model_dir),
+            "hbm_gib": hbm_gib,
+            "kv_layout": [shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]],
             "contexts": opts["contexts"], "batches": opts["batches"], "new_tokens": opts["new_tokens"],
             "seq_extra": opts["seq_extra"], "max_model_len": opts["max_model_len"],
             "gpu_memory_utilization": opts["gpu_memory_utilization"],
@@ -646,14 +700,20 @@ def run_methods(opts: dict, *, work_dir: Path, host_gib: dict[str, float], write
     results = []
     for method in methods:
         batches = sorted({r["batch"] for res in results for r in res.get("rows", []) if r.get("batch")})
-        spec = worker_spec(method, opts, model_dir=model_dir, out=work_dir / f"{method}.json",
-                           host_gib=host_gib, short_batches=batches)
-        if method not in opts["methods"]:
-            spec["contexts"] = []
-        print(f"-- {METHOD_NAMES[method]}: worker starting (timeout {opts['worker_timeout_s']:g} s)", flush=True)
-        res = run_worker(spec, command=command, timeout_s=opts["worker_timeout_s"], echo=echo)
-        print(f"-- {METHOD_NAMES[method]}: {res['status']}" + (f": {res['error']}" if res.get("error") else ""),
-              flush=True)
+        hbm_gib = opts["directkv_hbm_gib"] if method == "directkv" else 0.0
+        try:
+            hbm_gib = auto_hbm_gib(results) if hbm_gib == "auto" else hbm_gib
+        except ValueError as e:
+            res = error_result(method, "error", str(e)) | {"name": "vllm+directkv[hbm auto]"}
+        else:
+            spec = worker_spec(method, opts, model_dir=model_dir, out=work_dir / f"{method}.json",
+                               host_gib=host_gib, short_batches=batches, hbm_gib=hbm_gib)
+            if method not in opts["methods"]:
+                spec["contexts"] = []
+            print(f"-- {spec['name']}: worker starting (timeout {opts['worker_timeout_s']:g} s)", flush=True)
+            res = run_worker(spec, command=command, timeout_s=opts["worker_timeout_s"], echo=echo)
+            res.setdefault("name", spec["name"])
+        print(f"-- {res['name']}: {res['status']}" + (f": {res['error']}" if res.get("error") else ""), flush=True)
         results.append(res)
         doc["engines"], doc["rows"] = {}, []
         collect(doc, results)
@@ -754,6 +814,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm+directkv[host]'s KV cache in pinned host memory, GiB (vLLM's kv_cache_memory_bytes; "
                         "default: the largest batch at the longest context, with batch max as much as vllm[hbm]'s "
                         f"GPU blocks, at most {HOST_FRACTION:.0%}% of the available host memory)")
+    p.add_argument("--directkv-hbm-gib", default="0",
+                   help="directkv's HBM tier in GiB (DIRECTKV_VLLM_HBM_GB; the method becomes "
+                        "vllm+directkv[hbm X GiB]), or auto: vllm[offload]'s GPU KV bytes of the same run [0: none]")
     p.add_argument("--smoke", action="store_true",
                    help="the 2-layer tiny Llama at 2048 tokens, batches 1 and 2: the whole path in well under a minute")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compilation (faster startup)")
@@ -772,7 +835,7 @@ def cmd_vllm(ns: argparse.Namespace) -> int:
     return run_vllm(ns)
 
 
-__all__ = ["METHOD_NAMES", "ROW_FIELDS", "VLLM_SCHEMA", "add_arguments", "add_floors", "cmd_vllm", "collect",
-           "config_json", "default_host_gib", "floor_ms", "format_table", "kv_bytes_per_step", "max_batch",
-           "new_row", "plot_vllm", "reduce_timing", "resolve_batches", "resolve_options", "run_worker",
-           "write_model_dir"]
+__all__ = ["METHOD_NAMES", "ROW_FIELDS", "VLLM_SCHEMA", "add_arguments", "add_floors", "auto_hbm_gib", "cmd_vllm",
+           "collect", "config_json", "default_host_gib", "floor_ms", "format_table", "kv_bytes_per_step", "max_batch",
+           "method_name", "method_of", "new_row", "parse_hbm_gib", "plot_vllm", "reduce_timing", "resolve_batches",
+           "resolve_options", "run_worker", "write_model_dir"]

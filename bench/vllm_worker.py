@@ -7,7 +7,9 @@ Builds one vLLM engine from the spec (``bench.vllm.worker_spec``), warms it up, 
 not start (or, for ``directkv``, runs another attention backend), 2 when vLLM is not importable
 (one line naming the fix).
 
-``directkv``: vLLM's engine core runs in its own process, so the frontend's config only says what
+``directkv``: the worker sets ``DIRECTKV_VLLM_HBM_GB`` to the spec's ``hbm_gib`` (0: no HBM
+tier) before vLLM starts, so that the engine's processes size the plugin's HBM tier from it.
+vLLM's engine core runs in its own process, so the frontend's config only says what
 was asked for (``attention_config.backend``). The worker asks the engine's workers themselves
 (``LLM.collective_rpc(backend_probe)``: which backend class each attention layer runs, whether its
 KV tensor lies in the plugin's pinned host memory, the model runner); shipping that function needs
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from bench.vllm import (DIRECTKV_BACKEND, METHOD_NAMES, VLLM_MISSING, max_batch, new_row, reduce_timing,
                         resolve_batches)
+from directkv_cute.env import VLLM_HBM_GB
 
 GiB = 1 << 30
 
@@ -91,27 +94,34 @@ def engine_entry(engine, spec: dict) -> dict:
     gpu_kv_tokens: tokens in vLLM's GPU blocks (0 for directkv, whose blocks are all host pages);
     host_kv_tokens: tokens in host memory (offload: the buffer over the token size; directkv: the
     blocks x block size); capacity_tokens: both, what ``max`` batches are sized by; staging_bytes:
-    KV bytes in HBM blocks (directkv: 0; the planner's own staging buffers are in the measured GPU
-    bytes, not here); host_bytes: KV bytes in host memory."""
+    KV bytes in HBM blocks (directkv: its HBM tier's mirrors, ``hbm_mirror_blocks`` of the spec's
+    ``hbm_gib`` over every layer, copies of host blocks; the planner's own staging buffers are in
+    the measured GPU bytes, not here); host_bytes: KV bytes in host memory."""
     config = engine.vllm_config
     cache = config.cache_config
     block = int(cache.block_size)
     token_bytes = int(spec["token_bytes"])
+    mirrors = 0
     if spec["method"] == "directkv":
+        from directkv_cute.vllm.step import hbm_pages
+
         gpu_tokens, host_tokens = 0, int(cache.num_gpu_blocks) * block  # vLLM's "GPU" blocks are host pages
         host_bytes = host_tokens * token_bytes
+        if spec.get("hbm_gib"):
+            mirrors = hbm_pages(int(float(spec["hbm_gib"]) * GiB), *spec["kv_layout"], block)
     else:
         gpu_tokens = int(cache.kv_cache_size_tokens or cache.num_gpu_blocks * block)
         host_bytes = int(spec["host_gib"] * GiB) if spec.get("host_gib") else 0
         host_tokens = host_bytes // token_bytes
     entry = {"block_size": block, "num_gpu_blocks": cache.num_gpu_blocks, "gpu_kv_tokens": gpu_tokens,
              "host_kv_tokens": host_tokens, "capacity_tokens": gpu_tokens + host_tokens,
-             "staging_bytes": gpu_tokens * token_bytes, "host_bytes": host_bytes,
+             "staging_bytes": (gpu_tokens + mirrors * block) * token_bytes, "host_bytes": host_bytes,
              "max_num_seqs": config.scheduler_config.max_num_seqs,
              "kv_connector": getattr(config.kv_transfer_config, "kv_connector", None)}
     if spec["method"] == "directkv":
         backend = config.attention_config.backend
-        entry.update(attention_backend_requested=DIRECTKV_BACKEND,
+        entry.update(attention_backend_requested=DIRECTKV_BACKEND, hbm_gib=float(spec.get("hbm_gib") or 0),
+                     hbm_mirror_blocks=mirrors,
                      attention_config_backend=getattr(backend, "name", backend),
                      kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
                      use_v2_model_runner=bool(config.use_v2_model_runner))
@@ -179,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
     out = Path(spec["out"])
-    name = METHOD_NAMES[spec["method"]]
-    result = {"method": spec["method"], "status": "ok", "error": None, "vllm_version": None, "engine": {}, "rows": []}
+    name = spec.get("name") or METHOD_NAMES[spec["method"]]
+    result = {"method": spec["method"], "name": name, "status": "ok", "error": None, "vllm_version": None,
+              "engine": {}, "rows": []}
 
     def write():
         tmp = out.with_name(out.name + ".tmp")
@@ -189,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if spec["method"] == "directkv":  # backend_probe travels to the engine's process (module docstring)
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ[VLLM_HBM_GB] = repr(float(spec.get("hbm_gib") or 0))  # the plugin's HBM tier, 0: none
     try:
         import vllm
         from vllm import LLM, SamplingParams

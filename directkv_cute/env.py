@@ -69,6 +69,7 @@ REQUIRE_PROFILE = "DIRECTKV_REQUIRE_PROFILE"
 MAX_STAGING_GB = "DIRECTKV_MAX_STAGING_GB"
 STAGE_OVERLAP = "DIRECTKV_STAGE_OVERLAP"
 MAX_WORKSPACE_GB = "DIRECTKV_MAX_WORKSPACE_GB"
+VLLM_HBM_GB = "DIRECTKV_VLLM_HBM_GB"
 
 VARIABLES = {v.name: v for v in (
     Variable(DISK_CACHE, "flag", "on", "keep compiled kernels on disk (off: compile in memory only)"),
@@ -84,6 +85,8 @@ VARIABLES = {v.name: v for v in (
     Variable(STAGE_OVERLAP, "flag", "on", "staged calls may copy ahead of the current stream"),
     Variable(MAX_WORKSPACE_GB, "size", "a quarter of the GPU's memory",
              "the most HBM the multi-token kernel's fp32 partials may take"),
+    Variable(VLLM_HBM_GB, "size", "no HBM tier",
+             "the HBM the vLLM backend gives HBM copies of KV blocks, over all its layers"),
 )}
 
 
@@ -235,6 +238,12 @@ def max_workspace_bytes() -> int | None:
     return size_bytes(MAX_WORKSPACE_GB)
 
 
+def vllm_hbm_bytes() -> int:
+    """``DIRECTKV_VLLM_HBM_GB`` in bytes: the vLLM backend's HBM for block mirrors over all its
+    layers; 0 (unset or 0) keeps every block in host memory only."""
+    return size_bytes(VLLM_HBM_GB) or 0
+
+
 __all__ = ["EnvironmentVariableError", "VARIABLES", "Variable", "cache_dir", "check_all", "choice",
            "disk_cache_enabled", "flag", "folder", "folders", "max_staging_bytes", "max_workspace_bytes",
-           "profile_dirs", "require_profile", "size_bytes", "stage_overlap"]
+           "profile_dirs", "require_profile", "size_bytes", "stage_overlap", "vllm_hbm_bytes"]

@@ -65,6 +65,10 @@ def _refused(argv, capsys) -> str:
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--worker-timeout-s", "0"], "--worker-timeout-s must be > 0"),
     (["--device", "cpu"], "bench vllm has no CPU run"),
+    (["--directkv-hbm-gib", "-1"], "--directkv-hbm-gib takes GiB (a finite number >= 0) or 'auto', got '-1'"),
+    (["--directkv-hbm-gib", "inf"], "--directkv-hbm-gib takes GiB"),
+    (["--directkv-hbm-gib", "half"], "--directkv-hbm-gib takes GiB"),
+    (["--methods", "directkv,hbm", "--directkv-hbm-gib", "auto"], "add offload to --methods"),
 ])
 def test_bad_values_are_one_line_and_exit_2_before_gpu_work(argv, words, fake_gpu, cwd, capsys):
     assert words in _refused(argv, capsys)
@@ -547,3 +551,105 @@ def test_a_recorded_directkv_worker_through_the_parent(tmp_path):
     assert json.loads(json.dumps(doc))["rows"] == doc["rows"]
     png = bv.plot_vllm(doc, tmp_path / "v.png")
     assert png is None or png.stat().st_size > 0
+
+
+# ---- directkv's HBM tier ---------------------------------------------------------------------
+def test_the_directkv_hbm_option(fake_gpu):
+    from bench.__main__ import build_parser
+
+    parse = build_parser().parse_args
+    assert bv.resolve_options(parse(["vllm"]), host_avail=None)["directkv_hbm_gib"] == 0.0
+    for text, want in (("12.5", 12.5), ("AUTO", "auto"), (" 0 ", 0.0)):
+        opts = bv.resolve_options(parse(["vllm", "--directkv-hbm-gib", text]), host_avail=None)
+        assert opts["directkv_hbm_gib"] == want
+    # auto without directkv asks nothing of offload
+    opts = bv.resolve_options(parse(["vllm", "--methods", "hbm", "--directkv-hbm-gib", "auto"]), host_avail=None)
+    assert opts["methods"] == ["hbm"]
+    assert bv.method_name("directkv") == "vllm+directkv[host]"
+    assert bv.method_name("directkv", 12.5) == "vllm+directkv[hbm 12.5 GiB]"
+    assert bv.method_name("offload", 12.5) == "vllm[offload]"
+    assert bv.method_of("vllm+directkv[hbm 12.5 GiB]") == "directkv" and bv.method_of("vllm[hbm]") == "hbm"
+    assert bv.method_of("other") is None
+
+
+def test_auto_takes_the_offload_engines_gpu_kv_bytes():
+    offload = {"method": "offload", "status": "ok", "engine": {"staging_bytes": 58 * GiB + GiB // 2}}
+    assert bv.auto_hbm_gib([offload]) == 58.5
+    for results in ([], [{"method": "offload", "status": "error", "engine": {}}],
+                    [{"method": "hbm", "engine": {"staging_bytes": GiB}}]):
+        with pytest.raises(ValueError, match="vllm\\[offload\\] reported no GPU KV bytes") as e:
+            bv.auto_hbm_gib(results)
+        assert "\n" not in str(e.value)
+
+
+def test_the_worker_spec_and_engine_entry_of_the_hbm_tier(tmp_path, fake_gpu):
+    from enum import Enum
+
+    from bench.__main__ import build_parser
+    from bench.vllm_worker import engine_entry
+
+    opts = bv.resolve_options(build_parser().parse_args(["vllm"]), host_avail=None)
+    spec = bv.worker_spec("directkv", opts, model_dir=tmp_path, out=tmp_path / "d.json", host_gib={"directkv": 64.0},
+                          short_batches=[], hbm_gib=4.0)
+    assert spec["name"] == "vllm+directkv[hbm 4 GiB]" and spec["hbm_gib"] == 4.0 and spec["kv_layout"] == [32, 8, 128]
+    other = bv.worker_spec("offload", opts, model_dir=tmp_path, out=tmp_path / "o.json", host_gib={"offload": 1.0},
+                           short_batches=[], hbm_gib=4.0)
+    assert other["hbm_gib"] == 0.0 and other["name"] == "vllm[offload]"
+    # 4 GiB over 32 layers of 2 MiB blocks: 2048 mirrors, 2048 x 16 tokens x 128 KiB = 4 GiB in HBM
+    backend = Enum("AttentionBackendEnum", "CUSTOM").CUSTOM
+    engine = _fake_engine(32768, backend=backend, kv_bytes=64 * GiB)
+    entry = engine_entry(engine, spec | {"token_bytes": TOKEN_BYTES_8B})
+    assert entry["hbm_mirror_blocks"] == 2048 and entry["staging_bytes"] == 4 * GiB and entry["hbm_gib"] == 4.0
+    assert entry["capacity_tokens"] == 524288  # mirrors are copies: no more blocks
+
+
+def test_auto_runs_directkv_with_the_offload_engines_hbm(tmp_path, fake_gpu, monkeypatch):
+    """run_methods over recorded workers: offload first, then directkv with auto; the directkv
+    worker's spec carries offload's GPU KV bytes and its name; without an offload engine, an
+    error entry of one line and the other methods still run."""
+    from bench.__main__ import build_parser
+
+    opts = bv.resolve_options(build_parser().parse_args(
+        ["vllm", "--smoke", "--methods", "offload,directkv", "--directkv-hbm-gib", "auto", "--short-context", "0"]),
+        host_avail=None)
+    seen = []
+
+    def fake_run_worker(spec, **kw):
+        seen.append(spec)
+        engine = {"staging_bytes": 3 * GiB} if spec["method"] == "offload" else {}
+        return {"method": spec["method"], "name": spec["name"], "status": "ok", "error": None, "engine": engine,
+                "rows": []}
+
+    monkeypatch.setattr(bv, "run_worker", fake_run_worker)
+    doc = {"header": {"versions": {}}, "model": bv.model_shape("tiny"), "ceilings": {"memcpy_h2d_gbps": 50.0},
+           "engines": {}, "rows": []}
+    bv.run_methods(opts, work_dir=tmp_path, host_gib={"offload": 1.0, "directkv": 1.0}, write=lambda: None, doc=doc)
+    assert [s["method"] for s in seen] == ["offload", "directkv"]
+    assert seen[1]["hbm_gib"] == 3.0 and seen[1]["name"] == "vllm+directkv[hbm 3 GiB]"
+    assert set(doc["engines"]) == {"vllm[offload]", "vllm+directkv[hbm 3 GiB]"}
+
+    def failing_offload(spec, **kw):
+        seen.append(spec)
+        return {"method": spec["method"], "status": "error", "error": "engine did not start", "engine": {}, "rows": []}
+
+    seen.clear()
+    monkeypatch.setattr(bv, "run_worker", failing_offload)
+    doc["engines"], doc["rows"] = {}, []
+    results = bv.run_methods(opts, work_dir=tmp_path, host_gib={"offload": 1.0, "directkv": 1.0}, write=lambda: None,
+                             doc=doc)
+    assert [s["method"] for s in seen] == ["offload"]  # no directkv worker started
+    err = results[1]
+    assert err["status"] == "error" and "auto: vllm[offload] reported no GPU KV bytes" in err["error"]
+    assert doc["engines"]["vllm+directkv[hbm auto]"]["status"] == "error" and not doc["passed"]
+
+
+def test_an_hbm_tier_row_in_the_table_has_no_target(tmp_path):
+    result = _directkv_result()
+    name = bv.method_name("directkv", 4.0)
+    result = result | {"name": name, "rows": [r | {"method": name} for r in result["rows"]]}
+    doc = bv.collect(_doc(), [result] + _recorded_results()[:1])
+    rows = [r for r in doc["rows"] if r["method"] == name]
+    assert rows and all(r["target_pct"] is None and r["floor_ms"] is not None for r in rows)
+    lines = bv.format_table(doc).splitlines()
+    tier = [line for line in lines if line.startswith(name)]
+    assert len(tier) == 2 and not any(">=95%" in line for line in tier)

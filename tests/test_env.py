@@ -249,3 +249,20 @@ def test_the_tuners_folders_refuse_a_bad_variable(monkeypatch, tmp_path):
         cache_root()
     with pytest.raises(env.EnvironmentVariableError, match=env.CACHE_DIR):
         cli.default_cache_dir()
+
+
+# ---- DIRECTKV_VLLM_HBM_GB ------------------------------------------------------------------------
+
+
+def test_the_vllm_hbm_budget(monkeypatch):
+    name = env.VLLM_HBM_GB
+    assert env.vllm_hbm_bytes() == 0  # unset: no HBM tier
+    for value, want in [("0", 0), ("", 0), ("1.5", 3 << 29), (" 40 ", 40 << 30)]:
+        monkeypatch.setenv(name, value)
+        assert env.vllm_hbm_bytes() == want, value
+    for value, why in [("-1", "negative"), ("inf", "not a finite number"), ("4GB", "not a number")]:
+        text = refused(monkeypatch, name, value, why)
+        assert "a finite number > 0 (0 or unset: no HBM tier)" in text
+        monkeypatch.setenv(name, value)
+        with pytest.raises(env.EnvironmentVariableError, match=name):
+            env.vllm_hbm_bytes()

@@ -1,7 +1,8 @@
 """The vLLM backend's host-side parts, without vLLM: a step's shape from vLLM's CPU metadata,
-block table -> page table, slot_mapping -> (page, offset), the per-layer K/V store, sizing, and
-one whole step (store, plan once, run per layer) on CPU pools in the backend's layout against a
-dense causal attention computed here."""
+block table -> page table, slot_mapping -> (page, offset), the per-layer K/V store, sizing, the
+HBM tier's mirror policy (by hand and against a shadow model over random steps), and whole steps
+(store, plan once, run per layer) on CPU pools in the backend's layout, with and without HBM
+mirrors, against a dense causal attention computed here."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from directkv_cute.cache.pages import encode_page
 from directkv_cute.vllm.step import (
+    HbmMirrors,
     check_geometry,
     check_host_bytes,
+    hbm_pages,
     host_blocks,
     kv_bytes_per_block,
     page_table,
@@ -196,7 +202,7 @@ def test_a_step_stores_plans_once_and_runs_per_layer_pool():
     slots = np.concatenate([blocks[b][np.arange(c, n) // P] * P + np.arange(c, n) % P
                             for b, (c, n) in enumerate(zip(shape.context_lens, shape.seq_lens))] + [[-1]])
     dest = slot_destinations(slots, P, NB)
-    packed = torch.from_numpy(np.stack([dest.pages, dest.offsets] + ([] if dest.dense else [dest.rows])))
+    packed = torch.from_numpy(dest.packed())
     for layer in range(L):
         for b, (c, n) in enumerate(zip(shape.context_lens, shape.seq_lens)):  # the cached history
             pos = np.arange(c)
@@ -231,6 +237,293 @@ def test_run_refuses_pools_of_another_geometry():
     dk.plan(tables=tables_from_host(np.array([[0]], np.int32), [3], "cpu"), num_q_heads=2)
     with pytest.raises(ValueError, match="pools of another geometry than the cache's: .*num_kv_heads 1 vs 2"):
         dk.run(torch.zeros(1, 2, 64), 0, pools=PoolView(b, b[:0]))
+
+
+# ---- the HBM tier: sizing ------------------------------------------------------------------------
+def test_hbm_pages_from_the_budget():
+    # 2 MiB a block over 32 layers (Llama-3-8B-like, blocks of 16): 4 GiB hold 2048 mirrors per layer.
+    assert hbm_pages(4 * 2**30, 32, 8, 128, 16) == 2048
+    assert hbm_pages(4 * 2**30 + 2**20, 32, 8, 128, 16) == 2048  # whole blocks only
+    assert hbm_pages(2**20, 32, 8, 128, 16) == 0  # less than one block: no tier
+    assert hbm_pages(0, 32, 8, 128, 16) == 0
+    with pytest.raises(ValueError, match="budget_bytes must be an int >= 0"):
+        hbm_pages(-1, 32, 8, 128, 16)
+    with pytest.raises(ValueError, match="num_layers must be an int >= 1"):
+        hbm_pages(2**30, 0, 8, 128, 16)
+
+
+# ---- the HBM tier: the mirror policy by hand --------------------------------------------------------
+def _step(m: HbmMirrors, table, stores):
+    """One policy step over ``table`` (block ids) and ``stores`` ((block, offset) pairs)."""
+    pages = np.array([b for b, _ in stores], np.int64)
+    offsets = np.array([o for _, o in stores], np.int64)
+    return m.step(np.array(table, np.int64), pages, offsets)
+
+
+def test_only_fresh_blocks_get_mirrors_while_slots_are_free():
+    m = HbmMirrors(2)
+    # Block 4 is read with a row stored at offset 3 (not fresh); 9 and 2 start this step.
+    got = _step(m, [4, 9, 2], [(4, 3), (9, 0), (9, 1), (2, 0)])
+    assert got == {9: 0, 2: 1}
+    # No free slot and every mirrored block is in the step: the fresh block 6 stays on the host.
+    assert _step(m, [9, 2, 6], [(9, 2), (6, 0)]) == {9: 0, 2: 1}
+    assert m.mirrored == {9: 0, 2: 1}
+
+
+def test_a_slot_is_taken_back_from_the_block_seen_least_recently():
+    m = HbmMirrors(3)
+    assert _step(m, [1, 2, 3], [(1, 0), (2, 0), (3, 0)]) == {1: 0, 2: 1, 3: 2}
+    assert _step(m, [2], [(2, 1)]) == {2: 1}  # 1 and 3 absent; 2 seen now
+    assert _step(m, [3], [(3, 1)]) == {3: 2}  # 1 is now the least recently seen
+    # Two fresh blocks, no free slot: 1's slot first, then 2's (3 is in the step and keeps its own).
+    assert _step(m, [3, 7, 8], [(7, 0), (8, 0)]) == {3: 2, 7: 0, 8: 1}
+    assert m.mirrored == {3: 2, 7: 0, 8: 1}
+    # A block that lost its mirror is read from the host: named by the table, not mapped.
+    assert _step(m, [1, 3], []) == {3: 2}
+
+
+def test_a_reused_block_keeps_its_mirror_and_a_block_stored_into_is_never_taken():
+    m = HbmMirrors(1)
+    assert _step(m, [5], [(5, 0)]) == {5: 0}
+    # vLLM frees block 5 and gives it to another request, which writes it from offset 0 again.
+    assert _step(m, [5], [(5, 0), (5, 1)]) == {5: 0}
+    # Block 5 is only stored into (a request without query rows in the table is impossible, but
+    # a store is enough): the fresh block 6 cannot take its slot.
+    assert _step(m, [6], [(5, 2), (6, 0)]) == {5: 0}
+
+
+def test_no_slots_no_mirrors_and_bad_input():
+    assert _step(HbmMirrors(0), [1], [(1, 0)]) == {}
+    with pytest.raises(ValueError, match="slots must be an int >= 0"):
+        HbmMirrors(-1)
+    with pytest.raises(ValueError, match="1-D of one length"):
+        HbmMirrors(2).step([1], [1, 2], [0])
+
+
+# ---- the HBM tier: the policy against a shadow model over random steps ----------------------------------
+class _Shadow:
+    """vLLM's side, simplified: requests own blocks (allocated as they grow, freed when they end,
+    reused by later requests in any order; a new request may share another's full prefix blocks,
+    as prefix caching does), a step appends tokens to some running requests. Each token's K/V is
+    a unique number; ``host[b]`` / ``hbm[s]`` hold what the stores wrote (0: never written)."""
+
+    P, NB = 4, 14
+
+    def __init__(self, slots: int):
+        self.policy = HbmMirrors(slots)
+        self.slots = slots
+        self.host = np.zeros((self.NB, self.P), np.int64)
+        self.hbm = np.zeros((max(slots, 1), self.P), np.int64)
+        self.free = list(range(self.NB))
+        self.refs = [0] * self.NB
+        self.reqs: dict[int, dict] = {}  # id -> {"blocks": [...], "tokens": [...]}
+        self.written: dict[int, set] = {b: set() for b in range(self.NB)}  # offsets of each block's current use
+        self.next_value, self.next_req = 1, 0
+
+    def _alloc(self, data) -> int | None:
+        if not self.free:
+            return None
+        b = self.free.pop(data.draw(st.integers(0, len(self.free) - 1), label="which free block"))
+        self.refs[b], self.written[b] = 1, set()
+        return b
+
+    def start(self, data) -> None:
+        rid, self.next_req = self.next_req, self.next_req + 1
+        blocks, tokens = [], []
+        donors = [r for r in self.reqs.values() if len(r["tokens"]) >= self.P]
+        if donors and data.draw(st.booleans(), label="share a prefix"):
+            donor = donors[data.draw(st.integers(0, len(donors) - 1))]
+            k = data.draw(st.integers(1, len(donor["tokens"]) // self.P))
+            blocks, tokens = donor["blocks"][:k], donor["tokens"][: k * self.P]
+            for b in blocks:
+                self.refs[b] += 1
+        self.reqs[rid] = {"blocks": list(blocks), "tokens": list(tokens)}
+
+    def end(self, rid: int) -> None:
+        for b in self.reqs.pop(rid)["blocks"]:
+            self.refs[b] -= 1
+            if not self.refs[b]:
+                self.free.append(b)
+
+    def step(self, data) -> None:
+        if data.draw(st.booleans(), label="start a request") or not self.reqs:
+            self.start(data)
+        if len(self.reqs) > 1 and data.draw(st.booleans(), label="end a request"):
+            self.end(data.draw(st.sampled_from(sorted(self.reqs))))
+        running = sorted(self.reqs)
+        chosen = data.draw(st.lists(st.sampled_from(running), min_size=1, unique=True), label="scheduled")
+        table, stores, values = [], [], []
+        for rid in chosen:
+            r = self.reqs[rid]
+            for _ in range(data.draw(st.integers(1, 6), label="new tokens")):
+                pos = len(r["tokens"])
+                if pos % self.P == 0 and pos // self.P == len(r["blocks"]):
+                    b = self._alloc(data)
+                    if b is None:
+                        break
+                    r["blocks"].append(b)
+                stores.append((r["blocks"][pos // self.P], pos % self.P))
+                values.append(self.next_value)
+                r["tokens"].append(self.next_value)
+                self.next_value += 1
+            table += r["blocks"][: -(-len(r["tokens"]) // self.P)]
+        before = self.policy.mirrored
+        pages = np.array([b for b, _ in stores], np.int64)
+        offsets = np.array([o for _, o in stores], np.int64)
+        got = self.policy.step(np.array(table, np.int64), pages, offsets)
+        self.check(got, before, set(table) | set(pages.tolist()), stores, values, chosen)
+
+    def check(self, got, before, present, stores, values, chosen) -> None:
+        after = self.policy.mirrored
+        # The step's mapping: its blocks' mirrors, in range, one block per slot.
+        assert set(got) <= present and got == {b: s for b, s in after.items() if b in present}
+        assert all(0 <= s < self.slots for s in after.values())
+        assert len(set(after.values())) == len(after)
+        # Blocks of the step keep their mirrors; a new mirror is made only by an offset-0 store.
+        assert all(after.get(b) == s for b, s in before.items() if b in present)
+        fresh = {b for b, o in stores if o == 0}
+        assert all(b in fresh for b, s in after.items() if before.get(b) != s)
+        # A fresh block left on the host: every slot holds a block of this step.
+        if fresh - set(after):
+            assert len(after) == self.slots and set(after) <= present
+        # The stores: host pages always, mirrors of mirrored blocks too (write-through).
+        for (b, o), v in zip(stores, values):
+            self.host[b, o] = v
+            self.written[b].add(o)
+            if b in got:
+                self.hbm[got[b], o] = v
+        # Every mirror equals its host page in every row of the block's current use.
+        for b, s in after.items():
+            rows = sorted(self.written[b])
+            assert (self.hbm[s, rows] == self.host[b, rows]).all(), (b, s)
+        # What attention reads through the step's table: each request's own tokens.
+        for rid in chosen:
+            r = self.reqs[rid]
+            for pos, want in enumerate(r["tokens"]):
+                b, o = r["blocks"][pos // self.P], pos % self.P
+                read = self.hbm[got[b], o] if b in got else self.host[b, o]
+                assert read == want, (rid, pos, b, b in got)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slots=st.integers(0, 5), data=st.data())
+def test_the_mirror_policy_against_a_shadow_model(slots, data):
+    shadow = _Shadow(slots)
+    for _ in range(data.draw(st.integers(1, 30), label="steps")):
+        shadow.step(data)
+
+
+# ---- the HBM tier: tables and stores ----------------------------------------------------------------
+def test_page_table_names_mirrored_blocks_by_their_hbm_pages():
+    blocks = np.array([[7, 3, 9, 0], [2, 5, 0, 0], [4, 0, 0, 0]], np.int32)
+    table = page_table(blocks, [33, 17, 16], page_size=16, num_blocks=10, mirrors={3: 0, 5: 4, 4: 2, 8: 1})
+    h = lambda slot: encode_page("hbm", slot)  # noqa: E731
+    # 3 -> HBM page 0, 5 -> 4 (also in the repeated tail), 4 -> 2; block 8 is not in the table.
+    assert table.tolist() == [[7, h(0), 9], [2, h(4), h(4)], [h(2), h(2), h(2)]]
+    assert table.dtype == np.int32
+    assert page_table(blocks, [33, 17, 16], 16, 10, mirrors={}).tolist() == [[7, 3, 9], [2, 5, 5], [4, 4, 4]]
+
+
+def _pools(NB=6, H=3, Hkv=2, P=16, d=8):
+    return torch.zeros(NB, Hkv, 2, P, d), torch.zeros(H, Hkv, 2, P, d)
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_stores_go_to_the_host_and_to_the_mirrors_of_mirrored_blocks(padding):
+    P, Hkv, d = 16, 2, 8
+    host, hbm = _pools()
+    slots = [2 * P + 5, 4 * P + 0, 4 * P + 1, 1 * P + 15] + ([-1] if padding else [])
+    key, value = torch.randn(len(slots), Hkv, d), torch.randn(len(slots), Hkv, d)
+    dest = slot_destinations(slots, P, 6).mirrored({4: 2, 1: 0, 3: 1})  # block 3 is stored into by nobody
+    assert dest.dense is not padding
+    assert dest.hbm_at.tolist() == [1, 2, 3] and dest.hbm_slots.tolist() == [2, 2, 0]
+    packed = dest.packed()
+    assert packed.shape == (3, 4 + 3)
+    store_kv(host, key, value, torch.from_numpy(packed), dest.dense, hbm, len(dest.rows))
+    for i, (page, off, slot) in enumerate([(2, 5, None), (4, 0, 2), (4, 1, 2), (1, 15, 0)]):
+        assert torch.equal(host[page, :, 0, off], key[i]) and torch.equal(host[page, :, 1, off], value[i])
+        if slot is not None:
+            assert torch.equal(hbm[slot, :, 0, off], key[i]) and torch.equal(hbm[slot, :, 1, off], value[i])
+    assert int((host != 0).sum()) == 4 * 2 * Hkv * d and int((hbm != 0).sum()) == 3 * 2 * Hkv * d
+    with pytest.raises(ValueError, match="3 K/V rows go to HBM mirrors, but no HBM pool was given"):
+        store_kv(host, key, value, torch.from_numpy(packed), dest.dense, None, len(dest.rows))
+
+
+def test_without_mirrors_the_packed_destinations_are_unchanged():
+    dense = slot_destinations([64, 65, 127], 64, 2).mirrored(None)
+    assert dense.packed().tolist() == [[1, 1, 1], [0, 1, 63]]
+    sparse = slot_destinations([35, -1, 160], 16, 20).mirrored({})
+    assert sparse.packed().tolist() == [[2, 10], [3, 0], [0, 2]]
+
+
+def test_a_step_over_mirrored_and_host_blocks_matches_dense_attention():
+    """Two layers, each with its host pool and its HBM pool of 4 mirror pages, one mapping for
+    both. Step A stores every request's history through the policy: the first four blocks whose
+    offset 0 is written get mirrors (a request that then ends holds one). Step B: a decode, a
+    chunked prefill and a fresh prompt; the ended request's slot goes to the block whose offset 0
+    the prefill writes; the rest stay on the host. Host pages of mirrored blocks are then spoiled
+    with NaN: attention must read those blocks from HBM, and match dense attention."""
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.runner import PoolView, tables_from_host
+
+    torch.manual_seed(2)
+    L, NB, H, Hkv, Hq, P, d = 2, 12, 4, 2, 4, 16, 64
+    host = [torch.zeros(NB, Hkv, 2, P, d) for _ in range(L)]
+    hbm = [torch.zeros(H, Hkv, 2, P, d) for _ in range(L)]
+    mirrors = HbmMirrors(H)
+    blocks = np.array([[3, 7, 0, 0], [10, 1, 4, 0], [5, 0, 0, 0]])
+    lens, ctx = np.array([18, 40, 9]), np.array([17, 20, 0])
+    keys = [[torch.randn(n, Hkv, d) for n in lens] for _ in range(L)]
+    values = [[torch.randn(n, Hkv, d) for n in lens] for _ in range(L)]
+    gone_k, gone_v = [torch.randn(5, Hkv, d) for _ in range(L)], [torch.randn(5, Hkv, d) for _ in range(L)]
+
+    def slots_of(b, lo, hi):
+        pos = np.arange(lo, hi)
+        return blocks[b][pos // P] * P + pos % P
+
+    def store(slots, new_k, new_v, table):
+        dest = slot_destinations(slots, P, NB)
+        got = mirrors.step(table, dest.pages, dest.offsets)
+        dest = dest.mirrored(got)
+        packed = torch.from_numpy(dest.packed())
+        for layer in range(L):
+            store_kv(host[layer], new_k[layer], new_v[layer], packed, dest.dense, hbm[layer], len(dest.rows))
+        return got
+
+    # Step A: the ended request (5 tokens in block 8) first, then the histories of requests 0 and 1.
+    slots_a = np.concatenate([8 * P + np.arange(5), slots_of(0, 0, 17), slots_of(1, 0, 20)])
+    table_a = np.array([8, 3, 7, 10, 1])
+    cat = lambda parts: [torch.cat(p) for p in parts]  # noqa: E731
+    got_a = store(slots_a, cat([[gone_k[i], keys[i][0][:17], keys[i][1][:20]] for i in range(L)]),
+                  cat([[gone_v[i], values[i][0][:17], values[i][1][:20]] for i in range(L)]), table_a)
+    assert got_a == {8: 0, 3: 1, 7: 2, 10: 3}  # block 1 (offset 0 at position 16) found no free slot
+
+    # Step B.
+    shape = step_shape(np.array([0, 1, 21, 30]), lens, 3)
+    ids = page_table(blocks, shape.seq_lens, P, NB)
+    slots_b = np.concatenate([slots_of(b, c, n) for b, (c, n) in enumerate(zip(ctx, lens))] + [[-1]])
+    new_k = cat([[keys[i][b][c:] for b, c in enumerate(ctx)] + [torch.zeros(1, Hkv, d)] for i in range(L)])
+    new_v = cat([[values[i][b][c:] for b, c in enumerate(ctx)] + [torch.zeros(1, Hkv, d)] for i in range(L)])
+    got_b = store(slots_b, new_k, new_v, ids)
+    assert got_b == {3: 1, 7: 2, 10: 3, 4: 0}  # 8 was absent: its slot went to 4; 1 and 5 stay on the host
+    table = page_table(blocks, shape.seq_lens, P, NB, got_b)
+    assert (table < 0).sum() == 5  # 3, 7, 10, 4 and the repeat of 7 past request 0's pages
+    for layer in range(L):
+        for b, s in got_b.items():
+            host[layer][b] = float("nan")  # read from HBM only
+    tables = tables_from_host(table, shape.seq_lens, "cpu")._replace(back_to_back=True)
+    views = [PoolView(host[i].unsqueeze(1), hbm[i].unsqueeze(1)) for i in range(L)]
+    dk = DirectKVAttention(views[0])
+    dk.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=Hq, cascade=False)
+    scale = 1 / math.sqrt(d)
+    for layer in range(L):
+        q = torch.randn(shape.num_tokens, Hq, d)
+        out = dk.run(q, 0, softmax_scale=scale, pools=views[layer])  # an HBM pool of H pages passes the check
+        at = 0
+        for b, (qn, c) in enumerate(zip(shape.q_lens, shape.context_lens)):
+            want = _dense_causal(q[at:at + qn], keys[layer][b], values[layer][b], c, scale)
+            torch.testing.assert_close(out[at:at + qn].double(), want, atol=1e-5, rtol=1e-5)
+            at += qn
 
 
 # ---- packaging -----------------------------------------------------------------------------------

@@ -28,14 +28,14 @@ TINY_LLAMA = {
 }
 
 
-def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged") -> list:
+def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged", extra_env: dict | None = None) -> list:
     pytest.importorskip("vllm")
     model = tmp_path / "tiny-llama"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     out = tmp_path / f"{backend}-{'eager' if eager else 'graphs'}-{mode}.json"
     # apply_model ships a function to the engine: allowed by this variable.
-    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(HERE))
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(HERE)) | (extra_env or {})
     subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), str(model), backend,
                     "eager" if eager else "graphs", str(out), mode], check=True, env=env, timeout=900)
     return json.loads(out.read_text())
@@ -83,3 +83,13 @@ def test_directkv_matches_flash_attn_over_prefix_cached_blocks(tmp_path):
         pytest.skip("needs a CUDA GPU")
     reference = _engine(tmp_path, "FLASH_ATTN", eager=True, mode="prefix")
     _compare(_engine(tmp_path, "CUSTOM", eager=True, mode="prefix"), reference)
+
+
+def test_directkv_with_a_small_hbm_tier_matches_flash_attn(tmp_path, reference):
+    """DIRECTKV_VLLM_HBM_GB for 6 block mirrors (a block of the tiny Llama is 16 KiB over its 2
+    layers) while the five requests use about 40 blocks: mirrors are made, taken back and read
+    next to host blocks in the same steps."""
+    from directkv_cute.env import VLLM_HBM_GB
+
+    budget = 6 * 16384 / 2**30
+    _compare(_engine(tmp_path, "CUSTOM", eager=True, extra_env={VLLM_HBM_GB: repr(budget)}), reference)

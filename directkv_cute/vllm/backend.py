@@ -6,12 +6,18 @@ memory, read in place by the DirectKV kernels (or staged to HBM where the planne
   ``kv_cache.unsqueeze(1)`` is exactly a one-layer DirectKV pool ``(pages, 1, Hkv, 2, P, d)`` and
   a vLLM block id is a host page index. ``memory.install`` puts those tensors in pinned host memory.
 * ``DirectKVMetadataBuilder.build``, once per step: the step's shape from vLLM's CPU metadata,
-  the page table from the block table, the K/V destinations from ``slot_mapping``
-  (``step.py``), and the step's plan (``DirectKVAttention.plan``: the planner decides the kernel
-  and any staging, once for every layer).
+  the page table from the block table, the K/V destinations from ``slot_mapping``, the HBM
+  tier's mirrors (``step.HbmMirrors``) and the step's plan (``DirectKVAttention.plan``: the
+  planner decides the kernel and any staging, once for every layer).
 * ``DirectKVImpl.forward``, per layer: stores the layer's new K/V rows into their host pages
-  (GPU stores through the mapped address, as ``PagedKVCache.write_slots`` does), then runs the
-  step's plan over the layer's own pool.
+  (GPU stores through the mapped address, as ``PagedKVCache.write_slots`` does) and into the
+  mirrors of mirrored blocks, then runs the step's plan over the layer's own pools.
+
+The HBM tier (``DIRECTKV_VLLM_HBM_GB``, GiB over all layers; unset or 0: none): each layer gets
+an HBM pool of ``step.hbm_pages`` pages, allocated zero-filled at the group's first step; blocks
+whose first row is written while a page is free (or can be taken back from a block absent from
+the step) get a copy there, written through by every store, and the page table names the copy
+(``encode_page("hbm", slot)``), so attention reads those blocks from HBM instead of the link.
 
 Attention runs outside CUDA graphs (``AttentionCGSupport.NEVER``): a plan is made on the host per
 step, so vLLM captures the rest of the model piecewise and runs attention between the graphs.
@@ -23,7 +29,6 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -34,8 +39,18 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from directkv_cute import env
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
-from directkv_cute.vllm.step import check_geometry, page_table, slot_destinations, step_shape, store_kv
+from directkv_cute.vllm.step import (
+    HbmMirrors,
+    check_geometry,
+    hbm_pages,
+    mirror_table,
+    page_table,
+    slot_destinations,
+    step_shape,
+    store_kv,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +112,12 @@ class DirectKVMetadata:
     num_actual_tokens: vLLM's token count of the step (query rows, padding included).
     num_query_rows:    the packed query rows attention computes (``q[:num_query_rows]``).
     attention:         the planned ``DirectKVAttention`` (None: no request has query rows).
-    dest:              int64 (2 or 3, m) on the device: the stored rows' pages, offsets and, unless
-                       ``dense``, the token rows they come from.
+    dest:              int64 (2 or 3, n) on the device (``SlotDestinations.packed``): the stored
+                       rows' pages, offsets and, unless ``dense``, the token rows they come from,
+                       then the HBM slots, offsets and token rows of their mirror copies.
     dense:             the stored rows are tokens ``0..m-1``.
+    num_host:          m, the columns of ``dest`` that go to host pages.
+    views:             {layer name: its ``PoolView`` (host pool, HBM pool)}, the builder's.
     """
 
     num_actual_tokens: int
@@ -107,6 +125,8 @@ class DirectKVMetadata:
     attention: object
     dest: torch.Tensor | None
     dense: bool
+    num_host: int
+    views: dict
 
 
 class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
@@ -123,18 +143,47 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         if vllm_config.speculative_config is not None:
             raise ValueError("the DirectKV backend plans from exact sequence lengths on the host; speculative "
                              "decoding makes them upper bounds: run without --speculative-config")
-        self._pools = None  # the first layer's pool view: the plans' geometry
+        self._views = None  # {layer name: PoolView over its host KV and its HBM pool}, at the first build
+        self._mirrors = None  # the HBM tier's policy (None: no tier)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         return cls._cudagraph_support
 
-    def _plan_pools(self):
-        """A ``PoolView`` of the group's first layer (every layer of the group has its shape)."""
-        if self._pools is None:
-            layer = self.vllm_config.compilation_config.static_forward_context[self.layer_names[0]]
-            self._pools = pool_view(layer.kv_cache, self.layer_names[0])
-        return self._pools
+    def _layer_views(self) -> dict:
+        """{layer name: ``PoolView``} of the group's layers, made at the first build: each layer's
+        host KV and its HBM pool of ``hbm_pages`` pages (a layer that shares another's KV shares
+        its HBM pool too), sized from ``DIRECTKV_VLLM_HBM_GB`` over every layer of this backend
+        that owns its KV."""
+        if self._views is not None:
+            return self._views
+        context = self.vllm_config.compilation_config.static_forward_context
+        first = context[self.layer_names[0]].kv_cache
+        budget = env.vllm_hbm_bytes()
+        slots = 0
+        if budget:
+            owners = [layer for layer in context.values() if isinstance(getattr(layer, "impl", None), DirectKVImpl)
+                      and getattr(layer, "kv_sharing_target_layer_name", None) is None]
+            dtype = str(first.dtype).removeprefix("torch.")
+            slots = hbm_pages(budget, len(owners), self.num_kv_heads, self.head_dim, self.page_size, dtype)
+            if slots:
+                log.info("DirectKV: an HBM tier of %d block mirrors per layer over %d layers, %.3g GiB",
+                         slots, len(owners), slots * len(owners) * first[0].nbytes / 2**30)
+            else:
+                log.warning("DirectKV: %s=%.3g GiB holds no block: one block over the %d layers takes %d bytes; "
+                            "every block is read from host memory", env.VLLM_HBM_GB, budget / 2**30, len(owners),
+                            len(owners) * first[0].nbytes)
+        self._mirrors = HbmMirrors(slots) if slots else None
+        hbm: dict = {}
+        views = {}
+        for name in self.layer_names:
+            layer = context[name]
+            owner = getattr(layer, "kv_sharing_target_layer_name", None) or name
+            if owner not in hbm:
+                hbm[owner] = torch.zeros((slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
+            views[name] = pool_view(layer.kv_cache, name, hbm[owner])
+        self._views = views
+        return views
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DirectKVMetadata:
@@ -144,7 +193,8 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         m = common_attn_metadata
         if m.causal is not True:
             raise ValueError("the DirectKV backend computes causal attention only")
-        pools = self._plan_pools()
+        views = self._layer_views()
+        pools = views[self.layer_names[0]]  # the plans' geometry: every layer of the group has its shape
         num_blocks = pools.host_pool.shape[0]
         seq = m.seq_lens_cpu_upper_bound
         seq = (m.seq_lens[: m.num_reqs].cpu() if seq is None else seq).numpy()
@@ -153,13 +203,19 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         # (the planner reads the page table; padding tokens, slot -1, are never stored).
         slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
         dest = slot_destinations(slots, self.page_size, num_blocks)
-        parts = [dest.pages, dest.offsets] + ([] if dest.dense else [dest.rows])
-        dest_dev = torch.from_numpy(np.stack(parts)).to(self.device, non_blocking=True) if len(dest.rows) else None
-        if not shape.rows:
-            return DirectKVMetadata(m.num_actual_tokens, 0, None, dest_dev, dest.dense)
-        width = min(-(-shape.max_seq_len // self.page_size), m.block_table_tensor.shape[1])
-        blocks = m.block_table_tensor[: m.num_reqs, :width].cpu().numpy()[list(shape.rows)]
-        table = page_table(blocks, shape.seq_lens, self.page_size, num_blocks)
+        table = None
+        if shape.rows:
+            width = min(-(-shape.max_seq_len // self.page_size), m.block_table_tensor.shape[1])
+            blocks = m.block_table_tensor[: m.num_reqs, :width].cpu().numpy()[list(shape.rows)]
+            table = page_table(blocks, shape.seq_lens, self.page_size, num_blocks)
+        if self._mirrors is not None:  # the step's mirrors: its table and its stores name them
+            mirrors = self._mirrors.step(table if table is not None else (), dest.pages, dest.offsets)
+            dest = dest.mirrored(mirrors)
+            if table is not None:
+                mirror_table(table, mirrors)
+        dest_dev = torch.from_numpy(dest.packed()).to(self.device, non_blocking=True) if len(dest.rows) else None
+        if table is None:
+            return DirectKVMetadata(m.num_actual_tokens, 0, None, dest_dev, dest.dense, len(dest.rows), views)
         tables = tables_from_host(table, shape.seq_lens, self.device)._replace(back_to_back=True)
         attention = DirectKVAttention(pools)
         # Blocks that prefix caching shares (one block id in several rows) are read once for all
@@ -169,12 +225,14 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         if log.isEnabledFor(logging.DEBUG):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
-        return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, dest_dev, dest.dense)
+        return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, dest_dev, dest.dense,
+                                len(dest.rows), views)
 
 
-def pool_view(kv_cache: torch.Tensor, name: str):
-    """The one-layer DirectKV pool over a layer's vLLM KV tensor (refused unless it is in pinned
-    host memory and laid out as ``get_kv_cache_shape`` says)."""
+def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor):
+    """The one-layer DirectKV pools over a layer's vLLM KV tensor and its HBM pool ``hbm`` (the
+    KV tensor's layout with its own page count; 0 pages without an HBM tier). The KV tensor is
+    refused unless it is in pinned host memory and laid out as ``get_kv_cache_shape`` says."""
     from directkv_cute.runner import PoolView
     from directkv_cute.vllm.memory import is_pinned_host
 
@@ -185,7 +243,7 @@ def pool_view(kv_cache: torch.Tensor, name: str):
         raise ValueError(f"the KV cache of {name} has shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}, "
                          "expected a contiguous (blocks, kv_heads, 2, block_size, head_size)")
     host = kv_cache.unsqueeze(1)  # (pages, 1, Hkv, 2, P, d)
-    return PoolView(host, host.new_empty((0, *host.shape[1:])))
+    return PoolView(host, hbm.unsqueeze(1))
 
 
 class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
@@ -209,7 +267,6 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self._views: dict = {}  # KV tensor address -> its PoolView
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: DirectKVMetadata, output: torch.Tensor, output_scale=None,
@@ -220,11 +277,12 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
         if attn_metadata is None:  # vLLM's memory profiling run: no KV cache yet
             return output.fill_(0)
         md = attn_metadata
-        pools = self._views.get(kv_cache.data_ptr())
+        name = getattr(layer, "layer_name", None)
+        pools = md.views.get(name)
         if pools is None:
-            pools = self._views[kv_cache.data_ptr()] = pool_view(kv_cache, getattr(layer, "layer_name", "a layer"))
+            raise ValueError(f"attention layer {name!r} is not in the DirectKV group the step was built for")
         if md.dest is not None and self.kv_sharing_target_layer_name is None and key is not None:
-            store_kv(kv_cache, key, value, md.dest, md.dense)
+            store_kv(kv_cache, key, value, md.dest, md.dense, pools.hbm_pool[:, 0], md.num_host)
         n = md.num_query_rows
         if md.attention is None:
             return output.zero_()

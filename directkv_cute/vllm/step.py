@@ -4,19 +4,25 @@
   lengths): each request's query length and length, its cached context, the decode / prefill
   split, and the requests that have query rows at all (padded requests have none).
 * ``page_table``: vLLM's block table rows -> the int32 page table the kernels read (block id =
-  host page index; past a sequence's pages its last page repeats, so a stray read stays valid).
+  host page index, or the HBM page of the block's mirror; past a sequence's pages its last page
+  repeats, so a stray read stays valid).
 * ``slot_destinations``: vLLM's ``slot_mapping`` (``block * block_size + offset``, -1 for a
-  padding token) -> the (row, page, offset) of every token whose K/V is stored.
-* ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor.
-* ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``: host bytes -> blocks for a
-  model, and the refusal when the host cannot pin them.
+  padding token) -> the (row, page, offset) of every token whose K/V is stored;
+  ``SlotDestinations.mirrored`` adds the HBM copies of the rows whose blocks have mirrors.
+* ``HbmMirrors``: the HBM tier's policy: which blocks get a copy ("mirror") in the per-layer HBM
+  pools of ``hbm_pages`` pages, step by step.
+* ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor, and into
+  the mirrors of mirrored blocks (write-through).
+* ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
+  blocks for a model, the refusal when the host cannot pin them, and the HBM budget -> mirror pages.
 
 Every check raises one ``ValueError`` (``MemoryError`` for host memory) line naming what is wrong.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -95,10 +101,12 @@ def step_shape(query_start_loc, seq_lens, num_reqs: int) -> StepShape:
                      int(q.sum()))
 
 
-def page_table(block_table, seq_lens, page_size: int, num_blocks: int) -> np.ndarray:
+def page_table(block_table, seq_lens, page_size: int, num_blocks: int, mirrors: dict | None = None) -> np.ndarray:
     """The (B, max_pages) int32 page table of B requests: row b holds the first
     ``ceil(seq_lens[b] / page_size)`` block ids of ``block_table[b]`` (vLLM's block table rows of
-    those requests, in kernel blocks of ``page_size`` tokens), then its last page repeated."""
+    those requests, in kernel blocks of ``page_size`` tokens), then its last page repeated.
+    ``mirrors`` ({block id: HBM slot}, ``HbmMirrors.step``): those blocks are named by their
+    mirrors (``mirror_table``)."""
     table = np.asarray(block_table)
     lens = _ints(seq_lens, "seq_lens")
     if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
@@ -124,18 +132,68 @@ def page_table(block_table, seq_lens, page_size: int, num_blocks: int) -> np.nda
             raise ValueError(f"sequence {b}: block {j} has id {int(ids[j])}, outside the cache's {num_blocks} blocks")
         out[b, :n] = ids
         out[b, n:] = ids[-1]
+    return mirror_table(out, mirrors)
+
+
+def mirror_slots(ids, mirrors: dict | None) -> np.ndarray:
+    """int64 array of ``ids``' shape: each block id's HBM slot in ``mirrors`` ({block id: slot}),
+    -1 where the block has no mirror."""
+    ids = np.asarray(ids)
+    out = np.full(ids.shape, -1, dtype=np.int64)
+    if mirrors:
+        keys = np.fromiter(mirrors.keys(), np.int64, len(mirrors))
+        slots = np.fromiter(mirrors.values(), np.int64, len(mirrors))
+        order = np.argsort(keys)
+        keys, slots = keys[order], slots[order]
+        at = np.searchsorted(keys, ids).clip(max=len(keys) - 1)
+        hit = keys[at] == ids
+        out[hit] = slots[at[hit]]
     return out
+
+
+def mirror_table(table: np.ndarray, mirrors: dict | None) -> np.ndarray:
+    """``table`` (host block ids) with every block of ``mirrors`` named by its mirror: the entry
+    ``encode_page("hbm", slot)`` (``directkv_cute.cache.pages``), which the planner and the
+    kernels read from the HBM pool. In place; returns ``table``."""
+    slots = mirror_slots(table, mirrors)
+    hit = slots >= 0
+    if hit.any():
+        from directkv_cute.cache.pages import encode_page
+
+        table[hit] = encode_page("hbm", slots[hit])
+    return table
 
 
 @dataclass(frozen=True)
 class SlotDestinations:
     """Where the step's new K/V rows go: token ``rows[i]`` to page ``pages[i]``, row ``offsets[i]``.
-    ``dense``: every token ``0..n-1`` is stored, in order (``rows`` is ``arange(n)``)."""
+    ``dense``: every token ``0..n-1`` is stored, in order (``rows`` is ``arange(n)``).
+    ``hbm_at``, ``hbm_slots``: the stores ``i = hbm_at[j]`` whose blocks have mirrors also go to
+    HBM page ``hbm_slots[j]``, row ``offsets[i]`` (``mirrored``)."""
 
     rows: np.ndarray  # int64 (m,)
     pages: np.ndarray  # int64 (m,)
     offsets: np.ndarray  # int64 (m,)
     dense: bool
+    hbm_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 (k,): into rows / pages
+    hbm_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 (k,)
+
+    def mirrored(self, mirrors: dict | None) -> "SlotDestinations":
+        """These destinations plus the mirror copies of the rows stored into blocks of ``mirrors``
+        ({block id: HBM slot}, ``HbmMirrors.step``)."""
+        slots = mirror_slots(self.pages, mirrors)
+        at = np.flatnonzero(slots >= 0).astype(np.int64)
+        return replace(self, hbm_at=at, hbm_slots=slots[at])
+
+    def packed(self) -> np.ndarray:
+        """``store_kv``'s ``dest``: int64 (2 or 3, m + k), the m host destinations (page, offset
+        and the token row) then the k mirror ones (HBM slot, offset, token row); without mirror
+        copies of dense rows, only (page, offset)."""
+        host = np.stack([self.pages, self.offsets] + ([] if self.dense and not len(self.hbm_at) else [self.rows]))
+        if not len(self.hbm_at):
+            return host
+        at = self.hbm_at
+        return np.concatenate([host, np.stack([self.hbm_slots, self.offsets[at], self.rows[at]])], axis=1)
 
 
 def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestinations:
@@ -154,17 +212,92 @@ def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestination
     return SlotDestinations(rows, kept // page_size, kept % page_size, bool(stored.all()))
 
 
-def store_kv(kv_cache, key, value, dest, dense: bool) -> None:
+def store_kv(kv_cache, key, value, dest, dense: bool, hbm=None, num_host: int | None = None) -> None:
     """Store K/V rows into a layer's pages. ``kv_cache``: (blocks, Hkv, 2, block_size, d), the
-    backend's per-layer layout; ``key`` / ``value``: (tokens, Hkv, d); ``dest``: int64 (2 or 3, m)
-    on their device, the rows' pages, offsets and, unless ``dense``, the token rows they come from
-    (``slot_destinations``). On a GPU the stores go straight into the mapped host pages (indexed
-    stores on the current stream)."""
+    backend's per-layer layout; ``key`` / ``value``: (tokens, Hkv, d); ``dest``: int64 (2 or 3, n)
+    on their device (``SlotDestinations.packed``): its first ``num_host`` columns (default all)
+    the rows' host pages, offsets and, unless ``dense``, the token rows they come from; the
+    columns after them the HBM slots, offsets and token rows of the rows whose blocks have
+    mirrors, stored into ``hbm`` (the layer's HBM pool, (slots, Hkv, 2, block_size, d)) too. On
+    a GPU the host stores go straight into the mapped host pages (indexed stores on the current
+    stream)."""
+    m = dest.shape[1] if num_host is None else num_host
+    _scatter(kv_cache, key, value, dest[:, :m], dense)
+    if dest.shape[1] > m:
+        if hbm is None:
+            raise ValueError(f"{dest.shape[1] - m} K/V rows go to HBM mirrors, but no HBM pool was given")
+        _scatter(hbm, key, value, dest[:, m:], False)
+
+
+def _scatter(pool, key, value, dest, dense: bool) -> None:
+    """Rows (page ``dest[0]``, offset ``dest[1]``) of ``pool`` := the K/V token rows ``dest[2]``
+    (``dense``: rows ``0..m-1``)."""
     pages, offsets = dest[0], dest[1]
     m = pages.shape[0]
     k, v = (key[:m], value[:m]) if dense else (key[dest[2]], value[dest[2]])
-    kv_cache[pages, :, 0, offsets] = k
-    kv_cache[pages, :, 1, offsets] = v
+    pool[pages, :, 0, offsets] = k
+    pool[pages, :, 1, offsets] = v
+
+
+class HbmMirrors:
+    """The HBM tier's policy: which KV blocks have a copy (a mirror) in the backend's per-layer HBM
+    pools of ``slots`` pages, decided once per step on the host (every layer shares it). Plain
+    Python and numpy, no tensors.
+
+    * A block gets a mirror only when it is fresh: its offset-0 row is stored in this step. Its
+      rows are written in order from offset 0, so nothing of its current use was written before
+      and no copy from its host page is ever needed. It takes a free slot, else the slot of the
+      mirrored block seen least recently among those absent from this step; else it stays on
+      the host.
+    * Every store into a mirrored block goes to its host page and to its mirror (write-through):
+      a mirror equals its host page in every row written since it was made, and those are the
+      only rows attention reads.
+    * Blocks present in the step (named by its page table or stored into) keep their mirrors. A
+      block that loses its mirror is read from the host again. A block vLLM frees and reuses
+      keeps its mirror (the writes of its new use go through it) or, without one, gets one when
+      its offset 0 is written again.
+    """
+
+    def __init__(self, slots: int):
+        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
+            raise ValueError(f"slots must be an int >= 0, got {slots!r}")
+        self.slots = int(slots)
+        self._slot_of: OrderedDict = OrderedDict()  # mirrored block -> slot, least recently present first
+        self._free = list(range(self.slots - 1, -1, -1))  # pop() takes the lowest free slot
+
+    @property
+    def mirrored(self) -> dict:
+        """{block id: HBM slot} of every block with a mirror now."""
+        return dict(self._slot_of)
+
+    def step(self, table_blocks, pages, offsets) -> dict:
+        """One step: ``table_blocks``, the block ids its page table names (any shape); ``pages``
+        and ``offsets``, where its K/V rows are stored (``SlotDestinations``). Returns
+        {block id: HBM slot} of the step's blocks (named or stored into) that have mirrors."""
+        pages, offsets = np.asarray(pages, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+        if pages.shape != offsets.shape or pages.ndim != 1:
+            raise ValueError(f"pages and offsets must be 1-D of one length, got {pages.shape} and {offsets.shape}")
+        if not self.slots:
+            return {}
+        present = np.concatenate([np.asarray(table_blocks, dtype=np.int64).ravel(), pages])
+        mirrored = np.fromiter(self._slot_of.keys(), np.int64, len(self._slot_of))
+        kept = mirrored[np.isin(mirrored, present)].tolist()
+        for b in kept:  # seen now: the most recent
+            self._slot_of.move_to_end(b)
+        takeable = len(self._slot_of) - len(kept)  # the first ones in _slot_of: absent from this step
+        out = {b: self._slot_of[b] for b in kept}
+        for b in dict.fromkeys(pages[offsets == 0].tolist()):
+            if b in out:
+                continue
+            if self._free:
+                slot = self._free.pop()
+            elif takeable:
+                _, slot = self._slot_of.popitem(last=False)
+                takeable -= 1
+            else:
+                break
+            self._slot_of[b] = out[b] = slot
+        return out
 
 
 def check_geometry(head_dim: int, block_size: int) -> None:
@@ -202,6 +335,15 @@ def host_blocks(host_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
 
 
 
+def hbm_pages(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+              kv_dtype: str = "bfloat16") -> int:
+    """Mirror pages per layer that ``budget_bytes`` of HBM hold over ``num_layers`` layers
+    (``DIRECTKV_VLLM_HBM_GB``): whole blocks, 0 when the budget holds none."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+    return budget_bytes // kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_dtype)
+
+
 def check_host_bytes(nbytes: int, available: int | None) -> None:
     """Refuse to pin ``nbytes`` of KV pages that the host's available memory cannot hold."""
     if available is not None and nbytes > available:
@@ -210,5 +352,6 @@ def check_host_bytes(nbytes: int, available: int | None) -> None:
                           "--kv-cache-memory-bytes")
 
 
-__all__ = ["StepShape", "step_shape", "page_table", "SlotDestinations", "slot_destinations", "store_kv", "check_geometry",
-           "kv_bytes_per_block", "host_blocks", "check_host_bytes"]
+__all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
+           "slot_destinations", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
+           "hbm_pages", "check_host_bytes"]
