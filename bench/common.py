@@ -267,6 +267,27 @@ def pyplot():
         return None
 
 
+def save_figure(plt, fig, path, title: str) -> Path:
+    """Give ``fig`` its title line (GPU, date, what the lines mean), lay it out, write it to
+    ``path`` as a PNG and close it."""
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def try_plot(plot: Callable, *args):
+    """``plot(*args)``, or None after one line saying why it failed: a plotting problem must not
+    lose the measurements already written."""
+    try:
+        return plot(*args)
+    except Exception as e:  # noqa: BLE001 - any plotting failure is reported, never raised
+        print(f"plotting failed: {type(e).__name__}: {e}")
+        return None
+
+
 # ---- results documents ---------------------------------------------------------------------
 def new_results(bench: str, header: dict, ceilings: Ceilings, *, ceiling_details: dict | None = None,
                 args: dict | None = None) -> dict:

@@ -105,7 +105,7 @@ import torch
 
 from bench.common import UsageError, add_device_argument, add_out_dir_argument, checked_out_dir
 from bench.common import fmt_opt as _f
-from bench.common import host_available_bytes, is_cpu_run, pyplot, require_gpu
+from bench.common import host_available_bytes, is_cpu_run, pyplot, require_gpu, save_figure, try_plot
 from bench.common import kilo as _kilo
 
 E2E_SCHEMA = "directkv-bench-e2e/1"
@@ -512,13 +512,8 @@ def plot_e2e(doc: dict, path: str | Path) -> Path | None:
             if ax.lines:
                 ax.legend(fontsize=7)
     h = doc["header"]
-    fig.suptitle(f"{h['gpu']} {h['date']}: host read ceiling {doc['ceilings']['host_read_gbps']:.1f} GB/s "
-                 "(physics: KV / ceiling + non-attention time)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, f"{h['gpu']} {h['date']}: host read ceiling "
+                       f"{doc['ceilings']['host_read_gbps']:.1f} GB/s (physics: KV / ceiling + non-attention time)")
 
 
 # ---- memory estimates ------------------------------------------------------------------------
@@ -950,11 +945,7 @@ def run_e2e(ns: argparse.Namespace) -> int:
     txt.write_text(text + "\n")
     files = [path, txt]
     if not (ns.no_plot or small):
-        try:
-            png = plot_e2e(doc, results_path(out_dir, header, f"e2e-{opts.preset}", ext="png"))
-        except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
-            print(f"plotting failed: {type(e).__name__}: {e}")
-            png = None
+        png = try_plot(plot_e2e, doc, results_path(out_dir, header, f"e2e-{opts.preset}", ext="png"))
         if png is not None:
             files.append(png)
     print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)

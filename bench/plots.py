@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from bench.common import pyplot as _pyplot
+from bench.common import save_figure
 
 DECODE_METHODS = ("ours", "zero_copy", "swap", "host_read", "hbm")
 PREFILL_METHODS = ("ours", "zero_copy", "swap", "hbm", "floor")
@@ -59,12 +60,8 @@ def _decode_gbps(plt, recs, doc, path: Path) -> Path:
                ylabel="effective GB/s of KV")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{doc['header']['gpu']} {doc['header']['date']} (gray: host read ceiling {host_ceiling:.1f} GB/s)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, f"{doc['header']['gpu']} {doc['header']['date']} "
+                       f"(gray: host read ceiling {host_ceiling:.1f} GB/s)")
 
 
 def _decode_hybrid(plt, recs, doc, path: Path) -> Path:
@@ -87,11 +84,8 @@ def _decode_hybrid(plt, recs, doc, path: Path) -> Path:
         ax.set(yscale="log", title=f"ours, decode B={b}", xlabel="fraction of pages in HBM", ylabel="ms")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(f"{doc['header']['gpu']} {doc['header']['date']} (dashed: max(host/link, HBM/HBM bw))", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, f"{doc['header']['gpu']} {doc['header']['date']} "
+                       "(dashed: max(host/link, HBM/HBM bw))")
 
 
 def plot_prefill(doc: Mapping, prefix: str | Path) -> list[Path]:
@@ -114,12 +108,8 @@ def plot_prefill(doc: Mapping, prefix: str | Path) -> list[Path]:
                ylabel="ms")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"{doc['header']['gpu']} {doc['header']['date']} (floor: host bytes once / host ceiling)", fontsize=9)
-    fig.tight_layout()
-    path = Path(f"{prefix}.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(plt, fig, f"{prefix}.png", f"{doc['header']['gpu']} {doc['header']['date']} "
+                        "(floor: host bytes once / host ceiling)")]
 
 
 class PlotError(RuntimeError):

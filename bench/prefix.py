@@ -105,7 +105,8 @@ import torch
 from bench import peers
 from bench.common import (CEILING_METHODS, GiB, MiB, Ceilings, Shape, UsageError, add_check, add_device_argument,
                           add_out_dir_argument, checked_out_dir, dtype_name, env_info, is_cpu_run, new_results,
-                          problem_lines, progress_bar, require_gpu, results_path, shape_key, write_json)
+                          problem_lines, progress_bar, require_gpu, results_path, save_figure, shape_key,
+                          try_plot, write_json)
 from bench.common import fmt_opt as _fmt
 from bench.common import kilo as _kilo
 from bench.harness import BenchOptions, ShapeBench, _Inputs, memory_problem, _short_error, peak_extra_bytes
@@ -680,13 +681,8 @@ def plot_prefix(doc: dict, path) -> Path | None:
         ax.grid(True, which="both", alpha=0.3)
     flat[0].legend(fontsize=6)
     h = doc["header"]
-    fig.suptitle(f"{h['gpu']} {h['date']}: prefix {doc['args'].get('prompt')} tokens shared; host read ceiling "
-                 f"{doc['ceilings']['host_read_gbps']:.1f} GB/s", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, f"{h['gpu']} {h['date']}: prefix {doc['args'].get('prompt')} tokens shared; "
+                       f"host read ceiling {doc['ceilings']['host_read_gbps']:.1f} GB/s")
 
 
 # ---- a run -----------------------------------------------------------------------------------
@@ -766,11 +762,7 @@ def run_prefix(ns: argparse.Namespace) -> int:
     txt.write_text(text + "\n")
     files = [path, txt]
     if not (ns.no_plot or cpu):
-        try:
-            png = plot_prefix(doc, results_path(out_dir, header, BENCH, ext="png"))
-        except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
-            print(f"plotting failed: {type(e).__name__}: {e}")
-            png = None
+        png = try_plot(plot_prefix, doc, results_path(out_dir, header, BENCH, ext="png"))
         if png is not None:
             files.append(png)
     print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)

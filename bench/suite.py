@@ -19,7 +19,7 @@ from bench.ceilings import measure_ceilings
 from bench.harness import SKIPPABLE
 from bench.common import (GiB, MiB, Ceilings, add_device_argument, add_out_dir_argument, checked_out_dir, env_info,
                           format_table, is_cpu_run, merge_results, new_results, problem_lines, require_gpu,
-                          results_path, write_json)
+                          results_path, try_plot, write_json)
 from bench.harness import BenchOptions, load_ours, run_shapes
 from bench.plots import plot_decode, plot_prefill
 
@@ -135,10 +135,8 @@ def _deadline(budget: float | None, start: float, benches: list[str], index: int
 
 def _plots(doc: dict, bench: str, out_dir: Path, header: dict) -> list[Path]:
     prefix = results_path(out_dir, header, bench).with_suffix("")
-    try:
-        files = plot_decode(doc, prefix) if bench == "decode" else plot_prefill(doc, prefix)
-    except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
-        print(f"plotting failed: {type(e).__name__}: {e}")
+    files = try_plot(plot_decode if bench == "decode" else plot_prefill, doc, prefix)
+    if files is None:
         return []
     if not files:
         print("no plots (matplotlib not installed or nothing measured)")

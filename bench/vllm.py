@@ -103,7 +103,7 @@ import time
 from pathlib import Path
 
 from bench.common import (GB, GiB, UsageError, add_out_dir_argument, checked_out_dir, fmt_opt, host_available_bytes,
-                          kilo, pyplot)
+                          kilo, pyplot, save_figure, try_plot)
 
 VLLM_SCHEMA = "directkv-bench-vllm/1"
 METHODS = ("offload", "directkv", "hbm")  # run order: hbm's short rows then cover the others' batches
@@ -659,13 +659,8 @@ def plot_vllm(doc: dict, path: str | Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     h = doc["header"]
-    fig.suptitle(f"{h['gpu']} {h['date']}: floor = KV / memcpy H2D {doc['ceilings']['memcpy_h2d_gbps']:.1f} GB/s "
-                 "+ non-attention time", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, f"{h['gpu']} {h['date']}: floor = KV / memcpy H2D "
+                       f"{doc['ceilings']['memcpy_h2d_gbps']:.1f} GB/s + non-attention time")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -783,11 +778,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
     txt.write_text(text + "\n")
     files = [path, txt]
     if not ns.no_plot:
-        try:
-            png = plot_vllm(doc, results_path(out_dir, header, f"vllm-{opts['preset']}", ext="png"))
-        except Exception as e:  # noqa: BLE001 - a plotting problem must not lose the measurements
-            print(f"plotting failed: {type(e).__name__}: {e}")
-            png = None
+        png = try_plot(plot_vllm, doc, results_path(out_dir, header, f"vllm-{opts['preset']}", ext="png"))
         if png is not None:
             files.append(png)
     print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)
