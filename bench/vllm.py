@@ -121,6 +121,8 @@ ELEM_BYTES = 2  # bf16 KV
 WORKER_MODULE = "bench.vllm_worker"
 VLLM_MISSING = ("bench vllm: vLLM is not importable: `pip install -e .[vllm]` (vllm==0.26.0), or put the folder "
                 "vLLM is installed in on PYTHONPATH")
+PLUGIN_MISSING = ("bench vllm: the directkv plugin is not installed where vLLM runs (no `vllm.general_plugins` "
+                  "entry point `directkv`): `pip install -e .` there, not only this tree on PYTHONPATH")
 
 ROW_FIELDS = ("bench", "method", "role", "context", "batch", "batch_spec", "status", "error", "note", "ttft_ms",
               "ttft_max_ms", "decode_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",

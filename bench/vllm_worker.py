@@ -28,8 +28,8 @@ import time
 import traceback
 from pathlib import Path
 
-from bench.vllm import (DIRECTKV_BACKEND, METHOD_NAMES, VLLM_MISSING, max_batch, new_row, reduce_timing,
-                        resolve_batches)
+from bench.vllm import (DIRECTKV_BACKEND, METHOD_NAMES, PLUGIN_MISSING, VLLM_MISSING, max_batch, new_row,
+                        reduce_timing, resolve_batches)
 from directkv_cute.env import VLLM_HBM_GB
 
 GiB = 1 << 30
@@ -199,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, out)
 
     if spec["method"] == "directkv":  # backend_probe travels to the engine's process (module docstring)
+        from directkv_cute.vllm import plugin_installed
+
+        if not plugin_installed():
+            result.update(status="error", error=PLUGIN_MISSING)
+            print(PLUGIN_MISSING, file=sys.stderr)
+            write()
+            return 2
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         os.environ[VLLM_HBM_GB] = repr(float(spec.get("hbm_gib") or 0))  # the plugin's HBM tier, 0: none
     try:

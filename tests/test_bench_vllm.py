@@ -653,3 +653,30 @@ def test_an_hbm_tier_row_in_the_table_has_no_target(tmp_path):
     lines = bv.format_table(doc).splitlines()
     tier = [line for line in lines if line.startswith(name)]
     assert len(tier) == 2 and not any(">=95%" in line for line in tier)
+
+
+def test_the_directkv_worker_refuses_without_the_plugins_entry_point(tmp_path, monkeypatch, capsys):
+    """A source tree on PYTHONPATH has no entry point, so vLLM would find no CUSTOM backend: the
+    worker says so before starting an engine (and before importing vLLM)."""
+    import directkv_cute.vllm as plugin
+    from bench import vllm_worker
+
+    monkeypatch.setattr(plugin, "plugin_installed", lambda: False)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(_spec(tmp_path, "directkv") | {"hbm_gib": 0}))
+    assert vllm_worker.main([str(spec)]) == 2
+    got = json.loads((tmp_path / "directkv.json").read_text())
+    assert got["status"] == "error" and got["error"] == bv.PLUGIN_MISSING
+    assert "entry point" in capsys.readouterr().err
+
+
+def test_the_installed_package_carries_the_plugins_entry_point():
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from directkv_cute.vllm import plugin_installed
+
+    try:
+        distribution("directkv-cute")
+    except PackageNotFoundError:
+        pytest.skip("the package is not installed (a bare source tree)")
+    assert plugin_installed()

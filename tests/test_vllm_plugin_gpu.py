@@ -35,7 +35,8 @@ def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged", ext
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     out = tmp_path / f"{backend}-{'eager' if eager else 'graphs'}-{mode}.json"
     # apply_model ships a function to the engine: allowed by this variable.
-    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=str(HERE)) | (extra_env or {})
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)  # keep where vLLM is
+    env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=path) | (extra_env or {})
     subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), str(model), backend,
                     "eager" if eager else "graphs", str(out), mode], check=True, env=env, timeout=900)
     return json.loads(out.read_text())

@@ -42,6 +42,11 @@ def prompts(mode: str, g: torch.Generator) -> list[dict]:
 def main(model_dir: str, backend: str, eager: str, out_path: str, mode: str = "ragged") -> None:
     from vllm import LLM, SamplingParams
 
+    if backend == "CUSTOM":
+        from directkv_cute.vllm import plugin_installed
+
+        assert plugin_installed(), "the directkv plugin's entry point is not installed: pip install -e ."
+
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
               max_model_len=1024, block_size=16, max_num_batched_tokens=128,  # chunked prefill: mixed steps
               kv_cache_memory_bytes=1 << 30, attention_backend=backend, enforce_eager=eager == "eager",

@@ -17,6 +17,16 @@ ENTRY_POINT = "directkv"  # the plugin's name for VLLM_PLUGINS
 BACKEND_PATH = "directkv_cute.vllm.backend.DirectKVBackend"
 
 
+def plugin_installed() -> bool:
+    """Whether vLLM will find ``register``: the package is installed (``pip install``, editable or
+    not) with its ``vllm.general_plugins`` entry point. A source tree on ``PYTHONPATH`` has none,
+    and then ``--attention-backend CUSTOM`` finds no backend."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "directkv_cute.vllm:register"
+               for ep in entry_points(group="vllm.general_plugins", name=ENTRY_POINT))
+
+
 def register() -> None:
     """Register the backend as vLLM's CUSTOM attention backend and install the pinned KV
     allocation (idempotent)."""
