@@ -210,7 +210,7 @@ def gpu_key(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_") or "unknown"
 
 
-def _package_version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     try:
         from importlib.metadata import version
         return version(dist)
@@ -236,8 +236,8 @@ def env_info(device: str) -> dict:
             "host": platform.node(), "git_commit": _git_commit()}
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "directkv_cute": directkv_cute.__version__,
-                "nvidia_cutlass_dsl": _package_version("nvidia-cutlass-dsl"),
-                "numpy": _package_version("numpy")}
+                "nvidia_cutlass_dsl": package_version("nvidia-cutlass-dsl"),
+                "numpy": package_version("numpy")}
     if device == "cuda":
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         info.update(gpu=props.name, sm_count=props.multi_processor_count,
@@ -468,6 +468,22 @@ def results_path(out_dir: str | Path, header: Mapping, suffix: str = "", ext: st
     """<out_dir>/<gpu>-<date>[-suffix].<ext>."""
     name = f"{header['gpu_key']}-{header['date']}" + (f"-{suffix}" if suffix else "")
     return Path(out_dir) / f"{name}.{ext}"
+
+
+def write_run_files(json_path: Path, doc: Mapping, text: str, out_dir: str | Path, header: Mapping, suffix: str,
+                    plot: Callable | None) -> list[Path]:
+    """A finished run's files beside its JSON: print the table ``text`` and write it as
+    <gpu>-<date>-<suffix>.txt, then the PNG from ``plot(doc, path)`` unless ``plot`` is None (a
+    plotting failure is one line, ``try_plot``); print and return every file written."""
+    print(text, flush=True)
+    txt = results_path(out_dir, header, suffix, ext="txt")
+    txt.write_text(text + "\n")
+    files = [Path(json_path), txt]
+    png = None if plot is None else try_plot(plot, doc, results_path(out_dir, header, suffix, ext="png"))
+    if png is not None:
+        files.append(png)
+    print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)
+    return files
 
 
 def write_json(path: str | Path, doc: Mapping) -> Path:

@@ -105,7 +105,7 @@ import torch
 
 from bench.common import UsageError, add_device_argument, add_out_dir_argument, checked_out_dir
 from bench.common import fmt_opt as _f
-from bench.common import host_available_bytes, is_cpu_run, pyplot, require_gpu, save_figure, try_plot
+from bench.common import host_available_bytes, is_cpu_run, pyplot, require_gpu, save_figure, write_run_files
 from bench.common import kilo as _kilo
 
 E2E_SCHEMA = "directkv-bench-e2e/1"
@@ -939,16 +939,8 @@ def run_e2e(ns: argparse.Namespace) -> int:
     run_rows(runner, doc, write)
     finish_doc(doc, opts, runner.token_bytes)
     write()
-    text = format_table(doc)
-    print(text, flush=True)
-    txt = results_path(out_dir, header, f"e2e-{opts.preset}", ext="txt")
-    txt.write_text(text + "\n")
-    files = [path, txt]
-    if not (ns.no_plot or small):
-        png = try_plot(plot_e2e, doc, results_path(out_dir, header, f"e2e-{opts.preset}", ext="png"))
-        if png is not None:
-            files.append(png)
-    print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)
+    write_run_files(path, doc, format_table(doc), out_dir, header, f"e2e-{opts.preset}",
+                    None if ns.no_plot or small else plot_e2e)
     return 0 if doc["passed"] else 1
 
 

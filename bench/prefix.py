@@ -106,7 +106,7 @@ from bench import peers
 from bench.common import (CEILING_METHODS, GiB, MiB, Ceilings, Shape, UsageError, add_check, add_device_argument,
                           add_out_dir_argument, checked_out_dir, dtype_name, env_info, is_cpu_run, new_results,
                           problem_lines, progress_bar, require_gpu, results_path, save_figure, shape_key,
-                          try_plot, write_json)
+                          write_json, write_run_files)
 from bench.common import fmt_opt as _fmt
 from bench.common import kilo as _kilo
 from bench.harness import BenchOptions, ShapeBench, _Inputs, memory_problem, _short_error, peak_extra_bytes
@@ -756,16 +756,7 @@ def run_prefix(ns: argparse.Namespace) -> int:
                                 "checks": [c for c in doc["checks"] if c["shape"] == row.shape.label]}))
     doc["targets"] = [] if cpu else evaluate_targets(doc)
     write_json(path, doc)
-    text = format_table(doc)
-    print(text, flush=True)
-    txt = results_path(out_dir, header, BENCH, ext="txt")
-    txt.write_text(text + "\n")
-    files = [path, txt]
-    if not (ns.no_plot or cpu):
-        png = try_plot(plot_prefix, doc, results_path(out_dir, header, BENCH, ext="png"))
-        if png is not None:
-            files.append(png)
-    print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)
+    write_run_files(path, doc, format_table(doc), out_dir, header, BENCH, None if ns.no_plot or cpu else plot_prefix)
     print("PASSED all correctness checks" if doc["passed"] else "FAILED: some correctness checks failed", flush=True)
     return 0 if doc["passed"] else 1
 

@@ -103,7 +103,7 @@ import time
 from pathlib import Path
 
 from bench.common import (GB, GiB, UsageError, add_out_dir_argument, checked_out_dir, fmt_opt, host_available_bytes,
-                          kilo, pyplot, save_figure, try_plot)
+                          kilo, pyplot, save_figure, write_run_files)
 
 VLLM_SCHEMA = "directkv-bench-vllm/1"
 METHODS = ("offload", "directkv", "hbm")  # run order: hbm's short rows then cover the others' batches
@@ -724,7 +724,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
     import torch
 
     from bench.ceilings import measure_ceilings
-    from bench.common import _package_version, env_info, require_gpu, results_path, write_json
+    from bench.common import package_version, env_info, require_gpu, results_path, write_json
 
     host_avail = host_available_bytes()
     opts = resolve_options(ns, host_avail)
@@ -733,7 +733,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         raise UsageError(VLLM_MISSING)
     header = env_info("cuda")
-    header["versions"]["vllm"] = _package_version("vllm")
+    header["versions"]["vllm"] = package_version("vllm")
     header["dtype"] = "bfloat16"
     shape = model_shape(opts["preset"])
     path = results_path(out_dir, header, f"vllm-{opts['preset']}")
@@ -774,16 +774,8 @@ def run_vllm(ns: argparse.Namespace) -> int:
         results = run_methods(opts, work_dir=Path(tmp), host_gib=host_gib, write=write, doc=doc,
                               echo=not ns.quiet)
     write()
-    text = format_table(doc)
-    print(text, flush=True)
-    txt = results_path(out_dir, header, f"vllm-{opts['preset']}", ext="txt")
-    txt.write_text(text + "\n")
-    files = [path, txt]
-    if not ns.no_plot:
-        png = try_plot(plot_vllm, doc, results_path(out_dir, header, f"vllm-{opts['preset']}", ext="png"))
-        if png is not None:
-            files.append(png)
-    print("files:\n" + "\n".join(f"  {p}" for p in files), flush=True)
+    write_run_files(path, doc, format_table(doc), out_dir, header, f"vllm-{opts['preset']}",
+                    None if ns.no_plot else plot_vllm)
     if results and all(r.get("returncode") == 2 for r in results):
         return 2  # no worker could start (vLLM not importable there)
     return 0 if doc["passed"] else 1
