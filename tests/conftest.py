@@ -82,3 +82,12 @@ def sampled_multi_token_legality():
         return memo[shape]
 
     return legality
+
+
+@pytest.fixture
+def cwd(tmp_path, monkeypatch):
+    """An empty current directory (where a command's default output would land)."""
+    d = tmp_path / "cwd"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    return d

@@ -44,15 +44,6 @@ def no_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-@pytest.fixture
-def cwd(tmp_path, monkeypatch) -> Path:
-    """An empty current directory."""
-    d = tmp_path / "cwd"
-    d.mkdir()
-    monkeypatch.chdir(d)
-    return d
-
-
 def _files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 

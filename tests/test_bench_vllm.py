@@ -22,14 +22,6 @@ TOKEN_BYTES_8B = 32 * 2 * 8 * 128 * 2  # layers x K/V x KV heads x head dim x bf
 
 
 @pytest.fixture
-def cwd(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "cwd"
-    d.mkdir()
-    monkeypatch.chdir(d)
-    return d
-
-
-@pytest.fixture
 def fake_gpu(monkeypatch):
     """A machine that claims a GPU it does not have: any GPU work (the header, the ceilings) raises
     instead of the one-line refusal the tests expect."""

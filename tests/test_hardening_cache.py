@@ -12,6 +12,7 @@ import torch
 
 from directkv_cute.cache import KernelTables, PagedKVCache, StaleTablesError, TokenSlots
 from directkv_cute.cache.tables import check_kernel_tables
+from cache_reads import read_through_tables
 
 L, H, D, P = 2, 2, 8, 16
 
@@ -24,19 +25,6 @@ def rand(n: int, seed: int, layers: bool = True) -> tuple[torch.Tensor, torch.Te
     g = torch.Generator().manual_seed(seed)
     shape = (n, L, H, D) if layers else (n, H, D)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-def read_through_tables(cache: PagedKVCache, sid: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V (n, L, H, D) of a sequence gathered the way the kernels read: from its kernel table."""
-    t = cache.kernel_tables([sid])
-    row, n = t.host_table[0], t.host_seq_lens[0]
-    ks, vs = [], []
-    for pos in range(n):
-        e = int(row[pos // P])
-        pool, idx = (cache.host_pool, e) if e >= 0 else (cache.hbm_pool, -e - 1)
-        ks.append(pool[idx, :, :, 0, pos % P])
-        vs.append(pool[idx, :, :, 1, pos % P])
-    return torch.stack(ks), torch.stack(vs)
 
 
 # ---- token slots carry the cache's identity and slot generation ------------------------------

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from directkv_cute.cache import CacheCapacityError, PagedKVCache, StaleTablesError, encode_page
 from directkv_cute.reference import tables_attention_ref
+from cache_reads import read_through_tables
 
 L, H, D, P = 2, 2, 8, 16
 
@@ -27,20 +28,6 @@ def make(host=16, hbm=2, window=6) -> PagedKVCache:
 
 def rand(n, gen):
     return torch.randn(n, L, H, D, generator=gen), torch.randn(n, L, H, D, generator=gen)
-
-
-def read_through_tables(cache: PagedKVCache, sid: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V (n, L, H, D) of a sequence gathered the way the kernels read: from its kernel table."""
-    t = cache.kernel_tables([sid])
-    n = t.host_seq_lens[0]
-    row = t.host_table[0]
-    ks, vs = [], []
-    for pos in range(n):
-        e = int(row[pos // P])
-        pool, idx = (cache.host_pool, e) if e >= 0 else (cache.hbm_pool, -e - 1)
-        ks.append(pool[idx, :, :, 0, pos % P])
-        vs.append(pool[idx, :, :, 1, pos % P])
-    return torch.stack(ks), torch.stack(vs)
 
 
 def test_mirrored_pages_are_written_through_and_read_from_hbm():
