@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_engine import compare_generations
+
 pytestmark = pytest.mark.gpu
 
 HERE = Path(__file__).resolve().parent
@@ -43,17 +45,7 @@ def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged", ext
 
 
 def _compare(ours: list, ref: list) -> None:
-    assert len(ours) == len(ref)
-    for r, (a, b) in enumerate(zip(ours, ref)):
-        for step, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
-            top = sorted(b["logprobs"][step].values(), reverse=True)
-            if ta != tb:
-                assert len(top) > 1 and top[0] - top[1] < TIE, \
-                    f"request {r} step {step}: token {ta} vs {tb}, reference margin {top[0] - top[1]:.3f}"
-                break  # past a near tie the two continuations differ by design
-            la, lb = a["logprobs"][step][str(ta)], b["logprobs"][step][str(tb)]
-            assert abs(la - lb) < LOGPROB_TOL, f"request {r} step {step}: logprob {la:.4f} vs {lb:.4f}"
-        assert a["tokens"][:3] == b["tokens"][:3], f"request {r}: the first tokens differ"
+    compare_generations(ours, ref, logprob_tol=LOGPROB_TOL, tie=TIE)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,34 @@ def prompts(mode: str, g: torch.Generator) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(0, 1000, (n,), generator=g).tolist()} for n in PROMPT_LENS]
 
 
+def compare_generations(ours: list, ref: list, *, logprob_tol: float, tie: float) -> int:
+    """Assert that two engines' greedy generations (``main``'s records) agree; returns the number
+    of steps compared token for token. Each request's tokens must be equal, with logprobs within
+    ``logprob_tol``, up to a step where the reference's top two are within ``tie`` of each other
+    (there either token is a correct greedy pick): at such a step ours may take the other one,
+    whose reference logprob it must then match, and the request ends there. At least half of
+    all steps must be compared, so a run that leaves every request at its first step fails."""
+    assert len(ours) == len(ref), f"{len(ours)} requests against {len(ref)}"
+    compared = total = 0
+    for r, (a, b) in enumerate(zip(ours, ref)):
+        assert len(a["tokens"]) == len(b["tokens"]), f"request {r}: {len(a['tokens'])} tokens vs {len(b['tokens'])}"
+        total += len(b["tokens"])
+        for step, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
+            la, lb = a["logprobs"][step], b["logprobs"][step]
+            if ta != tb:
+                assert str(ta) in lb, f"request {r} step {step}: token {ta} is not in the reference's top {sorted(lb)}"
+                margin = lb[str(tb)] - lb[str(ta)]
+                assert margin < tie, f"request {r} step {step}: token {ta} vs {tb}, reference margin {margin:.3f}"
+                assert abs(la[str(ta)] - lb[str(ta)]) < logprob_tol, \
+                    f"request {r} step {step}: logprob of {ta} {la[str(ta)]:.4f} vs {lb[str(ta)]:.4f}"
+                break  # past a tie the two continuations differ by design
+            assert abs(la[str(ta)] - lb[str(tb)]) < logprob_tol, \
+                f"request {r} step {step}: logprob {la[str(ta)]:.4f} vs {lb[str(tb)]:.4f}"
+            compared += 1
+    assert 2 * compared >= total, f"only {compared} of {total} steps compared: the runs part too early"
+    return compared
+
+
 def main(model_dir: str, backend: str, eager: str, out_path: str, mode: str = "ragged") -> None:
     from vllm import LLM, SamplingParams
 
