@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -294,20 +293,12 @@ class ProfileConfigs:
             quiet: bool = False):
         """(config, source) of ``kernel``; ``quiet``: no warning for a missing entry."""
         from directkv_cute.tuning.lookup import select_config
-        from directkv_cute.tuning.profiles import ProfileWarning, current_kernel_hash
+        from directkv_cute.tuning.profiles import current_kernel_hash
 
-        def look():
-            return select_config(kernel, gpu_name=self.gpu_name, kernel_hash=current_kernel_hash(kernel),
-                                 dtype=shape.compute_dtype, head_dim=shape.head_dim, group=group,
-                                 page_size=shape.page_size, batch=batch, context=context, q_len=q_len,
-                                 rows=group * q_len)
-
-        if not quiet:
-            return look()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=f"directkv-cute: no tuned {kernel} config",
-                                    category=ProfileWarning)
-            return look()
+        return select_config(kernel, gpu_name=self.gpu_name, kernel_hash=current_kernel_hash(kernel),
+                             dtype=shape.compute_dtype, head_dim=shape.head_dim, group=group,
+                             page_size=shape.page_size, batch=batch, context=context, q_len=q_len,
+                             rows=group * q_len, quiet=quiet)
 
 
 class DefaultConfigs:

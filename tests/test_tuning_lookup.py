@@ -281,6 +281,27 @@ def test_multi_token_kernel_lookup(tmp_path):
     assert pre(q_len=128) == (tuned, "nearest")
 
 
+def test_a_missing_class_is_warned_once_for_all_its_shapes(tmp_path):
+    """A server meets one untuned class at every batch and chunk length: one warning names the
+    first shape; another page size is another class and warns again; a quiet lookup says
+    nothing and leaves the warning for the first loud one."""
+    def pre(q_len, batch=1, page_size=64, quiet=False):
+        return L.select_config("multi_token", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128,
+                               group=8, page_size=page_size, batch=batch, context=4096, q_len=q_len,
+                               rows=8 * q_len, quiet=quiet)
+
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert pre(64, quiet=True)[1] == "default"
+        for q_len, batch in ((32, 1), (48, 2), (16, 3)):
+            assert pre(q_len, batch)[1] == "default"
+        assert pre(32, page_size=16)[1] == "default"
+    msgs = [str(x.message) for x in w if issubclass(x.category, P.ProfileWarning)]
+    assert len(msgs) == 2, msgs
+    assert "page_size=64; first at batch=1 q_len=32" in msgs[0] and "not warned again" in msgs[0]
+    assert "page_size=16; first at batch=1 q_len=32" in msgs[1]
+
+
 def test_repeated_lookup_is_cheap(tmp_path):
     write_profile(tmp_path)
     ask(3, 9000)

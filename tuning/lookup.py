@@ -283,7 +283,8 @@ def _key_diff(asked: dict, path: Path | None) -> str:
     return "\n".join(lines)
 
 
-def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows) -> Decision:
+def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows,
+            quiet: bool = False) -> Decision:
     dt = normalize_dtype(dtype)
     mode = _require_mode()  # the variables parsed first: a bad one raises, never a fall-back
     profile_dirs()
@@ -324,12 +325,15 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
             + _key_diff(asked, t.profile_path)
             + f"\nProduce it with: {hint}"
         )
-    _warn_once(
-        ("miss", tkey),
-        f"directkv-cute: no tuned {kernel} config for {gpu_name} (dtype={dt} head_dim={head_dim} group={group} "
-        f"page_size={page_size} batch={batch} q_len={q_len}): {t.reason}. Using the heuristic default "
-        f"{t.default}. Expected profile: {t.expected_path}. Produce it with: {hint}",
-    )
+    # once per kernel and cache geometry: a server meets this class at every batch and chunk length
+    if not quiet:
+        _warn_once(
+            ("miss", kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, *tkey[-2:]),
+            f"directkv-cute: no tuned {kernel} config for {gpu_name} (dtype={dt} head_dim={head_dim} group={group} "
+            f"page_size={page_size}; first at batch={batch} q_len={q_len}): {t.reason}. Using the heuristic "
+            f"default {t.default} (not warned again for other shapes of this class). Expected profile: "
+            f"{t.expected_path}. Produce it with: {hint}",
+        )
     return Decision(t.default, "default", None, t.profile_path, t.expected_path, t.reason)
 
 
@@ -351,8 +355,9 @@ def _warn_stale(kernel, t: _Table, bucket, tuned_for, kernel_hash, hint) -> None
 
 
 def select_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_dim: int, group: int, page_size: int,
-                  batch: int, context: int, q_len: int, rows: int):
-    """``(config, source)`` for one launch; source is "exact", "nearest" or "default".
+                  batch: int, context: int, q_len: int, rows: int, quiet: bool = False):
+    """``(config, source)`` for one launch; source is "exact", "nearest" or "default"; ``quiet``:
+    no warning when no tuned entry serves it (callers that only ask what a launch would use).
 
     ``rows`` is the query rows per CTA (GQA group x max q_len); ``context`` the longest sequence;
     ``kernel_hash`` the kernel's current source hash (``profiles.current_kernel_hash(kernel)``).
@@ -364,7 +369,8 @@ def select_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_d
     if hit is not None:
         return hit
     with _LOCK:
-        d = _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows)
+        d = _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows,
+                    quiet)
         if len(_DECISIONS) >= _MAX_DECISIONS:
             _DECISIONS.clear()
         out = (d.config, d.source)
