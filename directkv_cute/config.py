@@ -20,6 +20,7 @@ _BARRIER_AND_ALIGN_BYTES = 1024  # the mbarriers (<= 192 B), padded to the tiles
 SUPPORTED_HEAD_DIMS = (64, 128)
 MAX_LINK_CREDITS = 1 << 20  # far above any useful value; keeps ticket differences inside int32
 SUPPORTED_PAGE_SIZES = (16, 32, 64, 128)
+DEFAULT_PAGE_SIZE = 64  # what caches and the vLLM backend use unless told: the shipped profiles' tuned page size
 
 
 class ConfigError(ValueError):

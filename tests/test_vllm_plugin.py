@@ -571,6 +571,27 @@ def test_register_resolves_custom_to_the_backend_and_matches_vllm_signatures():
     assert ours.DirectKVBackend.get_kv_cache_block_dim(16, 8, 128) == 0
 
 
+def test_vllm_gives_the_backend_its_tuned_page_size_unless_told(monkeypatch):
+    """vLLM's block size is the page size: without --block-size vLLM asks the backend and gets
+    the tuned one (DEFAULT_PAGE_SIZE); a --block-size the kernels read is kept."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.config.cache import CacheConfig
+    from vllm.platforms.interface import Platform
+
+    from directkv_cute.config import DEFAULT_PAGE_SIZE
+    from directkv_cute.vllm.backend import DirectKVBackend
+
+    assert DEFAULT_PAGE_SIZE != CacheConfig.DEFAULT_BLOCK_SIZE
+    monkeypatch.setattr(Platform, "_find_non_ssm_backend", classmethod(lambda cls, cfg: DirectKVBackend))
+    for given, want in ((None, DEFAULT_PAGE_SIZE), (32, 32), (16, 16)):
+        cache = CacheConfig() if given is None else CacheConfig(block_size=given)
+        cfg = SimpleNamespace(cache_config=cache, model_config=SimpleNamespace(is_hybrid=False))
+        Platform.update_block_size_for_backend(cfg)
+        assert cache.block_size == want, (given, cache.block_size)
+
+
 def test_register_wraps_the_v2_runner_kv_allocation_once():
     pytest.importorskip("vllm")
     import vllm.v1.worker.gpu.attn_utils as attn_utils

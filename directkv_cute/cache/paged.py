@@ -20,7 +20,7 @@ from directkv_cute.cache.tables import (
     check_slots,
     check_tables,
 )
-from directkv_cute.config import SUPPORTED_PAGE_SIZES
+from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_PAGE_SIZES
 
 
 def _locked(method):
@@ -116,7 +116,7 @@ class PagedKVCache:
         self._closed = False
 
     @classmethod
-    def for_model(cls, config, *, host_bytes: int, hbm_bytes: int = 0, page_size: int = 64,
+    def for_model(cls, config, *, host_bytes: int, hbm_bytes: int = 0, page_size: int = DEFAULT_PAGE_SIZE,
                   dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
                   compute_dtype: torch.dtype | None = None) -> "PagedKVCache":
         """A cache sized by bytes for a model config (a transformers config or anything with

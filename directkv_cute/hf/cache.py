@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("directkv_cute.hf needs transformers: pip install 'directkv-cute[hf]'") from exc
 
 from directkv_cute.cache import CacheCapacityError, PagedKVCache, page_bytes
-from directkv_cute.config import SUPPORTED_PAGE_SIZES
+from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_PAGE_SIZES
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.hf.model import (
     KERNEL_HEAD_DIMS,
@@ -147,7 +147,7 @@ class DirectKVCache(Cache):
     owner lives.
     """
 
-    def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = 64,
+    def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, share_prompts: bool = True,
                  window_tokens: int = WINDOW_TOKENS, kv_dtype: str | torch.dtype | None = None):

@@ -40,7 +40,7 @@ from vllm.v1.attention.backend import (
 )
 
 from directkv_cute import env
-from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.vllm.step import (
     HbmMirrors,
     check_geometry,
@@ -77,6 +77,12 @@ class DirectKVBackend(AttentionBackend):
     @staticmethod
     def get_supported_kernel_block_sizes():
         return list(SUPPORTED_PAGE_SIZES)
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        # vLLM asks this only when --block-size is not given: the page size the shipped profiles
+        # are tuned for (vLLM's own default, 16, has no tuned entries and 4x the pages per token)
+        return DEFAULT_PAGE_SIZE
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
