@@ -240,19 +240,62 @@ def _reference(plan, bound, q, cache, layer, scale, out):
     return o, lse
 
 
-def _in_place_kernel(plan, dtype, partials=None):
-    """The compiled kernel of an in-place plan (``partials``: it writes split partials)."""
+def _in_place_kernel(plan, dtype, partials=None, compile_now=True):
+    """The compiled kernel of an in-place plan (``partials``: it writes split partials); with
+    ``compile_now`` False, the (compile function, arguments) that give it."""
     from directkv_cute.kernels.trace import current_trace
 
     shape, cfg = plan.shape, plan.config
     multi_token = plan.kernel == "multi_token"
     if partials is None:
-        partials = plan.splits > 1 or multi_token
+        partials = _in_place_partials(plan)
     if plan.kernel == "decode_fp8":
-        return _compiled_fp8(cfg, dtype, shape.page_dtype, shape.head_dim, shape.page_size, shape.group,
-                             shape.max_q_len, partials)
-    return _compiled(cfg, dtype, shape.head_dim, shape.page_size, shape.group, shape.max_q_len, partials, multi_token,
-                     current_trace() if multi_token else None)
+        fn, args = _compiled_fp8, (cfg, dtype, shape.page_dtype, shape.head_dim, shape.page_size, shape.group,
+                                   shape.max_q_len, partials)
+    else:
+        fn, args = _compiled, (cfg, dtype, shape.head_dim, shape.page_size, shape.group, shape.max_q_len, partials,
+                               multi_token, current_trace() if multi_token else None)
+    return fn(*args) if compile_now else (fn, args)
+
+
+def _q_tiled_args(plan, dtype) -> tuple:
+    """``_compiled_q_tiled``'s arguments for a Q-tiled plan (staged or over HBM)."""
+    shape = plan.shape
+    return (plan.config, dtype, shape.head_dim, shape.page_size, shape.group, plan.staging is not None,
+            plan.layout.splits > 1)
+
+
+def _in_place_partials(plan, parts=None) -> bool:
+    """Whether an in-place launch writes split partials (merged by the combine kernel)."""
+    return plan.splits > 1 or plan.kernel == "multi_token" or parts is not None
+
+
+def plan_kernels(plan, dtype) -> list[tuple]:
+    """The compiled kernels ``run`` launches for ``plan`` with queries of ``dtype``, as
+    (memoized compile function, its arguments): calling each compiles it now (or loads it from
+    the disk cache), so that no launch of the plan compiles. A serving engine calls them at
+    startup for the steps it may plan (``directkv_cute.vllm``'s warm-up)."""
+    route = plan.route
+    if route == "cascade":
+        return [k for p in plan.passes for k in plan_kernels(p.plan, dtype)]
+    if route == "cascade_staged":
+        return plan_kernels(plan.inner, dtype)
+    shape = plan.shape
+    combine = (_compiled_combine, (shape.head_dim, dtype))
+    if route in ("decode", "multi_token", "decode_fp8", "decode_fp8_staged", "decode_fp8_two_piece"):
+        parts = plan.fp8_parts if route == "decode_fp8_two_piece" else None
+        partials = _in_place_partials(plan, parts or None)
+        fn, args = _in_place_kernel(plan, dtype, partials, compile_now=False)
+        return [(fn, args)] + ([combine] if partials else [])
+    if route in ("q_tiled_hbm", "q_tiled_staged"):
+        return [(_compiled_q_tiled, _q_tiled_args(plan, dtype))]
+    dequant = (_compiled_dequant, (shape.page_dtype, dtype, shape.head_dim, shape.page_size))
+    if route == "fp8_dequantized":
+        return [dequant] + plan_kernels(plan.inner, dtype)
+    if route == "fp8_by_head":
+        return [(_compiled_q_tiled, (plan.config, dtype, shape.head_dim, shape.page_size, shape.group, False, False)),
+                dequant]
+    raise ValueError(f"no runner for route {route!r}")
 
 
 def _in_place(plan, bound, q, cache, layer, scale, out, parts=None):
@@ -264,8 +307,7 @@ def _in_place(plan, bound, q, cache, layer, scale, out, parts=None):
 
     total_q, hq, d = q.shape
     counters = link_counters(q.device)  # before any allocation: refused inside a capture that would own them
-    multi_token = plan.kernel == "multi_token"
-    partials = plan.splits > 1 or multi_token or parts is not None
+    partials = _in_place_partials(plan, parts)
     fn = _in_place_kernel(plan, q.dtype, partials)
     tables = bound.tables
     if parts is None:
@@ -304,7 +346,7 @@ def _q_tiled(plan, bound, q, cache, layer, scale, out):
     sp = plan.staging
     host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
     tables = bound.tables
-    fn = _compiled_q_tiled(cfg, q.dtype, d, P, shape.group, sp is not None, lo.splits > 1)
+    fn = _compiled_q_tiled(*_q_tiled_args(plan, q.dtype))
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)

@@ -25,6 +25,7 @@ step, so vLLM captures the rest of the model piecewise and runs attention betwee
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import ClassVar
@@ -50,6 +51,8 @@ from directkv_cute.vllm.step import (
     slot_destinations,
     step_shape,
     store_kv,
+    warmup_kernels,
+    warmup_steps,
 )
 
 log = logging.getLogger(__name__)
@@ -151,6 +154,10 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                              "decoding makes them upper bounds: run without --speculative-config")
         self._views = None  # {layer name: PoolView over its host KV and its HBM pool}, at the first build
         self._mirrors = None  # the HBM tier's policy (None: no tier)
+        # vLLM compiles the units of registered providers before serving (kernel_warmup)
+        from vllm.model_executor.warmup.cutedsl_warmup import register_cutedsl_warmup_provider
+
+        register_cutedsl_warmup_provider(self)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -190,6 +197,30 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             views[name] = pool_view(layer.kv_cache, name, hbm[owner])
         self._views = views
         return views
+
+    def get_cutedsl_warmup_compile_units(self) -> list:
+        """vLLM's warm-up before serving: every kernel the plans of this server's steps launch
+        (``step.warmup_steps``: decode batches, prompt chunks and mixed steps within its
+        ``max_num_seqs``, token budget, ``max_model_len`` and KV blocks), compiled (or loaded
+        from the kernel disk cache) once, so that no request waits for a compile."""
+        from vllm.model_executor.warmup.cutedsl_warmup import CuTeDSLCompileUnit
+
+        config = self.vllm_config
+        try:
+            pools = self._layer_views()[self.layer_names[0]]
+            steps = warmup_steps(max_num_seqs=config.scheduler_config.max_num_seqs,
+                                 max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+                                 max_model_len=config.model_config.max_model_len, page_size=self.page_size,
+                                 num_blocks=pools.host_pool.shape[0])
+            kernels = warmup_kernels(pools, steps, num_q_heads=self.num_q_heads, dtype=config.model_config.dtype,
+                                     device=self.device)
+        except Exception as e:  # the server still runs: the kernels compile at their first step instead
+            log.warning("DirectKV: no kernel warm-up (%s: %s); kernels compile when a step first needs them",
+                        type(e).__name__, e)
+            return []
+        log.info("DirectKV: %d kernels to compile or load for %d step shapes", len(kernels), len(steps))
+        return [CuTeDSLCompileUnit(f"directkv {fn.__name__.strip('_')}", key, functools.partial(fn, *args))
+                for key, (fn, args) in kernels.items()]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DirectKVMetadata:

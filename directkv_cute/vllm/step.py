@@ -300,6 +300,63 @@ class HbmMirrors:
         return out
 
 
+WARMUP_CONTEXTS = (1024, 4096, 16384, 65536, 262144)  # with max_model_len: one per few profile buckets
+WARMUP_CHUNKS = (16, 128, 512, 2048)  # prompt chunks below the token budget, with the budget itself
+
+
+def warmup_steps(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, page_size: int,
+                 num_blocks: int) -> list[tuple[tuple, tuple]]:
+    """(seq_lens, q_lens) of steps a vLLM server makes, for the kernels' warm-up: decode steps
+    of 1, 2, 4, ... up to ``max_num_seqs`` requests at each warm-up context up to
+    ``max_model_len``; prompt chunks of the token budget and of shorter lengths at every context
+    that holds them; mixed steps of decodes and one chunk filling the budget. Steps whose pages
+    exceed ``num_blocks`` are left out (the server cannot make them)."""
+    for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("max_model_len", max_model_len), ("page_size", page_size), ("num_blocks", num_blocks)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    contexts = sorted({c for c in WARMUP_CONTEXTS if c < max_model_len} | {int(max_model_len)})
+    batches, b = [], 1
+    while b <= max_num_seqs:
+        batches.append(b)
+        b *= 2
+    budget = min(int(max_num_batched_tokens), int(max_model_len))
+    chunks = sorted({q for q in WARMUP_CHUNKS if q < budget} | {budget})
+    steps = [((c,) * b, (1,) * b) for b in batches for c in contexts]
+    steps += [((c,), (q,)) for q in chunks for c in sorted({q} | {c for c in contexts if c > q})]
+    steps += [((contexts[-1],) * b + (budget,), (1,) * b + (budget - b,)) for b in batches if b < budget]
+
+    def pages(step):
+        return sum(-(-n // page_size) for n in step[0])
+
+    return [step for step in steps if pages(step) <= num_blocks]
+
+
+def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info=None) -> dict:
+    """{key: (compile function, arguments)} of every kernel the plans of ``steps`` (``warmup_steps``)
+    launch over ``pools`` (a layer's ``runner.PoolView``), planned as the builder plans a step:
+    each step's sequences on consecutive host pages. ``device_info``: the GPU to plan for
+    (default: the pools' device's)."""
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.runner import plan_kernels, tables_from_host
+
+    page_size, num_blocks = pools.page_size, pools.host_pool.shape[0]
+    out: dict = {}
+    for seq_lens, q_lens in steps:
+        n = [-(-s // page_size) for s in seq_lens]
+        first = np.cumsum([0] + n[:-1])
+        blocks = np.zeros((len(n), max(n)), dtype=np.int64)
+        for b, (f, k) in enumerate(zip(first, n)):
+            blocks[b, :k] = np.arange(f, f + k)
+        table = page_table(blocks, seq_lens, page_size, num_blocks)
+        tables = tables_from_host(table, seq_lens, device)._replace(back_to_back=True)
+        plan = DirectKVAttention(pools).plan(tables=tables, q_lens=q_lens, num_q_heads=num_q_heads,
+                                             max_seq_len=max(seq_lens), device_info=device_info)
+        for fn, args in plan_kernels(plan, dtype):
+            out.setdefault((fn.__name__, *args), (fn, args))
+    return out
+
+
 def check_geometry(head_dim: int, block_size: int) -> None:
     """That the kernels read pages of this head dim and block size."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -354,4 +411,4 @@ def check_host_bytes(nbytes: int, available: int | None) -> None:
 
 __all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
            "slot_destinations", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
-           "hbm_pages", "check_host_bytes"]
+           "hbm_pages", "check_host_bytes", "warmup_steps", "warmup_kernels"]
