@@ -48,15 +48,21 @@ the startup plan (``VLLM_ENABLE_STARTUP_PLAN``) neither applies nor saves a plan
 given. ``request_memory`` still asks for ``--gpu-memory-utilization`` of the device's memory to
 be free at startup, whatever the KV size.
 
-**Timing.** Each (method, context, batch) submits ``batch`` requests of distinct random token
-ids (nothing shared between requests or rows) with greedy sampling, ``ignore_eos``,
-``max_tokens = 1 + --new-tokens`` and no detokenization, then drives ``engine.step()`` itself,
-stamping ``time.perf_counter()`` whenever a request's output grows (cumulative outputs). From
-those stamps (``reduce_timing``): TTFT (submit -> first token; batches: median and max), decode
+**Timing.** Each (method, context, batch) makes ``batch`` prompts of distinct random token ids
+(nothing shared between requests or rows) and drives ``engine.step()`` itself over two passes
+of them, greedy, ``ignore_eos``, no detokenization (prefix caching on, every method;
+``bench/vllm_worker.py``, ``measure``), stamping ``time.perf_counter()`` whenever a request's
+output grows (cumulative outputs). Pass 1 asks one token per request: TTFT (submit -> first
+token; batches: median and max) is the prompts' prefill. Its finished requests leave their
+blocks in vLLM's prefix cache (and, for offload, in its host buffer), so pass 2, the same
+prompts for ``1 + --new-tokens`` tokens, starts every request decoding together rather than
+between other prompts' prefill chunks: ``resume ms`` is its median time to the first token (the
+cached KV reloaded, or read in place), and from its stamps (``reduce_timing``) come the decode
 ms per token per sequence (median over requests of (t_last - t_first) / (tokens - 1)), total
 decode tokens/s over the stretch in which every request is decoding, and the peak number of
 requests that got a decode token in the same step. A short request warms the engine up first
-(compilation and CUDA graph capture are not timed).
+(compilation and CUDA graph capture are not timed; the directkv plugin compiles its kernels in
+vLLM's warm-up before serving).
 
 **Memory.** ``GPU`` is the device memory in use during the row minus before the engine started
 (NVML where available, else ``torch.cuda.mem_get_info``); ``staging`` is vLLM's GPU KV pool (every
@@ -125,7 +131,7 @@ PLUGIN_MISSING = ("bench vllm: the directkv plugin is not installed where vLLM r
                   "entry point `directkv`): `pip install -e .` there, not only this tree on PYTHONPATH")
 
 ROW_FIELDS = ("bench", "method", "role", "context", "batch", "batch_spec", "status", "error", "note", "ttft_ms",
-              "ttft_max_ms", "decode_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",
+              "ttft_max_ms", "resume_ms", "decode_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",
               "new_tokens", "gpu_bytes", "staging_bytes", "host_bytes", "kv_bytes_per_step", "non_attention_ms",
               "floor_ms", "pct_floor", "target_pct", "target_met", "wall_s")
 STATUSES = ("ok", "error", "timeout", "skipped")
@@ -581,7 +587,7 @@ def collect(doc: dict, results: list[dict]) -> dict:
 
 
 # ---- table and plot --------------------------------------------------------------------------
-TABLE_COLUMNS = ("method", "ctx", "B", "status", "TTFT ms", "ms/tok/seq", "tok/s", "peak conc.", "GPU GiB",
+TABLE_COLUMNS = ("method", "ctx", "B", "status", "TTFT ms", "resume ms", "ms/tok/seq", "tok/s", "peak conc.", "GPU GiB",
                  "staging GiB", "host GiB", "floor ms", "%floor", "target", "note")
 
 
@@ -611,7 +617,7 @@ def format_table(doc: dict) -> str:
         target = "" if r["target_pct"] is None else f">={r['target_pct']:.0f}% " + {
             True: "MET", False: "MISS", None: "?"}[r["target_met"]]
         lines.append((r["method"], "-" if r["context"] is None else kilo(r["context"]), fmt_opt(r["batch"], "d"),
-                      r["status"], ttft, fmt_opt(r["decode_ms"], ".2f"), fmt_opt(r["tokens_per_s"], ".0f"),
+                      r["status"], ttft, fmt_opt(r["resume_ms"], ".0f"), fmt_opt(r["decode_ms"], ".2f"), fmt_opt(r["tokens_per_s"], ".0f"),
                       fmt_opt(r["peak_concurrent"], "d"), _gib(r["gpu_bytes"]), _gib(r["staging_bytes"]),
                       _gib(r["host_bytes"]), fmt_opt(r["floor_ms"], ".2f"), fmt_opt(r["pct_floor"], ".0f"), target,
                       note))

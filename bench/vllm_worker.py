@@ -78,7 +78,7 @@ def engine_kwargs(spec: dict) -> dict:
     ``kv_cache_memory_bytes``, which skips vLLM's HBM profiling for the KV size (the plugin
     allocates those bytes in pinned host memory, not in HBM)."""
     kw = dict(model=spec["model_dir"], load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              generation_config="vllm", max_model_len=spec["max_model_len"],
+              generation_config="vllm", max_model_len=spec["max_model_len"], enable_prefix_caching=True,
               gpu_memory_utilization=spec["gpu_memory_utilization"], seed=spec["seed"],
               enforce_eager=spec["enforce_eager"])
     if spec["method"] == "offload":
@@ -185,6 +185,22 @@ def drive(engine, prompts: list[list[int]], params, mem: GpuMemory, tag: str) ->
     return submit, events
 
 
+def measure(engine, prompts: list[list[int]], max_tokens: int, sampling, mem: GpuMemory, tag: str) -> dict:
+    """One row's timings from two passes over the same prompts. Pass 1 generates one token per
+    request: its TTFT is the prompts' prefill (``ttft_ms`` / ``ttft_max_ms``), and the finished
+    requests leave their KV blocks in vLLM's prefix cache (offload: in its host buffer too).
+    Pass 2 submits the same prompts for ``max_tokens``: their blocks are found cached, so the
+    requests start decoding together instead of after one another's prefill chunks, and its
+    stamps give the decode timings (``reduce_timing``) and ``resume_ms``, the median time to
+    its first token (the cached prompts reloaded or read where they are). ``sampling(n)``: the
+    sampling parameters for n tokens."""
+    submit, events = drive(engine, prompts, sampling(1), mem, f"{tag}p")
+    first = reduce_timing(submit, events)
+    submit, events = drive(engine, prompts, sampling(max_tokens), mem, f"{tag}d")
+    decode = reduce_timing(submit, events)
+    return decode | {"ttft_ms": first["ttft_ms"], "ttft_max_ms": first["ttft_max_ms"], "resume_ms": decode["ttft_ms"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(Path(argv[0]).read_text())
@@ -258,8 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                 write()
                 return 1
     write()
-    params = SamplingParams(temperature=0.0, max_tokens=spec["seq_extra"], ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.CUMULATIVE)
+    def sampling(max_tokens: int):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                              output_kind=RequestOutputKind.CUMULATIVE)
+
     vocab = engine.model_config.get_vocab_size()
     gen = torch.Generator().manual_seed(int(spec["seed"]))
     rows_done = [0]
@@ -273,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         t_row = time.perf_counter()
         try:
             mem.reset()
-            submit, events = drive(engine, prompts(batch, context), params, mem, f"c{context}b{batch}r{rows_done[0]}")
-            timing = reduce_timing(submit, events)
+            timing = measure(engine, prompts(batch, context), spec["seq_extra"], sampling, mem,
+                             f"c{context}b{batch}r{rows_done[0]}")
             mem.sample(0.0)
             return new_row(**base, status="ok", gpu_bytes=mem.peak - before, wall_s=time.perf_counter() - t_row,
                            **timing)
@@ -296,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return "EngineDead" not in (r["error"] or "")
 
     # Warm-up: compilation, CUDA graph capture and the first steps are not timed.
-    drive(engine, prompts(2, 64), params, mem, "warmup")
+    drive(engine, prompts(2, 64), sampling(spec["seq_extra"]), mem, "warmup")
     own_batches = []
     alive = True
     for context in spec["contexts"]:

@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -235,6 +236,66 @@ def test_reduce_timing_of_one_request_and_of_requests_never_together():
     assert apart["decode_ms"] == pytest.approx(500.0)  # median of 500 and 500
     with pytest.raises(ValueError, match="produced no token"):
         bv.reduce_timing({"a": 0.0, "b": 0.0}, [(1.0, "a", 1)])
+
+
+class _PrefixCachingEngine:
+    """A stand-in for vLLM's engine over a clock that advances one step at a time: a prompt
+    not seen before takes ``prefill_steps`` steps to its first token, one seen in an earlier
+    request (its blocks cached) one step; at most ``chunks`` prompts prefill at once, then one
+    token per step per request."""
+
+    def __init__(self, prefill_steps=4, chunks=1):
+        self.now, self.prefill_steps, self.chunks = 0.0, prefill_steps, chunks
+        self.cached, self.live, self.asked = set(), {}, []
+
+    def clock(self):
+        return self.now
+
+    def add_request(self, rid, prompt, params):
+        ids = tuple(prompt["prompt_token_ids"])
+        self.asked.append((rid, params))
+        self.live[rid] = {"ids": ids, "left": 1 if ids in self.cached else self.prefill_steps, "n": 0,
+                          "max": params}
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        self.now += 1.0
+        outs, prefilling = [], 0
+        for rid, r in list(self.live.items()):
+            if r["left"] > 0:
+                if prefilling == self.chunks:
+                    continue
+                prefilling += 1
+                r["left"] -= 1
+                if r["left"]:
+                    continue
+            r["n"] += 1
+            outs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=[0] * r["n"])]))
+            if r["n"] == r["max"]:
+                self.cached.add(r["ids"])
+                del self.live[rid]
+        return outs
+
+
+def test_a_row_measures_prefill_in_one_pass_and_decode_of_the_cached_prompts_in_another(monkeypatch):
+    """Three prompts that prefill one after another: pass 1's TTFT is their prefill; pass 2
+    finds them cached and decodes all three together from its second step, so the decode time
+    per token is one step and all three decode at once."""
+    from bench import vllm_worker as w
+
+    engine = _PrefixCachingEngine(prefill_steps=4, chunks=1)
+    monkeypatch.setattr(w.time, "perf_counter", engine.clock)
+    mem = SimpleNamespace(sample=lambda *a: None)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    r = w.measure(engine, prompts, 9, lambda n: n, mem, "t")
+    assert [p for _, p in engine.asked] == [1, 1, 1, 9, 9, 9]
+    assert r["ttft_ms"] == pytest.approx(8000.0) and r["ttft_max_ms"] == pytest.approx(12000.0)  # steps 4, 8, 12
+    assert r["resume_ms"] == pytest.approx(2000.0)  # pass 2 (from step 12): first tokens at steps 13, 14, 15
+    assert r["decode_ms"] == pytest.approx(1000.0) and r["all_decoding"] is True
+    assert r["peak_concurrent"] == 3 and r["requests"] == 3
+    assert r["tokens_per_s"] == pytest.approx(3.0)
 
 
 # ---- workers ---------------------------------------------------------------------------------
