@@ -259,10 +259,18 @@ def _in_place_kernel(plan, dtype, partials=None, compile_now=True):
 
 
 def _q_tiled_args(plan, dtype) -> tuple:
-    """``_compiled_q_tiled``'s arguments for a Q-tiled plan (staged or over HBM)."""
+    """``_compiled_q_tiled``'s arguments for a plan's Q-tiled launches (staged or over HBM; FP8
+    by head groups: over dequantized buffers, waiting for no ready flag, one split each)."""
     shape = plan.shape
-    return (plan.config, dtype, shape.head_dim, shape.page_size, shape.group, plan.staging is not None,
-            plan.layout.splits > 1)
+    by_head = plan.route == "fp8_by_head"
+    return (plan.config, dtype, shape.head_dim, shape.page_size, shape.group,
+            plan.staging is not None and not by_head, plan.layout.splits > 1 and not by_head)
+
+
+def _dequant_args(plan, dtype) -> tuple:
+    """``_compiled_dequant``'s arguments for a plan over FP8 pages (dequantized to ``dtype``)."""
+    shape = plan.shape
+    return (shape.page_dtype, dtype, shape.head_dim, shape.page_size)
 
 
 def _in_place_partials(plan, parts=None) -> bool:
@@ -289,12 +297,11 @@ def plan_kernels(plan, dtype) -> list[tuple]:
         return [(fn, args)] + ([combine] if partials else [])
     if route in ("q_tiled_hbm", "q_tiled_staged"):
         return [(_compiled_q_tiled, _q_tiled_args(plan, dtype))]
-    dequant = (_compiled_dequant, (shape.page_dtype, dtype, shape.head_dim, shape.page_size))
+    dequant = (_compiled_dequant, _dequant_args(plan, dtype))
     if route == "fp8_dequantized":
         return [dequant] + plan_kernels(plan.inner, dtype)
     if route == "fp8_by_head":
-        return [(_compiled_q_tiled, (plan.config, dtype, shape.head_dim, shape.page_size, shape.group, False, False)),
-                dequant]
+        return [(_compiled_q_tiled, _q_tiled_args(plan, dtype)), dequant]
     raise ValueError(f"no runner for route {route!r}")
 
 
@@ -341,8 +348,8 @@ def _q_tiled(plan, bound, q, cache, layer, scale, out):
     from directkv_cute.kernels.launch import fold_turn_count, launch_q_tiled, link_counters
 
     total_q, hq, d = q.shape
-    shape, cfg, lo = plan.shape, plan.config, plan.layout
-    hkv, P = shape.num_kv_heads, shape.page_size
+    shape, lo = plan.shape, plan.layout
+    hkv = shape.num_kv_heads
     sp = plan.staging
     host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
     tables = bound.tables
@@ -404,13 +411,13 @@ def _fp8_dequantized(plan, bound, q, cache, layer, scale, out):
     dequantized into a (pages, 1, Hkv, 2, P, d) buffer in the q dtype, then the inner plan over it."""
     from directkv_cute.kernels.launch import launch_dequant
 
-    device, shape = q.device, plan.shape
+    device = q.device
     st = stager(device, torch.cuda.current_stream(device))
     with st.lock:
         raw, scales, _ = st.stage_fp8(cache, layer, plan.staging)  # (pages, 1, Hkv, 2, P, d) FP8; their scales
         st.finish()  # the current stream waits for the copies
         buf = torch.empty(raw.shape, dtype=q.dtype, device=device)
-        launch_dequant(_compiled_dequant(shape.page_dtype, q.dtype, shape.head_dim, shape.page_size), raw, scales,
+        launch_dequant(_compiled_dequant(*_dequant_args(plan, q.dtype)), raw, scales,
                        buf)  # before a later call's copies reuse them
     return _run(plan.inner, bound.inner, q, PoolView(buf, buf), 0, scale, out)
 
@@ -425,11 +432,11 @@ def _fp8_by_head(plan, bound, q, cache, layer, scale, out):
     from directkv_cute.kernels.launch import launch_dequant, launch_q_tiled, link_counters
     from directkv_cute.planner import FP8_HEAD_STREAMS
 
-    total_q, hq, d = q.shape
-    shape, cfg, lo = plan.shape, plan.config, plan.layout
-    hkv, P = shape.num_kv_heads, shape.page_size
-    fn = _compiled_q_tiled(cfg, q.dtype, d, P, shape.group, False, False)
-    dequant = _compiled_dequant(shape.page_dtype, q.dtype, d, P)
+    total_q, hq, _ = q.shape
+    shape, lo = plan.shape, plan.layout
+    hkv = shape.num_kv_heads
+    fn = _compiled_q_tiled(*_q_tiled_args(plan, q.dtype))
+    dequant = _compiled_dequant(*_dequant_args(plan, q.dtype))
     if out is None:
         out = torch.empty_like(q)
     lse = torch.empty(total_q, hq, dtype=torch.float32, device=q.device)

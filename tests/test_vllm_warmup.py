@@ -76,6 +76,28 @@ def test_plan_kernels_names_the_run_paths_choice():
     assert {"decode", "multi_token", "q_tiled_staged", "q_tiled_hbm"} <= routes, routes
 
 
+def test_plan_kernels_of_fp8_routes_name_the_run_paths_choice():
+    """FP8 pages: the FP8 decode kernel (and the combine) in place or in two pieces; the
+    dequantization kernel with the inner plan's kernels, or with the Q-tiled kernel of the
+    head-group launches, whose arguments are the run path's (no ready flags, no fold)."""
+    routes = {}
+    for seq_lens, q_lens in (([4096], [1]), ([131072], [1]), ([32768], [2048]), ([8192], [64])):
+        plan = plan_attention(CallShape.example(seq_lens, q_lens, page_dtype=torch.float8_e4m3fn), H200_FACTS, H200,
+                              DefaultConfigs())
+        routes[plan.route] = kernels = plan_kernels(plan, torch.bfloat16)
+        assert kernels and all(fn in MEMOS for fn, _ in kernels)
+        if plan.route in ("fp8_dequantized", "fp8_by_head"):
+            assert (runner._compiled_dequant, runner._dequant_args(plan, torch.bfloat16)) in kernels
+        if plan.route == "fp8_dequantized":
+            assert kernels[1:] == plan_kernels(plan.inner, torch.bfloat16)
+        if plan.route == "fp8_by_head":
+            (fn, args), = [k for k in kernels if k[0] is runner._compiled_q_tiled]
+            assert args == runner._q_tiled_args(plan, torch.bfloat16) and args[-2:] == (False, False)
+        if plan.route.startswith("decode_fp8"):
+            assert kernels[0] == runner._in_place_kernel(plan, torch.bfloat16, True, compile_now=False)
+    assert {"decode_fp8", "decode_fp8_two_piece", "fp8_by_head", "fp8_dequantized"} <= set(routes), set(routes)
+
+
 def test_warmup_kernels_of_a_llama_8b_server_on_an_h200():
     """The steps of a server with 36 GiB of host KV (4608 blocks of 64 tokens) plan into a few
     distinct kernels: decode, multi-token and staged Q-tiled ones, each listed once."""
