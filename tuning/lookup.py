@@ -288,8 +288,8 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
     dt = normalize_dtype(dtype)
     mode = _require_mode()  # the variables parsed first: a bad one raises, never a fall-back
     profile_dirs()
-    tkey = (kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows,
-            os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
+    where = (os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))  # which profiles are read
+    tkey = (kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows, *where)
     t = _TABLES.get(tkey)
     if t is None:
         t = _build_table(kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, batch, q_len, rows)
@@ -328,7 +328,7 @@ def _decide(kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, ba
     # once per kernel and cache geometry: a server meets this class at every batch and chunk length
     if not quiet:
         _warn_once(
-            ("miss", kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, *tkey[-2:]),
+            ("miss", kernel, gpu_name, kernel_hash, dt, head_dim, group, page_size, *where),
             f"directkv-cute: no tuned {kernel} config for {gpu_name} (dtype={dt} head_dim={head_dim} group={group} "
             f"page_size={page_size}; first at batch={batch} q_len={q_len}): {t.reason}. Using the heuristic "
             f"default {t.default} (not warned again for other shapes of this class). Expected profile: "
