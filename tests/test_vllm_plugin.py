@@ -183,6 +183,19 @@ def _dense_causal(q, k, v, ctx, scale):
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
 
 
+def _assert_layer_matches_dense(dk, pools, shape, keys, values, scale):
+    """One layer of the planned step run over ``pools`` (the layer's ``PoolView``) on fresh
+    queries equals ``_dense_causal`` over the layer's whole sequences ``keys`` / ``values``."""
+    d = keys[0].shape[-1]
+    q = torch.randn(shape.num_tokens, dk.current.shape.num_q_heads, d)
+    out = dk.run(q, 0, softmax_scale=scale, pools=pools)
+    at = 0
+    for b, (qn, c) in enumerate(zip(shape.q_lens, shape.context_lens)):
+        want = _dense_causal(q[at:at + qn], keys[b], values[b], c, scale)
+        torch.testing.assert_close(out[at:at + qn].double(), want, atol=1e-5, rtol=1e-5)
+        at += qn
+
+
 def test_a_step_stores_plans_once_and_runs_per_layer_pool():
     """Two layers, each its own pool in the backend's layout; a decode, a chunked prefill and a
     fresh prompt, pages scattered as vLLM's allocator may; history written first, then the
@@ -218,13 +231,7 @@ def test_a_step_stores_plans_once_and_runs_per_layer_pool():
         new_k = torch.cat([keys[layer][b][c:] for b, c in enumerate(shape.context_lens)] + [torch.zeros(1, Hkv, d)])
         new_v = torch.cat([values[layer][b][c:] for b, c in enumerate(shape.context_lens)] + [torch.zeros(1, Hkv, d)])
         store_kv(pools[layer], new_k, new_v, packed, dest.dense)
-        q = torch.randn(shape.num_tokens, Hq, d)
-        out = dk.run(q, 0, softmax_scale=scale, pools=views[layer])
-        at = 0
-        for b, (qn, c) in enumerate(zip(shape.q_lens, shape.context_lens)):
-            want = _dense_causal(q[at:at + qn], keys[layer][b], values[layer][b], c, scale)
-            torch.testing.assert_close(out[at:at + qn].double(), want, atol=1e-5, rtol=1e-5)
-            at += qn
+        _assert_layer_matches_dense(dk, views[layer], shape, keys[layer], values[layer], scale)
 
 
 def test_run_refuses_pools_of_another_geometry():
@@ -516,14 +523,8 @@ def test_a_step_over_mirrored_and_host_blocks_matches_dense_attention():
     dk = DirectKVAttention(views[0])
     dk.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=Hq, cascade=False)
     scale = 1 / math.sqrt(d)
-    for layer in range(L):
-        q = torch.randn(shape.num_tokens, Hq, d)
-        out = dk.run(q, 0, softmax_scale=scale, pools=views[layer])  # an HBM pool of H pages passes the check
-        at = 0
-        for b, (qn, c) in enumerate(zip(shape.q_lens, shape.context_lens)):
-            want = _dense_causal(q[at:at + qn], keys[layer][b], values[layer][b], c, scale)
-            torch.testing.assert_close(out[at:at + qn].double(), want, atol=1e-5, rtol=1e-5)
-            at += qn
+    for layer in range(L):  # an HBM pool of H pages passes the geometry check
+        _assert_layer_matches_dense(dk, views[layer], shape, keys[layer], values[layer], scale)
 
 
 # ---- packaging -----------------------------------------------------------------------------------
