@@ -59,7 +59,7 @@ def test_step_shape_of_a_chunked_prefill():
     ([0, 1], [3], 2, "query_start_loc has 2 entries, 2 requests need 3"),
     ([0, 1, 2], [3], 2, "seq_lens has 1 entries for 2 requests"),
     ([0.0, 1.0], [3], 1, "1-D integer array"),
-    ([0, 1], [3], -1, "num_reqs must be an int >= 0"),
+    ([0, 1], [3], -1, "num_reqs must be >= 0, got -1"),
 ])
 def test_step_shape_refusals(starts, lens, n, match):
     with pytest.raises(ValueError, match=match):
@@ -154,7 +154,7 @@ def test_sizing_refusals():
         host_blocks(2**20, 32, 8, 128, 16)
     with pytest.raises(ValueError, match="stores"):
         kv_bytes_per_block(32, 8, 128, 16, "fp8")
-    with pytest.raises(ValueError, match="host_bytes must be an int >= 1"):
+    with pytest.raises(ValueError, match="host_bytes must be >= 1, got 0"):
         host_blocks(0, 32, 8, 128, 16)
     with pytest.raises(MemoryError, match=r"needs 3221225472 bytes \(3 GiB\) of pinned host memory, the host has "
                                           r"1073741824 bytes \(1 GiB\) available; lower --kv-cache-memory-bytes"):
@@ -253,9 +253,9 @@ def test_hbm_pages_from_the_budget():
     assert hbm_pages(4 * 2**30 + 2**20, 32, 8, 128, 16) == 2048  # whole blocks only
     assert hbm_pages(2**20, 32, 8, 128, 16) == 0  # less than one block: no tier
     assert hbm_pages(0, 32, 8, 128, 16) == 0
-    with pytest.raises(ValueError, match="budget_bytes must be an int >= 0"):
+    with pytest.raises(ValueError, match="budget_bytes must be >= 0, got -1"):
         hbm_pages(-1, 32, 8, 128, 16)
-    with pytest.raises(ValueError, match="num_layers must be an int >= 1"):
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
         hbm_pages(2**30, 0, 8, 128, 16)
 
 
@@ -301,8 +301,10 @@ def test_a_reused_block_keeps_its_mirror_and_a_block_stored_into_is_never_taken(
 
 def test_no_slots_no_mirrors_and_bad_input():
     assert _step(HbmMirrors(0), [1], [(1, 0)]) == {}
-    with pytest.raises(ValueError, match="slots must be an int >= 0"):
+    with pytest.raises(ValueError, match="slots must be >= 0, got -1"):
         HbmMirrors(-1)
+    with pytest.raises(TypeError, match="slots must be an int, got bool"):
+        HbmMirrors(True)
     with pytest.raises(ValueError, match="1-D of one length"):
         HbmMirrors(2).step([1], [1, 2], [0])
 

@@ -50,10 +50,10 @@ def test_steps_stay_within_the_server_limits():
     assert ((1024,) * 2 + (128,), (1,) * 2 + (126,)) in steps
 
 
-@pytest.mark.parametrize("bad", [dict(max_num_seqs=0), dict(page_size=True), dict(num_blocks=1.5),
-                                 dict(max_model_len=-4)])
-def test_steps_refuse_bad_limits(bad):
-    with pytest.raises(ValueError, match=next(iter(bad))):
+@pytest.mark.parametrize("bad, error", [(dict(max_num_seqs=0), ValueError), (dict(page_size=True), TypeError),
+                                        (dict(num_blocks=1.5), TypeError), (dict(max_model_len=-4), ValueError)])
+def test_steps_refuse_bad_limits(bad, error):
+    with pytest.raises(error, match=next(iter(bad))):
         _steps(**bad)
 
 

@@ -16,7 +16,8 @@
 * ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
   blocks for a model, the refusal when the host cannot pin them, and the HBM budget -> mirror pages.
 
-Every check raises one ``ValueError`` (``MemoryError`` for host memory) line naming what is wrong.
+Every check raises one line naming what is wrong: ``ValueError`` (``TypeError`` for an argument
+of the wrong type, ``MemoryError`` for host memory).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from directkv_cute.cache.pages import check_int
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 
 KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}  # the page dtypes the backend stores
@@ -77,8 +79,7 @@ def step_shape(query_start_loc, seq_lens, num_reqs: int) -> StepShape:
     """The step's shape from vLLM's ``query_start_loc_cpu`` ((num_reqs + 1,) or longer, starting
     at 0, non-decreasing) and per-request lengths (``seq_lens_cpu_upper_bound``: exact without
     speculative decoding). Requests with no query rows (padding) are left out."""
-    if isinstance(num_reqs, bool) or not isinstance(num_reqs, (int, np.integer)) or num_reqs < 0:
-        raise ValueError(f"num_reqs must be an int >= 0, got {num_reqs!r}")
+    num_reqs = check_int(num_reqs, "num_reqs")
     starts = _ints(query_start_loc, "query_start_loc")
     lens = _ints(seq_lens, "seq_lens")
     if len(starts) < num_reqs + 1:
@@ -259,9 +260,7 @@ class HbmMirrors:
     """
 
     def __init__(self, slots: int):
-        if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 0:
-            raise ValueError(f"slots must be an int >= 0, got {slots!r}")
-        self.slots = int(slots)
+        self.slots = check_int(slots, "slots")
         self._slot_of: OrderedDict = OrderedDict()  # mirrored block -> slot, least recently present first
         self._free = list(range(self.slots - 1, -1, -1))  # pop() takes the lowest free slot
 
@@ -313,8 +312,7 @@ def warmup_steps(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_le
     exceed ``num_blocks`` are left out (the server cannot make them)."""
     for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                     ("max_model_len", max_model_len), ("page_size", page_size), ("num_blocks", num_blocks)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        check_int(v, name, 1)
     contexts = sorted({c for c in WARMUP_CONTEXTS if c < max_model_len} | {int(max_model_len)})
     batches, b = [], 1
     while b <= max_num_seqs:
@@ -373,8 +371,7 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
         raise ValueError(f"kv_dtype {kv_dtype!r}: the backend stores {sorted(KV_DTYPE_BYTES)} pages")
     for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("block_size", block_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        check_int(v, name, 1)
     return num_layers * num_kv_heads * 2 * block_size * head_dim * KV_DTYPE_BYTES[kv_dtype]
 
 
@@ -382,8 +379,7 @@ def host_blocks(host_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
                 kv_dtype: str = "bfloat16") -> int:
     """Whole blocks that ``host_bytes`` of host memory hold for the model (what vLLM makes of
     ``--kv-cache-memory-bytes`` for one group of full-attention layers); at least one."""
-    if isinstance(host_bytes, bool) or not isinstance(host_bytes, int) or host_bytes < 1:
-        raise ValueError(f"host_bytes must be an int >= 1, got {host_bytes!r}")
+    check_int(host_bytes, "host_bytes", 1)
     one = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_dtype)
     if host_bytes < one:
         raise ValueError(f"{host_bytes} bytes of host KV hold no block: one block of {block_size} tokens over "
@@ -396,8 +392,7 @@ def hbm_pages(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
               kv_dtype: str = "bfloat16") -> int:
     """Mirror pages per layer that ``budget_bytes`` of HBM hold over ``num_layers`` layers
     (``DIRECTKV_VLLM_HBM_GB``): whole blocks, 0 when the budget holds none."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be an int >= 0, got {budget_bytes!r}")
+    check_int(budget_bytes, "budget_bytes")
     return budget_bytes // kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_dtype)
 
 
