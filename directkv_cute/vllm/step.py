@@ -26,11 +26,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 
+from directkv_cute.cache import page_bytes
 from directkv_cute.cache.pages import check_int
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 
-KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2}  # the page dtypes the backend stores
+KV_DTYPES = ("bfloat16", "float16")  # the page dtypes the backend stores
 
 
 @dataclass(frozen=True)
@@ -366,13 +368,13 @@ def check_geometry(head_dim: int, block_size: int) -> None:
 
 def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                        kv_dtype: str = "bfloat16") -> int:
-    """Bytes one block costs over every layer: K and V rows of ``block_size`` tokens per KV head."""
-    if kv_dtype not in KV_DTYPE_BYTES:
-        raise ValueError(f"kv_dtype {kv_dtype!r}: the backend stores {sorted(KV_DTYPE_BYTES)} pages")
+    """Bytes one block costs over every layer (``cache.page_bytes`` of a ``block_size`` page)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: the backend stores {sorted(KV_DTYPES)} pages")
     for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("block_size", block_size)):
         check_int(v, name, 1)
-    return num_layers * num_kv_heads * 2 * block_size * head_dim * KV_DTYPE_BYTES[kv_dtype]
+    return page_bytes(num_layers, num_kv_heads, block_size, head_dim, getattr(torch, kv_dtype))
 
 
 def host_blocks(host_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
