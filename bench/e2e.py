@@ -266,11 +266,12 @@ def validate_doc(doc: dict) -> list[str]:
 
 
 def kv_token_bytes(config, dtype: torch.dtype) -> int:
-    """Bytes of K and V of one token over all layers."""
+    """Bytes of K and V of one token over all layers: a one-token page of every layer."""
+    from directkv_cute.cache import page_bytes
     from directkv_cute.hf import model_spec
 
     s = model_spec(config)
-    return 2 * s.num_layers * s.num_kv_heads * s.head_dim * torch.empty((), dtype=dtype).element_size()
+    return page_bytes(s.num_layers, s.num_kv_heads, 1, s.head_dim, dtype)
 
 
 def mean_attended(context: int, warmup: int, timed: int) -> float:

@@ -123,7 +123,7 @@ SMOKE = dict(preset="tiny", contexts=[2048], batches=["1", "2"], new_tokens=8, s
 SMOKE_OFFLOAD_GIB = 1.0
 HOST_FRACTION = 0.5  # the default offload buffer takes at most this share of the available host memory
 RESERVED_GPU_BYTES = 2 * GiB  # activations, CUDA graphs, the allocator: not KV, not weights
-ELEM_BYTES = 2  # bf16 KV
+ELEM_BYTES = 2  # bf16 weights
 WORKER_MODULE = "bench.vllm_worker"
 VLLM_MISSING = ("bench vllm: vLLM is not importable: `pip install -e .[vllm]` (vllm==0.26.0), or put the folder "
                 "vLLM is installed in on PYTHONPATH")
@@ -157,8 +157,12 @@ def model_shape(preset: str) -> dict:
 
 
 def kv_token_bytes(shape: dict) -> int:
-    """K and V bytes of one token over all layers (bf16)."""
-    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * shape["head_dim"] * ELEM_BYTES
+    """K and V bytes of one token over all layers (bf16): a one-token page of every layer."""
+    import torch
+
+    from directkv_cute.cache import page_bytes
+
+    return page_bytes(shape["num_hidden_layers"], shape["num_key_value_heads"], 1, shape["head_dim"], torch.bfloat16)
 
 
 def weight_bytes(shape: dict) -> int:
