@@ -130,8 +130,9 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
                  hbm_layers: int = 0) -> StagePlan:
     """The copies and staged page table for a batch. Piece p holds logical pages
     [p * piece_pages, (p + 1) * piece_pages) of every sequence; each distinct page entry is
-    copied once, in the first piece that needs it, to the next free staging page, so pages that
-    sequences share (forks of one prompt) cross the link once per call.
+    copied once, in the first piece that needs it, so pages that sequences share (forks of one
+    prompt) cross the link once per call. A piece's pages take the next free staging pages in
+    tier and page order: one copy per run of consecutive pages, whatever their logical order.
     With ``hbm_layers`` (the pool's L) pages already in HBM are not copied: the kernel reads them
     where they are, their entries ``page * hbm_layers`` (>= 0) indexing ``hbm_in_place``'s view of
     the HBM pool; only host pages are staged."""
@@ -156,7 +157,12 @@ def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: 
     if hbm_layers and flat.size and int(-flat.min()) * hbm_layers >= 2**31:
         raise ValueError(f"HBM pages read in place: page {-int(flat.min()) - 1} x {hbm_layers} layers overflows int32")
     uniq, first, inv = np.unique(flat, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")  # distinct entries by first use
+    # Distinct entries by the piece that first uses them, then by tier and page: within a piece the
+    # staging order is free (the kernel finds each page through the staged table), and in page
+    # order a piece's pages form the fewest runs whatever order the sequences hold them in (an
+    # engine that frees blocks last to first hands them out descending).
+    src = np.where(uniq < 0, -uniq.astype(np.int64) - 1, uniq.astype(np.int64))
+    order = np.lexsort((src, uniq < 0, piece_of[first]))
     if hbm_layers:  # only host entries take staging pages
         order = order[uniq[order] >= 0]
     dst_of = np.zeros(len(uniq), dtype=np.int64)

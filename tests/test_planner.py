@@ -194,3 +194,22 @@ def test_cpu_facts_plan_the_reference():
     p = plan_attention(CallShape.example([32768], [2048]), DeviceInfo.for_cpu(), CONSERVATIVE, DefaultConfigs())
     assert p.route == "reference" and p.staging is None
     assert math.isfinite(DeviceInfo.for_cpu().workspace_cap)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_decode_over_pages_held_descending_is_planned_as_over_ascending_ones(ahead):
+    """A long decode whose pages an engine handed out last to first (vLLM frees a request's
+    blocks in reverse): the staged copy still takes one call per piece, so the H200's plan is
+    the same route and cost as over ascending pages, with the staged table following the pages."""
+    facts = DeviceInfo("NVIDIA H200", 132, 141 * 2**30, copies_ahead=ahead)
+    up = CallShape.example([65536], [1], back_to_back=True, max_seq_len=65536)
+    down = up.replace(host_table=up.host_table[:, ::-1].copy())
+    plans = [plan_attention(s, facts, H200, DefaultConfigs()) for s in (up, down)]
+    assert [p.route for p in plans] == ["q_tiled_staged"] * 2
+    assert plans[0].staging.copy_calls == plans[1].staging.copy_calls == (16, 0)
+    assert plans[0].explain() == plans[1].explain() and plans[0].choice == plans[1].choice
+    sources = {}  # staging page -> host page, from the copies
+    for piece in plans[1].staging.pieces:
+        for r in piece:
+            sources.update({r.dst + k: r.src + k for k in range(r.count)})
+    assert [sources[-int(e) - 1] for e in plans[1].staging.table[0]] == down.host_table[0].tolist()

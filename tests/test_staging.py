@@ -102,7 +102,49 @@ def test_plan_merges_consecutive_pages_into_one_copy():
     table = np.array([[5, 6, 7, 8, -1, -2, 20, 21]], dtype=np.int32)
     plan = plan_staging(table, [8 * 64], 64, 8)
     runs = plan.pieces[0]
-    assert [(r.hbm, r.src, r.dst, r.count) for r in runs] == [(False, 5, 0, 4), (True, 0, 4, 2), (False, 20, 6, 2)]
+    assert [(r.hbm, r.src, r.dst, r.count) for r in runs] == [(False, 5, 0, 4), (False, 20, 4, 2), (True, 0, 6, 2)]
+
+
+def _staged_sources(plan, table, seq_lens, page_size):
+    """Per (row, logical page) of a sequence, the (tier, page) its staged entry's data came from."""
+    came = {}
+    for piece in plan.pieces:
+        for r in piece:
+            for k in range(r.count):
+                came[r.dst + k] = (r.hbm, r.src + k)
+    out = {}
+    for b, n in enumerate(seq_lens):
+        for j in range(-(-n // page_size)):
+            out[b, j] = came[-int(plan.table[b, j]) - 1]
+    return out
+
+
+@pytest.mark.parametrize("order", ["descending", "shuffled", "descending runs"])
+def test_pages_handed_out_in_any_order_are_copied_in_few_runs(order):
+    """Pages a sequence holds descending (an engine that frees blocks last to first), shuffled,
+    or as descending runs of ascending pages: a piece's pages are copied in page order, so the
+    copies are the piece's maximal runs of consecutive pages, and every logical page still finds
+    its own page's data through the staged table."""
+    rng = np.random.default_rng(7)
+    pages = np.arange(300, 300 + 96, dtype=np.int32)
+    if order == "descending":
+        row = pages[::-1]
+    elif order == "shuffled":
+        row = rng.permutation(pages)
+    else:
+        row = np.concatenate([pages[i:i + 8] for i in range(88, -1, -8)])
+    table = np.stack([row, np.arange(1000, 1096, dtype=np.int32)[::-1]])
+    lens = [96 * 64, 90 * 64]
+    plan = plan_staging(table, lens, 64, 32)
+    for p, piece in enumerate(plan.pieces):
+        want = 0
+        for r in range(2):
+            got = np.sort(table[r, p * 32:min((p + 1) * 32, -(-lens[r] // 64))])
+            want += 1 + int((np.diff(got) != 1).sum())
+        assert len(piece) == want and all(not r.hbm for r in piece)
+    assert plan.copy_calls[0] == sum(len(piece) for piece in plan.pieces) <= 2 * 3 * (1 if order != "shuffled" else 32)
+    assert _staged_sources(plan, table, lens, 64) == {(b, j): (False, int(table[b, j]))
+                                                      for b in range(2) for j in range(-(-lens[b] // 64))}
 
 
 def test_hbm_pages_read_in_place_through_a_one_layer_view_of_the_pool():
