@@ -29,6 +29,7 @@ weights from a ``config.json`` written into a temporary folder; bf16; token-id p
   named ``vllm+directkv[hbm X GiB]`` (no target: part of its KV is read from HBM). ``auto``
   gives it as much HBM as ``vllm[offload]``'s GPU KV blocks took in the same run (that engine's
   ``staging_bytes``; offload runs first): DirectKV and vLLM's native offloading at equal HBM.
+  A comma list (``0,20``) runs one directkv engine per tier, each row named by its tier.
 
 Batches (``--batches``) are integers or ``max``: the largest batch whose KV fits the method,
 from the capacity the engine reports after startup (GPU blocks x block size; for offload plus
@@ -265,6 +266,19 @@ def parse_hbm_gib(text) -> float | str:
     return gib
 
 
+def parse_hbm_gibs(text) -> list:
+    """``--directkv-hbm-gib``: a comma list of ``parse_hbm_gib`` items, one directkv engine each
+    (``0,auto``: host only, then with offload's GPU KV bytes); one line and exit 2 when empty or
+    when a value repeats."""
+    items = [item for item in str(text).split(",") if item.strip()]
+    if not items:
+        raise UsageError(f"bench vllm: --directkv-hbm-gib is empty, got {text!r}")
+    got = [parse_hbm_gib(item) for item in items]
+    if len(set(got)) != len(got):
+        raise UsageError(f"bench vllm: --directkv-hbm-gib names a tier twice: {text!r}")
+    return got
+
+
 def auto_hbm_gib(results: list[dict]) -> float:
     """``--directkv-hbm-gib auto``: the GPU KV bytes (``staging_bytes``) that the ``vllm[offload]``
     engine of this run reported, in GiB; ValueError (one line) when it reported none."""
@@ -346,8 +360,8 @@ def resolve_options(ns: argparse.Namespace, host_avail: int | None) -> dict:
     opts["directkv_gib"] = check_host_gib("directkv", ns.directkv_gib, host_avail=host_avail,
                                           min_bytes=opts["max_model_len"] * token_bytes)
     # None: sized from the GPU's memory once it is known (default_host_gib)
-    opts["directkv_hbm_gib"] = parse_hbm_gib(ns.directkv_hbm_gib)
-    if opts["directkv_hbm_gib"] == "auto" and "directkv" in opts["methods"] and "offload" not in opts["methods"]:
+    opts["directkv_hbm_gib"] = parse_hbm_gibs(ns.directkv_hbm_gib)
+    if "auto" in opts["directkv_hbm_gib"] and "directkv" in opts["methods"] and "offload" not in opts["methods"]:
         raise UsageError("bench vllm: --directkv-hbm-gib auto takes vllm[offload]'s GPU KV bytes of the same run: "
                          "add offload to --methods, or give the GiB as a number")
     if "directkv" in opts["methods"]:
@@ -697,23 +711,23 @@ def worker_spec(method: str, opts: dict, *, model_dir: Path, out: Path, host_gib
 
 def run_methods(opts: dict, *, work_dir: Path, host_gib: dict[str, float], write, doc: dict,
                 command: list[str] | None = None, echo: bool = True) -> list[dict]:
-    """Every method's worker in run order; ``vllm[hbm]`` also gets the batches the earlier methods
-    resolved, for its short rows (a run without ``hbm`` still runs its short rows in an hbm worker
-    when a floor needs them)."""
+    """Every method's worker in run order, directkv's once per HBM tier of ``--directkv-hbm-gib``;
+    ``vllm[hbm]`` also gets the batches the earlier methods resolved, for its short rows (a run
+    without ``hbm`` still runs its short rows in an hbm worker when a floor needs them)."""
     model_dir = write_model_dir(work_dir / "model", opts["preset"], opts["max_model_len"])
     methods = list(opts["methods"])
     if "hbm" not in methods and opts["short_context"]:
         methods.append("hbm")  # the short rows only
+    runs = [(m, hbm) for m in methods for hbm in (opts["directkv_hbm_gib"] if m == "directkv" else [0.0])]
     results = []
-    for method in methods:
+    for i, (method, hbm_gib) in enumerate(runs):
         batches = sorted({r["batch"] for res in results for r in res.get("rows", []) if r.get("batch")})
-        hbm_gib = opts["directkv_hbm_gib"] if method == "directkv" else 0.0
         try:
             hbm_gib = auto_hbm_gib(results) if hbm_gib == "auto" else hbm_gib
         except ValueError as e:
             res = error_result(method, "error", str(e)) | {"name": "vllm+directkv[hbm auto]"}
         else:
-            spec = worker_spec(method, opts, model_dir=model_dir, out=work_dir / f"{method}.json",
+            spec = worker_spec(method, opts, model_dir=model_dir, out=work_dir / f"{i}-{method}.json",
                                host_gib=host_gib, short_batches=batches, hbm_gib=hbm_gib)
             if method not in opts["methods"]:
                 spec["contexts"] = []
@@ -811,7 +825,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"GPU blocks, at most {HOST_FRACTION:.0%}% of the available host memory)")
     p.add_argument("--directkv-hbm-gib", default="0",
                    help="directkv's HBM tier in GiB (DIRECTKV_VLLM_HBM_GB; the method becomes "
-                        "vllm+directkv[hbm X GiB]), or auto: vllm[offload]'s GPU KV bytes of the same run [0: none]")
+                        "vllm+directkv[hbm X GiB]), or auto: vllm[offload]'s GPU KV bytes of the same run; "
+                        "a comma list runs one directkv engine per tier, e.g. 0,auto [0: none]")
     p.add_argument("--smoke", action="store_true",
                    help="the 2-layer tiny Llama at 2048 tokens, batches 1 and 2: the whole path in well under a minute")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs or compilation (faster startup)")
@@ -832,5 +847,5 @@ def cmd_vllm(ns: argparse.Namespace) -> int:
 
 __all__ = ["METHOD_NAMES", "ROW_FIELDS", "VLLM_SCHEMA", "add_arguments", "add_floors", "auto_hbm_gib", "cmd_vllm",
            "collect", "config_json", "default_host_gib", "floor_ms", "format_table", "kv_bytes_per_step", "max_batch",
-           "method_name", "method_of", "new_row", "parse_hbm_gib", "plot_vllm", "reduce_timing", "resolve_batches",
-           "resolve_options", "run_worker", "write_model_dir"]
+           "method_name", "method_of", "new_row", "parse_hbm_gib", "parse_hbm_gibs", "plot_vllm", "reduce_timing",
+           "resolve_batches", "resolve_options", "run_worker", "write_model_dir"]

@@ -610,8 +610,9 @@ def test_the_directkv_hbm_option(fake_gpu):
     from bench.__main__ import build_parser
 
     parse = build_parser().parse_args
-    assert bv.resolve_options(parse(["vllm"]), host_avail=None)["directkv_hbm_gib"] == 0.0
-    for text, want in (("12.5", 12.5), ("AUTO", "auto"), (" 0 ", 0.0)):
+    assert bv.resolve_options(parse(["vllm"]), host_avail=None)["directkv_hbm_gib"] == [0.0]
+    for text, want in (("12.5", [12.5]), ("AUTO", ["auto"]), (" 0 ", [0.0]), ("0, auto", [0.0, "auto"]),
+                       ("20,0", [20.0, 0.0])):
         opts = bv.resolve_options(parse(["vllm", "--directkv-hbm-gib", text]), host_avail=None)
         assert opts["directkv_hbm_gib"] == want
     # auto without directkv asks nothing of offload
@@ -622,6 +623,41 @@ def test_the_directkv_hbm_option(fake_gpu):
     assert bv.method_name("offload", 12.5) == "vllm[offload]"
     assert bv.method_of("vllm+directkv[hbm 12.5 GiB]") == "directkv" and bv.method_of("vllm[hbm]") == "hbm"
     assert bv.method_of("other") is None
+
+
+@pytest.mark.parametrize("text,why", [("", "is empty"), (" , ", "is empty"), ("0,0.0", "names a tier twice"),
+                                      ("auto,AUTO", "names a tier twice"), ("0,-1", "finite number >= 0")])
+def test_a_bad_directkv_hbm_list_is_one_line(text, why, fake_gpu):
+    from bench.__main__ import build_parser
+
+    with pytest.raises(bv.UsageError, match=why) as e:
+        bv.resolve_options(build_parser().parse_args(["vllm", "--directkv-hbm-gib", text]), host_avail=None)
+    assert "\n" not in str(e.value)
+
+
+def test_a_list_of_tiers_runs_one_directkv_engine_each(tmp_path, fake_gpu, monkeypatch):
+    """``--directkv-hbm-gib 0,auto``: directkv host-only, then with offload's GPU KV bytes, each
+    in its own worker with its own spec file and name, beside offload and hbm."""
+    from bench.__main__ import build_parser
+
+    opts = bv.resolve_options(build_parser().parse_args(
+        ["vllm", "--smoke", "--directkv-hbm-gib", "0,auto"]), host_avail=None)
+    seen = []
+
+    def fake_run_worker(spec, **kw):
+        seen.append(spec)
+        engine = {"staging_bytes": 3 * GiB} if spec["method"] == "offload" else {}
+        return {"method": spec["method"], "name": spec["name"], "status": "ok", "error": None, "engine": engine,
+                "rows": []}
+
+    monkeypatch.setattr(bv, "run_worker", fake_run_worker)
+    doc = {"header": {"versions": {}}, "model": bv.model_shape("tiny"), "ceilings": {"memcpy_h2d_gbps": 50.0},
+           "engines": {}, "rows": []}
+    bv.run_methods(opts, work_dir=tmp_path, host_gib={"offload": 1.0, "directkv": 1.0}, write=lambda: None, doc=doc)
+    assert [(s["method"], s["hbm_gib"]) for s in seen] == [("offload", 0.0), ("directkv", 0.0), ("directkv", 3.0),
+                                                           ("hbm", 0.0)]
+    assert len({s["out"] for s in seen}) == 4
+    assert list(doc["engines"]) == ["vllm[offload]", "vllm+directkv[host]", "vllm+directkv[hbm 3 GiB]", "vllm[hbm]"]
 
 
 def test_auto_takes_the_offload_engines_gpu_kv_bytes():
