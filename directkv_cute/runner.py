@@ -88,10 +88,17 @@ def cu_seqlens(q_lens: tuple[int, ...], device) -> torch.Tensor:
 
 class PoolView:
     """The few cache attributes the kernels read, rebuilt from pool tensors (a staging buffer, the
-    dispatcher's op)."""
+    dispatcher's op, an engine's per-layer KV tensors).
+
+    write_log: the ``cache.HostWriteLog`` of the host writes to ``host_pool`` that its owner
+    records (``record`` after each write it enqueues): staged calls over the view then copy ahead
+    of the current stream, each host page after the writes recorded for it (``host_writes``, as a
+    ``PagedKVCache``'s). None: nothing is recorded, so every staged copy waits for the current
+    stream's work so far."""
 
     def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor, compute_dtype: torch.dtype | None = None,
-                 host_scales: torch.Tensor | None = None, hbm_scales: torch.Tensor | None = None):
+                 host_scales: torch.Tensor | None = None, hbm_scales: torch.Tensor | None = None,
+                 write_log=None):
         _, self.num_layers, self.num_kv_heads, _, self.page_size, self.head_dim = host_pool.shape
         self.host_pool = self.host_pool_cuda = host_pool
         self.hbm_pool = hbm_pool
@@ -99,6 +106,9 @@ class PoolView:
         self.hbm_scales = hbm_scales
         self.dtype = host_pool.dtype
         self.compute_dtype = compute_dtype or host_pool.dtype
+        self.write_log = write_log
+        # what ``DeviceInfo.current`` and ``Stager.stage`` ask a cache for: None without a record
+        self.host_writes = write_log.pending if write_log is not None else None
 
     def device_pool(self, tier: str) -> torch.Tensor:
         """The tier's pool as the reference reads it (a CPU view runs the reference)."""

@@ -424,3 +424,52 @@ def test_staged_pages_held_in_any_order_match_the_reference(order):
     torch.cuda.synchronize()
     _check(o, lse, q, [k[:, 1] for k in ks], [v[:, 1] for v in vs], q_lens, dtype)
     cache.close()
+
+
+def test_a_pool_view_with_a_write_log_copies_ahead_after_the_writes_it_records():
+    """Per-layer pools as an engine keeps them (``PoolView`` over its host KV, with a
+    ``HostWriteLog``, as the vLLM backend's): a staged call copies ahead of the current stream
+    (into the other slot), yet a write to four of its host pages, enqueued before the call behind
+    50 ms of GPU sleep and recorded in the log, is seen; the step's restart stands for the writes
+    before it. Matches the reference over the rewritten pages."""
+    import numpy as np
+
+    from directkv_cute import staging
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.cache import HostWriteLog
+    from directkv_cute.reference import paged_attention_ref
+    from directkv_cute.runner import PoolView, tables_from_host
+
+    cache, ids, q = _stage_case(41)
+    write_log = HostWriteLog(q.device)
+    view = PoolView(cache.host_pool_cuda, cache.hbm_pool, write_log=write_log)
+    host_table = cache.kernel_tables(ids).host_table
+    tables = tables_from_host(host_table, [6000], q.device)._replace(back_to_back=True)
+    attn = DirectKVAttention(view)
+    plan = attn.plan(tables=tables, q_lens=[2000], num_q_heads=32, config=QTiledConfig(),
+                     staging=StagingRequest(piece_pages=4))
+    assert plan.route == "q_tiled_staged" and plan.copy_ahead, plan.explain()
+    attn.run(q, 0)  # compiled, slot chosen
+    torch.cuda.synchronize()
+    step = torch.cuda.Event()
+    step.record()
+    write_log.restart(step)
+    st = staging.stager(q.device, torch.cuda.current_stream())
+    slot = st.slot
+    first = cache.page_table(ids[0])[:4]
+    assert first == list(range(first[0], first[0] + 4))
+    g = torch.Generator("cuda").manual_seed(42)
+    new = torch.randn(4, *view.host_pool.shape[2:], device="cuda", generator=g).to(q.dtype)
+    torch.cuda._sleep(100_000_000)  # about 50 ms: the write below runs late
+    view.host_pool[first[0]:first[0] + 4, 1].copy_(new)
+    write_log.record(np.asarray(first, dtype=np.int64))
+    out = torch.full_like(q, float("nan"))
+    o = attn.run(q, 1, out)
+    assert st.slot != slot, "the call did not take the other slot (no copy ahead)"
+    torch.cuda.synchronize()
+    assert torch.equal(cache.host_pool[first[0]:first[0] + 4, 1], new.cpu())
+    ref_o, _ = paged_attention_ref(q, cache, 1, ids, [2000], None)
+    assert o is out and not torch.isnan(o).any()
+    err = ((o.double() - ref_o.double()).norm() / ref_o.double().norm()).item()
+    assert err < 2e-2, err
+    cache.close()

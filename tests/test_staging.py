@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directkv_cute.config import ConfigError, QTiledConfig, q_tiles
-from directkv_cute.machine import H200
+from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.plan import LINK_STAGE_MARGIN, causal_flops, choose_staged, may_stage, partial_bytes
 from directkv_cute.staging import MAX_PIECES, piece_pages_for, plan_staging
 
@@ -1030,7 +1030,6 @@ def test_copy_calls_count_the_runs_of_each_tier_and_copies_ahead_needs_a_record_
 
     import torch
 
-    from directkv_cute.machine import DeviceInfo
     from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
 
     # host pages 0-2, then 7, then two HBM pages, in two pieces of 3 pages
@@ -1057,3 +1056,49 @@ def test_copy_calls_count_the_runs_of_each_tier_and_copies_ahead_needs_a_record_
         facts = DeviceInfo("G", 132, 8 * 2**30, copies_ahead=True, staging_cap=cap)
         got = plan_attention(shape, facts, H200, DefaultConfigs())
         assert got.route == "q_tiled_staged" and got.copy_ahead == ahead
+
+
+def test_a_pool_view_with_a_write_log_copies_ahead_after_the_writes_it_records(monkeypatch):
+    """An engine's per-layer pools (``runner.PoolView``) with a ``HostWriteLog``: the GPU's facts
+    over it allow copies ahead (without a log they do not); a layer's recorded store gets an event
+    at the next staged call; ``restart`` (once per step) leaves one write of any page behind the
+    step's event, which drops once done. A CPU log records nothing."""
+    import torch
+
+    from directkv_cute import machine
+    from directkv_cute.cache import HostWriteLog
+    from directkv_cute.runner import PoolView
+
+    class Event:
+        def __init__(self):
+            self.done = False
+
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return self.done
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(machine, "_properties", lambda index: ("G", 132, 8 * 2**30))
+    monkeypatch.delenv("DIRECTKV_STAGE_OVERLAP", raising=False)
+    host = torch.zeros(16, 1, 2, 2, 16, 64)
+    log = HostWriteLog(torch.device("cuda", 0))
+    view, bare = PoolView(host, host[:0], write_log=log), PoolView(host, host[:0])
+    assert DeviceInfo.current("cuda:0", view).copies_ahead and not DeviceInfo.current("cuda:0", bare).copies_ahead
+    assert bare.host_writes is None and view.host_writes() == []
+    log.record(np.array([9, 4]))  # a layer's store of the step's pages
+    (ev, pages), = view.host_writes()
+    assert isinstance(ev, Event) and pages.tolist() == [9, 4]
+    step = Event()
+    log.restart(step)
+    assert view.host_writes() == [(step, None)]
+    step.done = True
+    assert view.host_writes() == []
+    cpu = HostWriteLog(torch.device("cpu"))
+    cpu.record(np.array([1]))
+    cpu.restart(step)
+    assert cpu.entries == []

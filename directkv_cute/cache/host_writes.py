@@ -37,6 +37,13 @@ class HostWriteLog:
             union = None if any(p is None for p in every) else np.unique(np.concatenate(every))
             self.entries = [[None, union]]
 
+    def restart(self, event) -> None:
+        """Forget the recorded writes: all of them were enqueued before ``event`` (recorded after
+        them on their stream), which stands for them as one write of any page. An engine that
+        records its own writes per step calls this once per step."""
+        if self.device.type == "cuda":
+            self.entries = [[event, None]]
+
     def pending(self) -> list[tuple[object, np.ndarray | None]]:
         """The writes not known to be done, as (CUDA event, host pages or None); writes recorded
         without an event get one now, on the current stream; finished ones are dropped."""

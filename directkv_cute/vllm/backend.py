@@ -11,7 +11,10 @@ memory, read in place by the DirectKV kernels (or staged to HBM where the planne
   planner decides the kernel and any staging, once for every layer).
 * ``DirectKVImpl.forward``, per layer: stores the layer's new K/V rows into their host pages
   (GPU stores through the mapped address, as ``PagedKVCache.write_slots`` does) and into the
-  mirrors of mirrored blocks, then runs the step's plan over the layer's own pools.
+  mirrors of mirrored blocks, records that write in the layer's write log, then runs the step's
+  plan over the layer's own pools. The log lets a staged layer copy its history ahead of the
+  current stream (while the layers before it still run), waiting only for the stores to the
+  pages it copies; the build restarts the logs once per step.
 
 The HBM tier (``DIRECTKV_VLLM_HBM_GB``, GiB over all layers; unset or 0: none): each layer gets
 an HBM pool of ``step.hbm_pages`` pages, allocated zero-filled at the group's first step; blocks
@@ -30,6 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
@@ -41,6 +45,7 @@ from vllm.v1.attention.backend import (
 )
 
 from directkv_cute import env
+from directkv_cute.cache import HostWriteLog
 from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.vllm.step import (
     HbmMirrors,
@@ -127,6 +132,9 @@ class DirectKVMetadata:
     dense:             the stored rows are tokens ``0..m-1``.
     num_host:          m, the columns of ``dest`` that go to host pages.
     views:             {layer name: its ``PoolView`` (host pool, HBM pool)}, the builder's.
+    stored_pages:      int64 (k,) the host pages the stores write (each once): each layer's
+                       store is recorded in its view's write log, and the staged copies of the
+                       layer, which run ahead of the current stream, copy those pages after it.
     """
 
     num_actual_tokens: int
@@ -136,6 +144,7 @@ class DirectKVMetadata:
     dense: bool
     num_host: int
     views: dict
+    stored_pages: np.ndarray
 
 
 class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
@@ -188,13 +197,15 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                             len(owners) * first[0].nbytes)
         self._mirrors = HbmMirrors(slots) if slots else None
         hbm: dict = {}
+        logs: dict = {}  # a layer that shares another's KV reads the writes that layer records
         views = {}
         for name in self.layer_names:
             layer = context[name]
             owner = getattr(layer, "kv_sharing_target_layer_name", None) or name
             if owner not in hbm:
                 hbm[owner] = torch.zeros((slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
-            views[name] = pool_view(layer.kv_cache, name, hbm[owner])
+                logs[owner] = HostWriteLog(torch.device(self.device))
+            views[name] = pool_view(layer.kv_cache, name, hbm[owner], logs[owner])
         self._views = views
         return views
 
@@ -240,6 +251,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         # (the planner reads the page table; padding tokens, slot -1, are never stored).
         slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
         dest = slot_destinations(slots, self.page_size, num_blocks)
+        self._restart_write_logs(views)
         table = None
         if shape.rows:
             width = min(-(-shape.max_seq_len // self.page_size), m.block_table_tensor.shape[1])
@@ -251,8 +263,9 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             if table is not None:
                 mirror_table(table, mirrors)
         dest_dev = torch.from_numpy(dest.packed()).to(self.device, non_blocking=True) if len(dest.rows) else None
+        stored = np.unique(dest.pages)
         if table is None:
-            return DirectKVMetadata(m.num_actual_tokens, 0, None, dest_dev, dest.dense, len(dest.rows), views)
+            return DirectKVMetadata(m.num_actual_tokens, 0, None, dest_dev, dest.dense, len(dest.rows), views, stored)
         tables = tables_from_host(table, shape.seq_lens, self.device)._replace(back_to_back=True)
         attention = DirectKVAttention(pools)
         # Blocks that prefix caching shares (one block id in several rows) are read once for all
@@ -263,13 +276,26 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
         return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, dest_dev, dest.dense,
-                                len(dest.rows), views)
+                                len(dest.rows), views, stored)
+
+    def _restart_write_logs(self, views: dict) -> None:
+        """Every host write of the steps before this one was enqueued before now: one event on the
+        current stream stands for them in each layer's write log (``HostWriteLog.restart``); each
+        layer's store adds the step's own pages (``DirectKVImpl.forward``)."""
+        if torch.device(self.device).type != "cuda":
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        for write_log in {id(v.write_log): v.write_log for v in views.values() if v.write_log is not None}.values():
+            write_log.restart(done)
 
 
-def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor):
+def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor, write_log=None):
     """The one-layer DirectKV pools over a layer's vLLM KV tensor and its HBM pool ``hbm`` (the
-    KV tensor's layout with its own page count; 0 pages without an HBM tier). The KV tensor is
-    refused unless it is in pinned host memory and laid out as ``get_kv_cache_shape`` says."""
+    KV tensor's layout with its own page count; 0 pages without an HBM tier), with the record of
+    the host writes to that tensor (``write_log``, a ``cache.HostWriteLog``; None: none kept).
+    The KV tensor is refused unless it is in pinned host memory and laid out as
+    ``get_kv_cache_shape`` says."""
     from directkv_cute.runner import PoolView
     from directkv_cute.vllm.memory import is_pinned_host
 
@@ -280,7 +306,7 @@ def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor):
         raise ValueError(f"the KV cache of {name} has shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}, "
                          "expected a contiguous (blocks, kv_heads, 2, block_size, head_size)")
     host = kv_cache.unsqueeze(1)  # (pages, 1, Hkv, 2, P, d)
-    return PoolView(host, hbm.unsqueeze(1))
+    return PoolView(host, hbm.unsqueeze(1), write_log=write_log)
 
 
 class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
@@ -320,6 +346,8 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
             raise ValueError(f"attention layer {name!r} is not in the DirectKV group the step was built for")
         if md.dest is not None and self.kv_sharing_target_layer_name is None and key is not None:
             store_kv(kv_cache, key, value, md.dest, md.dense, pools.hbm_pool[:, 0], md.num_host)
+            if pools.write_log is not None:
+                pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
         n = md.num_query_rows
         if md.attention is None:
             return output.zero_()
