@@ -635,13 +635,9 @@ def test_a_bad_directkv_hbm_list_is_one_line(text, why, fake_gpu):
     assert "\n" not in str(e.value)
 
 
-def test_a_list_of_tiers_runs_one_directkv_engine_each(tmp_path, fake_gpu, monkeypatch):
-    """``--directkv-hbm-gib 0,auto``: directkv host-only, then with offload's GPU KV bytes, each
-    in its own worker with its own spec file and name, beside offload and hbm."""
-    from bench.__main__ import build_parser
-
-    opts = bv.resolve_options(build_parser().parse_args(
-        ["vllm", "--smoke", "--directkv-hbm-gib", "0,auto"]), host_avail=None)
+def _run_over_recorded_workers(opts, tmp_path, monkeypatch):
+    """``run_methods`` over workers that succeed at once (offload's engine reports 3 GiB of GPU
+    KV): the specs they were given, and the document."""
     seen = []
 
     def fake_run_worker(spec, **kw):
@@ -654,6 +650,17 @@ def test_a_list_of_tiers_runs_one_directkv_engine_each(tmp_path, fake_gpu, monke
     doc = {"header": {"versions": {}}, "model": bv.model_shape("tiny"), "ceilings": {"memcpy_h2d_gbps": 50.0},
            "engines": {}, "rows": []}
     bv.run_methods(opts, work_dir=tmp_path, host_gib={"offload": 1.0, "directkv": 1.0}, write=lambda: None, doc=doc)
+    return seen, doc
+
+
+def test_a_list_of_tiers_runs_one_directkv_engine_each(tmp_path, fake_gpu, monkeypatch):
+    """``--directkv-hbm-gib 0,auto``: directkv host-only, then with offload's GPU KV bytes, each
+    in its own worker with its own spec file and name, beside offload and hbm."""
+    from bench.__main__ import build_parser
+
+    opts = bv.resolve_options(build_parser().parse_args(
+        ["vllm", "--smoke", "--directkv-hbm-gib", "0,auto"]), host_avail=None)
+    seen, doc = _run_over_recorded_workers(opts, tmp_path, monkeypatch)
     assert [(s["method"], s["hbm_gib"]) for s in seen] == [("offload", 0.0), ("directkv", 0.0), ("directkv", 3.0),
                                                            ("hbm", 0.0)]
     assert len({s["out"] for s in seen}) == 4
@@ -700,18 +707,7 @@ def test_auto_runs_directkv_with_the_offload_engines_hbm(tmp_path, fake_gpu, mon
     opts = bv.resolve_options(build_parser().parse_args(
         ["vllm", "--smoke", "--methods", "offload,directkv", "--directkv-hbm-gib", "auto", "--short-context", "0"]),
         host_avail=None)
-    seen = []
-
-    def fake_run_worker(spec, **kw):
-        seen.append(spec)
-        engine = {"staging_bytes": 3 * GiB} if spec["method"] == "offload" else {}
-        return {"method": spec["method"], "name": spec["name"], "status": "ok", "error": None, "engine": engine,
-                "rows": []}
-
-    monkeypatch.setattr(bv, "run_worker", fake_run_worker)
-    doc = {"header": {"versions": {}}, "model": bv.model_shape("tiny"), "ceilings": {"memcpy_h2d_gbps": 50.0},
-           "engines": {}, "rows": []}
-    bv.run_methods(opts, work_dir=tmp_path, host_gib={"offload": 1.0, "directkv": 1.0}, write=lambda: None, doc=doc)
+    seen, doc = _run_over_recorded_workers(opts, tmp_path, monkeypatch)
     assert [s["method"] for s in seen] == ["offload", "directkv"]
     assert seen[1]["hbm_gib"] == 3.0 and seen[1]["name"] == "vllm+directkv[hbm 3 GiB]"
     assert set(doc["engines"]) == {"vllm[offload]", "vllm+directkv[hbm 3 GiB]"}
