@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from directkv_cute._pinned import available_host_bytes as host_available_bytes  # noqa: F401 (re-exported)
+from directkv_cute._pinned import available_host_bytes  # noqa: F401 (the benches read it from here)
 
 SCHEMA = "directkv-bench/1"
 
@@ -252,8 +252,6 @@ def env_info(device: str) -> dict:
     info["gpu_key"] = gpu_key(info["gpu"])
     info["versions"] = versions
     return info
-
-
 
 
 def pyplot():

@@ -105,7 +105,7 @@ import torch
 
 from bench.common import UsageError, add_device_argument, add_out_dir_argument, checked_out_dir
 from bench.common import fmt_opt as _f
-from bench.common import host_available_bytes, is_cpu_run, pyplot, require_gpu, save_figure, write_run_files
+from bench.common import available_host_bytes, is_cpu_run, pyplot, require_gpu, save_figure, write_run_files
 from bench.common import kilo as _kilo
 
 E2E_SCHEMA = "directkv-bench-e2e/1"
@@ -730,7 +730,7 @@ class Runner:
             return new_row(**base, status="skipped", error="transformers' offloaded cache needs CUDA (its copy stream)")
         if o.skip:
             why = predict_skip(method, batch=batch, kv_bytes=kv, weights=self.weights, gpu_total=self.gpu_total,
-                               host_avail=host_available_bytes(), budget=budget)
+                               host_avail=available_host_bytes(), budget=budget)
             if why:
                 return new_row(**base, status="skipped", error=why)
         t_row = time.perf_counter()

@@ -34,7 +34,7 @@ import torch
 
 from bench.ceilings import flat_bytes, read_gbps
 from bench.common import (GiB, MiB, Ceilings, Record, Shape, Timer, add_check, format_table, make_record,
-                          host_available_bytes, progress_bar, shape_key, time_calls, torch_dtype, write_json)
+                          available_host_bytes, progress_bar, shape_key, time_calls, torch_dtype, write_json)
 from bench import peers
 from bench.hostmem import PinnedBuffer
 from bench.methods import (SdpaVariant, anchor_reference, anchor_rows, anchor_slice, backend_context, q_as_4d,
@@ -99,7 +99,6 @@ def footprint(shape: Shape, opts: BenchOptions) -> tuple[int, int]:
     return host, gpu
 
 
-
 def skip_reason(shape: Shape, opts: BenchOptions) -> str | None:
     """Why a shape cannot run here (over --max-gb, or over the free memory), or None."""
     if shape.q_len > shape.context:
@@ -113,7 +112,7 @@ def skip_reason(shape: Shape, opts: BenchOptions) -> str | None:
 def memory_problem(host: int, gpu: int, device: str) -> str | None:
     """Why ``host`` bytes of pinned host memory and ``gpu`` bytes of GPU memory do not fit here
     (90% of the available host memory, 95% of the free GPU memory), or None."""
-    avail = host_available_bytes()
+    avail = available_host_bytes()
     if avail is not None and host > 0.9 * avail:
         return f"needs {host / GiB:.1f} GiB pinned host memory, {avail / GiB:.1f} GiB available"
     if device == "cuda":

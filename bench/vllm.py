@@ -109,7 +109,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import (GB, GiB, UsageError, add_out_dir_argument, checked_out_dir, fmt_opt, host_available_bytes,
+from bench.common import (GB, GiB, UsageError, add_out_dir_argument, available_host_bytes, checked_out_dir, fmt_opt,
                           kilo, pyplot, save_figure, write_run_files)
 
 VLLM_SCHEMA = "directkv-bench-vllm/1"
@@ -750,7 +750,7 @@ def run_vllm(ns: argparse.Namespace) -> int:
     from bench.ceilings import measure_ceilings
     from bench.common import package_version, env_info, require_gpu, results_path, write_json
 
-    host_avail = host_available_bytes()
+    host_avail = available_host_bytes()
     opts = resolve_options(ns, host_avail)
     out_dir = checked_out_dir(ns.out_dir)
     require_gpu(ns.device, command="bench vllm", cpu_run=False)

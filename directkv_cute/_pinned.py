@@ -28,6 +28,10 @@ import torch
 CUDA_HOST_REGISTER_PORTABLE = 0x01
 CUDA_HOST_REGISTER_MAPPED = 0x02
 _CUDA_SUCCESS = 0
+_CUDA_ERROR_CUDART_UNLOADING = 4  # returned at interpreter exit once the runtime is torn down
+
+_CAI_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # element size -> raw integer typestr
+_RAW_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def available_host_bytes() -> int | None:
@@ -41,10 +45,6 @@ def available_host_bytes() -> int | None:
     except OSError:
         return None
     return None
-_CUDA_ERROR_CUDART_UNLOADING = 4  # returned at interpreter exit once the runtime is torn down
-
-_CAI_TYPESTR = {1: "|u1", 2: "<i2", 4: "<i4", 8: "<i8"}  # element size -> raw integer typestr
-_RAW_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _host_unregister(host_ptr: int, memory: torch.Tensor) -> None:

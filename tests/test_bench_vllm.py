@@ -27,7 +27,7 @@ def fake_gpu(monkeypatch):
     """A machine that claims a GPU it does not have: any GPU work (the header, the ceilings) raises
     instead of the one-line refusal the tests expect."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(bv, "host_available_bytes", lambda: 100 * GiB)
+    monkeypatch.setattr(bv, "available_host_bytes", lambda: 100 * GiB)
 
 
 def _refused(argv, capsys) -> str:

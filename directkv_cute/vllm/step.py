@@ -389,7 +389,6 @@ def host_blocks(host_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
     return host_bytes // one
 
 
-
 def hbm_pages(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
               kv_dtype: str = "bfloat16") -> int:
     """Mirror pages per layer that ``budget_bytes`` of HBM hold over ``num_layers`` layers
