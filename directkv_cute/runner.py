@@ -107,8 +107,12 @@ class PoolView:
         self.dtype = host_pool.dtype
         self.compute_dtype = compute_dtype or host_pool.dtype
         self.write_log = write_log
-        # what ``DeviceInfo.current`` and ``Stager.stage`` ask a cache for: None without a record
-        self.host_writes = write_log.pending if write_log is not None else None
+
+    @property
+    def host_writes(self):
+        """What ``DeviceInfo.current`` and ``Stager.stage`` ask a cache for: the write log's
+        ``pending`` (as ``PagedKVCache.host_writes``), None without a log."""
+        return None if self.write_log is None else self.write_log.pending
 
     def device_pool(self, tier: str) -> torch.Tensor:
         """The tier's pool as the reference reads it (a CPU view runs the reference)."""

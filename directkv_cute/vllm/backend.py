@@ -163,6 +163,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                              "decoding makes them upper bounds: run without --speculative-config")
         self._views = None  # {layer name: PoolView over its host KV and its HBM pool}, at the first build
         self._mirrors = None  # the HBM tier's policy (None: no tier)
+        self._write_logs = []  # one per layer that owns its KV: its host writes (HostWriteLog)
         # vLLM compiles the units of registered providers before serving (kernel_warmup)
         from vllm.model_executor.warmup.cutedsl_warmup import register_cutedsl_warmup_provider
 
@@ -206,7 +207,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                 hbm[owner] = torch.zeros((slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
                 logs[owner] = HostWriteLog(torch.device(self.device))
             views[name] = pool_view(layer.kv_cache, name, hbm[owner], logs[owner])
-        self._views = views
+        self._views, self._write_logs = views, list(logs.values())
         return views
 
     def get_cutedsl_warmup_compile_units(self) -> list:
@@ -251,7 +252,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         # (the planner reads the page table; padding tokens, slot -1, are never stored).
         slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
         dest = slot_destinations(slots, self.page_size, num_blocks)
-        self._restart_write_logs(views)
+        self._restart_write_logs()
         table = None
         if shape.rows:
             width = min(-(-shape.max_seq_len // self.page_size), m.block_table_tensor.shape[1])
@@ -278,7 +279,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, dest_dev, dest.dense,
                                 len(dest.rows), views, stored)
 
-    def _restart_write_logs(self, views: dict) -> None:
+    def _restart_write_logs(self) -> None:
         """Every host write of the steps before this one was enqueued before now: one event on the
         current stream stands for them in each layer's write log (``HostWriteLog.restart``); each
         layer's store adds the step's own pages (``DirectKVImpl.forward``)."""
@@ -286,7 +287,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             return
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        for write_log in {id(v.write_log): v.write_log for v in views.values() if v.write_log is not None}.values():
+        for write_log in self._write_logs:
             write_log.restart(done)
 
 
@@ -346,8 +347,7 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
             raise ValueError(f"attention layer {name!r} is not in the DirectKV group the step was built for")
         if md.dest is not None and self.kv_sharing_target_layer_name is None and key is not None:
             store_kv(kv_cache, key, value, md.dest, md.dense, pools.hbm_pool[:, 0], md.num_host)
-            if pools.write_log is not None:
-                pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
+            pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
         n = md.num_query_rows
         if md.attention is None:
             return output.zero_()
