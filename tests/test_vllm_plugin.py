@@ -25,6 +25,7 @@ from directkv_cute.vllm.step import (
     hbm_pages,
     host_blocks,
     kv_bytes_per_block,
+    mirror_table,
     page_table,
     slot_destinations,
     step_shape,
@@ -425,12 +426,12 @@ def test_the_mirror_policy_against_a_shadow_model(slots, data):
 # ---- the HBM tier: tables and stores ----------------------------------------------------------------
 def test_page_table_names_mirrored_blocks_by_their_hbm_pages():
     blocks = np.array([[7, 3, 9, 0], [2, 5, 0, 0], [4, 0, 0, 0]], np.int32)
-    table = page_table(blocks, [33, 17, 16], page_size=16, num_blocks=10, mirrors={3: 0, 5: 4, 4: 2, 8: 1})
+    table = mirror_table(page_table(blocks, [33, 17, 16], page_size=16, num_blocks=10), {3: 0, 5: 4, 4: 2, 8: 1})
     h = lambda slot: encode_page("hbm", slot)  # noqa: E731
     # 3 -> HBM page 0, 5 -> 4 (also in the repeated tail), 4 -> 2; block 8 is not in the table.
     assert table.tolist() == [[7, h(0), 9], [2, h(4), h(4)], [h(2), h(2), h(2)]]
     assert table.dtype == np.int32
-    assert page_table(blocks, [33, 17, 16], 16, 10, mirrors={}).tolist() == [[7, 3, 9], [2, 5, 5], [4, 4, 4]]
+    assert mirror_table(page_table(blocks, [33, 17, 16], 16, 10), {}).tolist() == [[7, 3, 9], [2, 5, 5], [4, 4, 4]]
 
 
 def _pools(NB=6, H=3, Hkv=2, P=16, d=8):
@@ -515,7 +516,7 @@ def test_a_step_over_mirrored_and_host_blocks_matches_dense_attention():
     new_v = cat([[values[i][b][c:] for b, c in enumerate(ctx)] + [torch.zeros(1, Hkv, d)] for i in range(L)])
     got_b = store(slots_b, new_k, new_v, ids)
     assert got_b == {3: 1, 7: 2, 10: 3, 4: 0}  # 8 was absent: its slot went to 4; 1 and 5 stay on the host
-    table = page_table(blocks, shape.seq_lens, P, NB, got_b)
+    table = mirror_table(page_table(blocks, shape.seq_lens, P, NB), got_b)
     assert (table < 0).sum() == 5  # 3, 7, 10, 4 and the repeat of 7 past request 0's pages
     for layer in range(L):
         for b, s in got_b.items():

@@ -104,12 +104,11 @@ def step_shape(query_start_loc, seq_lens, num_reqs: int) -> StepShape:
                      int(q.sum()))
 
 
-def page_table(block_table, seq_lens, page_size: int, num_blocks: int, mirrors: dict | None = None) -> np.ndarray:
+def page_table(block_table, seq_lens, page_size: int, num_blocks: int) -> np.ndarray:
     """The (B, max_pages) int32 page table of B requests: row b holds the first
     ``ceil(seq_lens[b] / page_size)`` block ids of ``block_table[b]`` (vLLM's block table rows of
-    those requests, in kernel blocks of ``page_size`` tokens), then its last page repeated.
-    ``mirrors`` ({block id: HBM slot}, ``HbmMirrors.step``): those blocks are named by their
-    mirrors (``mirror_table``)."""
+    those requests, in kernel blocks of ``page_size`` tokens), then its last page repeated
+    (``mirror_table`` then names the blocks that have HBM mirrors by them)."""
     table = np.asarray(block_table)
     lens = _ints(seq_lens, "seq_lens")
     if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
@@ -135,7 +134,7 @@ def page_table(block_table, seq_lens, page_size: int, num_blocks: int, mirrors: 
             raise ValueError(f"sequence {b}: block {j} has id {int(ids[j])}, outside the cache's {num_blocks} blocks")
         out[b, :n] = ids
         out[b, n:] = ids[-1]
-    return mirror_table(out, mirrors)
+    return out
 
 
 def mirror_slots(ids, mirrors: dict | None) -> np.ndarray:
