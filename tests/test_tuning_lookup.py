@@ -284,7 +284,7 @@ def test_multi_token_kernel_lookup(tmp_path):
 def test_a_missing_class_is_warned_once_for_all_its_shapes(tmp_path):
     """A server meets one untuned class at every batch and chunk length: one warning names the
     first shape; another page size is another class and warns again; a quiet lookup says
-    nothing and leaves the warning for the first loud one."""
+    nothing and leaves the warning for the first loud one, of its own shape too."""
     def pre(q_len, batch=1, page_size=64, quiet=False):
         return L.select_config("multi_token", gpu_name=GPU, kernel_hash=KH, dtype=torch.bfloat16, head_dim=128,
                                group=8, page_size=page_size, batch=batch, context=4096, q_len=q_len,
@@ -293,6 +293,7 @@ def test_a_missing_class_is_warned_once_for_all_its_shapes(tmp_path):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert pre(64, quiet=True)[1] == "default"
+        assert pre(32, quiet=True)[1] == "default"  # the loud lookup of this shape below still warns
         for q_len, batch in ((32, 1), (48, 2), (16, 3)):
             assert pre(q_len, batch)[1] == "default"
         assert pre(32, page_size=16)[1] == "default"

@@ -364,7 +364,8 @@ def select_config(kernel: str, *, gpu_name: str, kernel_hash: str, dtype, head_d
     After the first call for a key this is one dict lookup.
     """
     key = (kernel, gpu_name, kernel_hash, dtype, head_dim, group, page_size, batch, context, q_len, rows,
-           os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"), os.environ.get(REQUIRE_ENV))
+           os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"), os.environ.get(REQUIRE_ENV),
+           quiet)  # a quiet decision cached must not silence a later call's warning
     hit = _DECISIONS.get(key)
     if hit is not None:
         return hit
