@@ -21,13 +21,13 @@ memory, fails the worker before any row; a probe that cannot run leaves ``backen
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
+from bench.common import load_json, write_json
 from bench.vllm import (DIRECTKV_BACKEND, METHOD_NAMES, PLUGIN_MISSING, VLLM_MISSING, max_batch, new_row,
                         reduce_timing, resolve_batches)
 from directkv_cute.env import VLLM_HBM_GB
@@ -203,16 +203,14 @@ def measure(engine, prompts: list[list[int]], max_tokens: int, sampling, mem: Gp
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    spec = json.loads(Path(argv[0]).read_text())
+    spec = load_json(argv[0])
     out = Path(spec["out"])
     name = spec.get("name") or METHOD_NAMES[spec["method"]]
     result = {"method": spec["method"], "name": name, "status": "ok", "error": None, "vllm_version": None,
               "engine": {}, "rows": []}
 
     def write():
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, out)
+        write_json(out, result)
 
     if spec["method"] == "directkv":  # backend_probe travels to the engine's process (module docstring)
         from directkv_cute.vllm import plugin_installed
@@ -274,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 write()
                 return 1
     write()
+
     def sampling(max_tokens: int):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                               output_kind=RequestOutputKind.CUMULATIVE)
