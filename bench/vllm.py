@@ -128,8 +128,10 @@ ELEM_BYTES = 2  # bf16 weights
 WORKER_MODULE = "bench.vllm_worker"
 VLLM_MISSING = ("bench vllm: vLLM is not importable: `pip install -e .[vllm]` (vllm==0.26.0), or put the folder "
                 "vLLM is installed in on PYTHONPATH")
+# The workers run under this interpreter, whose pip may not be the `pip` on PATH.
 PLUGIN_MISSING = ("bench vllm: the directkv plugin is not installed where vLLM runs (no `vllm.general_plugins` "
-                  "entry point `directkv`): `pip install -e .` there, not only this tree on PYTHONPATH")
+                  f"entry point `directkv` for {sys.executable}): `{sys.executable} -m pip install -e .` "
+                  "there, not only this tree on PYTHONPATH")
 
 ROW_FIELDS = ("bench", "method", "role", "context", "batch", "batch_spec", "status", "error", "note", "ttft_ms",
               "ttft_max_ms", "resume_ms", "decode_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",

@@ -752,6 +752,8 @@ def test_the_directkv_worker_refuses_without_the_plugins_entry_point(tmp_path, m
     got = json.loads((tmp_path / "directkv.json").read_text())
     assert got["status"] == "error" and got["error"] == bv.PLUGIN_MISSING
     assert "entry point" in capsys.readouterr().err
+    # The fix names the interpreter the workers run under: a `pip` on PATH may install elsewhere.
+    assert f"{sys.executable} -m pip install -e ." in got["error"]
 
 
 def test_the_installed_package_carries_the_plugins_entry_point():
