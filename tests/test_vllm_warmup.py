@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from directkv_cute import runner
 from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
 from directkv_cute.runner import PoolView, plan_kernels
-from directkv_cute.vllm.step import warmup_kernels, warmup_steps
+from directkv_cute.vllm.step import warmup_kernels, warmup_mirrors, warmup_steps
 
 H200_FACTS = DeviceInfo("NVIDIA H200", sms=132, total_memory=141 * 2**30)
 MEMOS = {runner._compiled, runner._compiled_fp8, runner._compiled_q_tiled, runner._compiled_combine,
@@ -145,3 +146,41 @@ def test_every_warmup_unit_compiles_for_hopper(tmp_path, monkeypatch):
         before = fn.cache_info().hits
         fn(*args)
         assert fn.cache_info().hits == before + 1
+
+
+def test_warmup_with_an_hbm_tier_lists_the_kernels_of_mirrored_pages():
+    """With an HBM tier a step's blocks may be read from their mirrors, and the planner routes
+    those calls differently (a prompt chunk over HBM pages runs the Q-tiled kernel in HBM). The
+    warm-up lists every kernel of the host layouts and every kernel of each step planned over
+    pages all in HBM (tables encoded by ``CallShape.example``, not by the warm-up's mirrors)."""
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.runner import tables_from_host
+
+    host = torch.empty(7040, 1, 8, 2, 64, 128, dtype=torch.bfloat16)  # 55 GiB of Llama-3-8B blocks
+    no_tier = PoolView(host, torch.empty(0, 1, 8, 2, 64, 128, dtype=torch.bfloat16))
+    tier = PoolView(host, torch.empty(4979, 1, 8, 2, 64, 128, dtype=torch.bfloat16))  # 38.9 GiB of mirrors
+    steps = _steps(max_num_seqs=1024, max_model_len=131089, num_blocks=7040)
+    args = dict(num_q_heads=32, dtype=torch.bfloat16, device="cpu", device_info=H200_FACTS)
+    host_only, with_tier = warmup_kernels(no_tier, steps, **args), warmup_kernels(tier, steps, **args)
+    assert set(host_only) <= set(with_tier)
+    routes = set()
+    for seq_lens, q_lens in steps:
+        shape = CallShape.example(seq_lens, q_lens, tier="hbm", num_layers=1)
+        if shape.host_table.max() >= 0 or -shape.host_table.min() > 4979:
+            continue  # more pages than the tier holds
+        tables = tables_from_host(shape.host_table, seq_lens, "cpu")._replace(back_to_back=True)
+        plan = DirectKVAttention(tier).plan(tables=tables, q_lens=q_lens, num_q_heads=32, max_seq_len=max(seq_lens),
+                                            device_info=H200_FACTS)
+        routes.add(plan.route)
+        for fn, fargs in plan_kernels(plan, torch.bfloat16):
+            assert (fn.__name__, *fargs) in with_tier, (seq_lens[:2], q_lens[:2], plan.route)
+    assert "q_tiled_hbm" in routes and "decode" in routes
+
+
+def test_warmup_mirrors_are_the_tiers_layouts_that_fit():
+    blocks = np.array([[0, 1, 2, 3], [4, 5, 0, 0]])
+    full, half = warmup_mirrors(blocks, [4, 2], slots=6)
+    assert full == {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 5: 5}
+    assert half == {0: 0, 1: 1, 4: 2}  # each sequence's first half, slots from 0
+    assert warmup_mirrors(blocks, [4, 2], slots=3) == [half]
+    assert warmup_mirrors(blocks, [4, 2], slots=0) == []

@@ -334,12 +334,14 @@ def warmup_steps(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_le
 def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info=None) -> dict:
     """{key: (compile function, arguments)} of every kernel the plans of ``steps`` (``warmup_steps``)
     launch over ``pools`` (a layer's ``runner.PoolView``), planned as the builder plans a step:
-    each step's sequences on consecutive host pages. ``device_info``: the GPU to plan for
-    (default: the pools' device's)."""
+    each step's sequences on consecutive host pages and, where ``pools`` has an HBM tier, the
+    same pages with their mirrors (``warmup_mirrors``), whose plans may route to other kernels.
+    ``device_info``: the GPU to plan for (default: the pools' device's)."""
     from directkv_cute.attention import DirectKVAttention
     from directkv_cute.runner import plan_kernels, tables_from_host
 
     page_size, num_blocks = pools.page_size, pools.host_pool.shape[0]
+    slots = pools.hbm_pool.shape[0]
     out: dict = {}
     for seq_lens, q_lens in steps:
         n = [-(-s // page_size) for s in seq_lens]
@@ -347,13 +349,30 @@ def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info
         blocks = np.zeros((len(n), max(n)), dtype=np.int64)
         for b, (f, k) in enumerate(zip(first, n)):
             blocks[b, :k] = np.arange(f, f + k)
-        table = page_table(blocks, seq_lens, page_size, num_blocks)
-        tables = tables_from_host(table, seq_lens, device)._replace(back_to_back=True)
-        plan = DirectKVAttention(pools).plan(tables=tables, q_lens=q_lens, num_q_heads=num_q_heads,
-                                             max_seq_len=max(seq_lens), device_info=device_info)
-        for fn, args in plan_kernels(plan, dtype):
-            out.setdefault((fn.__name__, *args), (fn, args))
+        host_table = page_table(blocks, seq_lens, page_size, num_blocks)
+        for mirrors in [None, *warmup_mirrors(blocks, n, slots)]:
+            table = mirror_table(host_table.copy(), mirrors)
+            tables = tables_from_host(table, seq_lens, device)._replace(back_to_back=True)
+            plan = DirectKVAttention(pools).plan(tables=tables, q_lens=q_lens, num_q_heads=num_q_heads,
+                                                 max_seq_len=max(seq_lens), device_info=device_info)
+            for fn, args in plan_kernels(plan, dtype):
+                out.setdefault((fn.__name__, *args), (fn, args))
     return out
+
+
+def warmup_mirrors(blocks, num_pages, slots: int) -> list[dict]:
+    """The HBM-tier layouts the warm-up plans a step in (``HbmMirrors`` as {block id: slot}):
+    every block mirrored (a tier that holds the step), and each sequence's first half of blocks
+    mirrored, the rest on the host (a tier that filled while its sequences grew: fresh blocks
+    get mirrors while slots are free). Only the layouts whose mirrors fit ``slots``; none
+    without a tier. ``blocks``: the step's (B, max pages) block ids; ``num_pages``: each
+    sequence's pages."""
+    layouts = []
+    for share in (1.0, 0.5):
+        ids = np.concatenate([np.asarray(blocks[b, :max(1, int(k * share))]) for b, k in enumerate(num_pages)])
+        if 0 < len(ids) <= slots:
+            layouts.append({int(x): i for i, x in enumerate(ids.tolist())})
+    return layouts
 
 
 def check_geometry(head_dim: int, block_size: int) -> None:
@@ -406,4 +425,4 @@ def check_host_bytes(nbytes: int, available: int | None) -> None:
 
 __all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
            "slot_destinations", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
-           "hbm_pages", "check_host_bytes", "warmup_steps", "warmup_kernels"]
+           "hbm_pages", "check_host_bytes", "warmup_steps", "warmup_kernels", "warmup_mirrors"]
