@@ -134,7 +134,7 @@ PLUGIN_MISSING = ("bench vllm: the directkv plugin is not installed where vLLM r
                   "there, not only this tree on PYTHONPATH")
 
 ROW_FIELDS = ("bench", "method", "role", "context", "batch", "batch_spec", "status", "error", "note", "ttft_ms",
-              "ttft_max_ms", "resume_ms", "decode_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",
+              "ttft_max_ms", "resume_ms", "decode_ms", "step_ms", "tokens_per_s", "all_decoding", "peak_concurrent", "requests",
               "new_tokens", "gpu_bytes", "staging_bytes", "host_bytes", "kv_bytes_per_step", "non_attention_ms",
               "floor_ms", "pct_floor", "target_pct", "target_met", "wall_s")
 STATUSES = ("ok", "error", "timeout", "skipped")
@@ -426,7 +426,9 @@ def reduce_timing(submit: dict, events: list[tuple[float, str, int]]) -> dict:
     engine step sharing its time.
 
     ttft_ms / ttft_max_ms: median / max over requests of first token - submit; decode_ms: median
-    over requests of (t_last - t_first) / (tokens_last - tokens_first), in ms; tokens_per_s:
+    over requests of (t_last - t_first) / (tokens_last - tokens_first), in ms (a mean over each
+    request's tokens: one slow step counts in full); step_ms: the median time between consecutive
+    steps that gave decode tokens (what a typical step takes, stalls left out); tokens_per_s:
     decode tokens of all requests per second over the stretch in which all of them are decoding
     (from the last first token to the first last token; ``all_decoding`` False when that stretch
     is empty, then over the whole decode span); peak_concurrent: the most requests that got a
@@ -451,6 +453,8 @@ def reduce_timing(submit: dict, events: list[tuple[float, str, int]]) -> dict:
     ttft = [1e3 * (first[r][0] - submit[r]) for r in first]
     per_token = [1e3 * (last[r][0] - first[r][0]) / (last[r][1] - first[r][1]) for r in first
                  if last[r][1] > first[r][1]]
+    times = sorted({t for t, _ in gained})
+    step_ms = statistics.median([b - a for a, b in zip(times, times[1:])]) * 1e3 if len(times) > 1 else None
     t0, t1 = max(t for t, _ in first.values()), min(t for t, _ in last.values())
     all_decoding = t1 > t0
     if all_decoding:
@@ -460,7 +464,7 @@ def reduce_timing(submit: dict, events: list[tuple[float, str, int]]) -> dict:
         tokens = sum(g for _, g in gained)
         span = max(t for t, _ in last.values()) - min(t for t, _ in first.values())
     return {"ttft_ms": statistics.median(ttft), "ttft_max_ms": max(ttft),
-            "decode_ms": statistics.median(per_token) if per_token else None,
+            "decode_ms": statistics.median(per_token) if per_token else None, "step_ms": step_ms,
             "tokens_per_s": tokens / span if span > 0 and tokens else None, "all_decoding": all_decoding,
             "peak_concurrent": max(steps.values(), default=0), "requests": len(first)}
 

@@ -219,6 +219,7 @@ def test_reduce_timing_of_a_synthetic_batch():
     r = bv.reduce_timing(submit, list(reversed(events)))  # order does not matter
     assert r["ttft_ms"] == pytest.approx(1050.0) and r["ttft_max_ms"] == pytest.approx(1100.0)
     assert r["decode_ms"] == pytest.approx(100.0)  # both: 0.5 s over 5 tokens
+    assert r["step_ms"] == pytest.approx(100.0)  # decode steps 1.1 .. 1.7, 0.1 s apart
     # all decoding from 1.2 (b's first) to 1.5 (a's last): steps 1.3, 1.4, 1.5 -> 6 tokens in 0.3 s
     assert r["tokens_per_s"] == pytest.approx(20.0) and r["all_decoding"] is True
     assert r["peak_concurrent"] == 2 and r["requests"] == 2
@@ -228,12 +229,16 @@ def test_reduce_timing_of_one_request_and_of_requests_never_together():
     one = bv.reduce_timing({"x": 10.0}, [(10.5, "x", 1), (10.52, "x", 2), (10.54, "x", 3), (10.56, "x", 4)])
     assert one["ttft_ms"] == one["ttft_max_ms"] == pytest.approx(500.0)
     assert one["decode_ms"] == pytest.approx(20.0) and one["tokens_per_s"] == pytest.approx(50.0)
-    assert one["peak_concurrent"] == 1
+    assert one["peak_concurrent"] == 1 and one["step_ms"] == pytest.approx(20.0)
+    # one stalled step: the mean per token (decode_ms) takes it in full, the median step does not
+    stall = bv.reduce_timing({"x": 0.0}, [(1.0, "x", 1), (1.01, "x", 2), (1.02, "x", 3), (1.33, "x", 4), (1.34, "x", 5)])
+    assert stall["decode_ms"] == pytest.approx(85.0) and stall["step_ms"] == pytest.approx(10.0)
     # b starts after a finished (a preempted-for-capacity batch): never all decoding at once
     apart = bv.reduce_timing({"a": 0.0, "b": 0.0}, [(1.0, "a", 1), (2.0, "a", 3), (3.0, "b", 1), (3.5, "b", 2)])
     assert apart["all_decoding"] is False and apart["peak_concurrent"] == 1
     assert apart["tokens_per_s"] == pytest.approx(3 / 2.5)  # 3 decode tokens from 1.0 to 3.5
     assert apart["decode_ms"] == pytest.approx(500.0)  # median of 500 and 500
+    assert apart["step_ms"] == pytest.approx(1500.0)  # decode tokens at 2.0 and 3.5 only
     with pytest.raises(ValueError, match="produced no token"):
         bv.reduce_timing({"a": 0.0, "b": 0.0}, [(1.0, "a", 1)])
 
