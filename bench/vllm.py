@@ -59,7 +59,9 @@ blocks in vLLM's prefix cache (and, for offload, in its host buffer), so pass 2,
 prompts for ``1 + --new-tokens`` tokens, starts every request decoding together rather than
 between other prompts' prefill chunks: ``resume ms`` is its median time to the first token (the
 cached KV reloaded, or read in place), and from its stamps (``reduce_timing``) come the decode
-ms per token per sequence (median over requests of (t_last - t_first) / (tokens - 1)), total
+ms per token per sequence (median over requests of (t_last - t_first) / (tokens - 1)), the
+median step time (``step_ms``, in the JSON: between consecutive steps that gave decode tokens, so
+a one-off stall that the mean per token counts in full leaves it unchanged), total
 decode tokens/s over the stretch in which every request is decoding, and the peak number of
 requests that got a decode token in the same step. A short request warms the engine up first
 (compilation and CUDA graph capture are not timed; the directkv plugin compiles its kernels in
