@@ -134,8 +134,9 @@ def test_store_kv_puts_rows_at_their_page_and_offset():
     key = torch.randn(3, Hkv, d)
     value = torch.randn(3, Hkv, d)
     dest = slot_destinations([2 * P + 5, -1, 0 * P + 15], P, NB)
-    packed = torch.from_numpy(np.stack([dest.pages, dest.offsets, dest.rows]))
-    store_kv(kv, key, value, packed, dest.dense)
+    index = dest.store_index(Hkv, P)
+    assert index.tokens.tolist() == [0, 2] and index.span == 3 and index.num_mirrored == 0
+    store_kv(kv, key, value, index.to("cpu"))
     assert torch.equal(kv[2, :, 0, 5], key[0]) and torch.equal(kv[2, :, 1, 5], value[0])
     assert torch.equal(kv[0, :, 0, 15], key[2]) and torch.equal(kv[0, :, 1, 15], value[2])
     assert int((kv != 0).sum()) == 2 * 2 * Hkv * d  # nothing else written
@@ -216,7 +217,7 @@ def test_a_step_stores_plans_once_and_runs_per_layer_pool():
     slots = np.concatenate([blocks[b][np.arange(c, n) // P] * P + np.arange(c, n) % P
                             for b, (c, n) in enumerate(zip(shape.context_lens, shape.seq_lens))] + [[-1]])
     dest = slot_destinations(slots, P, NB)
-    packed = torch.from_numpy(dest.packed())
+    index = dest.store_index(Hkv, P).to("cpu")
     for layer in range(L):
         for b, (c, n) in enumerate(zip(shape.context_lens, shape.seq_lens)):  # the cached history
             pos = np.arange(c)
@@ -231,7 +232,7 @@ def test_a_step_stores_plans_once_and_runs_per_layer_pool():
     for layer in range(L):
         new_k = torch.cat([keys[layer][b][c:] for b, c in enumerate(shape.context_lens)] + [torch.zeros(1, Hkv, d)])
         new_v = torch.cat([values[layer][b][c:] for b, c in enumerate(shape.context_lens)] + [torch.zeros(1, Hkv, d)])
-        store_kv(pools[layer], new_k, new_v, packed, dest.dense)
+        store_kv(pools[layer], new_k, new_v, index)
         _assert_layer_matches_dense(dk, views[layer], shape, keys[layer], values[layer], scale)
 
 
@@ -447,23 +448,40 @@ def test_stores_go_to_the_host_and_to_the_mirrors_of_mirrored_blocks(padding):
     dest = slot_destinations(slots, P, 6).mirrored({4: 2, 1: 0, 3: 1})  # block 3 is stored into by nobody
     assert dest.dense is not padding
     assert dest.hbm_at.tolist() == [1, 2, 3] and dest.hbm_slots.tolist() == [2, 2, 0]
-    packed = dest.packed()
-    assert packed.shape == (3, 4 + 3)
-    store_kv(host, key, value, torch.from_numpy(packed), dest.dense, hbm, len(dest.rows))
+    index = dest.store_index(Hkv, P)
+    assert len(index.host_rows) == 4 * Hkv * 2 and index.num_mirrored == 3 and len(index.hbm_rows) == 3 * Hkv * 2
+    assert (index.tokens is None) is not padding and index.hbm_tokens.tolist() == [1, 2, 3]
+    index = index.to("cpu")
+    store_kv(host, key, value, index, hbm)
     for i, (page, off, slot) in enumerate([(2, 5, None), (4, 0, 2), (4, 1, 2), (1, 15, 0)]):
         assert torch.equal(host[page, :, 0, off], key[i]) and torch.equal(host[page, :, 1, off], value[i])
         if slot is not None:
             assert torch.equal(hbm[slot, :, 0, off], key[i]) and torch.equal(hbm[slot, :, 1, off], value[i])
     assert int((host != 0).sum()) == 4 * 2 * Hkv * d and int((hbm != 0).sum()) == 3 * 2 * Hkv * d
     with pytest.raises(ValueError, match="3 K/V rows go to HBM mirrors, but no HBM pool was given"):
-        store_kv(host, key, value, torch.from_numpy(packed), dest.dense, None, len(dest.rows))
+        store_kv(host, key, value, index, None)
 
 
-def test_without_mirrors_the_packed_destinations_are_unchanged():
-    dense = slot_destinations([64, 65, 127], 64, 2).mirrored(None)
-    assert dense.packed().tolist() == [[1, 1, 1], [0, 1, 63]]
-    sparse = slot_destinations([35, -1, 160], 16, 20).mirrored({})
-    assert sparse.packed().tolist() == [[2, 10], [3, 0], [0, 2]]
+def test_store_index_rows_by_hand():
+    # pool (pages, Hkv=2, 2, P, d) viewed as (-1, d): row ((page * 2 + h) * 2 + c) * P + offset
+    dense = slot_destinations([64, 65, 127], 64, 2).mirrored(None).store_index(2, 64)
+    assert dense.tokens is None and dense.span == 3 and dense.num_mirrored == 0
+    assert dense.host_rows.tolist() == [256, 320, 384, 448, 257, 321, 385, 449, 319, 383, 447, 511]
+    sparse = slot_destinations([35, -1, 160], 16, 20).mirrored({10: 1}).store_index(1, 16)
+    assert sparse.tokens.tolist() == [0, 2] and sparse.span == 3  # token 1 is padding
+    assert sparse.host_rows.tolist() == [67, 83, 320, 336]  # page 2 offset 3; page 10 offset 0
+    assert sparse.hbm_rows.tolist() == [32, 48] and sparse.hbm_tokens.tolist() == [2]  # mirror slot 1
+    moved = sparse.to("cpu")
+    assert moved.host_rows.dtype == torch.int64 and moved.tokens.tolist() == [0, 2]
+    assert moved.hbm_rows.tolist() == [32, 48] and moved.hbm_tokens.tolist() == [2] and moved.span == 3
+
+
+def test_store_kv_refuses_a_pool_of_another_layout():
+    host = torch.zeros(4, 2, 2, 16, 8)
+    index = slot_destinations([3], 16, 4).store_index(2, 16).to("cpu")
+    key = value = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        store_kv(host.transpose(1, 2), key, value, index)
 
 
 def test_a_step_over_mirrored_and_host_blocks_matches_dense_attention():
@@ -495,9 +513,9 @@ def test_a_step_over_mirrored_and_host_blocks_matches_dense_attention():
         dest = slot_destinations(slots, P, NB)
         got = mirrors.step(table, dest.pages, dest.offsets)
         dest = dest.mirrored(got)
-        packed = torch.from_numpy(dest.packed())
+        index = dest.store_index(Hkv, P).to("cpu")
         for layer in range(L):
-            store_kv(host[layer], new_k[layer], new_v[layer], packed, dest.dense, hbm[layer], len(dest.rows))
+            store_kv(host[layer], new_k[layer], new_v[layer], index, hbm[layer])
         return got
 
     # Step A: the ended request (5 tokens in block 8) first, then the histories of requests 0 and 1.

@@ -49,6 +49,7 @@ from directkv_cute.cache import HostWriteLog
 from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.vllm.step import (
     HbmMirrors,
+    StoreIndex,
     check_geometry,
     hbm_pages,
     mirror_table,
@@ -126,11 +127,8 @@ class DirectKVMetadata:
     num_actual_tokens: vLLM's token count of the step (query rows, padding included).
     num_query_rows:    the packed query rows attention computes (``q[:num_query_rows]``).
     attention:         the planned ``DirectKVAttention`` (None: no request has query rows).
-    dest:              int64 (2 or 3, n) on the device (``SlotDestinations.packed``): the stored
-                       rows' pages, offsets and, unless ``dense``, the token rows they come from,
-                       then the HBM slots, offsets and token rows of their mirror copies.
-    dense:             the stored rows are tokens ``0..m-1``.
-    num_host:          m, the columns of ``dest`` that go to host pages.
+    store:             where each layer stores the step's K/V rows (``step.StoreIndex`` on the
+                       device: host pool rows, HBM pool rows of mirrored blocks), None: no row.
     views:             {layer name: its ``PoolView`` (host pool, HBM pool)}, the builder's.
     stored_pages:      int64 (k,) the host pages the stores write (each once): each layer's
                        store is recorded in its view's write log, and the staged copies of the
@@ -140,9 +138,7 @@ class DirectKVMetadata:
     num_actual_tokens: int
     num_query_rows: int
     attention: object
-    dest: torch.Tensor | None
-    dense: bool
-    num_host: int
+    store: StoreIndex | None
     views: dict
     stored_pages: np.ndarray
 
@@ -263,10 +259,10 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             dest = dest.mirrored(mirrors)
             if table is not None:
                 mirror_table(table, mirrors)
-        dest_dev = torch.from_numpy(dest.packed()).to(self.device, non_blocking=True) if len(dest.rows) else None
+        store = dest.store_index(self.num_kv_heads, self.page_size).to(self.device) if len(dest.rows) else None
         stored = np.unique(dest.pages)
         if table is None:
-            return DirectKVMetadata(m.num_actual_tokens, 0, None, dest_dev, dest.dense, len(dest.rows), views, stored)
+            return DirectKVMetadata(m.num_actual_tokens, 0, None, store, views, stored)
         tables = tables_from_host(table, shape.seq_lens, self.device)._replace(back_to_back=True)
         attention = DirectKVAttention(pools)
         # Blocks that prefix caching shares (one block id in several rows) are read once for all
@@ -276,8 +272,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         if log.isEnabledFor(logging.DEBUG):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
-        return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, dest_dev, dest.dense,
-                                len(dest.rows), views, stored)
+        return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, store, views, stored)
 
     def _restart_write_logs(self) -> None:
         """Every host write of the steps before this one was enqueued before now: one event on the
@@ -345,8 +340,8 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
         pools = md.views.get(name)
         if pools is None:
             raise ValueError(f"attention layer {name!r} is not in the DirectKV group the step was built for")
-        if md.dest is not None and self.kv_sharing_target_layer_name is None and key is not None:
-            store_kv(kv_cache, key, value, md.dest, md.dense, pools.hbm_pool[:, 0], md.num_host)
+        if md.store is not None and self.kv_sharing_target_layer_name is None and key is not None:
+            store_kv(kv_cache, key, value, md.store, pools.hbm_pool[:, 0] if md.store.num_mirrored else None)
             pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
         n = md.num_query_rows
         if md.attention is None:

@@ -187,15 +187,62 @@ class SlotDestinations:
         at = np.flatnonzero(slots >= 0).astype(np.int64)
         return replace(self, hbm_at=at, hbm_slots=slots[at])
 
-    def packed(self) -> np.ndarray:
-        """``store_kv``'s ``dest``: int64 (2 or 3, m + k), the m host destinations (page, offset
-        and the token row) then the k mirror ones (HBM slot, offset, token row); without mirror
-        copies of dense rows, only (page, offset)."""
-        host = np.stack([self.pages, self.offsets] + ([] if self.dense and not len(self.hbm_at) else [self.rows]))
-        if not len(self.hbm_at):
-            return host
+    def store_index(self, num_kv_heads: int, page_size: int) -> "StoreIndex":
+        """``store_kv``'s destinations of these rows in pools of ``num_kv_heads`` KV heads and
+        ``page_size``-row pages (on the host; ``StoreIndex.to`` moves them to a device)."""
         at = self.hbm_at
-        return np.concatenate([host, np.stack([self.hbm_slots, self.offsets[at], self.rows[at]])], axis=1)
+        return StoreIndex(_pool_rows(self.pages, self.offsets, num_kv_heads, page_size),
+                          None if self.dense else self.rows,
+                          _pool_rows(self.hbm_slots, self.offsets[at], num_kv_heads, page_size), self.rows[at],
+                          int(self.rows[-1]) + 1 if len(self.rows) else 0)
+
+
+def _pool_rows(pages, offsets, num_kv_heads: int, page_size: int) -> np.ndarray:
+    """int64 (m * Hkv * 2,): the rows of a pool (pages, Hkv, 2, page_size, d) viewed as (-1, d)
+    that hold the K then V of each KV head of m tokens at (``pages``, ``offsets``), token by token:
+    row ((page * Hkv + h) * 2 + c) * page_size + offset."""
+    hc = np.arange(2 * num_kv_heads, dtype=np.int64)  # h * 2 + c
+    pages, offsets = np.asarray(pages, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+    return ((pages[:, None] * (2 * num_kv_heads) + hc) * page_size + offsets[:, None]).ravel()
+
+
+@dataclass(frozen=True)
+class StoreIndex:
+    """Where ``store_kv`` writes one step's K/V rows, as rows of a layer's pools viewed as
+    (-1, d) (``_pool_rows``): numpy arrays on the host, tensors on a device after ``to``.
+
+    host_rows:  int64 (m * Hkv * 2,) the host pool's rows, for each stored token its K and V of
+                every KV head.
+    tokens:     int64 (m,) the token rows they come from; None: tokens 0..m-1 (dense).
+    hbm_rows:   int64 (k * Hkv * 2,) the HBM pool's rows of the tokens stored into mirrored blocks.
+    hbm_tokens: int64 (k,) their token rows.
+    span:       the stored token rows all lie below it.
+    """
+
+    host_rows: object
+    tokens: object
+    hbm_rows: object
+    hbm_tokens: object
+    span: int
+
+    @property
+    def num_mirrored(self) -> int:
+        """k: the stored rows that also go to HBM mirrors."""
+        return len(self.hbm_tokens)
+
+    def to(self, device) -> "StoreIndex":
+        """The same index as tensors on ``device``, from one host-to-device copy."""
+        parts = [self.host_rows, self.tokens, self.hbm_rows, self.hbm_tokens]
+        flat = torch.from_numpy(np.concatenate([p for p in parts if p is not None]).astype(np.int64))
+        flat = flat.to(device, non_blocking=True)
+        views, at = [], 0
+        for p in parts:
+            if p is None:
+                views.append(None)
+                continue
+            views.append(flat[at:at + len(p)])
+            at += len(p)
+        return StoreIndex(*views, self.span)
 
 
 def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestinations:
@@ -214,31 +261,25 @@ def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestination
     return SlotDestinations(rows, kept // page_size, kept % page_size, bool(stored.all()))
 
 
-def store_kv(kv_cache, key, value, dest, dense: bool, hbm=None, num_host: int | None = None) -> None:
-    """Store K/V rows into a layer's pages. ``kv_cache``: (blocks, Hkv, 2, block_size, d), the
-    backend's per-layer layout; ``key`` / ``value``: (tokens, Hkv, d); ``dest``: int64 (2 or 3, n)
-    on their device (``SlotDestinations.packed``): its first ``num_host`` columns (default all)
-    the rows' host pages, offsets and, unless ``dense``, the token rows they come from; the
-    columns after them the HBM slots, offsets and token rows of the rows whose blocks have
-    mirrors, stored into ``hbm`` (the layer's HBM pool, (slots, Hkv, 2, block_size, d)) too. On
-    a GPU the host stores go straight into the mapped host pages (indexed stores on the current
-    stream)."""
-    m = dest.shape[1] if num_host is None else num_host
-    _scatter(kv_cache, key, value, dest[:, :m], dense)
-    if dest.shape[1] > m:
-        if hbm is None:
-            raise ValueError(f"{dest.shape[1] - m} K/V rows go to HBM mirrors, but no HBM pool was given")
-        _scatter(hbm, key, value, dest[:, m:], False)
-
-
-def _scatter(pool, key, value, dest, dense: bool) -> None:
-    """Rows (page ``dest[0]``, offset ``dest[1]``) of ``pool`` := the K/V token rows ``dest[2]``
-    (``dense``: rows ``0..m-1``)."""
-    pages, offsets = dest[0], dest[1]
-    m = pages.shape[0]
-    k, v = (key[:m], value[:m]) if dense else (key[dest[2]], value[dest[2]])
-    pool[pages, :, 0, offsets] = k
-    pool[pages, :, 1, offsets] = v
+def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
+    """Store a step's K/V rows into a layer's pages. ``kv_cache``: (blocks, Hkv, 2, block_size,
+    d), the backend's contiguous per-layer layout; ``key`` / ``value``: (tokens, Hkv, d);
+    ``index``: the step's ``StoreIndex`` on their device; ``hbm``: the layer's HBM pool (slots,
+    Hkv, 2, block_size, d), which the rows of mirrored blocks go to as well. One stack of the
+    stored K/V and one indexed copy per pool (on a GPU the host stores go straight into the
+    mapped host pages, on the current stream)."""
+    if index.num_mirrored and hbm is None:
+        raise ValueError(f"{index.num_mirrored} K/V rows go to HBM mirrors, but no HBM pool was given")
+    for name, pool in (("the KV cache", kv_cache), ("the HBM pool", hbm)):
+        if pool is not None and (pool.dim() != 5 or not pool.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous (pages, kv_heads, 2, block_size, head_size) tensor, got "
+                             f"shape {tuple(pool.shape)} strides {pool.stride()}")
+    d = key.shape[-1]
+    kv = torch.stack((key[: index.span], value[: index.span]), dim=2)  # (span, Hkv, 2, d)
+    rows = kv if index.tokens is None else kv.index_select(0, index.tokens)
+    kv_cache.view(-1, d).index_copy_(0, index.host_rows, rows.view(-1, d))
+    if index.num_mirrored:
+        hbm.view(-1, d).index_copy_(0, index.hbm_rows, kv.index_select(0, index.hbm_tokens).view(-1, d))
 
 
 class HbmMirrors:
@@ -424,5 +465,5 @@ def check_host_bytes(nbytes: int, available: int | None) -> None:
 
 
 __all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
-           "slot_destinations", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
+           "slot_destinations", "StoreIndex", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
            "hbm_pages", "check_host_bytes", "warmup_steps", "warmup_kernels", "warmup_mirrors"]
