@@ -8,11 +8,12 @@
   repeats, so a stray read stays valid).
 * ``slot_destinations``: vLLM's ``slot_mapping`` (``block * block_size + offset``, -1 for a
   padding token) -> the (row, page, offset) of every token whose K/V is stored;
-  ``SlotDestinations.mirrored`` adds the HBM copies of the rows whose blocks have mirrors.
+  ``SlotDestinations.mirrored`` adds the HBM copies of the rows whose blocks have mirrors;
+  ``SlotDestinations.store_index`` turns them into the pools' rows (``StoreIndex``), once per step.
 * ``HbmMirrors``: the HBM tier's policy: which blocks get a copy ("mirror") in the per-layer HBM
   pools of ``hbm_pages`` pages, step by step.
 * ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor, and into
-  the mirrors of mirrored blocks (write-through).
+  the mirrors of mirrored blocks (write-through): one indexed copy per pool.
 * ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
   blocks for a model, the refusal when the host cannot pin them, and the HBM budget -> mirror pages.
 
