@@ -21,6 +21,7 @@ from directkv_cute.cache.pages import encode_page
 from directkv_cute.vllm.step import (
     HbmMirrors,
     check_geometry,
+    check_hbm_tier,
     check_host_bytes,
     hbm_pages,
     host_blocks,
@@ -162,6 +163,17 @@ def test_sizing_refusals():
                                           r"1073741824 bytes \(1 GiB\) available; lower --kv-cache-memory-bytes"):
         check_host_bytes(3 * 2**30, 2**30)
     check_host_bytes(3 * 2**30, None)  # unknown availability: pinning itself decides
+
+
+def test_an_hbm_tier_beyond_the_gpus_available_memory_is_refused():
+    tier = hbm_pages(40 * 2**30, 32, 8, 128, 64) * 32 * kv_bytes_per_block(1, 8, 128, 64)  # what the pools take
+    assert tier == 40 * 2**30  # 5120 mirror pages of 256 KiB per layer
+    with pytest.raises(MemoryError, match=r"the HBM tier needs 42949672960 bytes \(40 GiB\) of GPU memory, the GPU "
+                                          r"has 32212254720 bytes \(30 GiB\) available after vLLM's own; lower "
+                                          r"DIRECTKV_VLLM_HBM_GB"):
+        check_hbm_tier(tier, 30 * 2**30)
+    check_hbm_tier(tier, tier)  # exactly fits
+    check_hbm_tier(tier, None)  # no GPU to ask
 
 
 def test_geometry_refusals():
@@ -680,3 +692,10 @@ def test_a_step_over_shared_blocks_matches_dense_attention_on_the_cpu():
         want = _dense_causal(q[at:at + qn], k, v, n - qn, scale)
         torch.testing.assert_close(out[at:at + qn].double(), want, atol=1e-5, rtol=1e-5)
         at += qn
+
+
+def test_available_gpu_bytes_is_unknown_off_a_gpu():
+    pytest.importorskip("vllm")
+    from directkv_cute.vllm.backend import available_gpu_bytes
+
+    assert available_gpu_bytes("cpu") is None  # the tier check then leaves the allocation to decide

@@ -17,7 +17,8 @@ memory, read in place by the DirectKV kernels (or staged to HBM where the planne
   pages it copies; the build restarts the logs once per step.
 
 The HBM tier (``DIRECTKV_VLLM_HBM_GB``, GiB over all layers; unset or 0: none): each layer gets
-an HBM pool of ``step.hbm_pages`` pages, allocated zero-filled at the group's first step; blocks
+an HBM pool of ``step.hbm_pages`` pages, allocated zero-filled at vLLM's warm-up (or the group's
+first step), after ``step.check_hbm_tier`` against the GPU's available memory; blocks
 whose first row is written while a page is free (or can be taken back from a block absent from
 the step) get a copy there, written through by every store, and the page table names the copy
 (``encode_page("hbm", slot)``), so attention reads those blocks from HBM instead of the link.
@@ -51,6 +52,7 @@ from directkv_cute.vllm.step import (
     HbmMirrors,
     StoreIndex,
     check_geometry,
+    check_hbm_tier,
     hbm_pages,
     mirror_table,
     page_table,
@@ -193,6 +195,9 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                             "every block is read from host memory", env.VLLM_HBM_GB, budget / 2**30, len(owners),
                             len(owners) * first[0].nbytes)
         self._mirrors = HbmMirrors(slots) if slots else None
+        if slots:  # refused before any of it is allocated (at vLLM's warm-up, before serving)
+            owned = {getattr(context[n], "kv_sharing_target_layer_name", None) or n for n in self.layer_names}
+            check_hbm_tier(len(owned) * slots * first[0].nbytes, available_gpu_bytes(self.device))
         hbm: dict = {}
         logs: dict = {}  # a layer that shares another's KV reads the writes that layer records
         views = {}
@@ -214,8 +219,8 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         from vllm.model_executor.warmup.cutedsl_warmup import CuTeDSLCompileUnit
 
         config = self.vllm_config
+        pools = self._layer_views()[self.layer_names[0]]  # a KV cache or tier the backend refuses stops startup here
         try:
-            pools = self._layer_views()[self.layer_names[0]]
             steps = warmup_steps(max_num_seqs=config.scheduler_config.max_num_seqs,
                                  max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
                                  max_model_len=config.model_config.max_model_len, page_size=self.page_size,
@@ -284,6 +289,16 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         done.record(torch.cuda.current_stream(self.device))
         for write_log in self._write_logs:
             write_log.restart(done)
+
+
+def available_gpu_bytes(device) -> int | None:
+    """GPU memory an allocation on ``device`` can take now: the driver's free bytes plus what
+    torch's caching allocator holds unused; None off a GPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor, write_log=None):

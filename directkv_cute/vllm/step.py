@@ -465,6 +465,18 @@ def check_host_bytes(nbytes: int, available: int | None) -> None:
                           "--kv-cache-memory-bytes")
 
 
+def check_hbm_tier(nbytes: int, available: int | None) -> None:
+    """Refuse an HBM tier of ``nbytes`` (its mirror pools over every layer) that the GPU's
+    available memory (free, plus what torch's allocator holds unused) cannot hold, before any
+    of it is allocated."""
+    if available is not None and nbytes > available:
+        from directkv_cute.env import VLLM_HBM_GB
+
+        raise MemoryError(f"the HBM tier needs {nbytes} bytes ({nbytes / 2**30:.3g} GiB) of GPU memory, the GPU has "
+                          f"{available} bytes ({available / 2**30:.3g} GiB) available after vLLM's own; lower "
+                          f"{VLLM_HBM_GB}")
+
+
 __all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
            "slot_destinations", "StoreIndex", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
-           "hbm_pages", "check_host_bytes", "warmup_steps", "warmup_kernels", "warmup_mirrors"]
+           "hbm_pages", "check_host_bytes", "check_hbm_tier", "warmup_steps", "warmup_kernels", "warmup_mirrors"]
