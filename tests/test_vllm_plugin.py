@@ -141,6 +141,9 @@ def test_store_kv_puts_rows_at_their_page_and_offset():
     assert torch.equal(kv[2, :, 0, 5], key[0]) and torch.equal(kv[2, :, 1, 5], value[0])
     assert torch.equal(kv[0, :, 0, 15], key[2]) and torch.equal(kv[0, :, 1, 15], value[2])
     assert int((kv != 0).sum()) == 2 * 2 * Hkv * d  # nothing else written
+    wide = torch.zeros(NB, Hkv, 2, P, d, dtype=torch.float64)  # pages of another dtype: rows are cast
+    store_kv(wide, key, value, dest.store_index(Hkv, P).to("cpu"))
+    assert torch.equal(wide[2, :, 0, 5], key[0].double()) and torch.equal(wide[0, :, 1, 15], value[2].double())
 
 
 # ---- sizing --------------------------------------------------------------------------------------

@@ -276,7 +276,7 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
             raise ValueError(f"{name} must be a contiguous (pages, kv_heads, 2, block_size, head_size) tensor, got "
                              f"shape {tuple(pool.shape)} strides {pool.stride()}")
     d = key.shape[-1]
-    kv = torch.stack((key[: index.span], value[: index.span]), dim=2)  # (span, Hkv, 2, d)
+    kv = torch.stack((key[: index.span], value[: index.span]), dim=2).to(kv_cache.dtype)  # (span, Hkv, 2, d)
     rows = kv if index.tokens is None else kv.index_select(0, index.tokens)
     kv_cache.view(-1, d).index_copy_(0, index.host_rows, rows.view(-1, d))
     if index.num_mirrored:
