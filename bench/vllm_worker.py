@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         r = row
         print(f"{name} {r['role']} ctx {r['context']} B{r['batch']} ({r['batch_spec']}): {r['status']} "
               f"TTFT {r['ttft_ms'] or 0:.0f} ms, {r['decode_ms'] or 0:.2f} ms/token/seq (median step "
-              f"{r.get('step_ms') or 0:.2f} ms), "
+              f"{r['step_ms'] or 0:.2f} ms), "
               f"{r['tokens_per_s'] or 0:.0f} tok/s, peak {r['peak_concurrent']}"
               + (f" [{r['error']}]" if r["error"] else ""), flush=True)
         return "EngineDead" not in (r["error"] or "")

@@ -195,15 +195,15 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                             "every block is read from host memory", env.VLLM_HBM_GB, budget / 2**30, len(owners),
                             len(owners) * first[0].nbytes)
         self._mirrors = HbmMirrors(slots) if slots else None
+        # each layer's KV owner: itself, or the layer whose KV it shares
+        owner_of = {n: getattr(context[n], "kv_sharing_target_layer_name", None) or n for n in self.layer_names}
         if slots:  # refused before any of it is allocated (at vLLM's warm-up, before serving)
-            owned = {getattr(context[n], "kv_sharing_target_layer_name", None) or n for n in self.layer_names}
-            check_hbm_tier(len(owned) * slots * first[0].nbytes, available_gpu_bytes(self.device))
+            check_hbm_tier(len(set(owner_of.values())) * slots * first[0].nbytes, available_gpu_bytes(self.device))
         hbm: dict = {}
         logs: dict = {}  # a layer that shares another's KV reads the writes that layer records
         views = {}
-        for name in self.layer_names:
+        for name, owner in owner_of.items():
             layer = context[name]
-            owner = getattr(layer, "kv_sharing_target_layer_name", None) or name
             if owner not in hbm:
                 hbm[owner] = torch.zeros((slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
                 logs[owner] = HostWriteLog(torch.device(self.device))

@@ -234,7 +234,7 @@ class StoreIndex:
     def to(self, device) -> "StoreIndex":
         """The same index as tensors on ``device``, from one host-to-device copy."""
         parts = [self.host_rows, self.tokens, self.hbm_rows, self.hbm_tokens]
-        flat = torch.from_numpy(np.concatenate([p for p in parts if p is not None]).astype(np.int64))
+        flat = torch.from_numpy(np.concatenate([p for p in parts if p is not None]))  # int64 (_pool_rows, rows)
         flat = flat.to(device, non_blocking=True)
         views, at = [], 0
         for p in parts:
@@ -459,22 +459,25 @@ def hbm_pages(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
 
 def check_host_bytes(nbytes: int, available: int | None) -> None:
     """Refuse to pin ``nbytes`` of KV pages that the host's available memory cannot hold."""
-    if available is not None and nbytes > available:
-        raise MemoryError(f"the KV cache needs {nbytes} bytes ({nbytes / 2**30:.3g} GiB) of pinned host memory, the "
-                          f"host has {available} bytes ({available / 2**30:.3g} GiB) available; lower "
-                          "--kv-cache-memory-bytes")
+    _refuse_beyond(nbytes, available, "the KV cache", "pinned host memory", "the host", "--kv-cache-memory-bytes")
 
 
 def check_hbm_tier(nbytes: int, available: int | None) -> None:
     """Refuse an HBM tier of ``nbytes`` (its mirror pools over every layer) that the GPU's
     available memory (free, plus what torch's allocator holds unused) cannot hold, before any
     of it is allocated."""
-    if available is not None and nbytes > available:
-        from directkv_cute.env import VLLM_HBM_GB
+    from directkv_cute.env import VLLM_HBM_GB
 
-        raise MemoryError(f"the HBM tier needs {nbytes} bytes ({nbytes / 2**30:.3g} GiB) of GPU memory, the GPU has "
-                          f"{available} bytes ({available / 2**30:.3g} GiB) available after vLLM's own; lower "
-                          f"{VLLM_HBM_GB}")
+    _refuse_beyond(nbytes, available, "the HBM tier", "GPU memory", "the GPU", VLLM_HBM_GB, " after vLLM's own")
+
+
+def _refuse_beyond(nbytes: int, available: int | None, what: str, memory: str, holder: str, knob: str,
+                   qualifier: str = "") -> None:
+    """One line: ``what`` needs more ``memory`` than ``holder`` has ``available`` (None: unknown,
+    nothing refused), and the setting that lowers it."""
+    if available is not None and nbytes > available:
+        raise MemoryError(f"{what} needs {nbytes} bytes ({nbytes / 2**30:.3g} GiB) of {memory}, {holder} has "
+                          f"{available} bytes ({available / 2**30:.3g} GiB) available{qualifier}; lower {knob}")
 
 
 __all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
