@@ -30,7 +30,9 @@ TINY_LLAMA = {
 }
 
 
-def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged", extra_env: dict | None = None) -> list:
+def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged", extra_env: dict | None = None,
+            log: list | None = None) -> list:
+    """The engine's generations (``log``: a list that gets the engine's output, stdout and stderr)."""
     pytest.importorskip("vllm")
     model = tmp_path / "tiny-llama"
     model.mkdir(exist_ok=True)
@@ -39,8 +41,14 @@ def _engine(tmp_path: Path, backend: str, eager: bool, mode: str = "ragged", ext
     # apply_model ships a function to the engine: allowed by this variable.
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)  # keep where vLLM is
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1", PYTHONPATH=path) | (extra_env or {})
-    subprocess.run([sys.executable, str(HERE / "vllm_engine.py"), str(model), backend,
-                    "eager" if eager else "graphs", str(out), mode], check=True, env=env, timeout=900)
+    cmd = [sys.executable, str(HERE / "vllm_engine.py"), str(model), backend, "eager" if eager else "graphs", str(out),
+           mode]
+    if log is None:
+        subprocess.run(cmd, check=True, env=env, timeout=900)
+    else:
+        done = subprocess.run(cmd, env=env, timeout=900, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log.append(done.stdout)
+        assert done.returncode == 0, done.stdout[-4000:]
     return json.loads(out.read_text())
 
 
@@ -86,3 +94,16 @@ def test_directkv_with_a_small_hbm_tier_matches_flash_attn(tmp_path, reference):
 
     budget = 6 * 16384 / 2**30
     _compare(_engine(tmp_path, "CUSTOM", eager=True, extra_env={VLLM_HBM_GB: repr(budget)}), reference)
+
+
+def test_directkv_in_full_cuda_graphs_over_a_tier_of_every_block_matches_flash_attn(tmp_path, reference):
+    """An HBM tier as large as the host pool (1 GiB each): every block is mirrored at its own
+    index, the backend declares full CUDA graphs of decode steps, and vLLM (its default
+    FULL_AND_PIECEWISE mode) captures and replays them; prompt and mixed steps run piecewise."""
+    from directkv_cute.env import VLLM_HBM_GB
+
+    log: list = []
+    ours = _engine(tmp_path, "CUSTOM", eager=False, extra_env={VLLM_HBM_GB: "1"}, log=log)
+    assert "decode steps run in full CUDA graphs" in log[0], log[0][-3000:]
+    assert "Capturing CUDA graphs (FULL)" in log[0] or "(FULL)" in log[0], log[0][-3000:]
+    _compare(ours, reference)

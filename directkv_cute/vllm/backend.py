@@ -23,8 +23,17 @@ whose first row is written while a page is free (or can be taken back from a blo
 the step) get a copy there, written through by every store, and the page table names the copy
 (``encode_page("hbm", slot)``), so attention reads those blocks from HBM instead of the link.
 
-Attention runs outside CUDA graphs (``AttentionCGSupport.NEVER``): a plan is made on the host per
-step, so vLLM captures the rest of the model piecewise and runs attention between the graphs.
+A tier at least as large as the host pool (``step.mirrors_every_block``) mirrors every block at its
+own index (``step.EVERY_BLOCK``): nothing about the mirrors is decided per step and attention
+reads only HBM. Then the backend declares ``AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE``, and
+vLLM captures its decode steps whole in full CUDA graphs (``FULL_AND_PIECEWISE``, vLLM's default):
+a decode step's page table, lengths and store rows are written on the device into persistent
+buffers (``step.GraphDecode``) from vLLM's own device tensors, nothing is read back to the host,
+and the plan (the in-place decode kernel and its splits) is made once per batch size for the
+longest context. Prompt and mixed steps run as before, between piecewise graphs. Without such a
+tier (host only, or a smaller tier) decode reads the link, where the copy engine's staging, which
+a graph cannot hold, beats reading in place: attention stays outside CUDA graphs
+(``AttentionCGSupport.NEVER``), planned on the host per step.
 """
 
 from __future__ import annotations
@@ -49,12 +58,15 @@ from directkv_cute import env
 from directkv_cute.cache import HostWriteLog
 from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.vllm.step import (
+    EVERY_BLOCK,
+    GraphDecode,
     HbmMirrors,
     StoreIndex,
     check_geometry,
     check_hbm_tier,
     hbm_pages,
     mirror_table,
+    mirrors_every_block,
     page_table,
     slot_destinations,
     step_shape,
@@ -135,6 +147,8 @@ class DirectKVMetadata:
     stored_pages:      int64 (k,) the host pages the stores write (each once): each layer's
                        store is recorded in its view's write log, and the staged copies of the
                        layer, which run ahead of the current stream, copy those pages after it.
+                       None: nothing is recorded (a decode step over ``step.GraphDecode``'s
+                       buffers, which a CUDA graph may replay; nothing is ever staged there).
     """
 
     num_actual_tokens: int
@@ -142,7 +156,7 @@ class DirectKVMetadata:
     attention: object
     store: StoreIndex | None
     views: dict
-    stored_pages: np.ndarray
+    stored_pages: np.ndarray | None
 
 
 class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
@@ -160,8 +174,10 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             raise ValueError("the DirectKV backend plans from exact sequence lengths on the host; speculative "
                              "decoding makes them upper bounds: run without --speculative-config")
         self._views = None  # {layer name: PoolView over its host KV and its HBM pool}, at the first build
-        self._mirrors = None  # the HBM tier's policy (None: no tier)
+        self._mirrors = None  # the HBM tier's policy (None: no tier; EVERY_BLOCK: every block at its index)
         self._write_logs = []  # one per layer that owns its KV: its host writes (HostWriteLog)
+        self._graph = None  # GraphDecode: decode steps' device buffers (only where the tier mirrors every block)
+        self._graph_plans = {}  # batch size -> DirectKVAttention planned over the GraphDecode buffers
         # vLLM compiles the units of registered providers before serving (kernel_warmup)
         from vllm.model_executor.warmup.cutedsl_warmup import register_cutedsl_warmup_provider
 
@@ -169,6 +185,11 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """Full CUDA graphs of decode steps where the HBM tier mirrors every block (attention then
+        reads HBM, and each step's launches matter); never otherwise (decode reads the link, and
+        its copy-engine staging is planned per step)."""
+        if mirrors_every_block(env.vllm_hbm_bytes(), vllm_config.cache_config.kv_cache_memory_bytes):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return cls._cudagraph_support
 
     def _layer_views(self) -> dict:
@@ -181,20 +202,25 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         context = self.vllm_config.compilation_config.static_forward_context
         first = context[self.layer_names[0]].kv_cache
         budget = env.vllm_hbm_bytes()
+        every = mirrors_every_block(budget, self.vllm_config.cache_config.kv_cache_memory_bytes)
         slots = 0
         if budget:
             owners = [layer for layer in context.values() if isinstance(getattr(layer, "impl", None), DirectKVImpl)
                       and getattr(layer, "kv_sharing_target_layer_name", None) is None]
             dtype = str(first.dtype).removeprefix("torch.")
-            slots = hbm_pages(budget, len(owners), self.num_kv_heads, self.head_dim, self.page_size, dtype)
-            if slots:
+            slots = first.shape[0] if every else \
+                hbm_pages(budget, len(owners), self.num_kv_heads, self.head_dim, self.page_size, dtype)
+            if every:
+                log.info("DirectKV: an HBM tier that mirrors all %d blocks over %d layers, %.3g GiB; decode steps run "
+                         "in full CUDA graphs", slots, len(owners), slots * len(owners) * first[0].nbytes / 2**30)
+            elif slots:
                 log.info("DirectKV: an HBM tier of %d block mirrors per layer over %d layers, %.3g GiB",
                          slots, len(owners), slots * len(owners) * first[0].nbytes / 2**30)
             else:
                 log.warning("DirectKV: %s=%.3g GiB holds no block: one block over the %d layers takes %d bytes; "
                             "every block is read from host memory", env.VLLM_HBM_GB, budget / 2**30, len(owners),
                             len(owners) * first[0].nbytes)
-        self._mirrors = HbmMirrors(slots) if slots else None
+        self._mirrors = EVERY_BLOCK if every else HbmMirrors(slots) if slots else None
         # each layer's KV owner: itself, or the layer whose KV it shares
         owner_of = {n: getattr(context[n], "kv_sharing_target_layer_name", None) or n for n in self.layer_names}
         if slots:  # refused before any of it is allocated (at vLLM's warm-up, before serving)
@@ -206,9 +232,11 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             layer = context[name]
             if owner not in hbm:
                 hbm[owner] = torch.zeros((slots, *first.shape[1:]), dtype=first.dtype, device=self.device)
-                logs[owner] = HostWriteLog(torch.device(self.device))
+                # every block mirrored: attention never reads the host, so nothing is staged and no
+                # host write needs recording
+                logs[owner] = None if every else HostWriteLog(torch.device(self.device))
             views[name] = pool_view(layer.kv_cache, name, hbm[owner], logs[owner])
-        self._views, self._write_logs = views, list(logs.values())
+        self._views, self._write_logs = views, [w for w in logs.values() if w is not None]
         return views
 
     def get_cutedsl_warmup_compile_units(self) -> list:
@@ -217,6 +245,8 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         ``max_num_seqs``, token budget, ``max_model_len`` and KV blocks), compiled (or loaded
         from the kernel disk cache) once, so that no request waits for a compile."""
         from vllm.model_executor.warmup.cutedsl_warmup import CuTeDSLCompileUnit
+
+        from directkv_cute.runner import plan_kernels
 
         config = self.vllm_config
         pools = self._layer_views()[self.layer_names[0]]  # a KV cache or tier the backend refuses stops startup here
@@ -227,6 +257,9 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                                  num_blocks=pools.host_pool.shape[0])
             kernels = warmup_kernels(pools, steps, num_q_heads=self.num_q_heads, dtype=config.model_config.dtype,
                                      device=self.device)
+            if self._mirrors is EVERY_BLOCK:  # the decode plans of every batch size a graph may capture
+                kernels |= {(fn.__name__, *args): (fn, args) for b in range(1, config.scheduler_config.max_num_seqs + 1)
+                            for fn, args in plan_kernels(self._graph_attention(b).current, config.model_config.dtype)}
         except Exception as e:  # the server still runs: the kernels compile at their first step instead
             log.warning("DirectKV: no kernel warm-up (%s: %s); kernels compile when a step first needs them",
                         type(e).__name__, e)
@@ -249,6 +282,9 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         seq = m.seq_lens_cpu_upper_bound
         seq = (m.seq_lens[: m.num_reqs].cpu() if seq is None else seq).numpy()
         shape = step_shape(m.query_start_loc_cpu.numpy(), seq, m.num_reqs)
+        if self._mirrors is EVERY_BLOCK and shape.rows and not shape.num_prefills \
+                and m.num_actual_tokens == m.num_reqs:
+            return self._graph_step(m, shape, views)
         # The slots and the block table on the host: one wait for the GPU's queued work per step
         # (the planner reads the page table; padding tokens, slot -1, are never stored).
         slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
@@ -278,6 +314,42 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
         return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, store, views, stored)
+
+    def _graph_step(self, m: CommonAttentionMetadata, shape, views) -> DirectKVMetadata:
+        """A decode step over a tier that mirrors every block: ``GraphDecode``'s buffers filled on
+        the device and the plan of its batch size (padded requests included), the same whether
+        vLLM replays a captured graph or runs the step eagerly."""
+        if self._graph is None:
+            self._graph = GraphDecode(self.vllm_config.scheduler_config.max_num_seqs, m.block_table_tensor.shape[1],
+                                      self.num_kv_heads, self.page_size, self.device)
+        store = self._graph.fill(m.block_table_tensor, m.seq_lens, m.slot_mapping, m.num_reqs, m.num_actual_tokens,
+                                 shape.max_seq_len)
+        return DirectKVMetadata(m.num_actual_tokens, m.num_reqs, self._graph_attention(m.num_reqs), store, views, None)
+
+    def _graph_attention(self, batch: int):
+        """The ``DirectKVAttention`` planned once for decode steps of ``batch`` requests over
+        ``GraphDecode``'s buffers: in place (as a CUDA graph capture plans: nothing staged), split
+        for the longest context the server admits, so that one capture serves every step."""
+        from directkv_cute.attention import DirectKVAttention
+        from directkv_cute.cache import KernelTables
+        from directkv_cute.machine import DeviceInfo
+
+        attention = self._graph_plans.get(batch)
+        if attention is not None:
+            return attention
+        views = self._layer_views()
+        if self._graph is None:
+            self._graph = GraphDecode(self.vllm_config.scheduler_config.max_num_seqs,
+                                      -(-self.vllm_config.model_config.max_model_len // self.page_size),
+                                      self.num_kv_heads, self.page_size, self.device)
+        attention = DirectKVAttention(views[self.layer_names[0]])
+        info = DeviceInfo.current(self.device)
+        info = DeviceInfo(info.name, info.sms, info.total_memory, capturing=True)
+        attention.plan(tables=KernelTables(*self._graph.tables(batch)), q_lens=(1,) * batch,
+                       num_q_heads=self.num_q_heads, max_seq_len=self.vllm_config.model_config.max_model_len,
+                       cascade=False, device_info=info)
+        self._graph_plans[batch] = attention
+        return attention
 
     def _restart_write_logs(self) -> None:
         """Every host write of the steps before this one was enqueued before now: one event on the
@@ -357,7 +429,8 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
             raise ValueError(f"attention layer {name!r} is not in the DirectKV group the step was built for")
         if md.store is not None and self.kv_sharing_target_layer_name is None and key is not None:
             store_kv(kv_cache, key, value, md.store, pools.hbm_pool[:, 0] if md.store.num_mirrored else None)
-            pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
+            if pools.write_log is not None and md.stored_pages is not None:
+                pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
         n = md.num_query_rows
         if md.attention is None:
             return output.zero_()

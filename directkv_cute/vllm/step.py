@@ -11,7 +11,10 @@
   ``SlotDestinations.mirrored`` adds the HBM copies of the rows whose blocks have mirrors;
   ``SlotDestinations.store_index`` turns them into the pools' rows (``StoreIndex``), once per step.
 * ``HbmMirrors``: the HBM tier's policy: which blocks get a copy ("mirror") in the per-layer HBM
-  pools of ``hbm_pages`` pages, step by step.
+  pools of ``hbm_pages`` pages, step by step; ``mirrors_every_block``: whether the tier is large
+  enough to mirror every block at its own index instead (``EVERY_BLOCK``).
+* ``GraphDecode``: the persistent device buffers of decode steps over such a tier, filled on the
+  device from vLLM's block table and slot mapping, which full CUDA graphs capture and replay.
 * ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor, and into
   the mirrors of mirrored blocks (write-through): one indexed copy per pool.
 * ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
@@ -71,6 +74,14 @@ class StepShape:
         return max(self.seq_lens, default=0)
 
 
+def check_page_size(page_size) -> int:
+    """The one check of a page (kernel block) size: an int the kernels read pages of."""
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
+            or int(page_size) not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size!r}")
+    return int(page_size)
+
+
 def _ints(values, name: str) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
@@ -110,6 +121,7 @@ def page_table(block_table, seq_lens, page_size: int, num_blocks: int) -> np.nda
     ``ceil(seq_lens[b] / page_size)`` block ids of ``block_table[b]`` (vLLM's block table rows of
     those requests, in kernel blocks of ``page_size`` tokens), then its last page repeated
     (``mirror_table`` then names the blocks that have HBM mirrors by them)."""
+    page_size = check_page_size(page_size)
     table = np.asarray(block_table)
     lens = _ints(seq_lens, "seq_lens")
     if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
@@ -138,10 +150,31 @@ def page_table(block_table, seq_lens, page_size: int, num_blocks: int) -> np.nda
     return out
 
 
-def mirror_slots(ids, mirrors: dict | None) -> np.ndarray:
-    """int64 array of ``ids``' shape: each block id's HBM slot in ``mirrors`` ({block id: slot}),
-    -1 where the block has no mirror."""
+class _EveryBlock:
+    """The mirrors of a tier that holds every block of the pool: block b's mirror is HBM page b."""
+
+    def __repr__(self) -> str:
+        return "EVERY_BLOCK"
+
+
+EVERY_BLOCK = _EveryBlock()
+
+
+def mirrors_every_block(hbm_bytes: int, host_bytes: int) -> bool:
+    """Whether an HBM tier of ``hbm_bytes`` (``DIRECTKV_VLLM_HBM_GB``) mirrors every block of a
+    host pool of ``host_bytes`` (``--kv-cache-memory-bytes``): the tier is at least as large, so
+    block b lives at HBM page b for good (``EVERY_BLOCK``). Then nothing about the mirrors is
+    decided per step, attention reads only HBM, and decode steps run inside full CUDA graphs
+    (``GraphDecode``). A smaller tier mirrors the blocks ``HbmMirrors`` picks, step by step."""
+    return bool(hbm_bytes) and host_bytes is not None and int(hbm_bytes) >= int(host_bytes)
+
+
+def mirror_slots(ids, mirrors) -> np.ndarray:
+    """int64 array of ``ids``' shape: each block id's HBM slot in ``mirrors`` ({block id: slot},
+    or ``EVERY_BLOCK``), -1 where the block has no mirror."""
     ids = np.asarray(ids)
+    if mirrors is EVERY_BLOCK:
+        return ids.astype(np.int64)
     out = np.full(ids.shape, -1, dtype=np.int64)
     if mirrors:
         keys = np.fromiter(mirrors.keys(), np.int64, len(mirrors))
@@ -154,7 +187,7 @@ def mirror_slots(ids, mirrors: dict | None) -> np.ndarray:
     return out
 
 
-def mirror_table(table: np.ndarray, mirrors: dict | None) -> np.ndarray:
+def mirror_table(table: np.ndarray, mirrors) -> np.ndarray:
     """``table`` (host block ids) with every block of ``mirrors`` named by its mirror: the entry
     ``encode_page("hbm", slot)`` (``directkv_cute.cache.pages``), which the planner and the
     kernels read from the HBM pool. In place; returns ``table``."""
@@ -181,9 +214,9 @@ class SlotDestinations:
     hbm_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 (k,): into rows / pages
     hbm_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 (k,)
 
-    def mirrored(self, mirrors: dict | None) -> "SlotDestinations":
+    def mirrored(self, mirrors) -> "SlotDestinations":
         """These destinations plus the mirror copies of the rows stored into blocks of ``mirrors``
-        ({block id: HBM slot}, ``HbmMirrors.step``)."""
+        ({block id: HBM slot}, ``HbmMirrors.step``, or ``EVERY_BLOCK``)."""
         slots = mirror_slots(self.pages, mirrors)
         at = np.flatnonzero(slots >= 0).astype(np.int64)
         return replace(self, hbm_at=at, hbm_slots=slots[at])
@@ -250,8 +283,7 @@ def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestination
     """Destinations of vLLM's ``slot_mapping`` entries (``block * page_size + offset``; negative:
     a padding token, not stored)."""
     s = _ints(slots, "slot_mapping")
-    if page_size not in SUPPORTED_PAGE_SIZES:
-        raise ValueError(f"page_size must be one of {SUPPORTED_PAGE_SIZES}, got {page_size}")
+    check_page_size(page_size)
     over = s >= num_blocks * page_size
     if over.any():
         i = int(np.argmax(over))
@@ -280,7 +312,8 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
     rows = kv if index.tokens is None else kv.index_select(0, index.tokens)
     kv_cache.view(-1, d).index_copy_(0, index.host_rows, rows.view(-1, d))
     if index.num_mirrored:
-        hbm.view(-1, d).index_copy_(0, index.hbm_rows, kv.index_select(0, index.hbm_tokens).view(-1, d))
+        mirrored = rows if index.hbm_tokens is index.tokens else kv.index_select(0, index.hbm_tokens)
+        hbm.view(-1, d).index_copy_(0, index.hbm_rows, mirrored.view(-1, d))
 
 
 class HbmMirrors:
@@ -340,6 +373,83 @@ class HbmMirrors:
                 break
             self._slot_of[b] = out[b] = slot
         return out
+
+
+class GraphDecode:
+    """Decode steps over a tier that mirrors every block (``EVERY_BLOCK``), the same in a full
+    CUDA graph and out of one: what the launches read lives in these persistent device buffers,
+    which ``fill`` rewrites in place before each step from vLLM's own device tensors (block
+    table, sequence lengths, slot mapping) with a few device operations on the current stream:
+    nothing is read back to the host, and a captured graph's replay reads the new step. The
+    plans over them depend only on the batch size (``DirectKVMetadataBuilder`` plans once per
+    size, for the longest context).
+
+    page_table: int32 (max_reqs, max_blocks): row b names the HBM mirror of each block of request
+                b (``encode_page("hbm", block)``, which is ``~block``); the kernels read its first
+                ``ceil(seq_len / page_size)`` entries.
+    seq_lens:   int32 (max_reqs,): each request's length, at least 1: a padded request (length 0,
+                block table row of zeros) reads one page of vLLM's null block 0.
+    rows:       int64 (max_tokens * 2 * Hkv,): the pool rows (``_pool_rows``) that each token's K
+                and V of every KV head go to; with every block mirrored at its own index they are
+                the same rows in the host pool and in the HBM tier.
+    tokens:     int64 (max_tokens,): the token whose K/V each of those rows gets: itself, or for a
+                padding token (slot -1) the first stored token, whose rows it writes again with
+                the same values (a fixed-size store, so that a graph can hold it).
+    """
+
+    def __init__(self, max_reqs: int, max_blocks: int, num_kv_heads: int, page_size: int, device):
+        for name, v in (("max_reqs", max_reqs), ("max_blocks", max_blocks), ("num_kv_heads", num_kv_heads)):
+            check_int(v, name, 1)
+        check_page_size(page_size)
+        self.page_size, self.num_kv_heads = page_size, num_kv_heads
+        self.page_table = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(max_reqs, dtype=torch.int32, device=device)
+        self.rows = torch.zeros(max_reqs * 2 * num_kv_heads, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self._positions = torch.arange(max_reqs, dtype=torch.int64, device=device)
+        self._hc = torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device)  # h * 2 + c
+
+    @property
+    def max_reqs(self) -> int:
+        return self.page_table.shape[0]
+
+    def tables(self, num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page_table (num_reqs, max_blocks), seq_lens (num_reqs,)): views the plans keep."""
+        return self.page_table[:num_reqs], self.seq_lens[:num_reqs]
+
+    def store_index(self, num_tokens: int) -> StoreIndex:
+        """``store_kv``'s index of a step of ``num_tokens`` tokens over these buffers (host and HBM
+        rows alike)."""
+        n = num_tokens * 2 * self.num_kv_heads
+        tokens = self.tokens[:num_tokens]
+        return StoreIndex(self.rows[:n], tokens, self.rows[:n], tokens, num_tokens)
+
+    def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int,
+             num_tokens: int, max_seq_len: int) -> StoreIndex:
+        """Write one decode step of ``num_reqs`` requests (padded ones included) and ``num_tokens``
+        tokens (one per request) into the buffers; returns the step's ``store_index``.
+        ``block_table``: vLLM's int32 (>= num_reqs, blocks) on the buffers' device; ``seq_lens``:
+        its int32 (>= num_reqs,); ``slot_mapping``: its int64 (>= num_tokens,), -1 for padding;
+        ``max_seq_len``: the longest length on the host (only the columns it needs are written)."""
+        num_reqs, num_tokens = check_int(num_reqs, "num_reqs", 1), check_int(num_tokens, "num_tokens", 1)
+        if num_reqs > self.max_reqs or num_tokens != num_reqs:
+            raise ValueError(f"a graph decode step has one token per request, at most {self.max_reqs} requests; got "
+                             f"{num_tokens} tokens for {num_reqs} requests")
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+            raise ValueError(f"block_table must be int32 (>= {num_reqs}, blocks), got {block_table.dtype} "
+                             f"{tuple(block_table.shape)}")
+        width = min(-(-int(max_seq_len) // self.page_size), block_table.shape[1], self.page_table.shape[1])
+        torch.bitwise_not(block_table[:num_reqs, :width], out=self.page_table[:num_reqs, :width])
+        torch.clamp(seq_lens[:num_reqs], min=1, out=self.seq_lens[:num_reqs])
+        slots = slot_mapping[:num_tokens]
+        stored = slots >= 0
+        first = torch.argmax(stored.to(torch.int32))  # the first stored token (0 if none: a capture's dummy step)
+        torch.where(stored, self._positions[:num_tokens], first, out=self.tokens[:num_tokens])
+        dest = slots.index_select(0, self.tokens[:num_tokens]).clamp_(min=0)  # a dummy step writes block 0, vLLM's null block
+        page, offset = dest.div(self.page_size, rounding_mode="floor"), dest.remainder(self.page_size)
+        rows = (page[:, None] * (2 * self.num_kv_heads) + self._hc).mul_(self.page_size).add_(offset[:, None])
+        self.rows[: rows.numel()].copy_(rows.view(-1))
+        return self.store_index(num_tokens)
 
 
 WARMUP_CONTEXTS = (1024, 4096, 16384, 65536, 262144)  # with max_model_len: one per few profile buckets
@@ -421,7 +531,8 @@ def check_geometry(head_dim: int, block_size: int) -> None:
     """That the kernels read pages of this head dim and block size."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim}: the DirectKV kernels support head dims {SUPPORTED_HEAD_DIMS}")
-    if block_size not in SUPPORTED_PAGE_SIZES:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or block_size not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"block_size {block_size}: the DirectKV kernels read pages of {SUPPORTED_PAGE_SIZES} tokens "
                          "(vLLM's --block-size)")
 
@@ -480,6 +591,7 @@ def _refuse_beyond(nbytes: int, available: int | None, what: str, memory: str, h
                           f"{available} bytes ({available / 2**30:.3g} GiB) available{qualifier}; lower {knob}")
 
 
-__all__ = ["StepShape", "step_shape", "page_table", "mirror_slots", "mirror_table", "SlotDestinations",
+__all__ = ["StepShape", "step_shape", "check_page_size", "page_table", "EVERY_BLOCK", "mirrors_every_block",
+           "mirror_slots", "mirror_table", "SlotDestinations", "GraphDecode",
            "slot_destinations", "StoreIndex", "store_kv", "HbmMirrors", "check_geometry", "kv_bytes_per_block", "host_blocks",
            "hbm_pages", "check_host_bytes", "check_hbm_tier", "warmup_steps", "warmup_kernels", "warmup_mirrors"]
