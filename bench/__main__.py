@@ -1,6 +1,6 @@
 """``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,check,regress,refresh,timeline,breakdown,plot,e2e,
-vllm}``
-(also ``directkv-bench``).
+vllm,serve}``,
+run from the root of a source checkout (``bench`` is not installed with the package).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
                         tables, write <out-dir>/<gpu>-<date>[-bench].json, the tables and PNG
@@ -31,13 +31,17 @@ vllm                    vLLM 0.26 serving the same model shape with dummy weight
                         in pinned host memory), TTFT, ms per token, tokens/s and memory per context
                         and batch, next to the link floor (``bench/vllm.py``; GPU only, each engine
                         in its own worker process).
+serve                   vLLM's serving benchmark (``vllm bench serve``) against ``vllm serve``, one
+                        engine at a time (hbm, offload, directkv, directkv-hbm=X): TTFT, TPOT, ITL,
+                        throughput, goodput and preemptions per concurrency or request rate, with
+                        ratios to the hbm engine (``bench/serve.py``; GPU only).
 plot                    PNG plots of a results JSON (``--results FILE``; a prefix run's too),
                         for runs made where matplotlib is missing; exit 2 if it cannot plot.
 
 Every command that writes files writes them under ``--out-dir`` (default ./bench-results under
 the current directory, created on demand; ``refresh`` writes bench/baselines/, its job). Without
 a CUDA GPU the GPU benches refuse (exit status 2) unless ``--device cpu`` asks for a smoke run
-(``timeline``, ``breakdown`` and ``vllm`` have none); a CPU run prints no ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and
+(``timeline``, ``breakdown``, ``vllm`` and ``serve`` have none); a CPU run prints no ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and
 ``regress`` / ``refresh`` of given ``--results`` files need no GPU.
 """
 
@@ -58,6 +62,8 @@ from bench.kvproj import cmd_kvproj
 from bench.prefix import add_arguments as add_prefix_arguments
 from bench.prefix import cmd_prefix
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
+from bench.serve import add_arguments as add_serve_arguments
+from bench.serve import cmd_serve
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
 from bench.vllm import add_arguments as add_vllm_arguments
@@ -92,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prefix_arguments(sub.add_parser("prefix", help="forks of one shared prompt: cascade vs per-sequence attention"))
     add_kvproj_arguments(sub.add_parser("kvproj", help="fused K/V projection + RoPE + store vs the separate path"))
     add_vllm_arguments(sub.add_parser("vllm", help="vLLM (HBM, native offload) as a peer, and vLLM + the DirectKV plugin"))
+    add_serve_arguments(sub.add_parser("serve", help="vllm bench serve against vllm serve, one engine at a time"))
     add_fp8_arguments(sub.add_parser("fp8-accuracy", help="FP8 KV pages: op and end-to-end accuracy vs bf16 (CPU)"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
@@ -256,7 +263,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
             "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix, "kvproj": cmd_kvproj,
-            "fp8-accuracy": cmd_fp8_accuracy, "vllm": cmd_vllm}
+            "fp8-accuracy": cmd_fp8_accuracy, "vllm": cmd_vllm, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

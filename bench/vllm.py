@@ -83,7 +83,8 @@ no verdict without the non-attention time). vLLM's own methods need not read the
 link each step, so their ``%floor`` may pass 100.
 
 **Processes.** Each method runs in its own worker process (``python -P -m bench.vllm_worker
-SPEC.json``; the environment, PYTHONPATH included, passes through), which builds one engine,
+SPEC.json``; the environment passes through, with this checkout's root first on PYTHONPATH:
+``bench`` is not installed, and ``-P`` leaves the current folder off the path), which builds one engine,
 runs all its rows and writes a JSON after every row; the parent collects them. A worker that
 fails, crashes or runs past ``--worker-timeout-s`` (its whole process group is killed) is an
 error entry in the results, and the other methods still run. ``vllm[offload]`` and
@@ -512,9 +513,10 @@ def worker_command() -> list[str]:
 
 
 def worker_env() -> dict:
-    """The parent's environment (PYTHONPATH included) with the folder this ``bench`` was imported
-    from in front, so that ``-P`` finds the same code, and Hugging Face kept offline (the model
-    is a local config.json)."""
+    """The parent's environment with the checkout this ``bench`` was imported from (the folder
+    above bench/) first on PYTHONPATH and the rest of PYTHONPATH kept after it: ``bench`` is not
+    installed and ``-P`` drops the current folder, so the worker finds the same code only there.
+    Hugging Face kept offline (the model is a local config.json)."""
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])
     parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -211,8 +212,11 @@ def test_plot(tmp_path):
 
 def test_help_works_without_a_gpu():
     root = Path(__file__).resolve().parents[1]
+    # bench is not installed: run from the checkout's root, which also goes first on PYTHONPATH
+    # (the current folder is not on the path under PYTHONSAFEPATH)
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-m", "bench", "e2e", "--help"], capture_output=True, text=True, cwd=root,
-                         timeout=120)
+                         timeout=120, env=dict(os.environ, PYTHONPATH=path))
     assert out.returncode == 0, out.stderr
     for opt in ("--preset", "--contexts", "--batches", "--methods", "--new-tokens", "--offloaded-tokens",
                 "--prefill-chunk", "--hbm-budget", "--quick", "--out-dir"):

@@ -179,11 +179,16 @@ def test_help_and_registration(capsys):
 
 
 def test_import_touches_no_gpu():
+    import os
     import subprocess
     import sys
+    from pathlib import Path
 
+    # bench is not installed: the checkout's root first on the child's path, from any folder
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     code = "import bench.prefix, torch; assert not torch.cuda.is_initialized(); print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 

@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from directkv_cute.config import DecodeConfig
 from directkv_cute.kernels.decode import DecodeAttention
-from directkv_cute.kernels.helpers import kv_smem_layout
+from directkv_cute.kernels.helpers import SmemAllocator, kv_smem_layout
 from directkv_cute.kernels.paged import REGS, shared_storage
 from directkv_cute.kernels.walk import NamedBarrier
 
@@ -158,7 +158,7 @@ class DecodeFP8Attention(DecodeAttention):
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_hs)
             cpasync.prefetch_descriptor(tma_ds)
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         sK8 = storage.sK8.get_tensor(sKV8_layout.outer, swizzle=sKV8_layout.inner)  # (tile_n, d, stages) FP8
         sV8 = storage.sV8.get_tensor(sKV8_layout.outer, swizzle=sKV8_layout.inner)  # (tile_n, d, stages) FP8
         sKs = storage.sKs.get_tensor(sS_layout)  # (tile_n, stages) fp32

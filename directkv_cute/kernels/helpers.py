@@ -1,5 +1,6 @@
 """Shared device-side helpers for the attention kernels: SMEM layouts, accumulator views and
-WGMMA issue (the online softmax is in ``softmax.py``). Written for CuTe DSL 4.8.1 (sm_90a)."""
+WGMMA issue (the online softmax is in ``softmax.py``). Written for CuTe DSL 4.8.1 (sm_90a); the
+kernels also compile on 4.6.0, the version vLLM 0.26 pins."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T
-from cutlass.tensor_utils import LayoutEnum
+
+# SmemAllocator is the kernels' (imported from here, one place for both homes).
+try:
+    from cutlass.memory import SmemAllocator  # noqa: F401
+    from cutlass.tensor_utils import LayoutEnum
+except ImportError:  # CuTe DSL 4.6.0 (vLLM 0.26's pin): their older homes
+    from cutlass.utils import SmemAllocator  # noqa: F401
+    from cutlass.utils.layout import LayoutEnum
 
 LOG2_E = math.log2(math.e)
 

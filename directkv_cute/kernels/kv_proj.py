@@ -50,7 +50,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T
 
-from directkv_cute.kernels.helpers import gemm_issue, kv_smem_layout
+from directkv_cute.kernels.helpers import SmemAllocator, gemm_issue, kv_smem_layout
 
 TILE_K = 64  # hidden columns per ring stage: one 128-byte swizzle row of 16-bit elements
 VEC = 8  # elements of one 16-byte access
@@ -263,7 +263,7 @@ class KVProjection:
             cpasync.prefetch_descriptor(tma_wk)
             cpasync.prefetch_descriptor(tma_wv)
 
-        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        storage = SmemAllocator().allocate(self.shared_storage)
         sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)  # (tile_m, 64, stages)
         sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)  # (128, 64, stages)
         # (tile_m, 128) fp32, rows tile_n + C_PAD apart: the epilogue's staging tile over the ring.

@@ -23,7 +23,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from directkv_cute.config import DecodeConfig
-from directkv_cute.kernels.helpers import acc_as_mn, acc_as_operand_a, kv_smem_layout, transpose_view
+from directkv_cute.kernels.helpers import SmemAllocator, acc_as_mn, acc_as_operand_a, kv_smem_layout, transpose_view
 from directkv_cute.kernels.producer import KVProducer
 from directkv_cute.kernels.qio import QIO
 from directkv_cute.kernels.walk import CtaWork
@@ -276,7 +276,7 @@ class PagedAttention:
             cpasync.prefetch_descriptor(tma_d)
 
         if const_expr(storage is None):
-            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+            storage = SmemAllocator().allocate(self.shared_storage)
         sQ = None
         if const_expr(not self.q_regs):
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)  # (rows, d)

@@ -23,7 +23,16 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
-from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
+
+try:
+    from cutlass.experimental.primitives.nvvm_wrapper import nanosleep
+except ImportError:  # CuTe DSL 4.6.0 (vLLM 0.26's pin): the same NVVM op, unwrapped
+    from cutlass._mlir.dialects import nvvm as _nvvm
+    from cutlass.cutlass_dsl import dsl_user_op
+
+    @dsl_user_op
+    def nanosleep(duration, *, loc=None, ip=None) -> None:
+        _nvvm.nanosleep(Int32(duration).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
 
 
 class KVProducer:
