@@ -37,6 +37,7 @@ def test_the_tier_mirrors_every_block_only_when_it_holds_the_host_pool():
 
 def test_every_block_is_its_own_mirror():
     ids = np.array([[3, 0, 9], [9, 9, 9]])
+    assert EVERY_BLOCK.step(ids, np.array([9]), np.array([4])) is EVERY_BLOCK  # a policy that keeps them all
     np.testing.assert_array_equal(mirror_slots(ids, EVERY_BLOCK), ids)
     np.testing.assert_array_equal(mirror_table(ids.copy(), EVERY_BLOCK), -ids - 1)
     dest = slot_destinations(np.array([17, -1, 3]), 16, 4).mirrored(EVERY_BLOCK)

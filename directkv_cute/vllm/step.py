@@ -151,7 +151,11 @@ def page_table(block_table, seq_lens, page_size: int, num_blocks: int) -> np.nda
 
 
 class _EveryBlock:
-    """The mirrors of a tier that holds every block of the pool: block b's mirror is HBM page b."""
+    """The mirrors of a tier that holds every block of the pool: block b's mirror is HBM page b,
+    for good. As a policy (``HbmMirrors``' interface) each step's mirrors are all of them."""
+
+    def step(self, table_blocks, pages, offsets) -> "_EveryBlock":
+        return self
 
     def __repr__(self) -> str:
         return "EVERY_BLOCK"
