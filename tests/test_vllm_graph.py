@@ -223,3 +223,14 @@ def test_the_backend_asks_for_full_decode_graphs_only_over_a_tier_of_every_block
         monkeypatch.setenv("DIRECTKV_VLLM_HBM_GB", tier_gb)
     config = SimpleNamespace(cache_config=SimpleNamespace(kv_cache_memory_bytes=host))
     assert DirectKVMetadataBuilder.get_cudagraph_support(config, None) is getattr(AttentionCGSupport, want)
+
+
+def test_a_policy_over_a_huge_tier_costs_nothing_before_its_size_is_checked():
+    """A units mistake in DIRECTKV_VLLM_HBM_GB (1e9 GiB) reaches the policy as ~1e14 slots: it
+    must not allocate per slot (the size check that refuses it comes right after)."""
+    import time
+
+    t = time.perf_counter()
+    m = HbmMirrors(10**14)
+    assert time.perf_counter() - t < 0.1
+    assert m.step(np.array([4, 2]), np.array([4, 2]), np.array([0, 0])) == {4: 0, 2: 1}

@@ -220,11 +220,11 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                 log.warning("DirectKV: %s=%.3g GiB holds no block: one block over the %d layers takes %d bytes; "
                             "every block is read from host memory", env.VLLM_HBM_GB, budget / 2**30, len(owners),
                             len(owners) * first[0].nbytes)
-        self._mirrors = EVERY_BLOCK if every else HbmMirrors(slots) if slots else None
         # each layer's KV owner: itself, or the layer whose KV it shares
         owner_of = {n: getattr(context[n], "kv_sharing_target_layer_name", None) or n for n in self.layer_names}
         if slots:  # refused before any of it is allocated (at vLLM's warm-up, before serving)
             check_hbm_tier(len(set(owner_of.values())) * slots * first[0].nbytes, available_gpu_bytes(self.device))
+        self._mirrors = EVERY_BLOCK if every else HbmMirrors(slots) if slots else None
         hbm: dict = {}
         logs: dict = {}  # a layer that shares another's KV reads the writes that layer records
         views = {}

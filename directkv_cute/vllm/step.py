@@ -342,7 +342,7 @@ class HbmMirrors:
     def __init__(self, slots: int):
         self.slots = check_int(slots, "slots")
         self._slot_of: OrderedDict = OrderedDict()  # mirrored block -> slot, least recently present first
-        self._free = list(range(self.slots - 1, -1, -1))  # pop() takes the lowest free slot
+        self._fresh = 0  # slots [_fresh, slots) were never given out (none is ever freed: slots move)
 
     @property
     def mirrored(self) -> dict:
@@ -368,8 +368,8 @@ class HbmMirrors:
         for b in dict.fromkeys(pages[offsets == 0].tolist()):
             if b in out:
                 continue
-            if self._free:
-                slot = self._free.pop()
+            if self._fresh < self.slots:
+                slot, self._fresh = self._fresh, self._fresh + 1
             elif takeable:
                 _, slot = self._slot_of.popitem(last=False)
                 takeable -= 1
