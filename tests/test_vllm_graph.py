@@ -234,3 +234,37 @@ def test_a_policy_over_a_huge_tier_costs_nothing_before_its_size_is_checked():
     m = HbmMirrors(10**14)
     assert time.perf_counter() - t < 0.1
     assert m.step(np.array([4, 2]), np.array([4, 2]), np.array([0, 0])) == {4: 0, 2: 1}
+
+
+@pytest.mark.parametrize("case", ["head_dim", "heads", "value", "span", "host_row", "mirror_row", "hbm_pages"])
+def test_store_kv_refuses_before_writing_anything(case):
+    """A store that cannot be right raises one line and leaves both pools as they were."""
+    from directkv_cute.vllm.step import StoreIndex
+
+    NB, Hkv, P, d = 4, 2, 16, 8
+    host, hbm = torch.randn(NB, Hkv, 2, P, d), torch.randn(2, Hkv, 2, P, d)
+    dest = slot_destinations(np.array([3, 20, -1]), P, NB).mirrored({0: 1})
+    index = dest.store_index(Hkv, P)
+    key, value = torch.randn(3, Hkv, d), torch.randn(3, Hkv, d)
+    pool = hbm
+    if case == "head_dim":
+        key, value = torch.randn(3, Hkv, d + 1), torch.randn(3, Hkv, d + 1)
+    elif case == "heads":
+        key, value = torch.randn(3, Hkv + 1, d), torch.randn(3, Hkv + 1, d)
+    elif case == "value":
+        value = torch.randn(3, Hkv, d // 2)
+    elif case == "span":
+        key, value = key[:1], value[:1]
+    elif case == "host_row":
+        index = slot_destinations(np.array([3, 20, -1]), P, NB + 4).mirrored({0: 1}).store_index(Hkv, P)
+        host = host[: NB - 3]
+    elif case == "mirror_row":
+        index = slot_destinations(np.array([3, 20, -1]), P, NB).mirrored({0: 5}).store_index(Hkv, P)
+    elif case == "hbm_pages":
+        pool = torch.randn(2, Hkv, 2, P * 2, d)
+    before = host.clone(), pool.clone()
+    with pytest.raises(ValueError) as e:
+        store_kv(host, key, value, index, pool)
+    assert "\n" not in str(e.value)
+    assert torch.equal(host, before[0]) and torch.equal(pool, before[1])
+    assert isinstance(index, StoreIndex)

@@ -229,10 +229,11 @@ class SlotDestinations:
         """``store_kv``'s destinations of these rows in pools of ``num_kv_heads`` KV heads and
         ``page_size``-row pages (on the host; ``StoreIndex.to`` moves them to a device)."""
         at = self.hbm_at
-        return StoreIndex(_pool_rows(self.pages, self.offsets, num_kv_heads, page_size),
-                          None if self.dense else self.rows,
-                          _pool_rows(self.hbm_slots, self.offsets[at], num_kv_heads, page_size), self.rows[at],
-                          int(self.rows[-1]) + 1 if len(self.rows) else 0)
+        host = _pool_rows(self.pages, self.offsets, num_kv_heads, page_size)
+        hbm = _pool_rows(self.hbm_slots, self.offsets[at], num_kv_heads, page_size)
+        extents = (int(host.max()) + 1 if host.size else 0, int(hbm.max()) + 1 if hbm.size else 0)
+        return StoreIndex(host, None if self.dense else self.rows, hbm, self.rows[at],
+                          int(self.rows[-1]) + 1 if len(self.rows) else 0, extents)
 
 
 def _pool_rows(pages, offsets, num_kv_heads: int, page_size: int) -> np.ndarray:
@@ -255,6 +256,9 @@ class StoreIndex:
     hbm_rows:   int64 (k * Hkv * 2,) the HBM pool's rows of the tokens stored into mirrored blocks.
     hbm_tokens: int64 (k,) their token rows.
     span:       the stored token rows all lie below it.
+    extents:    (host rows, HBM rows) the pools must have: one past the largest row of each,
+                known on the host where the index was made there; None: not known on the host
+                (``GraphDecode``'s, made on the device from vLLM's own slots).
     """
 
     host_rows: object
@@ -262,6 +266,7 @@ class StoreIndex:
     hbm_rows: object
     hbm_tokens: object
     span: int
+    extents: tuple | None = None
 
     @property
     def num_mirrored(self) -> int:
@@ -280,7 +285,7 @@ class StoreIndex:
                 continue
             views.append(flat[at:at + len(p)])
             at += len(p)
-        return StoreIndex(*views, self.span)
+        return StoreIndex(*views, self.span, self.extents)
 
 
 def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestinations:
@@ -311,6 +316,21 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
         if pool is not None and (pool.dim() != 5 or not pool.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous (pages, kv_heads, 2, block_size, head_size) tensor, got "
                              f"shape {tuple(pool.shape)} strides {pool.stride()}")
+    if hbm is not None and hbm.shape[1:] != kv_cache.shape[1:]:
+        raise ValueError(f"the HBM pool's pages {tuple(hbm.shape[1:])} differ from the KV cache's "
+                         f"{tuple(kv_cache.shape[1:])}")
+    want = (kv_cache.shape[1], kv_cache.shape[4])  # (Hkv, d)
+    if key.dim() != 3 or tuple(key.shape[1:]) != want or value.shape != key.shape:
+        raise ValueError(f"key and value must be (tokens, {want[0]}, {want[1]}) as the KV cache's pages, got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if index.span > key.shape[0]:
+        raise ValueError(f"the step stores token rows up to {index.span}, key has {key.shape[0]}")
+    if index.extents is not None:
+        for name, need, pool in (("KV cache", index.extents[0], kv_cache), ("HBM pool", index.extents[1], hbm)):
+            rows = 0 if pool is None else pool.numel() // pool.shape[-1]
+            if need > rows:
+                raise ValueError(f"the step stores into row {need - 1} of the {name}, which has {rows} rows of "
+                                 f"{kv_cache.shape[-1]} (a slot or mirror past its pages)")
     d = key.shape[-1]
     kv = torch.stack((key[: index.span], value[: index.span]), dim=2).to(kv_cache.dtype)  # (span, Hkv, 2, d)
     rows = kv if index.tokens is None else kv.index_select(0, index.tokens)
