@@ -4,24 +4,21 @@
         outputs = complete(server.url, model_dir, prompts, concurrency=8)
     server.log()  # what it printed
 
-The server runs in its own process group (stopped with SIGTERM, then SIGKILL), on a free local
-port; its output goes to a log file whose tail is shown when it fails to start."""
+The server runs in its own process group on a free local port, started, waited for and stopped
+by ``python -m bench serve``'s own functions (``bench.serve``); its output goes to a log file
+whose tail is shown when it fails to start."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.serve import free_port, launch, stop_group, vllm_cli, wait_healthy
 
 
 @dataclass
@@ -33,57 +30,22 @@ class Server:
         return self.log_path.read_text()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> int:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status
-
-
 @contextlib.contextmanager
 def served(model_dir, backend: str, *, env: dict | None = None, args=(), log_dir=None, startup_s: float = 600):
     """``vllm serve model_dir --attention-backend backend *args`` on localhost; yields a ``Server``."""
     port = free_port()
     log_path = Path(log_dir or "/tmp") / f"vllm-serve-{backend}-{port}.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--attention-backend", backend, "--dtype", "bfloat16", "--seed", "0", *args]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    cmd = vllm_cli() + ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--attention-backend",
+                        backend, "--dtype", "bfloat16", "--seed", "0", *args]
+    proc = launch(cmd, dict(os.environ, **(env or {})), log_path)
+    server = Server(f"http://127.0.0.1:{port}", log_path)
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if _get(url + "/health") == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve not healthy after {startup_s} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1.0)
-        yield Server(url, log_path)
+        state, waited = wait_healthy(proc, server.url, timeout_s=startup_s)
+        if state != "ok":
+            raise RuntimeError(f"vllm serve {state} after {waited:.0f} s:\n{server.log()[-4000:]}")
+        yield server
     finally:
-        stop(proc)
-
-
-def stop(proc: subprocess.Popen, timeout: float = 60) -> None:
-    """SIGTERM to the server's process group, SIGKILL after ``timeout`` seconds."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+        stop_group(proc, timeout_s=60)
 
 
 def complete(url: str, model: str, prompts: list[str], *, max_tokens: int = 32, concurrency: int = 8) -> list[dict]:
