@@ -104,6 +104,5 @@ def test_directkv_in_full_cuda_graphs_over_a_tier_of_every_block_matches_flash_a
 
     log: list = []
     ours = _engine(tmp_path, "CUSTOM", eager=False, extra_env={VLLM_HBM_GB: "1"}, log=log)
-    assert "decode steps run in full CUDA graphs" in log[0], log[0][-3000:]
-    assert "Capturing CUDA graphs (FULL)" in log[0] or "(FULL)" in log[0], log[0][-3000:]
+    assert "Capturing CUDA graphs (FULL)" in log[0], log[0][-3000:]  # vLLM's capture of whole decode steps
     _compare(ours, reference)

@@ -90,7 +90,7 @@ def test_a_tier_of_every_block_decodes_in_full_cuda_graphs_and_matches(model_dir
     with served(model_dir, "CUSTOM", args=OURS, env={VLLM_HBM_GB: "1"}, log_dir=tmp_path) as server:
         ours = complete(server.url, model_dir, _prompts())
     log = server.log()
-    assert "decode steps run in full CUDA graphs" in log and "(FULL)" in log, log[-3000:]
+    assert "Capturing CUDA graphs (FULL)" in log, log[-3000:]  # vLLM captured whole decode steps
     _agree(ours, reference)
 
 
