@@ -76,7 +76,7 @@ def _smol_config(**more) -> dict:
     (["--server-args", "--x 'unclosed"], "--server-args:"),
     (["--directkv-gib", "0"], "--directkv-gib must be > 0"),
     (["--directkv-gib", "101"], "--directkv-gib 101 is more than the host memory available (100.0 GiB)"),
-    (["--directkv-gib", "2"], "less than one sequence of max_model_len (4.04 GiB)"),
+    (["--directkv-gib", "2"], "less than one sequence of max_model_len (4.16 GiB)"),
     (["--offload-gib", "nan"], "--offload-gib must be > 0"),
     (["--preset", "gpt5"], "unknown preset 'gpt5'"),
     (["--model", "/nowhere/model"], "--model /nowhere/model: no config.json there"),
@@ -129,13 +129,13 @@ def test_defaults_the_sweep_and_the_host_sizes():
     opts = _opts()
     assert [e.name for e in opts["engines"]] == ["hbm", "offload", "directkv"]
     assert opts["input_lens"] == [32768] and opts["output_len"] == 256 and opts["concurrency"] == [1, 2, 4]
-    assert opts["max_model_len"] == 32768 + 256 + 64 and opts["preset"] == "llama3-8b"
+    assert opts["max_model_len"] == 32768 + 256 + 1024 and opts["preset"] == "llama3-8b"
     assert opts["model_info"]["kv_token_bytes"] == TOKEN_BYTES_8B and opts["workload"] == "llama3-8b"
     assert [(p["concurrency"], p["num_prompts"], p["seed"]) for p in opts["points"]] == [(1, 8, 0), (2, 8, 1),
                                                                                         (4, 16, 2)]
-    # 4 in flight x 33088 tokens x 128 KiB = 16.16 GiB -> 17 GiB, for directkv and the offload buffer
+    # 4 in flight x 34048 tokens x 128 KiB = 16.6 GiB -> 17 GiB, for directkv and the offload buffer
     assert opts["directkv_gib"] == opts["offload_gib"] == 17.0
-    assert opts["host_why"]["directkv_gib"] == "4 x 33088 tokens"
+    assert opts["host_why"]["directkv_gib"] == "4 x 34048 tokens"
     assert (opts["slo_ttft_ms"], opts["slo_tpot_ms"], opts["time_budget_s"]) == (30000.0, 100.0, None)
     capped = _opts(host_avail=20 * GiB)  # half of 20 GiB
     assert capped["directkv_gib"] == 10.0 and "capped at 50% of 20 GiB" in capped["host_why"]["directkv_gib"]
@@ -146,13 +146,13 @@ def test_lists_tiers_rates_and_prompts():
                  "--concurrency", "4,1", "--num-prompts", "1x", "--seed", "10")
     assert [(e.name, e.kind, e.hbm_gib) for e in opts["engines"]] == [
         ("directkv-hbm=all", "directkv-hbm", 34.0), ("hbm", "hbm", None), ("directkv-hbm=2.5", "directkv-hbm", 2.5)]
-    # all: 4 x ceil((65536 + 256 + 64) / 64) = 4 x 1029 blocks x 8 MiB = 32.16 GiB -> 33 + 1
+    # all: 4 x ceil((65536 + 256 + 1024) / 64) = 4 x 1044 blocks x 8 MiB = 32.6 GiB -> 33 + 1
     assert [(p["input_len"], p["concurrency"], p["num_prompts"], p["seed"]) for p in opts["points"]] == [
         (65536, 1, 1, 10), (65536, 4, 4, 11), (32768, 1, 1, 12), (32768, 4, 4, 13)]
     rates = _opts("--request-rates", "0.5,0.1", "--engines", "hbm")
     assert rates["concurrency"] is None and [(p["request_rate"], p["num_prompts"]) for p in rates["points"]] == [
         (0.1, 16), (0.5, 16)]
-    # a rate point's prompts may all be in flight: 16 x 33088 x 128 KiB = 64.6 GiB, capped at half of 100 GiB
+    # a rate point's prompts may all be in flight: 16 x 34048 x 128 KiB = 66.5 GiB, capped at half of 100 GiB
     assert rates["directkv_gib"] == 50.0 and "capped" in rates["host_why"]["directkv_gib"]
     fixed = _opts("--num-prompts", "3", "--concurrency", "8")
     assert fixed["points"][0]["num_prompts"] == 3 and fixed["directkv_gib"] == 13.0  # 3 in flight, not 8
@@ -186,7 +186,7 @@ def test_server_commands_per_engine():
     cmds = {e.name: bs.server_command(e, opts, model="/m", port=8123, tokenizer=None, python="PY")
             for e in opts["engines"]}
     common = ["PY", "-m", "vllm.entrypoints.cli.main", "serve", "/m", "--host", "127.0.0.1", "--port", "8123",
-              "--max-model-len", "33088", "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16", "--seed", "0",
+              "--max-model-len", "34048", "--gpu-memory-utilization", "0.5", "--dtype", "bfloat16", "--seed", "0",
               "--generation-config", "vllm", "--disable-uvicorn-access-log", "--load-format", "dummy"]
     extra = ["--block-size", "64", "--max-num-batched-tokens", "4096"]
     assert cmds["hbm"] == common + extra
@@ -261,7 +261,7 @@ def test_the_client_and_server_flags_parse_in_vllm_where_it_imports():
         args = serve.parse_args(bs.server_command(engine, opts, model="/m", port=8123, tokenizer=None)[4:])
         args.model = args.model_tag
         ea = AsyncEngineArgs.from_cli_args(args)
-        assert (ea.model, ea.max_model_len, ea.load_format, args.port) == ("/m", 33088, "dummy", 8123)
+        assert (ea.model, ea.max_model_len, ea.load_format, args.port) == ("/m", 34048, "dummy", 8123)
         assert ea.kv_offloading_size == (9.0 if engine.kind == "offload" else None)
         direct = engine.kind.startswith("directkv")
         assert ea.kv_cache_memory_bytes == (int(opts["directkv_gib"] * GiB) if direct else None)
@@ -388,7 +388,7 @@ def _doc(rows, engines, h2d=50.0):
                        "versions": {"vllm": "0.26.0"}},
             "ceilings": None if h2d is None else {"memcpy_h2d_gbps": h2d, "host_read_gbps": 48.0,
                                                   "hbm_read_gbps": 3000.0},
-            "args": {"workload": "llama3-8b", "gpu_memory_utilization": 0.9, "max_model_len": 33088,
+            "args": {"workload": "llama3-8b", "gpu_memory_utilization": 0.9, "max_model_len": 34048,
                      "slo_ttft_ms": 30000.0, "slo_tpot_ms": 100.0},
             "model": {"kv_token_bytes": TOKEN_BYTES_8B}, "engines": engines, "passed": True, "rows": rows}
 
@@ -605,7 +605,7 @@ def test_the_whole_command_over_fake_servers_writes_its_files(fake_gpu, monkeypa
     assert clients[0][clients[0].index("--tokenizer") + 1] == str(seen["model"])
     stem = cwd / "bench-results" / "NVIDIA_H100-2026-12-05-serve-tiny"
     doc = json.loads(stem.with_suffix(".json").read_text())
-    assert doc["schema"] == "directkv-bench-serve/1" and doc["args"]["max_model_len"] == 1024 + 128 + 64
+    assert doc["schema"] == "directkv-bench-serve/1" and doc["args"]["max_model_len"] == 1024 + 128 + 1024
     assert doc["model"]["kv_token_bytes"] == 2 * 2 * 2 * 64 * 2 and doc["ceilings"] is None
     assert [(r["engine"], r["concurrency"], r["status"]) for r in doc["rows"]] == [
         ("hbm", 1, "ok"), ("hbm", 2, "ok"), ("directkv", None, "error")]
