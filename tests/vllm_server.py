@@ -50,16 +50,18 @@ def served(model_dir, backend: str, *, env: dict | None = None, args=(), log_dir
 
 def complete(url: str, model: str, prompts: list[str], *, max_tokens: int = 32, concurrency: int = 8) -> list[dict]:
     """Greedy completions of ``prompts`` over HTTP, ``concurrency`` requests in flight: each
-    {"text", "tokens", "logprobs"} (the chosen tokens and their logprobs)."""
+    {"text", "tokens", "logprobs", "top"}: ``max_tokens`` chosen tokens (past an end of text too),
+    their logprobs, and each step's two most likely tokens with their logprobs."""
 
     def one(prompt: str) -> dict:
         body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                           "logprobs": 1, "seed": 0}).encode()
+                           "logprobs": 2, "seed": 0, "ignore_eos": True}).encode()
         req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             choice = json.loads(r.read())["choices"][0]
         lp = choice["logprobs"]
-        return {"text": choice["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"]}
+        return {"text": choice["text"], "tokens": lp["tokens"], "logprobs": lp["token_logprobs"],
+                "top": lp["top_logprobs"]}
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, prompts))
