@@ -12,6 +12,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig
@@ -31,6 +32,70 @@ def check_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+# The kernels multiply scores by ``softmax_scale * log2(e)`` in fp32 after taking the row maximum
+# of the unscaled scores: a scale must be positive (a negative one would turn the maximum into the
+# minimum) and small enough that scaled scores stay representable. 1e4 is far beyond
+# 1 / sqrt(head_dim) for any head dim (0.125 for 64), and 1e4 * log2(e) * |q.k| stays finite in
+# fp32 for |q.k| up to 2.3e34.
+MAX_SOFTMAX_SCALE = 1e4
+
+
+def check_softmax_scale(softmax_scale) -> float | None:
+    """A softmax scale: None (the default 1 / sqrt(head_dim)) or a real number in
+    (0, ``MAX_SOFTMAX_SCALE``]; ``TypeError`` for a bool, string, tensor or other non-real,
+    ``ValueError`` for NaN, an infinity or a value out of range. Returns it as given."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a real number in (0, {MAX_SOFTMAX_SCALE:g}] or None, got "
+                        f"{type(softmax_scale).__name__} {_short(softmax_scale)}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number in (0, {MAX_SOFTMAX_SCALE:g}], got {softmax_scale!r}")
+    if not 0 < softmax_scale <= MAX_SOFTMAX_SCALE:
+        raise ValueError(f"softmax_scale {softmax_scale!r} is outside (0, {MAX_SOFTMAX_SCALE:g}]: the kernels scale "
+                         f"scores by it in fp32 after their row maximum (1 / sqrt(head_dim) is the usual scale)")
+    return softmax_scale
+
+
+def check_max_seq_len(max_seq_len) -> int | None:
+    """``max_seq_len``: None or a positive int (``TypeError`` for a bool, float or string)."""
+    if max_seq_len is None:
+        return None
+    if isinstance(max_seq_len, (bool, np.bool_)) or not isinstance(max_seq_len, numbers.Integral):
+        raise TypeError(f"max_seq_len must be a positive int or None, got {type(max_seq_len).__name__} "
+                        f"{_short(max_seq_len)}")
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be a positive int or None, got {int(max_seq_len)}")
+    return int(max_seq_len)
+
+
+def check_groups(groups, batch: int) -> tuple[tuple[int, ...], ...] | None:
+    """``groups`` (the rows that may share pages): None, or a sequence of sequences of row
+    indices, disjoint, each in [0, batch); returned as a tuple of tuples of ints."""
+    if groups is None:
+        return None
+    if isinstance(groups, (str, bytes, torch.Tensor)) or not isinstance(groups, (Sequence, np.ndarray)) \
+            or (isinstance(groups, np.ndarray) and groups.ndim != 2):
+        raise TypeError(f"groups must be a sequence of row lists (or None), got {type(groups).__name__} "
+                        f"{_short(groups)}")
+    out = []
+    for g in groups:
+        if isinstance(g, (str, bytes, torch.Tensor)) or not isinstance(g, (Sequence, np.ndarray)) \
+                or (isinstance(g, np.ndarray) and g.ndim != 1):
+            raise TypeError(f"groups must be a sequence of row lists, got an entry {type(g).__name__} {_short(g)}")
+        out.append(tuple(check_int(r, "every row of groups") for r in g))
+    flat = [r for g in out for r in g]
+    if len(set(flat)) != len(flat) or any(not 0 <= r < batch for r in flat):
+        raise ValueError(f"groups must be disjoint lists of rows in [0, {batch}), got {_short(groups)}")
+    return tuple(out)
+
+
+def _short(value, limit: int = 80) -> str:
+    """A value's repr on one line, cut to ``limit`` characters (for error messages)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def check_seq_ids(seq_ids) -> list[int]:
@@ -100,10 +165,7 @@ def check_attention(q, cache, layer, *, batch: int, q_lens=None, out=None, confi
     layer = check_int(layer, "layer")
     if not 0 <= layer < cache.num_layers:
         raise IndexError(f"layer {layer} out of range [0, {cache.num_layers})")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
-                or not math.isfinite(softmax_scale):
-            raise ValueError(f"softmax_scale must be a finite number, got {softmax_scale!r}")
+    check_softmax_scale(softmax_scale)
     lens = check_q_lens(q_lens, batch, total_q, seq_lens)
     if out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
