@@ -179,10 +179,10 @@ def _replay(ns: argparse.Namespace, args: dict) -> dict:
 
 
 def cmd_regress(ns: argparse.Namespace) -> int:
-    from bench.common import env_info, load_json, require_gpu
-    from bench.regress import compare, format_report, load_baseline
+    from bench.common import env_info, require_gpu
+    from bench.regress import compare, format_report, load_baseline, read_results
 
-    fresh = load_json(ns.results) if ns.results else None
+    fresh = read_results(ns.results) if ns.results else None  # a bad file: one line, exit status 2
     if fresh is None:  # a fresh run: the GPU rule applies
         gpu_key = env_info(require_gpu(ns.device, command="bench regress"))["gpu_key"]
     else:
@@ -200,12 +200,11 @@ def cmd_regress(ns: argparse.Namespace) -> int:
 
 
 def cmd_refresh(ns: argparse.Namespace) -> int:
-    from bench.common import load_json
-    from bench.regress import RefreshRefused, refresh_baseline
+    from bench.regress import RefreshRefused, read_results, refresh_baseline
 
-    if ns.results:
-        doc, source = load_json(ns.results[0]), ", ".join(map(str, ns.results))
-        more = [load_json(r) for r in ns.results[1:]]
+    if ns.results:  # every file read and checked before anything is written (a bad one: one line, exit 2)
+        doc, *more = [read_results(r) for r in ns.results]
+        source = ", ".join(map(str, ns.results))
     else:
         doc, source, more = _fresh_run(ns, ["decode", "prefill"]), "fresh run", []
     try:

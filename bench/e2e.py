@@ -60,9 +60,10 @@ recorded as status ``OOM`` with its message, everything is freed, and the run go
 rows that clearly cannot fit (their KV alone exceeds the host memory available, or for
 ``dynamic`` weights + KV exceed the GPU's memory) are not attempted (``skipped``, with the
 numbers); batch 1 rows are always attempted (``--no-skip`` attempts everything).
-``--time-budget-s`` (540 s: a run fits a 10-minute window with its setup) stops starting rows
-after that many seconds, and skips a row whose estimated time (``estimate_row_s``, from the
-same method's rows already measured) exceeds what is left.
+``--time-budget-s S`` (default: none, every row runs) stops starting rows after S seconds, and
+skips a row whose estimated time (``estimate_row_s``, from the same method's rows already
+measured) exceeds what is left; a grid too long for one sitting is split into runs by
+``--contexts`` and ``--methods``.
 
 **What the time goes to.** Prefill dominates: every method prefills its own cache, and the
 prefill of batch x context tokens grows with the square of the context (4 methods x 128k, and
@@ -971,13 +972,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="32k, batch 1, 8 timed tokens (about a minute and a half)")
     add_device_argument(p, "the tiny preset at 128 tokens, ours[host] and dynamic")
     add_out_dir_argument(p)
-    p.add_argument("--time-budget-s", type=float, default=540.0,
-                   help="start no new row after this many seconds [540]; the rest are listed as skipped")
+    p.add_argument("--time-budget-s", type=_budget_s, default=None, metavar="S",
+                   help="start no new row after S seconds, and skip a row estimated to overrun them; the rest "
+                        "are listed as skipped (default: no budget, every row runs)")
     p.add_argument("--no-skip", action="store_true", help="attempt batch > 1 rows that clearly cannot fit")
     p.add_argument("--ceiling-gb", type=float, default=2.0, help="host buffer for the ceilings (HBM: twice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _budget_s(text: str) -> float:
+    """--time-budget-s: a finite number of seconds > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return v
 
 
 def cmd_e2e(ns: argparse.Namespace) -> int:

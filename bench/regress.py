@@ -30,17 +30,21 @@ Given several runs (``--results A --results B ...``, e.g. from different machine
 GPU model) it stores each tracked ratio's median and its relative spread (max - min) / median; a
 ratio's tolerance is then max(rtol, its spread), so ratios that swing between machines do not
 flag while steady ones keep the tight gate.
-The comparison takes two JSON dicts, so all of it runs without a GPU.
+The comparison takes two JSON dicts, so all of it runs without a GPU. A file given to it that is
+missing, not JSON or not a results document is refused with one line (``read_results``: a
+``UsageError``, exit status 2) before anything is compared or written.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from bench.common import Ceilings, load_json, record_key, shape_key, validate_results, write_json
+from bench.common import Ceilings, UsageError, load_json, record_key, shape_key, validate_results, write_json
 
 TRACKED = ("frac_of_ceiling", "speedup_vs_zero_copy", "frac_of_memcpy", "frac_of_fa4_limit")
 DEFAULT_RTOL = 0.03
@@ -230,7 +234,57 @@ def refresh_baseline(fresh: Mapping, baseline_dir: str | Path = BASELINE_DIR, so
 
 def load_baseline(gpu_key: str, baseline: str | Path | None = None,
                   baseline_dir: str | Path = BASELINE_DIR) -> dict:
+    """The baseline of ``gpu_key`` (or the file ``baseline``): FileNotFoundError where there is
+    none, UsageError (one line) for a file that is not a results document."""
     path = Path(baseline) if baseline else baseline_path(gpu_key, baseline_dir)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"no baseline at {path}: create one with `python -m bench refresh --results RUN.json`")
-    return load_json(path)
+    return read_results(path, "baseline")
+
+
+_GPU_KEY = re.compile(r"[A-Za-z0-9+_-][A-Za-z0-9.+_-]*")  # a file name in bench/baselines (env_info's gpu_key)
+
+
+def results_problem(doc) -> str | None:
+    """Why ``doc`` (parsed JSON) is not a results document a comparison or a baseline can use
+    (None: it is): the fields of ``validate_results``, and a header whose ``gpu_key`` names a
+    baseline file."""
+    if not isinstance(doc, dict):
+        return f"the JSON top level is {type(doc).__name__}, not an object"
+    try:
+        problems = validate_results(doc)
+    except (TypeError, AttributeError, KeyError, ValueError) as e:  # a field of the wrong type
+        return f"a field of the wrong type ({type(e).__name__}: {e})"
+    if problems:
+        return problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")
+    key = doc["header"].get("gpu_key")
+    if not isinstance(key, str) or not _GPU_KEY.fullmatch(key):
+        return f"header.gpu_key {str(key)[:60]!r} is not a GPU key (letters, digits, . + _ -)"
+    return None
+
+
+def read_results(path: str | Path, what: str = "--results") -> dict:
+    """The results document in the file ``path``, or a UsageError (one line on stderr, exit status
+    2) saying why not: no such file, a folder, unreadable, not JSON, not a results document
+    (``what`` names the option or file in the message)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{what} {path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{what} {path}: a folder, not a results JSON") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {path}: not JSON (not UTF-8 text: {e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UsageError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"{what} {path}: not JSON ({e})") from None
+    except RecursionError:
+        raise UsageError(f"{what} {path}: not JSON (nested too deeply)") from None
+    problem = results_problem(doc)
+    if problem:
+        raise UsageError(f"{what} {path}: not a results document ({' '.join(problem.split())[:300]})")
+    return doc

@@ -341,8 +341,8 @@ The prompt: --prompt TEXT (needs --model's tokenizer; repeat it for a batch, sho
 left-padded), or --context N random token ids per row for --batch rows.
 
 The KV cache: pinned host memory sized for batch x (prompt + --max-new-tokens) tokens, in pages
-of --page-size tokens. --hbm-budget adds a tier in GPU memory that holds each sequence's first
---sink-pages pages and its most recent pages. --kv-dtype fp8 stores float8_e4m3fn pages with
+of --page-size tokens. --hbm-budget (on a GPU) adds a tier in GPU memory that holds each
+sequence's first --sink-pages pages and its most recent pages. --kv-dtype fp8 stores float8_e4m3fn pages with
 per-token scales: half the bytes of bf16 per token over the link, read in place by the FP8 GPU
 kernels (on a GPU, with a bf16 or fp16 model) and by the CPU reference path; the model still
 computes in --dtype.
@@ -383,7 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--model", metavar="PATH",
                      help="a local Hugging Face model folder: config.json, weights, tokenizer (nothing is downloaded)")
     src.add_argument("--preset", metavar="NAME",
-                     help=f"a model of real shapes with random weights: {', '.join(preset_names())}")
+                     help=f"a model of real shapes with random weights: {', '.join(preset_names())} (the "
+                          "names of directkv-tune's presets; also spelled as on the Hub, e.g. Meta-Llama-3-8B, "
+                          "Qwen2.5-7B-Instruct)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", action="append", metavar="TEXT",
                         help="prompt text (needs --model's tokenizer); give it several times for a batch")
@@ -396,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's max_position_embeddings")
     p.add_argument("--hbm-budget", default="0", metavar="SIZE",
                    help="GPU memory for the cache's HBM tier, e.g. 8GiB, 512MiB, 4GB (default 0: every page in "
-                        "pinned host memory)")
+                        "pinned host memory; a CPU run has no HBM and takes only 0)")
     p.add_argument("--page-size", type=int, default=64, choices=PAGE_SIZES, metavar="TOKENS",
                    help=f"tokens per cache page: {', '.join(map(str, PAGE_SIZES))} (default 64)")
     p.add_argument("--sink-pages", type=int, default=1, metavar="N",
@@ -488,10 +490,13 @@ def _check_json_path(p: argparse.ArgumentParser, text: str) -> Path:
 
 def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
     """Command-line checks that need no model: ``p.error`` (one line, exit 2) on a bad value."""
-    from directkv_cute.presets import preset_names
+    from directkv_cute.presets import canonical_name, preset_names
 
-    if ns.preset is not None and ns.preset not in preset_names():
-        p.error(f"unknown preset {ns.preset!r}; choose one of {', '.join(preset_names())}")
+    if ns.preset is not None:
+        name = canonical_name(ns.preset)  # any spelling of a preset: its one name from here on
+        if name is None:
+            p.error(f"unknown preset {ns.preset!r}; choose one of {', '.join(preset_names())}")
+        ns.preset = name
     if ns.prompt and ns.preset is not None:
         p.error("--prompt needs a tokenizer: use --model PATH, or --context N random tokens with a preset")
     if ns.dtype == "fp32" and ns.device and ns.device.startswith("cuda"):  # before touching a GPU
@@ -514,6 +519,8 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
     except ValueError as e:
         p.error(f"--hbm-budget: {e}")
     device = _check_device(p, ns.device)
+    if budget and device.type == "cpu":  # before the config is read or anything is allocated
+        p.error(_cpu_budget_refusal(ns.hbm_budget, budget))
     if ns.dtype == "fp32" and device.type == "cuda":
         p.error("--dtype fp32 runs only on the CPU reference path (the GPU kernels take bf16 / fp16)")
     dtype = DTYPES[ns.dtype] if ns.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -526,6 +533,16 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
                 "the model dtype (auto) or fp8")
     json_path = _check_json_path(p, ns.json) if ns.json else None
     return _Args(device=device, dtype=dtype, hbm_budget=budget, kv_dtype=kv_dtype, json_path=json_path)
+
+
+def _cpu_budget_refusal(text: str, budget: int) -> str:
+    """Why a CPU run refuses ``--hbm-budget`` (nonzero): a CPU has no HBM, and the tier would be
+    host memory taken for nothing (``budget`` bytes of it, reported as "in HBM")."""
+    memory = host_memory()
+    beyond = (f" is more than this machine's memory ({format_bytes(memory)}), and" if memory is not None
+              and budget > memory else ":")
+    return (f"--hbm-budget {text} ({format_bytes(budget)}){beyond} --device cpu has no HBM (the cache lives in "
+            "host memory); leave --hbm-budget out (or 0), or run on a GPU (--device cuda)")
 
 
 # ---- planning: everything checked before the model loads ---------------------------------
@@ -665,10 +682,7 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
         if memory is not None and host_kv > memory:
             p.error(f"a KV cache for {rows} needs {format_bytes(host_kv)} ({host_kv} bytes) of pinned host memory, "
                     f"this machine has {format_bytes(memory)}")
-    elif memory is not None:
-        if a.hbm_budget > memory:
-            p.error(f"--hbm-budget {ns.hbm_budget} ({format_bytes(a.hbm_budget)}) is more than this machine's "
-                    f"memory ({format_bytes(memory)}; on the CPU the HBM tier lives in host memory)")
+    elif memory is not None:  # (a CPU run has no HBM tier: check_args refused a budget)
         need = host_kv + device_kv + (weights or 0)
         if need > memory:
             p.error(f"{rows} need {format_bytes(need)} ({need} bytes) of host memory on the CPU (KV cache "

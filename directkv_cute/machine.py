@@ -1,10 +1,15 @@
 """What the planner knows about the GPU: its machine model (the cost model's rates) and the
 facts of one step (``DeviceInfo``).
 
-The machine model comes from the GPU's profile (``machine:`` in ``profiles/<GPU>.yaml``, checked
-by ``tuning.profiles``; ``directkv-tune machine`` measures and writes it). A GPU without one
-gets ``CONSERVATIVE`` and one warning: it assumes no edge for the copy engine over the SMs' reads
-of host memory, so link-bound calls read in place and only compute-bound ones are staged.
+The machine model comes from the GPU's profile (``machine:`` in ``profiles/<GPU>.yaml``;
+``directkv-tune machine`` measures and writes it). ``machine_problems`` is its one check, run
+wherever a profile is read (the loader in ``tuning.profiles``, hence ``directkv-tune check`` and
+``show``; ``MachineModel.from_dict``; ``machine_for``): every rate finite and in its range
+(``RATE_RANGES``), no unknown key. A GPU without a machine model gets ``CONSERVATIVE`` and one
+warning: it assumes no edge for the copy engine over the SMs' reads of host memory, so
+link-bound calls read in place and only compute-bound ones are staged. A GPU whose profile has
+an invalid one is refused (``MachineModelError``, naming the file and the field): the planner
+never plans with NaN or absurd costs.
 
 Plain Python: ``DeviceInfo.current`` is the only function here that asks torch about the GPU,
 once per step; the planner takes the frozen values.
@@ -13,6 +18,8 @@ once per step; the planner takes the frozen values.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -58,20 +65,91 @@ class MachineModel:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "name")
 
     @classmethod
-    def from_dict(cls, name: str, d: dict) -> "MachineModel":
-        """The model from a profile's ``machine:`` section (every rate, each a positive number)."""
-        want = set(cls.fields())
-        missing, unknown = sorted(want - set(d)), sorted(set(d) - want)
-        if missing or unknown:
-            raise ValueError(f"machine: missing {missing}, unknown {unknown}" if missing and unknown
-                             else f"machine: missing {missing}" if missing else f"machine: unknown {unknown}")
-        bad = [k for k in cls.fields() if isinstance(d[k], bool) or not isinstance(d[k], (int, float)) or d[k] <= 0]
-        if bad:
-            raise ValueError(f"machine: {bad} must be positive numbers")
+    def from_dict(cls, name: str, d) -> "MachineModel":
+        """The model from a profile's ``machine:`` section: every rate, each a finite number in its
+        range (``RATE_RANGES``), no other key; ``MachineModelError`` (a ValueError) naming each field
+        that is not."""
+        problems = machine_problems(d)
+        if problems:
+            raise MachineModelError("; ".join(f"{where}: {why}" for where, why in problems))
         return cls(name=name, **{k: float(d[k]) for k in cls.fields()})
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.fields()}
+
+
+class MachineModelError(ValueError):
+    """A machine model the planner may not plan with: a ``machine:`` section that is not a mapping
+    of every rate (``MachineModel.fields()``) to a finite number in its range (``RATE_RANGES``)."""
+
+
+# The range each rate may take, by its unit: (lowest, highest, unit). lowest None: the rate must
+# be > 0 (the cost model divides by it); 0.0: it may be 0 (a time that costs nothing). The bounds
+# lie far beyond any GPU's rates (an H200: link 51 GB/s, HBM 4.5 TB/s, 680 TFLOP/s, copy calls of
+# microseconds): they catch a typo, a unit mix-up or a broken measurement, not a fast machine.
+UNIT_RANGES = {"GB/s": (None, 1e5), "TFLOP/s": (None, 1e4), "ms": (0.0, 1e4)}
+
+
+def _unit(rate: str) -> str:
+    if rate.endswith("_gbps"):
+        return "GB/s"
+    if rate.endswith("_tflops"):
+        return "TFLOP/s"
+    if rate.endswith("_ms") or rate.endswith("_ms_per_token"):
+        return "ms"
+    raise AssertionError(f"machine model rate {rate!r} has no unit")  # a new field must get one
+
+
+RATE_RANGES: dict[str, tuple[float | None, float, str]] = {
+    k: (*UNIT_RANGES[_unit(k)], _unit(k)) for k in MachineModel.fields()}
+MAX_UNKNOWN_SHOWN = 5  # unknown keys named one by one; the rest counted
+
+
+def _shown(v) -> str:
+    """A value for a problem's text, a long one described or cut (a hostile file cannot make the
+    message huge)."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**20:
+        digits = len(str(abs(v))) if abs(v).bit_length() < 10000 else "thousands of"
+        return f"an integer of {digits} digits"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:60] + "..."
+
+
+def machine_problems(d) -> list[tuple[str, str]]:
+    """What is wrong with a profile's ``machine:`` section, as (field, why) pairs ("machine" or
+    "machine.<rate>"); empty when the planner may plan with it. The one check of a machine model
+    read from a profile: the loader (``directkv_cute.tuning.profiles``, so ``directkv-tune check``
+    and ``show``), ``MachineModel.from_dict`` and the planner's ``machine_for`` use it. Each rate
+    must be an int or a float (not a bool), finite, and in ``RATE_RANGES``; every rate must be
+    there and no other key (keys of any type are named, never sorted against each other)."""
+    if not isinstance(d, dict):
+        return [("machine", f"must be a mapping of rate names to numbers, got {type(d).__name__}")]
+    out = []
+    fields = MachineModel.fields()
+    missing = [k for k in fields if k not in d]
+    if missing:
+        out.append(("machine", f"missing rates {missing}"))
+    unknown = [k for k in d if not (isinstance(k, str) and k in fields)]
+    for k in unknown[:MAX_UNKNOWN_SHOWN]:
+        out.append(("machine", f"unknown key {_shown(k)} (not a rate of the machine model)"))
+    if len(unknown) > MAX_UNKNOWN_SHOWN:
+        out.append(("machine", f"and {len(unknown) - MAX_UNKNOWN_SHOWN} more unknown keys"))
+    for k in fields:
+        if k not in d:
+            continue
+        v, (lo, hi, unit) = d[k], RATE_RANGES[k]
+        where = f"machine.{k}"
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            out.append((where, f"must be a number ({unit}), got {type(v).__name__} {_shown(v)}"))
+        elif isinstance(v, float) and not math.isfinite(v):
+            out.append((where, f"must be a finite number ({unit}), got {_shown(v)}"))
+        elif lo is None and not v > 0:
+            out.append((where, f"must be a positive number (> 0 {unit}), got {_shown(v)}"))
+        elif lo is not None and v < lo:
+            out.append((where, f"must be at least {lo:g} {unit}, got {_shown(v)}"))
+        elif v > hi:
+            out.append((where, f"must be at most {hi:g} {unit}, got {_shown(v)}"))
+    return out
 
 
 # The H200's rates, as shipped in profiles/NVIDIA_H200.yaml (``machine:``), measured on the H200
@@ -105,12 +183,21 @@ H200 = MachineModel(
 CONSERVATIVE = dataclasses.replace(H200, name="conservative default", memcpy_gbps=H200.link_gbps)
 
 _WARNED: set = set()
+_REFUSED: dict = {}  # (gpu_name, the lookup's cache epoch, the profile folders' variables) -> refusal or None
 
 
 def machine_for(gpu_name: str) -> MachineModel:
-    """The machine model of ``gpu_name``'s profile, else ``CONSERVATIVE`` (warned once per GPU)."""
+    """The machine model of ``gpu_name``'s profile, else ``CONSERVATIVE`` (warned once per GPU).
+
+    A profile of this GPU whose ``machine:`` section is there but invalid (``machine_problems``)
+    is refused with ``MachineModelError`` naming the file and the field, when it is the profile
+    the lookup would read or one before it in the lookup's folders: the planner never plans with
+    its rates, nor in silence with other ones."""
     from directkv_cute.tuning.lookup import machine_model
 
+    refusal = _machine_refusal(gpu_name)
+    if refusal is not None:
+        raise MachineModelError(refusal)
     m = machine_model(gpu_name)
     if m is not None:
         return m
@@ -122,6 +209,44 @@ def machine_for(gpu_name: str) -> MachineModel:
                       f"{expected_profile_path(gpu_name)}); the planner uses a conservative default that stages "
                       "only compute-bound calls", ProfileWarning, stacklevel=3)
     return dataclasses.replace(CONSERVATIVE, name=f"{gpu_name} (conservative default)")
+
+
+def _machine_refusal(gpu_name: str) -> str | None:
+    """Why the planner may not plan for ``gpu_name`` (None: it may): the first of its profiles in
+    the lookup's order, up to the one the lookup uses, that was refused for its ``machine:``
+    section. Cached like the lookup's machine model (``clear_cache`` forgets it)."""
+    from directkv_cute.tuning import lookup
+    from directkv_cute.tuning.profiles import PROFILE_DIR_ENV, ProfileError, find_profiles, load_profile
+
+    key = (gpu_name, lookup.cache_epoch(), os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
+    if key in _REFUSED:
+        return _REFUSED[key]
+    refusal = None
+    for path in find_profiles(gpu_name):
+        try:
+            prof = load_profile(path)
+        except ProfileError as e:
+            if any(f == "machine" or f.startswith("machine.") for f in getattr(e, "fields", ())):
+                refusal = (f"directkv-cute: cannot plan for {gpu_name}: {_one_line(e)} (fix the machine: "
+                           "section, measure it again with `directkv-tune machine`, or delete it for the "
+                           "conservative default)")
+                break
+            continue  # unusable for another reason: the lookup warns and reads the next folder's
+        if not prof.compat_problems(gpu_name=gpu_name):
+            break  # the profile the lookup uses (its machine: section, if any, is valid)
+    if len(_REFUSED) > 256:
+        _REFUSED.clear()
+    _REFUSED[key] = refusal
+    return refusal
+
+
+def _one_line(text) -> str:
+    """A message as one line (a profile error lists its problems on lines of their own)."""
+    out = ""
+    for part in (p.strip() for p in str(text).splitlines()):
+        if part:
+            out += part if not out else (" " if out.endswith(":") else "; ") + part
+    return out
 
 
 def staging_cap(total_memory: int) -> int:

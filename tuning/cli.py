@@ -23,6 +23,8 @@ from pathlib import Path
 from directkv_cute import env as envvars
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, ConfigError
 
+from directkv_cute.presets import TEST_PRESETS
+
 from . import presets as _presets
 from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kernel_hash, default_output_dir, \
     dump_yaml, find_profiles, list_profiles, load_profile, output_problem, profile_dirs, sanitize_gpu_name
@@ -196,7 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                           f"the multi-token buckets, by default batch 1 x context 8k-128k x q_len 512-8192). "
                           f"{KERNEL_ALIAS_HELP}")
     src.add_argument("--preset", action="append", default=[], metavar="NAME",
-                     help=f"model preset ({', '.join(_presets.PRESETS)} or 'all'); repeatable")
+                     help=f"model preset ({', '.join(_presets.PRESETS)}, or 'all': every one but the test "
+                          f"shape{'s' if len(TEST_PRESETS) > 1 else ''} {', '.join(TEST_PRESETS)}; the names of "
+                          "directkv-generate --preset, also spelled as on the Hub, e.g. Meta-Llama-3-8B); "
+                          "repeatable")
     src.add_argument("--shape", action="append", default=[], type=_shape_arg, metavar="HQ,HKV,D,BATCH,CONTEXT,QLEN",
                      help="an explicit shape bucket; repeatable")
     src.add_argument("--batches", type=_int_list,
@@ -673,12 +678,17 @@ def _cmd_check(a, out) -> int:
             print(f"check --compile: {note}", file=out)
     rc = 0 if (compile_fn is not None or not a.compile) else 1
 
+    machine_bad = False
     for path in paths:
         try:
             prof = load_profile(path)
         except ProfileError as e:
-            print(f"INVALID {e}", file=out)
-            rc = 1
+            if _machine_problem(e):  # rates the planner would refuse to plan with: a user's error, exit 2
+                print(f"directkv-tune check: INVALID {_one_line(e)}", file=sys.stderr)
+                machine_bad = True
+            else:
+                print(f"INVALID {_one_line(e)}", file=out)
+            rc = max(rc, 1)
             continue
         if prof.gpu_name and sanitize_gpu_name(prof.gpu_name) != path.stem:
             print(f"INVALID {path}: file name does not match gpu_name {prof.gpu_name!r} "
@@ -721,8 +731,13 @@ def _cmd_check(a, out) -> int:
         for line in _stale_lines(stale, path):
             print(line, file=out)
         if bad:
-            rc = 1
-    return rc
+            rc = max(rc, 1)
+    return 2 if machine_bad else rc
+
+
+def _machine_problem(e: ProfileError) -> bool:
+    """Whether a profile was refused (also) for its ``machine:`` section, the planner's rates."""
+    return any(f == "machine" or f.startswith("machine.") for f in getattr(e, "fields", ()))
 
 
 def _stale_lines(stale, path) -> list[str]:
@@ -792,6 +807,9 @@ def _cmd_presets(_a, out) -> int:
              ",".join(map(str, p.q_lens)), str(p.page_size), p.dtype, p.source] for p in _presets.PRESETS.values()]
     print(plain_table(["preset", "hq", "hkv", "group", "d", "hidden", "layers", "batches", "contexts", "q_lens",
                        "page", "dtype", "source"], rows), file=out)
+    print(f"--preset all: every preset but {', '.join(TEST_PRESETS)} (a test shape); the names are "
+          "directkv-generate's (directkv_cute.presets), also spelled as on the Hub (Meta-Llama-3-8B, "
+          "Qwen2.5-7B-Instruct, Mistral-Large-Instruct-2407)", file=out)
     for kernel, kb in sorted(_presets.KERNEL_BUCKETS.items()):
         print(f"--kernel {kernel}: every preset with batches {','.join(map(str, kb['batches']))}, contexts "
               f"{','.join(map(str, kb['contexts']))}, q_lens {','.join(map(str, kb['q_lens']))} "

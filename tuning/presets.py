@@ -1,15 +1,20 @@
-"""Model presets: attention geometry from the models' public configs, and their shape buckets.
+"""Model presets for the tuner: each preset's attention geometry, and its shape buckets.
 
-Each preset lists the Hugging Face config it was read from (num_attention_heads,
-num_key_value_heads, head_dim or hidden_size / heads, hidden_size, num_hidden_layers).
+The presets, their names and other spellings are ``directkv_cute.presets``' (the one list, shared
+with ``directkv-generate``); each preset here takes its geometry (num_attention_heads,
+num_key_value_heads, head_dim, hidden_size, num_hidden_layers) from that preset's transformers
+config fields and names the public config it was read from.
 Shape buckets are the Cartesian product batch x context x q_len the tuner measures and the
 profile keys its entries by; the lookup maps other shapes to the nearest bucket.
+'all' is every preset of a real model (``directkv_cute.presets.TEST_PRESETS``, the tiny test
+shape, is tuned only when named).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from directkv_cute import presets as _models
 
 from .space import TuneShape, normalize_dtype
 
@@ -83,65 +88,34 @@ class ModelPreset:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
 
 
-PRESETS: dict[str, ModelPreset] = {
-    p.name: p
-    for p in (
-        ModelPreset(
-            "llama3-8b", "meta-llama/Meta-Llama-3-8B config.json",
-            num_q_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096, num_layers=32,
-        ),
-        ModelPreset(
-            "llama3-70b", "meta-llama/Meta-Llama-3-70B config.json",
-            num_q_heads=64, num_kv_heads=8, head_dim=128, hidden_size=8192, num_layers=80,
-        ),
-        ModelPreset(
-            "qwen2.5-72b", "Qwen/Qwen2.5-72B config.json",
-            num_q_heads=64, num_kv_heads=8, head_dim=128, hidden_size=8192, num_layers=80,
-        ),
-        ModelPreset(
-            "qwen2.5-7b", "Qwen/Qwen2.5-7B config.json",
-            num_q_heads=28, num_kv_heads=4, head_dim=128, hidden_size=3584, num_layers=28,
-        ),
-        ModelPreset(
-            "mistral-large", "mistralai/Mistral-Large-Instruct-2407 config.json",
-            num_q_heads=96, num_kv_heads=8, head_dim=128, hidden_size=12288, num_layers=88,
-        ),
-    )
-}
+def _from_model(name: str) -> ModelPreset:
+    """The tuner's preset of ``directkv_cute.presets``' preset ``name`` (its config's fields)."""
+    _cls, kw = _models.PRESETS[name]
+    return ModelPreset(name, _models.preset_source(name), num_q_heads=kw["num_attention_heads"],
+                       num_kv_heads=kw["num_key_value_heads"],
+                       head_dim=kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"],
+                       hidden_size=kw["hidden_size"], num_layers=kw["num_hidden_layers"])
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[^a-z0-9]", "", name.lower().replace("meta-", ""))
-
-
-_ALIASES = {_norm(k): k for k in PRESETS}
-_ALIASES.update({
-    _norm("Llama-3-8B"): "llama3-8b",
-    _norm("Meta-Llama-3-8B"): "llama3-8b",
-    _norm("Llama-3-70B"): "llama3-70b",
-    _norm("Meta-Llama-3-70B"): "llama3-70b",
-    _norm("Qwen2.5-72B"): "qwen2.5-72b",
-    _norm("Qwen2.5-72B-Instruct"): "qwen2.5-72b",
-    _norm("Qwen2.5-7B"): "qwen2.5-7b",
-    _norm("Qwen2.5-7B-Instruct"): "qwen2.5-7b",
-    _norm("Mistral-Large-Instruct-2407"): "mistral-large",
-    _norm("Mistral-Large-2407"): "mistral-large",
-})
+PRESETS: dict[str, ModelPreset] = {name: _from_model(name) for name in _models.preset_names()}
 
 
 def get_preset(name: str) -> ModelPreset:
-    """A preset by name, case- and punctuation-insensitive (``Llama-3-8B`` == ``llama3-8b``)."""
-    key = _ALIASES.get(_norm(name))
+    """A preset by name, case- and punctuation-insensitive (``Llama-3-8B`` == ``llama3-8b``;
+    ``directkv_cute.presets.canonical_name``)."""
+    key = _models.canonical_name(name)
     if key is None:
         raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (or 'all')")
     return PRESETS[key]
 
 
 def resolve_presets(names) -> list[ModelPreset]:
-    """Presets for a list of names; 'all' means every preset."""
+    """Presets for a list of names; 'all' means every preset of a real model (not the test
+    shapes of ``directkv_cute.presets.TEST_PRESETS``)."""
+    every = [p for name, p in PRESETS.items() if name not in _models.TEST_PRESETS]
     out = []
     for n in names:
-        for p in (PRESETS.values() if n.lower() == "all" else [get_preset(n)]):
+        for p in (every if n.lower() == "all" else [get_preset(n)]):
             if p not in out:
                 out.append(p)
     return out

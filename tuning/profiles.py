@@ -105,10 +105,13 @@ BUCKET_FIELDS = ("batch", "context", "q_len")
 class ProfileError(ValueError):
     """A profile file that cannot be used: corrupt, of an unknown schema, or for other hardware.
 
-    Its text is cut to ``MAX_ERROR_CHARS`` (a hostile file cannot make the warning huge)."""
+    Its text is cut to ``MAX_ERROR_CHARS`` (a hostile file cannot make the warning huge).
+    ``fields``: where each problem of an invalid profile is ("metadata.gpu_name",
+    "machine.link_gbps", ...; empty for a file that could not be read as a profile at all)."""
 
-    def __init__(self, msg="", *args):
+    def __init__(self, msg="", *args, fields=()):
         super().__init__(clip(str(msg)), *args)
+        self.fields = tuple(fields)
 
 
 def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
@@ -448,9 +451,11 @@ class _V:
     def __init__(self, source):
         self.source = source
         self.problems = []
+        self.fields = []
 
     def bad(self, where, msg):
         self.problems.append(clip(f"{where}: {msg}", 300))
+        self.fields.append(where)
 
     def _present(self, d, k, where, required, nullable=False) -> bool:
         """Whether d[k] is there to check: False when it is missing (a problem if required) or
@@ -582,7 +587,7 @@ def _validate(doc, source) -> Profile:
     v = _V(source)
     unknown = set(doc) - _KNOWN_TOP
     if unknown:
-        v.bad("<top>", f"unknown keys {sorted(unknown)}")
+        v.bad("<top>", f"unknown keys {sorted(unknown, key=repr)}")  # keys of any type: never compared
 
     md = doc.get("metadata")
     if not isinstance(md, dict):
@@ -619,16 +624,13 @@ def _validate(doc, source) -> Profile:
     prof = Profile(metadata=md, schema_version=sv, migrated_from=migrated_from)
     machine = doc.get("machine")
     if machine is not None:
-        from directkv_cute.machine import MachineModel
+        from directkv_cute.machine import machine_problems
 
-        if not isinstance(machine, dict):
-            v.bad("machine", f"must be a mapping, got {type(machine).__name__}")
-        else:
-            try:
-                MachineModel.from_dict(md.get("gpu_name") or "?", machine)
-                prof.machine = dict(machine)
-            except ValueError as err:
-                v.bad("machine", str(err).removeprefix("machine: "))
+        problems = machine_problems(machine)  # the one check of a machine model (the planner's too)
+        for where, why in problems:
+            v.bad(where, why)
+        if not problems:
+            prof.machine = dict(machine)
     ents = doc.get("entries")
     if ents is None:
         ents = []
@@ -651,7 +653,7 @@ def _validate(doc, source) -> Profile:
         nums = [v.int_(e, k, where, minimum=1) for k in ("head_dim", "group", "page_size")]
         unknown = set(e) - set(CLASS_FIELDS) - {"buckets"}
         if unknown:
-            v.bad(where, f"unknown keys {sorted(unknown)}")
+            v.bad(where, f"unknown keys {sorted(unknown, key=repr)}")
         buckets = e.get("buckets")
         if not isinstance(buckets, list):
             v.bad(f"{where}.buckets", "missing or not a list")
@@ -700,7 +702,7 @@ def _validate(doc, source) -> Profile:
     if v.problems:
         shown = v.problems[:12]
         more = f"\n  ... and {len(v.problems) - 12} more" if len(v.problems) > 12 else ""
-        raise ProfileError(f"{source}: invalid profile:\n  " + "\n  ".join(shown) + more)
+        raise ProfileError(f"{source}: invalid profile:\n  " + "\n  ".join(shown) + more, fields=v.fields)
     return prof
 
 
