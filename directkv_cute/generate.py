@@ -342,10 +342,10 @@ left-padded), or --context N random token ids per row for --batch rows.
 
 The KV cache: pinned host memory sized for batch x (prompt + --max-new-tokens) tokens, in pages
 of --page-size tokens. --hbm-budget (on a GPU) adds a tier in GPU memory that holds each
-sequence's first --sink-pages pages and its most recent pages. --kv-dtype fp8 stores float8_e4m3fn pages with
-per-token scales: half the bytes of bf16 per token over the link, read in place by the FP8 GPU
-kernels (on a GPU, with a bf16 or fp16 model) and by the CPU reference path; the model still
-computes in --dtype.
+sequence's first --sink-pages pages and its most recent pages. --kv-dtype fp8 stores
+float8_e4m3fn pages with per-token scales: half the bytes of bf16 per token over the link, read
+in place by the FP8 GPU kernels (on a GPU, with a bf16 or fp16 model) and by the CPU reference
+path; the model still computes in --dtype.
 
 --device cpu runs the reference attention (float32 by default): slow, for checking results.
 The request is checked before the model loads: its length against the model's

@@ -232,6 +232,8 @@ def _machine_refusal(gpu_name: str) -> str | None:
                            "conservative default)")
                 break
             continue  # unusable for another reason: the lookup warns and reads the next folder's
+        except Exception:  # noqa: BLE001 - MemoryError, a bug: the lookup warns, never the op here
+            continue
         if not prof.compat_problems(gpu_name=gpu_name):
             break  # the profile the lookup uses (its machine: section, if any, is valid)
     if len(_REFUSED) > 256:

@@ -201,7 +201,8 @@ def test_presets_have_the_real_shapes():
     from directkv_cute.hf import model_spec
 
     want = {"llama3-8b": (32, 32, 8, 128, 4096, 14336, 128256), "llama3-70b": (80, 64, 8, 128, 8192, 28672, 128256),
-            "qwen2.5-7b": (28, 28, 4, 128, 3584, 18944, 152064), "tiny": (2, 8, 2, 64, 256, 512, 1024)}
+            "qwen2.5-7b": (28, 28, 4, 128, 3584, 18944, 152064), "tiny": (2, 8, 2, 64, 256, 512, 1024),
+            "qwen2.5-72b": (80, 64, 8, 128, 8192, 29568, 152064), "mistral-large": (88, 96, 8, 128, 12288, 28672, 32768)}
     assert set(want) == set(PRESETS)
     for name, (layers, hq, hkv, d, hidden, inter, vocab) in want.items():
         cfg = preset_config(name)

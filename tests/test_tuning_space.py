@@ -185,7 +185,7 @@ def test_registry_accepts_a_second_kernel():
 
 def test_presets_match_public_configs():
     p = presets.PRESETS
-    assert set(p) == {"llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large", "qwen2.5-7b"}
+    assert set(p) == {"llama3-8b", "llama3-70b", "qwen2.5-72b", "mistral-large", "qwen2.5-7b", "tiny"}
     assert (p["llama3-8b"].num_q_heads, p["llama3-8b"].num_kv_heads, p["llama3-8b"].head_dim,
             p["llama3-8b"].hidden_size, p["llama3-8b"].num_layers) == (32, 8, 128, 4096, 32)
     assert (p["llama3-70b"].num_q_heads, p["llama3-70b"].num_kv_heads, p["llama3-70b"].hidden_size,

@@ -248,7 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gpu", default=None, type=_gpu_arg, help="only the profile of this GPU name")
     s.add_argument("--format", choices=("table", "json", "yaml"), default="table")
 
-    c = sub.add_parser("check", help="validate every profile (and optionally compile every entry)")
+    c = sub.add_parser("check", help="validate every profile (and optionally compile every entry)",
+                       description="Validate every profile (and optionally compile every entry). Exit status 1 "
+                                   "when a profile is invalid or an entry illegal (or fails to compile), 2 when a "
+                                   "profile's machine: section holds rates the planner refuses (one line on "
+                                   "stderr each).")
     c.add_argument("--dir", type=Path, default=None, help="profile folder (default: the lookup's folders)")
     c.add_argument("--compile", action="store_true", help="compile each entry's config for sm_90a (no GPU needed)")
 
