@@ -6,6 +6,7 @@
     directkv-tune lookup --gpu NAME --shape HQ,HKV,D,BATCH,CONTEXT,QLEN [--page-size N] [--dtype T] [--kernel K]
     directkv-tune presets
     directkv-tune machine [--output DIR] [--gpu NAME] [--dry-run]
+    directkv-tune restamp [--profile FILE ...] [--against REV] [--dry-run] [-v]
 
 ``run`` is the default subcommand. Without a source checkout install, run it as
 ``python -m tuning.cli`` from the repository root.
@@ -30,7 +31,7 @@ from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kerne
     dump_yaml, find_profiles, list_profiles, load_profile, output_problem, profile_dirs, sanitize_gpu_name
 from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel
 
-SUBCOMMANDS = ("run", "show", "check", "lookup", "presets", "machine")
+SUBCOMMANDS = ("run", "show", "check", "lookup", "presets", "machine", "restamp")
 CACHE_DIR_ENV = envvars.CACHE_DIR
 DRY_RUN_ENUMERATE = 50_000  # spaces up to this many points are filtered exactly in --dry-run
 DRY_RUN_SAMPLE = 20_000  # larger ones: the legal share of this many seeded random points
@@ -279,6 +280,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the GPU name the profile is written for (default: this GPU's name as torch reports it)")
     m.add_argument("--dry-run", "--print", dest="dry_run", action="store_true",
                    help="measure and print the rates and the machine: section; write nothing")
+
+    rs = sub.add_parser("restamp", help="re-stamp stale entries whose kernels compile to the same PTX as the sources "
+                                        "they were tuned for",
+                        description="For each kernel family whose entries carry a stale kernel_hash: find the sources "
+                                    "they were tuned for in git (--against REV, else the newest commit whose sources "
+                                    "hash to it), compile a sample of the family's kernels for sm_90a from those "
+                                    "sources and from the current ones (two fresh interpreters), and re-stamp the "
+                                    "entries with the current hash only where every sampled kernel's PTX is "
+                                    "identical. One line per family. Exit status 0 when no stale entry is left, 1 "
+                                    "when some stay stale (PTX differs, no revision found, a compile failed), 2 for "
+                                    "a bad argument (or no git checkout).")
+    rs.add_argument("--profile", type=Path, action="append", default=[], metavar="FILE",
+                    help="profile to re-stamp; repeatable (default: every profile in the checkout's profiles/)")
+    rs.add_argument("--against", default=None, metavar="REV",
+                    help="the git revision the stale entries were tuned for (default: found by walking git log "
+                         "over each family's source files until their hash is the entries' one)")
+    rs.add_argument("--dry-run", action="store_true", help="compare and report; write nothing")
+    rs.add_argument("-v", "--verbose", action="store_true", help="also list every kernel compared")
     return ap
 
 
@@ -855,6 +874,19 @@ def _cmd_machine(a, out) -> int:
     return 0
 
 
+def _cmd_restamp(a, out) -> int:
+    from . import restamp as rsm
+    from .profiles import bundled_profile_dir
+
+    paths = list(a.profile) or list_profiles(bundled_profile_dir())
+    if not paths:
+        return _fail(f"restamp: no profiles in {bundled_profile_dir()} (name one with --profile FILE)")
+    try:
+        return rsm.run(paths, against=a.against, dry_run=a.dry_run, verbose=a.verbose, out=out)
+    except rsm.RestampError as e:
+        return _fail(f"restamp: {e}")
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
@@ -863,7 +895,7 @@ def main(argv=None) -> int:
     out = sys.stdout
     try:
         return {"run": _cmd_run, "show": _cmd_show, "check": _cmd_check, "lookup": _cmd_lookup,
-                "presets": _cmd_presets, "machine": _cmd_machine}[a.cmd](a, out)
+                "presets": _cmd_presets, "machine": _cmd_machine, "restamp": _cmd_restamp}[a.cmd](a, out)
     except (ProfileError, envvars.EnvironmentVariableError) as e:  # a bad file or variable: one line
         return _fail(e)
 
