@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import directkv_cute.plan as plan
 from bench.check import ROWS, CheckError, default_targets, run_check
 from bench.traffic import (TrafficCase, check_case, default_cases, expected_bytes, format_traffic_table,
@@ -99,6 +101,7 @@ def test_check_profiles_part(tmp_path, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.full
 def test_compile_part_fails_clearly_without_the_kernel(monkeypatch, capsys):
     import bench.check as check
 

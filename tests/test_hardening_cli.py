@@ -375,9 +375,13 @@ def test_the_tuner_takes_its_shapes_from_the_model_presets():
     assert [p.name for p in tune_presets.resolve_presets(["tiny"])] == ["tiny"]
 
 
-ALIASES = [("Meta-Llama-3-8B", "llama3-8b"), ("Llama-3-70B", "llama3-70b"), ("QWEN2.5-72B", "qwen2.5-72b"),
-           ("Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("Mistral-Large-Instruct-2407", "mistral-large"),
-           ("mistral-large-2407", "mistral-large"), ("llama3-8b", "llama3-8b"), ("TINY", "tiny")]
+ALIASES = [("Meta-Llama-3-8B", "llama3-8b"), pytest.param("Llama-3-70B", "llama3-70b", marks=pytest.mark.full),
+           ("QWEN2.5-72B", "qwen2.5-72b"),
+           pytest.param("Qwen2.5-7B-Instruct", "qwen2.5-7b", marks=pytest.mark.full),
+           ("Mistral-Large-Instruct-2407", "mistral-large"),
+           pytest.param("mistral-large-2407", "mistral-large", marks=pytest.mark.full),
+           pytest.param("llama3-8b", "llama3-8b", marks=pytest.mark.full),
+           pytest.param("TINY", "tiny", marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("alias, name", ALIASES)

@@ -330,7 +330,7 @@ def test_q_tiled_splits_are_whole_pieces_covering_every_tile(max_tiles, piece_ti
 
 @pytest.mark.parametrize("cfg,dtype,d,page,group,wait_ready,split_out", [
     (QTiledConfig(), "bfloat16", 128, 64, 4, True, True),
-    (QTiledConfig(), "bfloat16", 128, 64, 4, False, False),
+    pytest.param(QTiledConfig(), "bfloat16", 128, 64, 4, False, False, marks=pytest.mark.full),
     (QTiledConfig(tile_n=64, stages=4, pingpong=0), "float16", 64, 16, 16, True, False),
 ])
 def test_q_tiled_kernel_compiles_for_hopper(monkeypatch, cfg, dtype, d, page, group, wait_ready, split_out):
