@@ -216,7 +216,7 @@ def _machine_refusal(gpu_name: str) -> str | None:
     the lookup's order, up to the one the lookup uses, that was refused for its ``machine:``
     section. Cached like the lookup's machine model (``clear_cache`` forgets it)."""
     from directkv_cute.tuning import lookup
-    from directkv_cute.tuning.profiles import PROFILE_DIR_ENV, ProfileError, find_profiles, load_profile
+    from directkv_cute.tuning.profiles import PROFILE_DIR_ENV, ProfileError, find_profiles, load_profile, one_line
 
     key = (gpu_name, lookup.cache_epoch(), os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
     if key in _REFUSED:
@@ -227,7 +227,7 @@ def _machine_refusal(gpu_name: str) -> str | None:
             prof = load_profile(path)
         except ProfileError as e:
             if any(f == "machine" or f.startswith("machine.") for f in getattr(e, "fields", ())):
-                refusal = (f"directkv-cute: cannot plan for {gpu_name}: {_one_line(e)} (fix the machine: "
+                refusal = (f"directkv-cute: cannot plan for {gpu_name}: {one_line(e)} (fix the machine: "
                            "section, measure it again with `directkv-tune machine`, or delete it for the "
                            "conservative default)")
                 break
@@ -240,15 +240,6 @@ def _machine_refusal(gpu_name: str) -> str | None:
         _REFUSED.clear()
     _REFUSED[key] = refusal
     return refusal
-
-
-def _one_line(text) -> str:
-    """A message as one line (a profile error lists its problems on lines of their own)."""
-    out = ""
-    for part in (p.strip() for p in str(text).splitlines()):
-        if part:
-            out += part if not out else (" " if out.endswith(":") else "; ") + part
-    return out
 
 
 def staging_cap(total_memory: int) -> int:

@@ -91,3 +91,22 @@ def cwd(tmp_path, monkeypatch):
     d.mkdir()
     monkeypatch.chdir(d)
     return d
+
+
+@pytest.fixture
+def isolated_profiles(monkeypatch, tmp_path):
+    """Every profile lookup folder under tmp_path: env, user (XDG), a stand-in for the bundled one,
+    and the tuner's cache; the lookup's caches cleared before and after."""
+    from directkv_cute import env as envvars
+    from directkv_cute.tuning import lookup, profiles
+
+    for d in ("env", "xdg", "bundled", "cache"):
+        (tmp_path / d).mkdir()
+    monkeypatch.setenv(profiles.PROFILE_DIR_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(envvars.CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(profiles, "bundled_profile_dir", lambda: tmp_path / "bundled")
+    monkeypatch.delenv(lookup.REQUIRE_ENV, raising=False)
+    lookup.clear_cache()
+    yield tmp_path
+    lookup.clear_cache()

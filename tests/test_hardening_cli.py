@@ -32,16 +32,8 @@ GPU = "Hardening Test GPU"  # no bundled profile has this name
 
 
 @pytest.fixture(autouse=True)
-def isolated(monkeypatch, tmp_path):
-    """Every profile folder under tmp_path (env, user, a stand-in for the bundled one)."""
-    for d in ("env", "xdg", "bundled", "cache"):
-        (tmp_path / d).mkdir()
-    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "env"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv(cli.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(P, "bundled_profile_dir", lambda: tmp_path / "bundled")
-    monkeypatch.delenv(L.REQUIRE_ENV, raising=False)
-    L.clear_cache()
+def isolated(isolated_profiles):
+    """Every profile folder under tmp_path (``conftest.isolated_profiles``), no machine warning given yet."""
     M._WARNED.clear()
     yield
     L.clear_cache()

@@ -21,30 +21,16 @@ from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
 from directkv_cute.tuning.space import STREAM_MAX_ROWS, op_kernel
 
-# the fall-back warnings that follow the ones a test asserts
+# the fall-back warnings that follow the ones a test asserts; every lookup folder under tmp_path
 pytestmark = [pytest.mark.filterwarnings("ignore:directkv-cute. no tuned:UserWarning"),
-              pytest.mark.filterwarnings("ignore:.*not usable here:UserWarning")]
+              pytest.mark.filterwarnings("ignore:.*not usable here:UserWarning"),
+              pytest.mark.usefixtures("isolated_profiles")]
 
 GPU = "Test GPU H200"  # a name no bundled profile will ever have
 KH = P.current_kernel_hash("decode")
 CLASS = ("decode", "bf16", 128, 8, 64)
 TUNED = DecodeConfig(tile_n=32, stages=2)
 DEFAULT = default_decode_config(128, 8, 64)
-
-
-@pytest.fixture(autouse=True)
-def isolated(monkeypatch, tmp_path):
-    """Every lookup folder under tmp_path: env, user (XDG) and a stand-in for the bundled one."""
-    for d in ("env", "xdg", "bundled", "cache"):
-        (tmp_path / d).mkdir()
-    monkeypatch.setenv(P.PROFILE_DIR_ENV, str(tmp_path / "env"))
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.setenv(cli.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(P, "bundled_profile_dir", lambda: tmp_path / "bundled")
-    monkeypatch.delenv(L.REQUIRE_ENV, raising=False)
-    L.clear_cache()
-    yield
-    L.clear_cache()
 
 
 def make_profile(gpu=GPU, entries=None, cls=CLASS, kernel="decode"):

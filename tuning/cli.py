@@ -28,7 +28,7 @@ from directkv_cute.presets import TEST_PRESETS
 
 from . import presets as _presets
 from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kernel_hash, default_output_dir, \
-    dump_yaml, find_profiles, list_profiles, load_profile, output_problem, profile_dirs, sanitize_gpu_name
+    dump_yaml, find_profiles, list_profiles, load_profile, one_line, output_problem, profile_dirs, sanitize_gpu_name
 from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel
 
 SUBCOMMANDS = ("run", "show", "check", "lookup", "presets", "machine", "restamp")
@@ -52,17 +52,8 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _one_line(text) -> str:
-    """A message as one line (a ProfileError lists its problems on lines of their own)."""
-    out = ""
-    for part in (p.strip() for p in str(text).splitlines()):
-        if part:
-            out += part if not out else (" " if out.endswith(":") else "; ") + part
-    return out
-
-
 def _fail(message, rc: int = 2) -> int:
-    print(f"directkv-tune: {_one_line(message)}", file=sys.stderr)
+    print(f"directkv-tune: {one_line(message)}", file=sys.stderr)
     return rc
 
 
@@ -591,7 +582,7 @@ def _cmd_show(a, out) -> int:
         try:
             prof = load_profile(path)
         except ProfileError as e:
-            print(f"error: {_one_line(e)}", file=sys.stderr)
+            print(f"error: {one_line(e)}", file=sys.stderr)
             rc = 1
             continue
         if a.gpu and prof.gpu_name != a.gpu and sanitize_gpu_name(a.gpu) != path.stem:
@@ -707,10 +698,10 @@ def _cmd_check(a, out) -> int:
             prof = load_profile(path)
         except ProfileError as e:
             if _machine_problem(e):  # rates the planner would refuse to plan with: a user's error, exit 2
-                print(f"directkv-tune check: INVALID {_one_line(e)}", file=sys.stderr)
+                print(f"directkv-tune check: INVALID {one_line(e)}", file=sys.stderr)
                 machine_bad = True
             else:
-                print(f"INVALID {_one_line(e)}", file=out)
+                print(f"INVALID {one_line(e)}", file=out)
             rc = max(rc, 1)
             continue
         if prof.gpu_name and sanitize_gpu_name(prof.gpu_name) != path.stem:

@@ -114,6 +114,15 @@ class ProfileError(ValueError):
         self.fields = tuple(fields)
 
 
+def one_line(text) -> str:
+    """A message as one line (a ``ProfileError`` lists its problems on lines of their own)."""
+    out = ""
+    for part in (p.strip() for p in str(text).splitlines()):
+        if part:
+            out += part if not out else (" " if out.endswith(":") else "; ") + part
+    return out
+
+
 def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """``text`` cut to ``limit`` characters, saying how much was left out."""
     if len(text) <= limit:

@@ -319,12 +319,18 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         """A decode step over a tier that mirrors every block: ``GraphDecode``'s buffers filled on
         the device and the plan of its batch size (padded requests included), the same whether
         vLLM replays a captured graph or runs the step eagerly."""
-        if self._graph is None:
-            self._graph = GraphDecode(self.vllm_config.scheduler_config.max_num_seqs, m.block_table_tensor.shape[1],
-                                      self.num_kv_heads, self.page_size, self.device)
-        store = self._graph.fill(m.block_table_tensor, m.seq_lens, m.slot_mapping, m.num_reqs, m.num_actual_tokens,
+        store = self._decode_buffers().fill(m.block_table_tensor, m.seq_lens, m.slot_mapping, m.num_reqs, m.num_actual_tokens,
                                  shape.max_seq_len)
         return DirectKVMetadata(m.num_actual_tokens, m.num_reqs, self._graph_attention(m.num_reqs), store, views, None)
+
+    def _decode_buffers(self) -> GraphDecode:
+        """``GraphDecode``'s buffers, made once: as many requests as the scheduler runs, as many
+        blocks per request as ``max_model_len`` takes (vLLM's block table width)."""
+        if self._graph is None:
+            self._graph = GraphDecode(self.vllm_config.scheduler_config.max_num_seqs,
+                                      -(-self.vllm_config.model_config.max_model_len // self.page_size),
+                                      self.num_kv_heads, self.page_size, self.device)
+        return self._graph
 
     def _graph_attention(self, batch: int):
         """The ``DirectKVAttention`` planned once for decode steps of ``batch`` requests over
@@ -338,14 +344,10 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         if attention is not None:
             return attention
         views = self._layer_views()
-        if self._graph is None:
-            self._graph = GraphDecode(self.vllm_config.scheduler_config.max_num_seqs,
-                                      -(-self.vllm_config.model_config.max_model_len // self.page_size),
-                                      self.num_kv_heads, self.page_size, self.device)
         attention = DirectKVAttention(views[self.layer_names[0]])
         info = DeviceInfo.current(self.device)
         info = DeviceInfo(info.name, info.sms, info.total_memory, capturing=True)
-        attention.plan(tables=KernelTables(*self._graph.tables(batch)), q_lens=(1,) * batch,
+        attention.plan(tables=KernelTables(*self._decode_buffers().tables(batch)), q_lens=(1,) * batch,
                        num_q_heads=self.num_q_heads, max_seq_len=self.vllm_config.model_config.max_model_len,
                        cascade=False, device_info=info)
         self._graph_plans[batch] = attention
