@@ -96,6 +96,8 @@ class CallShape:
     back_to_back: the calls come in long runs (a model step's layers): a staged chunk is planned
                   for its copy running ahead of its kernel, where copies may run ahead.
     cascade:      read the pages that sequences share once per batch; groups: rows that may share.
+    hbm_only:     every page the device tables name is in HBM (``KernelTables.hbm_only``): a call
+                  without a host table is routed as one whose pages are all in HBM.
     """
 
     host_table: np.ndarray | None
@@ -114,6 +116,7 @@ class CallShape:
     back_to_back: bool = False
     cascade: bool = False
     groups: tuple | None = None
+    hbm_only: bool = False
 
     @classmethod
     def of(cls, cache, tables, q_lens, num_q_heads: int, compute_dtype=None, *, max_seq_len=None,
@@ -131,7 +134,8 @@ class CallShape:
                    cache.page_size, cache.dtype, compute_dtype or getattr(cache, "compute_dtype", None) or cache.dtype,
                    cache.num_layers, int(hbm.shape[0]) if hbm is not None else 0, int(width), max_seq_len,
                    bool(getattr(tables, "back_to_back", False) if back_to_back is None else back_to_back),
-                   cascade, None if groups is None else tuple(tuple(g) for g in groups))
+                   cascade, None if groups is None else tuple(tuple(g) for g in groups),
+                   bool(getattr(tables, "hbm_only", False)) and host is None)
 
     @classmethod
     def example(cls, seq_lens, q_lens=None, *, num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
@@ -575,7 +579,7 @@ def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, config
             raise PlanError(f"QTiledConfig: {why}")
         return None
 
-    if shape.host_table is None:
+    if shape.host_table is None and not shape.hbm_only:
         return refuse("needs tables from cache.kernel_tables() (the staging plan reads the host page table)")
     if device.capturing:
         return refuse("the staged Q-tiled path cannot be captured in a CUDA graph (its copies are planned per call)")
@@ -586,7 +590,7 @@ def _q_tiled_route(shape: CallShape, device: DeviceInfo, m: MachineModel, config
     def looked_up() -> QTiledConfig:
         return q_tiled_config(configs, shape, group, len(lens), max(lens), max(q_lens))
 
-    n_pages, used, n_host = pages_used(shape.host_table, lens, shape.page_size)
+    n_host = 0 if shape.host_table is None else pages_used(shape.host_table, lens, shape.page_size)[2]
     if n_host == 0:  # every page already in HBM: the Q-tiled kernel (no KV splits) where it fills a wave
         if explicit or fills_a_wave(shape, device.sms):
             cfg = config if explicit else looked_up()

@@ -268,3 +268,135 @@ def test_store_kv_refuses_before_writing_anything(case):
     assert "\n" not in str(e.value)
     assert torch.equal(host, before[0]) and torch.equal(pool, before[1])
     assert isinstance(index, StoreIndex)
+
+
+def _mixed_step(rng, num_blocks, page_size, reqs, width, pad_tokens):
+    """A step with prompt rows as vLLM's V2 runner hands it over: ``reqs`` (context, q_len) per
+    request (q_len 0: a padded request, table row and length 0), the block table, the lengths,
+    ``query_start_loc`` and the slot mapping of the step's tokens (``pad_tokens`` padding tokens
+    at -1 after them). Each request's blocks are distinct, drawn from 1..num_blocks-1."""
+    table = np.zeros((len(reqs) + 2, width), np.int32)
+    lens = np.zeros(len(reqs) + 2, np.int64)
+    ids = rng.permutation(np.arange(1, num_blocks))
+    starts, slots, at = [0], [], 0
+    for r, (ctx, q) in enumerate(reqs):
+        if q:
+            n = ctx + q
+            k = -(-n // page_size)
+            table[r, :k] = ids[at:at + k]
+            at += k
+            lens[r] = n
+            pos = np.arange(ctx, n)
+            slots += list(table[r, pos // page_size].astype(np.int64) * page_size + pos % page_size)
+        starts.append(starts[-1] + q)
+    return table, lens, np.array(starts), np.array(slots + [-1] * pad_tokens, np.int64)
+
+
+def test_a_prompt_step_over_every_block_names_the_host_paths_pages_and_rows():
+    """``every_block_step``'s device tables and store index against the host path's
+    (``page_table`` + ``mirror_table``, ``slot_destinations(...).mirrored(EVERY_BLOCK)``), with a
+    padded request in the middle and padding tokens at the end."""
+    from directkv_cute.vllm.step import every_block_step, step_shape
+
+    rng = np.random.default_rng(7)
+    NB, P, Hkv, d, W = 64, 16, 2, 8, 20
+    reqs = [(40, 1), (0, 33), (7, 0), (100, 17), (15, 1)]
+    table, lens, starts, slots = _mixed_step(rng, NB, P, reqs, W, pad_tokens=3)
+    shape = step_shape(starts, lens, len(reqs))
+    n_tok = len(slots)
+    tables, index = every_block_step(torch.from_numpy(table), torch.from_numpy(slots), shape, n_tok, Hkv, P)
+    assert tables.hbm_only and tables.back_to_back and tables.host_table is None
+    assert tables.host_seq_lens == shape.seq_lens == (41, 33, 117, 16)
+    rows = list(shape.rows)
+    want = mirror_table(page_table(table[rows], shape.seq_lens, P, NB), EVERY_BLOCK)
+    for b, n in enumerate(shape.seq_lens):
+        k = -(-n // P)
+        np.testing.assert_array_equal(tables.page_table[b, :k].numpy(), want[b, :k])
+    np.testing.assert_array_equal(tables.seq_lens.numpy(), shape.seq_lens)
+    key, value = torch.randn(n_tok, Hkv, d), torch.randn(n_tok, Hkv, d)
+    host = torch.randn(NB, Hkv, 2, P, d)
+    hbm = host.clone()
+    want_host, want_hbm = host.clone(), hbm.clone()
+    store_kv(host, key, value, index, hbm)
+    ref = slot_destinations(slots, P, NB).mirrored(EVERY_BLOCK).store_index(Hkv, P).to("cpu")
+    store_kv(want_host, key, value, ref, want_hbm)
+    torch.testing.assert_close(host, want_host, rtol=0, atol=0)
+    torch.testing.assert_close(hbm, want_hbm, rtol=0, atol=0)
+    # a step of padding tokens only: no tables, a store into the null block
+    none, pad = every_block_step(torch.from_numpy(table), torch.full((4,), -1), step_shape([0, 0], [0], 1), 4, Hkv, P)
+    assert none is None and pad.span == 4
+
+
+def test_a_prompt_step_over_every_block_is_planned_as_hbm_reads_without_its_host_table():
+    """The planner routes device-only tables marked ``hbm_only`` as it routes the same call with
+    an all-HBM host table (the Q-tiled kernel over HBM for a prompt chunk that fills a wave), and
+    without the mark falls back to the kernels that need no host table."""
+    from directkv_cute.cache import KernelTables
+    from directkv_cute.machine import H200, DeviceInfo
+    from directkv_cute.planner import CallShape, ProfileConfigs, plan_attention
+
+    info = DeviceInfo("NVIDIA H200", sms=132, total_memory=141 * 2**30)
+    configs = ProfileConfigs("NVIDIA H200")
+    seq_lens, q_lens = (8192, 4096, 40), (2048, 2048, 1)
+    known = CallShape.example(seq_lens, q_lens, tier="hbm")
+    width = known.width
+    device_tables = KernelTables(torch.zeros(3, width, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+                                 host_seq_lens=seq_lens, hbm_only=True)
+
+    class Pools:  # the pools' public geometry, as CallShape.of reads it
+        num_kv_heads, head_dim, page_size, dtype, num_layers = 8, 128, 64, torch.bfloat16, 32
+        hbm_pool = torch.empty(known.hbm_pages, 0)
+
+    marked = CallShape.of(Pools, device_tables, q_lens, 32)
+    bare = CallShape.of(Pools, device_tables._replace(hbm_only=False), q_lens, 32)
+    a, b = (plan_attention(s, info, H200, configs) for s in (known, marked))
+    assert a.route == b.route == "q_tiled_hbm"
+    assert (a.config, a.layout) == (b.config, b.layout)
+    assert plan_attention(bare, info, H200, configs).route == "multi_token"
+    # a host table wins over the mark: its pages say where they are
+    assert CallShape.of(Pools, device_tables._replace(host_table=known.host_table), q_lens, 32).hbm_only is False
+
+
+def test_a_prompt_step_over_every_block_matches_dense_causal_attention_reading_hbm_only():
+    """The whole eager step on the CPU: tables and stores from ``every_block_step``, a plan over
+    them, two layers whose host pools are NaN (every block is read from its mirror), a decode, a
+    prompt chunk after cached context and a first chunk, against float64 causal attention."""
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.runner import PoolView
+    from directkv_cute.vllm.step import every_block_step, step_shape
+
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    L, NB, Hkv, Hq, P, d, W = 2, 40, 2, 4, 16, 64, 12
+    reqs = [(50, 1), (30, 20), (0, 37)]
+    table, lens, starts, slots = _mixed_step(rng, NB, P, reqs, W, pad_tokens=2)
+    shape = step_shape(starts, lens, len(reqs))
+    tables, index = every_block_step(torch.from_numpy(table), torch.from_numpy(slots), shape, len(slots), Hkv, P)
+    bf16 = torch.bfloat16
+    host = [torch.full((NB, Hkv, 2, P, d), float("nan"), dtype=bf16) for _ in range(L)]
+    hbm = [torch.zeros(NB, Hkv, 2, P, d, dtype=bf16) for _ in range(L)]
+    views = [PoolView(host[i].unsqueeze(1), hbm[i].unsqueeze(1)) for i in range(L)]
+    dk = DirectKVAttention(views[0])
+    dk.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=Hq, max_seq_len=shape.max_seq_len, cascade=False)
+    scale = 1 / math.sqrt(d)
+    for layer in range(L):
+        ks = [torch.randn(c + q, Hkv, d).to(bf16) for c, q in reqs]
+        vs = [torch.randn(c + q, Hkv, d).to(bf16) for c, q in reqs]
+        for r, (c, q) in enumerate(reqs):  # the cached context, written through before the step
+            pos = np.arange(c)
+            hbm[layer][table[r][pos // P], :, 0, pos % P] = ks[r][:c]
+            hbm[layer][table[r][pos // P], :, 1, pos % P] = vs[r][:c]
+        pad = torch.randn(2, Hkv, d).to(bf16)
+        new_k = torch.cat([ks[r][c:] for r, (c, q) in enumerate(reqs)] + [pad])
+        new_v = torch.cat([vs[r][c:] for r, (c, q) in enumerate(reqs)] + [pad])
+        store_kv(host[layer], new_k, new_v, index, hbm[layer])
+        host[layer].fill_(float("nan"))
+        q = torch.randn(shape.num_tokens, Hq, d).to(bf16)
+        out = torch.full_like(q, float("nan"))
+        dk.run(q, 0, out, softmax_scale=scale, pools=views[layer])
+        at = 0
+        for r, (c, n) in enumerate(reqs):
+            for j in range(n):
+                want = _dense(q[at + j], ks[r][: c + j + 1], vs[r][: c + j + 1], scale)
+                torch.testing.assert_close(out[at + j].double(), want, atol=1e-2, rtol=1e-2)
+            at += n

@@ -34,6 +34,10 @@ class KernelTables(NamedTuple):
     # chunk called while the previous staged call still runs is planned for its copy running
     # ahead (``ops._pipelined``), which pays one kernel's time once per run to fill the pipeline.
     back_to_back: bool = False
+    # Every entry names an HBM page: the builder's word for tables made on the device without a
+    # host copy (``host_table`` None), so that a plan routes them as HBM reads without reading
+    # them back (vLLM's blocks over a tier that mirrors every block).
+    hbm_only: bool = False
 
     @property
     def is_hbm(self) -> torch.Tensor:

@@ -64,6 +64,7 @@ from directkv_cute.vllm.step import (
     StoreIndex,
     check_geometry,
     check_hbm_tier,
+    every_block_step,
     hbm_pages,
     mirror_table,
     mirrors_every_block,
@@ -282,9 +283,10 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         seq = m.seq_lens_cpu_upper_bound
         seq = (m.seq_lens[: m.num_reqs].cpu() if seq is None else seq).numpy()
         shape = step_shape(m.query_start_loc_cpu.numpy(), seq, m.num_reqs)
-        if self._mirrors is EVERY_BLOCK and shape.rows and not shape.num_prefills \
-                and m.num_actual_tokens == m.num_reqs:
-            return self._graph_step(m, shape, views)
+        if self._mirrors is EVERY_BLOCK:
+            if shape.rows and not shape.num_prefills and m.num_actual_tokens == m.num_reqs:
+                return self._graph_step(m, shape, views)
+            return self._every_block_step(m, shape, views)
         # The slots and the block table on the host: one wait for the GPU's queued work per step
         # (the planner reads the page table; padding tokens, slot -1, are never stored).
         slots = m.slot_mapping[: m.num_actual_tokens].cpu().numpy()
@@ -314,6 +316,26 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
         return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, store, views, stored)
+
+    def _every_block_step(self, m: CommonAttentionMetadata, shape, views) -> DirectKVMetadata:
+        """A step with prompt rows (or padding only) over a tier that mirrors every block: its
+        tables and stores made on the device from vLLM's (``step.every_block_step``), its plan from
+        the host shape, reading HBM only; nothing read back. Blocks that prefix caching shares
+        are read per sharer (no cascade: that needs the table on the host, and HBM reads of a
+        shared prefix are cheap)."""
+        from directkv_cute.attention import DirectKVAttention
+
+        tables, store = every_block_step(m.block_table_tensor[: m.num_reqs], m.slot_mapping, shape,
+                                         m.num_actual_tokens, self.num_kv_heads, self.page_size)
+        if tables is None:
+            return DirectKVMetadata(m.num_actual_tokens, 0, None, store, views, None)
+        attention = DirectKVAttention(views[self.layer_names[0]])
+        plan = attention.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=self.num_q_heads,
+                              max_seq_len=shape.max_seq_len, cascade=False)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
+                      plan.explain())
+        return DirectKVMetadata(m.num_actual_tokens, shape.num_tokens, attention, store, views, None)
 
     def _graph_step(self, m: CommonAttentionMetadata, shape, views) -> DirectKVMetadata:
         """A decode step over a tier that mirrors every block: ``GraphDecode``'s buffers filled on

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from directkv_cute.cache import page_bytes
+from directkv_cute.cache import KernelTables, page_bytes
 from directkv_cute.cache.pages import check_int
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 
@@ -465,15 +465,61 @@ class GraphDecode:
         width = min(-(-int(max_seq_len) // self.page_size), block_table.shape[1], self.page_table.shape[1])
         torch.bitwise_not(block_table[:num_reqs, :width], out=self.page_table[:num_reqs, :width])
         torch.clamp(seq_lens[:num_reqs], min=1, out=self.seq_lens[:num_reqs])
-        slots = slot_mapping[:num_tokens]
-        stored = slots >= 0
-        first = torch.argmax(stored.to(torch.int32))  # the first stored token (0 if none: a capture's dummy step)
-        torch.where(stored, self._positions[:num_tokens], first, out=self.tokens[:num_tokens])
-        dest = slots.index_select(0, self.tokens[:num_tokens]).clamp_(min=0)  # a dummy step writes block 0, vLLM's null block
-        page, offset = dest.div(self.page_size, rounding_mode="floor"), dest.remainder(self.page_size)
-        rows = (page[:, None] * (2 * self.num_kv_heads) + self._hc).mul_(self.page_size).add_(offset[:, None])
-        self.rows[: rows.numel()].copy_(rows.view(-1))
+        tokens, rows = every_block_rows(slot_mapping[:num_tokens], self._positions[:num_tokens], self._hc,
+                                        self.page_size)
+        self.tokens[:num_tokens].copy_(tokens)
+        self.rows[: rows.numel()].copy_(rows)
         return self.store_index(num_tokens)
+
+
+def every_block_rows(slots: torch.Tensor, positions: torch.Tensor, hc: torch.Tensor, page_size: int):
+    """(tokens, rows) of a store over a tier that mirrors every block, computed on the slots'
+    device from vLLM's ``slots`` (int64 (n,), -1 for a padding token): ``rows`` int64 (n * 2 *
+    Hkv,) the pool rows (``_pool_rows``, the same in the host pool and the tier) of each token's
+    K and V of every KV head, ``tokens`` int64 (n,) the token each row takes: itself, or for a
+    padding token the first stored token, written again with the same values (a fixed-size
+    store). ``positions``: int64 arange(n); ``hc``: int64 arange(2 * Hkv)."""
+    stored = slots >= 0
+    first = torch.argmax(stored.to(torch.int32))  # the first stored token (0 if none: a capture's dummy step)
+    tokens = torch.where(stored, positions, first)
+    dest = slots.index_select(0, tokens).clamp_(min=0)  # a step that stores nothing writes block 0, vLLM's null block
+    page, offset = dest.div(page_size, rounding_mode="floor"), dest.remainder(page_size)
+    rows = (page[:, None] * hc.numel() + hc).mul_(page_size).add_(offset[:, None])
+    return tokens, rows.view(-1)
+
+
+def every_block_step(block_table: torch.Tensor, slot_mapping: torch.Tensor, shape: StepShape, num_tokens: int,
+                     num_kv_heads: int, page_size: int):
+    """(tables, store) of a step with prompt rows over a tier that mirrors every block, made on
+    the device from vLLM's own block table (int32 (>= requests, blocks)) and slot mapping (int64
+    (>= num_tokens,)) and the step's host ``shape``: nothing is read back, so the step's host
+    work overlaps the GPU's queued work. ``tables``: ``KernelTables`` of the requests with query
+    rows (row b: ``~block`` of each block, ``encode_page("hbm", block)``), their lengths on the
+    host, marked ``hbm_only`` (the planner routes them as HBM reads) and back to back; None
+    without query rows. ``store``: ``StoreIndex`` of the step's ``num_tokens`` tokens (host and
+    HBM rows alike); None without tokens."""
+    page_size, num_tokens = check_page_size(page_size), check_int(num_tokens, "num_tokens")
+    device = block_table.device
+    tables = None
+    if shape.rows:
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] <= max(shape.rows):
+            raise ValueError(f"block_table must be int32 (> {max(shape.rows)}, blocks), got {block_table.dtype} "
+                             f"{tuple(block_table.shape)}")
+        width = min(-(-shape.max_seq_len // page_size), block_table.shape[1])
+        packed = np.concatenate([np.asarray(shape.rows, dtype=np.int64), np.asarray(shape.seq_lens, dtype=np.int64)])
+        packed = torch.from_numpy(packed).to(device, non_blocking=True)  # rows then lengths: one copy
+        rows, lens = packed[: len(shape.rows)], packed[len(shape.rows):].to(torch.int32)
+        table = torch.bitwise_not(block_table[:, :width].index_select(0, rows))
+        tables = KernelTables(table, lens, host_seq_lens=shape.seq_lens, back_to_back=True, hbm_only=True)
+    store = None
+    if num_tokens:
+        if slot_mapping.dim() != 1 or slot_mapping.shape[0] < num_tokens:
+            raise ValueError(f"slot_mapping must be 1-D with >= {num_tokens} entries, got {tuple(slot_mapping.shape)}")
+        positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
+        hc = torch.arange(2 * check_int(num_kv_heads, "num_kv_heads", 1), dtype=torch.int64, device=device)
+        tokens, rows = every_block_rows(slot_mapping[:num_tokens].to(torch.int64), positions, hc, page_size)
+        store = StoreIndex(rows, tokens, rows, tokens, num_tokens)
+    return tables, store
 
 
 WARMUP_CONTEXTS = (1024, 4096, 16384, 65536, 262144)  # with max_model_len: one per few profile buckets
