@@ -1,5 +1,5 @@
 """``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,check,regress,refresh,timeline,breakdown,plot,e2e,
-vllm,serve}``,
+vllm,serve,soak}``,
 run from the root of a source checkout (``bench`` is not installed with the package).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
@@ -35,14 +35,19 @@ serve                   vLLM's serving benchmark (``vllm bench serve``) against 
                         engine at a time (hbm, offload, directkv, directkv-hbm=X): TTFT, TPOT, ITL,
                         throughput, goodput and preemptions per concurrency or request rate, with
                         ratios to the hbm engine (``bench/serve.py``; GPU only).
+soak                    >= 1,000 requests of mixed lengths, some cut off mid-decode, through ``vllm serve``
+                        with the DirectKV backend: every request served, the KV cache free when idle,
+                        RSS and pinned bytes flat after the warm-up, no error in the server log
+                        (``bench/soak.py``; GPU only).
 plot                    PNG plots of a results JSON (``--results FILE``; a prefix run's too),
                         for runs made where matplotlib is missing; exit 2 if it cannot plot.
 
 Every command that writes files writes them under ``--out-dir`` (default ./bench-results under
 the current directory, created on demand; ``refresh`` writes bench/baselines/, its job). Without
 a CUDA GPU the GPU benches refuse (exit status 2) unless ``--device cpu`` asks for a smoke run
-(``timeline``, ``breakdown``, ``vllm`` and ``serve`` have none); a CPU run prints no ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and
-``regress`` / ``refresh`` of given ``--results`` files need no GPU.
+(``timeline``, ``breakdown``, ``vllm``, ``serve`` and ``soak`` have none); a CPU run prints no
+ceilings and no targets. ``check``, ``plot``, ``fp8-accuracy`` and ``regress`` / ``refresh`` of
+given ``--results`` files need no GPU.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ from bench.prefix import cmd_prefix
 from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 from bench.serve import add_arguments as add_serve_arguments
 from bench.serve import cmd_serve
+from bench.soak import add_arguments as add_soak_arguments
+from bench.soak import cmd_soak
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
 from bench.vllm import add_arguments as add_vllm_arguments
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kvproj_arguments(sub.add_parser("kvproj", help="fused K/V projection + RoPE + store vs the separate path"))
     add_vllm_arguments(sub.add_parser("vllm", help="vLLM (HBM, native offload) as a peer, and vLLM + the DirectKV plugin"))
     add_serve_arguments(sub.add_parser("serve", help="vllm bench serve against vllm serve, one engine at a time"))
+    add_soak_arguments(sub.add_parser("soak", help="vllm serve with the DirectKV backend under a long mixed load"))
     add_fp8_arguments(sub.add_parser("fp8-accuracy", help="FP8 KV pages: op and end-to-end accuracy vs bf16 (CPU)"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
@@ -262,7 +270,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
             "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix, "kvproj": cmd_kvproj,
-            "fp8-accuracy": cmd_fp8_accuracy, "vllm": cmd_vllm, "serve": cmd_serve}
+            "fp8-accuracy": cmd_fp8_accuracy, "vllm": cmd_vllm, "serve": cmd_serve, "soak": cmd_soak}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ import statistics
 import numpy as np
 import pytest
 
-from vllm_server import complete, served
+from vllm_server import complete, served, smollm2_dir
 
 pytestmark = pytest.mark.gpu
 
@@ -63,16 +63,7 @@ def _prompts() -> list[str]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("vllm")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from directkv_cute.hf.realmodel import smollm2_folder
-
-    try:
-        return smollm2_folder(tmp_path_factory.mktemp("models"))
-    except (FileNotFoundError, ValueError) as e:
-        pytest.skip(f"no SmolLM2 model here: {e}")
+    return smollm2_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
