@@ -333,7 +333,7 @@ class PrefixBench(ShapeBench):
         self.prepared = self._prepare_call() if self.plan.shared else None
 
     def _prepare_call(self):
-        from directkv_cute.cascade import prepare_cascade
+        from directkv_cute.ops import prepare_cascade
 
         return prepare_cascade(self.cache, self.tables, self.plan, self.shape.hq, self.inputs.qs[0].device)
 
@@ -393,7 +393,7 @@ class PrefixBench(ShapeBench):
     def _ops(self):
         """(cascade call, per-sequence call, the op's own call, whether the op stages) for the
         current tables and plan."""
-        from directkv_cute.cascade import cascade_attention
+        from directkv_cute.ops import cascade_attention
 
         s, cache, ids = self.shape, self.cache, self.seq_ids
         q = self.inputs.qs[0]

@@ -16,8 +16,7 @@ from importlib import import_module
 import sys as _sys
 
 from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_multi_token_config
-
-__version__ = "0.2.0"
+from directkv_cute.version import __version__
 
 # torch-backed pieces load on first use, so that `directkv_cute.config` and
 # `directkv_cute.tuning` stay importable without torch (the tuner's CLI, CI tools).
@@ -27,10 +26,10 @@ _LAZY = {
     "PagedKVCache": "directkv_cute.cache",
     "paged_attention": "directkv_cute.ops",
     "paged_attention_tables": "directkv_cute.ops",
-    "cascade_attention": "directkv_cute.cascade",
+    "cascade_attention": "directkv_cute.ops",
     "DirectKVAttention": "directkv_cute.attention",
-    "AttentionPlan": "directkv_cute.planner",
-    "StagingRequest": "directkv_cute.planner",
+    "AttentionPlan": "directkv_cute.plan_types",
+    "StagingRequest": "directkv_cute.plan_types",
     "DeviceInfo": "directkv_cute.machine",
     "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",

@@ -17,15 +17,26 @@ planned and run in one call.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import numbers
+import os
 
 import numpy as np
 import torch
 
-from directkv_cute.cache.tables import StaleTablesError, check_kernel_tables
-from directkv_cute.machine import DeviceInfo, MachineModel
-from directkv_cute.planner import AttentionPlan, CallShape, ProfileConfigs, StagingRequest, plan_attention
+from directkv_cute import env
+from directkv_cute.cache.tables import KernelTables, StaleTablesError, check_kernel_tables
+from directkv_cute.cascade import CascadePlan
+from directkv_cute.config import DecodeConfig, QTiledConfig
+from directkv_cute.fp8 import is_fp8
+from directkv_cute.kernels.specs import config_kernel, op_kernel
+from directkv_cute.machine import CONSERVATIVE, DeviceInfo, MachineModel, stream_capturing
+from directkv_cute.plan_types import AttentionPlan, CallShape, ProfileConfigs, StagingRequest
+from directkv_cute.planner import plan_attention
+from directkv_cute.runner import bind, run
+from directkv_cute.tuning.lookup import cache_epoch, machine_for
 from directkv_cute.validate import (check_attention, check_config, check_groups, check_max_seq_len, check_q_lens,
                                     check_seq_ids, check_softmax_scale)
 
@@ -33,8 +44,9 @@ from directkv_cute.validate import (check_attention, check_config, check_groups,
 class DirectKVAttention:
     """Attention over ``cache`` (a ``PagedKVCache``): ``plan`` once per step, ``run`` per layer.
 
-    ``machine`` / ``configs``: stand-ins for the GPU's machine model (``machine.machine_for``) and
-    tuned configs (``planner.ProfileConfigs``); ``device_info`` in ``plan``: for the GPU's facts.
+    ``machine`` / ``configs``: stand-ins for the GPU's machine model (``tuning.lookup.machine_for``)
+    and tuned configs (``plan_types.ProfileConfigs``); ``device_info`` in ``plan``: for the GPU's
+    facts.
     The plan made last is ``self.current`` (None before the first ``plan``)."""
 
     def __init__(self, cache, *, machine: MachineModel | None = None, configs=None):
@@ -101,11 +113,8 @@ class DirectKVAttention:
         max_seq_len = check_max_seq_len(max_seq_len)
         if isinstance(cascade, (bool, np.bool_)):
             cascade = bool(cascade)
-        else:
-            from directkv_cute.cascade import CascadePlan
-
-            if not isinstance(cascade, CascadePlan):
-                raise TypeError(f"cascade must be a bool or a cascade.CascadePlan, got {type(cascade).__name__}")
+        elif not isinstance(cascade, CascadePlan):
+            raise TypeError(f"cascade must be a bool or a cascade.CascadePlan, got {type(cascade).__name__}")
         groups = check_groups(groups, batch)
         if device_info is not None and not isinstance(device_info, DeviceInfo):
             raise TypeError(f"device_info must be a machine.DeviceInfo or None, got {type(device_info).__name__}")
@@ -116,9 +125,6 @@ class DirectKVAttention:
         seq_lens = getattr(tables, "host_seq_lens", None)
         lens = check_q_lens(q_lens, batch, None, seq_lens)  # q comes per layer: run checks its rows
         if config is not None:
-            from directkv_cute.config import DecodeConfig, QTiledConfig
-            from directkv_cute.fp8 import is_fp8
-
             if not isinstance(config, (DecodeConfig, QTiledConfig)):
                 raise TypeError(f"config must be a DecodeConfig or a QTiledConfig, got {type(config).__name__}")
             if not (is_fp8(cache.dtype) and isinstance(config, DecodeConfig)):
@@ -128,10 +134,11 @@ class DirectKVAttention:
         device = tables.page_table.device if q is None else q.device
         if device_info is None:
             device_info = DeviceInfo.for_cpu() if device.type != "cuda" else DeviceInfo.current(device, cache)
+            capturing = device_info.capturing
+        else:  # facts the caller plans for (a capture's, say): the stream's own state binds the plan
+            capturing = device.type == "cuda" and stream_capturing()
         machine = self.machine
         if machine is None:
-            from directkv_cute.machine import CONSERVATIVE, machine_for
-
             machine = CONSERVATIVE if device_info.cpu else machine_for(device_info.name)
         configs = self.configs if self.configs is not None else ProfileConfigs(device_info.name)
         cascade_plan = cascade if not isinstance(cascade, bool) else None
@@ -141,9 +148,7 @@ class DirectKVAttention:
             tables = _with_host_table(tables)  # the dispatcher's bare tables: read back once
             shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len)
         plan, staged = _planned(shape, device_info, machine, configs, config, cascade_plan, staging)
-        from directkv_cute.runner import bind
-
-        bound = bind(plan, tables, device, staged)
+        bound = bind(plan, tables, device, capturing, staged)
         generation = getattr(tables, "generation", -1)
         tracked = generation >= 0 and getattr(cache, "check_tables", None) is not None
         self._bound, self.current, self.tables = bound, plan, tables
@@ -198,8 +203,6 @@ class DirectKVAttention:
                     f"{a} {getattr(pools, a)} vs {getattr(self.cache, a)}" for a in geometry))
             if self._pages is not None:
                 _check_pool_pages(pools, self._pages)
-        from directkv_cute.runner import run
-
         scale = self._scale if softmax_scale is None else softmax_scale
         return run(plan, self._bound, q, self.cache if pools is None else pools, layer, scale, out,
                    self._return_lse)
@@ -215,9 +218,6 @@ _RECENT_KEPT = 8
 
 def _planned(shape: CallShape, device_info, machine, configs, config, cascade_plan, staging=None):
     """(plan, the device copies of its staged tables made so far: a dict to fill) of a shape."""
-    import collections
-    import hashlib
-
     global _RECENT
     if shape.host_table is None or cascade_plan is not None or type(configs) is not ProfileConfigs:
         return plan_attention(shape, device_info, machine, configs, config, staging=staging,
@@ -248,11 +248,6 @@ def _environment(device_info) -> tuple:
     plan runs the reference and looks nothing up). ``DIRECTKV_MAX_STAGING_GB``,
     ``DIRECTKV_MAX_WORKSPACE_GB`` and ``DIRECTKV_STAGE_OVERLAP`` reach the planner through
     ``DeviceInfo`` (its caps and ``copies_ahead``), which is part of the key."""
-    import os
-
-    from directkv_cute import env
-    from directkv_cute.tuning.lookup import cache_epoch
-
     require = None if device_info.cpu else env.require_profile()
     return (require, tuple(str(p) for p in env.profile_dirs()), os.environ.get("XDG_CONFIG_HOME"),
             os.environ.get("HOME"), cache_epoch())
@@ -291,9 +286,6 @@ def _check_pool_pages(pools, pages: tuple[int, int]) -> None:
 def _needs_host_table(shape: CallShape, config) -> bool:
     """Whether a call over bare device tables must read its host table back: FP8 pages of a call
     the 16-bit kernels run over dequantized pages."""
-    from directkv_cute.config import DecodeConfig, QTiledConfig
-    from directkv_cute.kernels.specs import config_kernel, op_kernel
-
     if not shape.fp8:
         return False
     if isinstance(config, QTiledConfig):
@@ -305,8 +297,6 @@ def _needs_host_table(shape: CallShape, config) -> bool:
 
 def _with_host_table(tables):
     """``tables`` with their host table and lengths read back from the device (once)."""
-    from directkv_cute.cache import KernelTables
-
     return KernelTables(tables.page_table, tables.seq_lens, getattr(tables, "cache_id", 0),
                         getattr(tables, "generation", -1), tuple(tables.seq_lens.tolist()),
                         tables.page_table.cpu().numpy())

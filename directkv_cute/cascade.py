@@ -10,15 +10,16 @@ once per sequence; this module reads it once per batch:
   on (nested forks give nested spans). Only full pages wholly before a row's first query token
   are shared, so every query of a span's sharers sees the whole span (no causal mask inside it).
   Each row's *own* pass covers its pages after its deepest span.
-* **Execution** (the planner's ``cascade`` route, run by ``directkv_cute.runner``): one pass per
+* **Execution** (the ``cascade`` route, ``directkv_cute.routes.Cascade``): one pass per
   span, in which the query rows of all its sharers become the query heads of a single token
   (``q_len`` 1, GQA group = sharers x q_len x group, up to 128 rows per pseudo-sequence), so the
   span's pages are read once for all of them; one pass over every row's own pages; the partial
   results merged by their LSE. A span whose rows need more than one pseudo-sequence (over 128
-  rows per KV head) is staged into HBM once (``staging.plan_staging`` copies each unique page
+  rows per KV head) is staged into HBM once (``stage_plan.plan_staging`` copies each unique page
   once) and read there by the Q-tiled kernel, so it still crosses the link once.
 
 Host bytes per step = the unique pages of the batch (``CascadePlan.host_pages_read``).
+``ops.cascade_attention`` plans and runs it in one call.
 """
 
 from __future__ import annotations
@@ -189,60 +190,3 @@ def merge_partials(o1, lse1, o2, lse2):
     o = (o1 * (w1 * inv).unsqueeze(-1)) + (o2 * (w2 * inv).unsqueeze(-1))
     lse = torch.where(s > 0, m + torch.log(s), torch.full_like(s, -math.inf))
     return o, lse
-
-
-# ---- the public entry ------------------------------------------------------------------------
-@dataclass
-class PreparedCascade:
-    """A batch's cascade planned once (``prepare_cascade``) and run by every layer of a step."""
-
-    plan: CascadePlan
-    attention: object  # the DirectKVAttention holding the planned call
-
-
-def prepare_cascade(cache, tables, plan: CascadePlan, num_q_heads: int, device=None) -> PreparedCascade:
-    """The planned cascade of ``plan`` over ``tables`` (reuse it across the layers of a step)."""
-    from directkv_cute.attention import DirectKVAttention
-
-    dk = DirectKVAttention(cache)
-    dk.plan(tables=tables, q_lens=plan.q_lens, num_q_heads=num_q_heads, return_lse=True, cascade=plan)
-    return PreparedCascade(plan, dk)
-
-
-def cascade_attention(q, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
-                      softmax_scale: float | None = None, *, tables=None, plan: CascadePlan | None = None,
-                      groups=None, prepared: PreparedCascade | None = None, out=None,
-                      return_lse: bool = False):
-    """``paged_attention`` that reads the pages a batch's sequences share once per batch.
-
-    q: (total_q, Hq, d) packed by sequence (``q_lens[i]`` rows each, default 1). ``tables``: the
-    batch's ``cache.kernel_tables(seq_ids)`` if already built; ``plan``: a ``plan_cascade`` of
-    them (built here otherwise); ``prepared``: its ``prepare_cascade`` (reuse tables, plan and
-    prepared across the layers of a step); ``groups``: an explicit prefix grouping (rows that may
-    share). Without shared pages this is ``paged_attention``. Planned and run by
-    ``DirectKVAttention``.
-    Returns out (total_q, Hq, d) in q's dtype, and with ``return_lse`` the float32 LSE."""
-    from directkv_cute.attention import DirectKVAttention
-    from directkv_cute.validate import check_seq_ids
-
-    seq_ids = check_seq_ids(seq_ids)
-    if tables is None:
-        tables = cache.kernel_tables(seq_ids)
-    if len(tables.host_seq_lens) != len(seq_ids):
-        raise ValueError(f"tables hold {len(tables.host_seq_lens)} sequences, seq_ids {len(seq_ids)}")
-    if prepared is not None:
-        plan = prepared.plan
-    if plan is not None:
-        lens = tuple(q_lens) if q_lens is not None else (1,) * len(seq_ids)
-        if plan.q_lens != lens or plan.seq_lens != tuple(tables.host_seq_lens) or plan.page_size != cache.page_size:
-            raise ValueError("the cascade plan was made for other sequence lengths, q_lens or page size")
-    if prepared is not None and prepared.attention.tables is tables:
-        dk = prepared.attention
-        dk.check(tables, q_lens)
-    else:
-        dk = DirectKVAttention(cache)
-        dk.plan(tables=tables, q_lens=q_lens, num_q_heads=q.shape[1] if q.dim() == 3 else 0,
-                softmax_scale=softmax_scale, return_lse=True, cascade=plan if plan is not None else True,
-                groups=groups, q=q)
-    o, lse = dk.run(q, layer, out=out, softmax_scale=softmax_scale)
-    return (o, lse) if return_lse else o

@@ -60,6 +60,8 @@ from collections.abc import Sequence
 
 import torch
 
+from directkv_cute.config import SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -181,8 +183,6 @@ def decode_smem_bytes(cfg, head_dim: int, page_size: int | None = None, q_bytes:
 def decode_problems(cfg, head_dim: int, page_size: int | None = None, kv_dtype=torch.float8_e4m3fn) -> list[str]:
     """Why ``cfg`` cannot run the streaming kernel over ``kv_dtype`` pages: the config's rules
     (at one byte per KV element) and the kernel's SMEM (``decode_smem_bytes``)."""
-    from directkv_cute.config import SM90_SMEM_PER_BLOCK_OPTIN, SM90_SMEM_PER_SM, SMEM_RESERVED_PER_BLOCK
-
     out = [] if is_fp8(kv_dtype) else [f"kv_dtype must be one of {FP8_DTYPES}, got {kv_dtype}"]
     out += cfg.problems(head_dim, page_size, 1)
     smem = decode_smem_bytes(cfg, head_dim, page_size)

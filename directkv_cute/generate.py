@@ -43,6 +43,11 @@ from pathlib import Path
 
 import torch
 
+from directkv_cute import presets
+from directkv_cute.cache import page_bytes
+from directkv_cute.kernels import jit
+from directkv_cute.version import __version__
+
 __all__ = ["GenerateResult", "StepClock", "dtype_kwargs", "main", "parse_size", "random_prompt",
            "timed_generate"]
 
@@ -264,6 +269,7 @@ def timed_generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     clock = StepClock(device)
     kwargs = dict(generate_kwargs)
     if cache is not None:
+        # transformers is optional: this module, its parser and its checks import without it
         from directkv_cute.hf import cache_kwargs
 
         kwargs.update(cache_kwargs(model, cache))
@@ -305,19 +311,12 @@ def kernels_compiled() -> int | None:
     """How many DirectKV kernels this process holds compiled (None off a GPU)."""
     if not torch.cuda.is_available():
         return None
-    try:
-        from directkv_cute.kernels import jit
-
-        return len(jit._CACHE)
-    except Exception:  # noqa: BLE001 - informational only
-        return None
+    return jit.cache_size()
 
 
 def versions() -> dict:
-    import directkv_cute
-
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "directkv_cute": directkv_cute.__version__}
+           "directkv_cute": __version__}
     try:
         import transformers
 
@@ -375,15 +374,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from directkv_cute.presets import preset_names
-
-    p = _Parser(prog="directkv-generate", description=DESCRIPTION.format(presets=", ".join(preset_names())),
+    p = _Parser(prog="directkv-generate", description=DESCRIPTION.format(presets=", ".join(presets.preset_names())),
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", metavar="PATH",
                      help="a local Hugging Face model folder: config.json, weights, tokenizer (nothing is downloaded)")
     src.add_argument("--preset", metavar="NAME",
-                     help=f"a model of real shapes with random weights: {', '.join(preset_names())} (the "
+                     help=f"a model of real shapes with random weights: {', '.join(presets.preset_names())} (the "
                           "names of directkv-tune's presets; also spelled as on the Hub, e.g. Meta-Llama-3-8B, "
                           "Qwen2.5-7B-Instruct)")
     prompt = p.add_mutually_exclusive_group()
@@ -490,12 +487,10 @@ def _check_json_path(p: argparse.ArgumentParser, text: str) -> Path:
 
 def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
     """Command-line checks that need no model: ``p.error`` (one line, exit 2) on a bad value."""
-    from directkv_cute.presets import canonical_name, preset_names
-
     if ns.preset is not None:
-        name = canonical_name(ns.preset)  # any spelling of a preset: its one name from here on
+        name = presets.canonical_name(ns.preset)  # any spelling of a preset: its one name from here on
         if name is None:
-            p.error(f"unknown preset {ns.preset!r}; choose one of {', '.join(preset_names())}")
+            p.error(f"unknown preset {ns.preset!r}; choose one of {', '.join(presets.preset_names())}")
         ns.preset = name
     if ns.prompt and ns.preset is not None:
         p.error("--prompt needs a tokenizer: use --model PATH, or --context N random tokens with a preset")
@@ -571,9 +566,7 @@ def host_memory() -> int | None:
 def _load_config(p: argparse.ArgumentParser, ns: argparse.Namespace):
     """(config, tokenizer or None): the preset's, or the folder's, checked to be a HF model folder."""
     if ns.preset is not None:
-        from directkv_cute.presets import preset_config
-
-        return preset_config(ns.preset), None
+        return presets.preset_config(ns.preset), None
     path = Path(ns.model).expanduser()
     if not path.exists():
         p.error(f"--model {ns.model}: no such folder (a local Hugging Face model folder is needed)")
@@ -622,11 +615,9 @@ def _estimate_weight_bytes(ns: argparse.Namespace, config, dtype: torch.dtype) -
     if ns.preset is not None:
         from transformers import AutoModelForCausalLM
 
-        from directkv_cute.presets import weight_bytes
-
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **dtype_kwargs(dtype))
-        return weight_bytes(model.to(dtype=dtype))
+        return presets.weight_bytes(model.to(dtype=dtype))
     path = Path(ns.model).expanduser()
     return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in path.glob(pattern) if f.is_file())
 
@@ -636,9 +627,9 @@ def plan_run(p: argparse.ArgumentParser, ns: argparse.Namespace, a: _Args) -> _P
     when it cannot run: the prompt plus the new tokens beyond the model's positions, a model the
     DirectKV attention does not support, a KV cache beyond the int32 page ids, or the KV cache
     and weights beyond the machine's memory or the GPU's free memory. Nothing large is allocated."""
+    # transformers is optional: loaded once a model is sized, after the argument checks
     import directkv_cute.hf as dkhf
-    from directkv_cute.cache import page_bytes
-    from directkv_cute.hf.step_plan import cache_pages
+    from directkv_cute.hf.step_plan import cache_pages  # also loads transformers, through directkv_cute.hf
 
     config, tok = _load_config(p, ns)
     encoded = None
@@ -714,13 +705,11 @@ def _oom_line(what: str, e: BaseException) -> str:
 
 def _load_model(ns, a: _Args, plan: _Plan):
     """(model, description)."""
-    import directkv_cute.hf as dkhf
+    import directkv_cute.hf as dkhf  # transformers is optional: loaded once a model is built
 
     if ns.preset is not None:
-        from directkv_cute.presets import build_random_model
-
-        model = build_random_model(plan.config, a.dtype, a.device, seed=ns.seed,
-                                   attn_implementation=dkhf.ATTN_IMPLEMENTATION)
+        model = presets.build_random_model(plan.config, a.dtype, a.device, seed=ns.seed,
+                                           attn_implementation=dkhf.ATTN_IMPLEMENTATION)
         return model, f"preset {ns.preset} (random weights, seed {ns.seed})"
     from transformers import AutoModelForCausalLM
 
@@ -763,8 +752,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     a = check_args(p, ns)
     plan = plan_run(p, ns, a)
-    import directkv_cute.hf as dkhf
-    from directkv_cute.hf import CacheCapacityError, DirectKVCache, UnsupportedModelError
+    # transformers is optional: loaded once the arguments are checked and the run is sized
+    from directkv_cute.hf import CacheCapacityError, DirectKVCache, UnsupportedModelError, model_spec
 
     torch.manual_seed(ns.seed)
     cuda = a.device.type == "cuda"
@@ -786,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = random_prompt(plan.batch, plan.prompt_len, vocab, ns.seed)
         input_ids, mask = ids.to(a.device), torch.ones_like(ids).to(a.device)
     load_s = time.perf_counter() - t_load
-    spec = dkhf.model_spec(model.config)
+    spec = model_spec(model.config)
     batch, prompt_len = input_ids.shape
     lengths = mask.sum(dim=1).tolist()
     params = sum(t.numel() for t in model.parameters())

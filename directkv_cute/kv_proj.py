@@ -34,6 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from directkv_cute.config import ConfigError, SUPPORTED_PAGE_SIZES
+from directkv_cute.kernels import specs
+from directkv_cute.kernels.jit import cutlass_dtype
+from directkv_cute.machine import stream_capturing
 
 HEAD_DIM = 128  # the kernel's N tile is one head of 128 columns
 TILE_K = 64  # hidden columns per ring stage (kernels/kv_proj.py)
@@ -471,7 +474,7 @@ def kv_project(x, w_k, w_v, b_k=None, b_v=None, *, cos, sin, layer: int = 0, hos
         return p.out_k, p.out_v
     fn = compiled(cfg, p.x.dtype, p.hidden, p.kv_heads, p.head_dim, p.page_size, p.b_k is not None,
                   p.host is not None, p.hbm is not None, p.out_k is not None)
-    launch_kv_proj(fn, p, cfg)
+    launch_kv_proj(fn, p, cfg, stream_capturing())
     return p.out_k, p.out_v
 
 
@@ -482,8 +485,6 @@ def _check_config(cfg: KVProjConfig, head_dim: int, page_size, hidden: int) -> N
 
 def compiled(cfg: KVProjConfig, dtype, hidden, kv_heads, head_dim, page_size, bias, to_host, to_hbm, to_out):
     """The compiled kernel for the shape (the spec's compile function, cached by its key)."""
-    from directkv_cute.kernels import specs
-
     return specs.get("kv_proj").compile_fn(cfg, dtype, hidden, kv_heads, head_dim, page_size, bias, to_host, to_hbm,
                                            to_out)
 
@@ -520,15 +521,16 @@ _COUNTERS: dict[tuple, torch.Tensor] = {}
 _MIN_COUNTERS = 4096
 
 
-def split_counters(device: torch.device, stream: int, tiles: int) -> torch.Tensor:
+def split_counters(device: torch.device, stream: int, tiles: int, capturing: bool) -> torch.Tensor:
     """The (n,) int32 split-K arrival counters of ``stream`` on ``device`` (n >= tiles): zero
     between launches (the last CTA of a tile resets its counter), one set per stream so
     concurrent launches never share one. Allocated (zeroed) on first use or when more tiles
-    are needed, which must not be inside a CUDA graph capture."""
+    are needed, which must not be inside a CUDA graph capture (``capturing``: the current stream
+    captures one)."""
     key = (device.index, stream)
     cnt = _COUNTERS.get(key)
     if cnt is None or cnt.numel() < tiles:
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             raise RuntimeError("kv_project: call it once outside CUDA graph capture first with as many tiles "
                                "(it allocates its split-K counters then); later calls can be captured")
         cnt = torch.zeros(max(tiles, _MIN_COUNTERS), dtype=torch.int32, device=device)
@@ -549,15 +551,14 @@ def launch_splits(cfg: KVProjConfig, tokens: int, kv_heads: int, hidden: int, de
     return auto_splits(tiles, hidden // TILE_K, _num_sms(device.index if device.index is not None else 0))
 
 
-def launch_kv_proj(fn, p: Problem, cfg: KVProjConfig) -> None:
-    """Run the compiled kernel on the current stream."""
+def launch_kv_proj(fn, p: Problem, cfg: KVProjConfig, capturing: bool) -> None:
+    """Run the compiled kernel on the current stream (``capturing``: it captures a CUDA graph,
+    ``machine.stream_capturing``)."""
     import cuda.bindings.driver as cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32, Int64
     from cutlass.cute.runtime import make_ptr
-
-    from directkv_cute.kernels.jit import cutlass_dtype
 
     def ptr(t, dtype=None, align=16):
         return make_ptr(dtype or cutlass_dtype(t.dtype), t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
@@ -567,7 +568,7 @@ def launch_kv_proj(fn, p: Problem, cfg: KVProjConfig) -> None:
     tokens, d = p.tokens, p.head_dim
     splits = launch_splits(cfg, tokens, p.kv_heads, p.hidden, device)
     tiles = -(-tokens // cfg.tile_m) * 2 * p.kv_heads
-    cnt = split_counters(device, stream.cuda_stream, tiles)
+    cnt = split_counters(device, stream.cuda_stream, tiles, capturing)
     ws = x  # stand-in, never read with one split
     if splits > 1:
         ws = torch.empty(tiles * splits * cfg.tile_m * d, dtype=torch.float32, device=device)

@@ -4,23 +4,22 @@ facts of one step (``DeviceInfo``).
 The machine model comes from the GPU's profile (``machine:`` in ``profiles/<GPU>.yaml``;
 ``directkv-tune machine`` measures and writes it). ``machine_problems`` is its one check, run
 wherever a profile is read (the loader in ``tuning.profiles``, hence ``directkv-tune check`` and
-``show``; ``MachineModel.from_dict``; ``machine_for``): every rate finite and in its range
-(``RATE_RANGES``), no unknown key. A GPU without a machine model gets ``CONSERVATIVE`` and one
-warning: it assumes no edge for the copy engine over the SMs' reads of host memory, so
-link-bound calls read in place and only compute-bound ones are staged. A GPU whose profile has
-an invalid one is refused (``MachineModelError``, naming the file and the field): the planner
-never plans with NaN or absurd costs.
+``show``; ``MachineModel.from_dict``; ``tuning.lookup.machine_for``): every rate finite and in its
+range (``RATE_RANGES``), no unknown key. A GPU without a machine model gets ``CONSERVATIVE`` and
+one warning (``machine_for``): it assumes no edge for the copy engine over the SMs' reads of host
+memory, so link-bound calls read in place and only compute-bound ones are staged. A GPU whose
+profile has an invalid one is refused (``MachineModelError``, naming the file and the field): the
+planner never plans with NaN or absurd costs.
 
 Plain Python: ``DeviceInfo.current`` is the only function here that asks torch about the GPU,
-once per step; the planner takes the frozen values.
+once per step, and ``stream_capturing`` the only one that asks whether a CUDA graph is being
+captured; the planner takes the frozen values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import warnings
 from dataclasses import dataclass
 
 from directkv_cute import env
@@ -119,9 +118,9 @@ def machine_problems(d) -> list[tuple[str, str]]:
     """What is wrong with a profile's ``machine:`` section, as (field, why) pairs ("machine" or
     "machine.<rate>"); empty when the planner may plan with it. The one check of a machine model
     read from a profile: the loader (``directkv_cute.tuning.profiles``, so ``directkv-tune check``
-    and ``show``), ``MachineModel.from_dict`` and the planner's ``machine_for`` use it. Each rate
-    must be an int or a float (not a bool), finite, and in ``RATE_RANGES``; every rate must be
-    there and no other key (keys of any type are named, never sorted against each other)."""
+    and ``show``), ``MachineModel.from_dict`` and the planner's ``tuning.lookup.machine_for`` use
+    it. Each rate must be an int or a float (not a bool), finite, and in ``RATE_RANGES``; every
+    rate must be there and no other key (keys of any type are named, never sorted against each other)."""
     if not isinstance(d, dict):
         return [("machine", f"must be a mapping of rate names to numbers, got {type(d).__name__}")]
     out = []
@@ -181,66 +180,6 @@ H200 = MachineModel(
 # A GPU whose profile has no machine model: the copy engine is assumed no faster than the SMs'
 # reads of host memory, so only calls whose compute binds are staged.
 CONSERVATIVE = dataclasses.replace(H200, name="conservative default", memcpy_gbps=H200.link_gbps)
-
-_WARNED: set = set()
-_REFUSED: dict = {}  # (gpu_name, the lookup's cache epoch, the profile folders' variables) -> refusal or None
-
-
-def machine_for(gpu_name: str) -> MachineModel:
-    """The machine model of ``gpu_name``'s profile, else ``CONSERVATIVE`` (warned once per GPU).
-
-    A profile of this GPU whose ``machine:`` section is there but invalid (``machine_problems``)
-    is refused with ``MachineModelError`` naming the file and the field, when it is the profile
-    the lookup would read or one before it in the lookup's folders: the planner never plans with
-    its rates, nor in silence with other ones."""
-    from directkv_cute.tuning.lookup import machine_model
-
-    refusal = _machine_refusal(gpu_name)
-    if refusal is not None:
-        raise MachineModelError(refusal)
-    m = machine_model(gpu_name)
-    if m is not None:
-        return m
-    if gpu_name not in _WARNED:
-        _WARNED.add(gpu_name)
-        from directkv_cute.tuning.profiles import ProfileWarning, expected_profile_path
-
-        warnings.warn(f"directkv-cute: no machine model for {gpu_name} (a `machine:` section in "
-                      f"{expected_profile_path(gpu_name)}); the planner uses a conservative default that stages "
-                      "only compute-bound calls", ProfileWarning, stacklevel=3)
-    return dataclasses.replace(CONSERVATIVE, name=f"{gpu_name} (conservative default)")
-
-
-def _machine_refusal(gpu_name: str) -> str | None:
-    """Why the planner may not plan for ``gpu_name`` (None: it may): the first of its profiles in
-    the lookup's order, up to the one the lookup uses, that was refused for its ``machine:``
-    section. Cached like the lookup's machine model (``clear_cache`` forgets it)."""
-    from directkv_cute.tuning import lookup
-    from directkv_cute.tuning.profiles import PROFILE_DIR_ENV, ProfileError, find_profiles, load_profile, one_line
-
-    key = (gpu_name, lookup.cache_epoch(), os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
-    if key in _REFUSED:
-        return _REFUSED[key]
-    refusal = None
-    for path in find_profiles(gpu_name):
-        try:
-            prof = load_profile(path)
-        except ProfileError as e:
-            if any(f == "machine" or f.startswith("machine.") for f in getattr(e, "fields", ())):
-                refusal = (f"directkv-cute: cannot plan for {gpu_name}: {one_line(e)} (fix the machine: "
-                           "section, measure it again with `directkv-tune machine`, or delete it for the "
-                           "conservative default)")
-                break
-            continue  # unusable for another reason: the lookup warns and reads the next folder's
-        except Exception:  # noqa: BLE001 - MemoryError, a bug: the lookup warns, never the op here
-            continue
-        if not prof.compat_problems(gpu_name=gpu_name):
-            break  # the profile the lookup uses (its machine: section, if any, is valid)
-    if len(_REFUSED) > 256:
-        _REFUSED.clear()
-    _REFUSED[key] = refusal
-    return refusal
-
 
 def staging_cap(total_memory: int) -> int:
     """Bytes a staging buffer may take: ``DIRECTKV_MAX_STAGING_GB``, else an eighth of the GPU."""
@@ -306,10 +245,19 @@ class DeviceInfo:
         index = torch.device("cuda", torch.cuda.current_device()).index if device is None \
             else (torch.device(device).index or 0)
         name, sms, total = _properties(index)
-        capturing = bool(torch.cuda.is_current_stream_capturing())
+        capturing = stream_capturing()
         overlap = env.stage_overlap()  # read first: a bad value is refused whatever the cache
         ahead = cache is not None and getattr(cache, "host_writes", None) is not None and overlap
         return cls(name, sms, total, capturing, ahead and not capturing)
+
+
+def stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph: the one place that asks torch,
+    once per plan (``DeviceInfo.current``) or per call (``runner.run``, ``kv_project``); the answer
+    travels as a value from there."""
+    import torch  # why: machine imports without torch (the profile tools read its rates)
+
+    return torch.cuda.is_available() and bool(torch.cuda.is_current_stream_capturing())
 
 
 _PROPS: dict = {}

@@ -1,10 +1,16 @@
-"""Host-side planning of the split-KV schedule, in plain Python (testable on a CPU).
+"""The cost model and the in-place split schedule, in plain Python (testable on a CPU).
 
 The decode kernel's grid is (num_splits, num_kv_heads, batch). CTA (s, h, b) owns the KV tiles
 ``split_range(n_tiles_b, num_splits, s)`` of sequence b and KV head h: every tile of every
 sequence belongs to exactly one CTA, and each CTA serves all ``group * q_len`` query rows of
 its KV head, so each host KV byte crosses the link once. The kernel computes the same ranges on
 the device; ``decode_schedule`` mirrors it so that tests and the CI traffic check can count bytes.
+
+The rest is the cost model: the estimates of a call read in place, staged, staged head by head, in
+one wave or back to back (``in_place_ms``, ``staged_ms``, ``head_major_ms``, ``one_wave_ms``,
+``pipelined_ms``, ...), each taking the GPU's ``machine.MachineModel``, and the margins a staged
+estimate must beat reading in place by. ``stage_plan`` weighs the pieces and splits of a staged
+call with them; ``planner`` decides.
 """
 
 from __future__ import annotations
@@ -78,10 +84,8 @@ def decode_traffic(seq_lens, page_hbm, num_kv_heads, head_dim, page_size, tile_n
 
 # ---- staged vs in-place multi-token attention ---------------------------------------------------
 # The cost model. Its rates are the GPU's (``machine.MachineModel``, from the profile); what is
-# here is policy: margins, piece counts and split counts.
-
-STAGED_SPLITS = 4  # KV splits of a staged call
-
+# here is its estimates and the margins a staged estimate must beat reading in place by (the
+# pieces and splits it is asked about are ``stage_plan``'s).
 
 def causal_flops(seq_lens, q_lens, num_q_heads: int, head_dim: int) -> float:
     """Multiply-add FLOPs (x2) of causal attention: query j of a sequence of length L and q_len
@@ -99,7 +103,7 @@ class StagedChoice:
     staged: bool
     splits: int  # KV splits of the staged call
     by_head: bool = False  # one split, the copy and the CTAs head by head (``head_major_ms``)
-    coarse: bool = False  # one split in LINK_PIECES pieces, its CTAs one wave (``one_wave_ms``)
+    coarse: bool = False  # one split in ``stage_plan.LINK_PIECES`` pieces, its CTAs one wave (``one_wave_ms``)
     pipelined: bool = False  # weighed as a call whose copy runs ahead of its kernel (``pipelined_ms``)
 
 
@@ -116,21 +120,6 @@ COMPUTE_STAGE_MARGIN = 0.97
 LINK_STAGE_MARGIN = 0.98
 HYBRID_STAGE_SHARE = 0.05
 
-# Pieces of a one-split staged call whose CTAs all fit one wave (``one_wave_ms``): a wave's CTAs
-# walk a piece as soon as it lands, so two pieces leave only half the compute after the copy
-# (measured 8k q512 over host pages: 0.676 ms staged so, 0.745 in place).
-LINK_PIECES = 2
-# Pieces of a staged call whose Q-tiled compute trails its copy (``trails_copy``): each costs a
-# copy call and a ready flag (measured at 8k q2048: 8 pieces 2-3% faster than 16 at 2 and 4
-# splits). From ``LONG_LINK_TOKENS`` keys on, 16 pieces in 16 folded splits (a split of 16 KV
-# tiles or more): the last split's tail after the copy halves (measured at q2048, splits folded,
-# 8 pieces / 8 splits vs 16 / 16, ms: 8k 0.713 vs 0.945, 16k 1.349 vs 1.360, 32k 2.663 vs 2.598,
-# 128k 10.51 vs 10.14). Only there: offered to compute-bound chunks too, 16 splits displaced the
-# head-by-head copy at 128k q8192 and ran slower (27.88 vs 26.14 ms).
-LINK_BOUND_PIECES = 8
-LONG_LINK_BOUND_PIECES = 16
-LONG_LINK_TOKENS = 32768
-SPLIT_CHOICES = (1, 2, 4, 8)
 # Calls whose staged copies run ahead of their kernels, back to back (a model's layers): the run
 # lasts about its calls' copies plus what the last call's kernel still has to do once its copy
 # has landed (its tail), weighed as 1 / RUN_CALLS of it per call (measured at 32k q2048 with the
@@ -142,15 +131,6 @@ RUN_CALLS = 32
 def chunk_tail_ms(m, total_q: int) -> float:
     """The chunk kernel's time past the link for ``total_q`` query tokens (0: not the chunk kernel)."""
     return m.chunk_tail_ms + m.chunk_tail_ms_per_token * total_q if total_q else 0.0
-
-
-def link_bound_staging(max_tokens: int) -> tuple[int, tuple[int, ...]]:
-    """(pieces, split counts the cost model weighs: ``choose_staged``'s ``choices``) of a staged
-    chunk whose compute trails its copy, by its longest sequence's keys: from ``LONG_LINK_TOKENS``
-    on, 16 pieces and up to 16 splits."""
-    if max_tokens >= LONG_LINK_TOKENS:
-        return LONG_LINK_BOUND_PIECES, SPLIT_CHOICES + (LONG_LINK_BOUND_PIECES,)
-    return LINK_BOUND_PIECES, SPLIT_CHOICES
 
 
 def copy_time_ms(m, host_bytes: int, calls: int, flags: int = 0) -> float:
@@ -291,74 +271,6 @@ def stage_margin(m, host_bytes: int, flops: float) -> float:
     return COMPUTE_STAGE_MARGIN if compute_bound(m, host_bytes, flops) else LINK_STAGE_MARGIN
 
 
-def choose_pipelined(m, host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float, candidates,
-                     in_place_bytes: int | None = None, kv_read_bytes: int = 0, chunk_q: int = 0,
-                     ctas: int = 0, sms: int = 0, wait_bytes: int = 0) -> tuple[StagedChoice, int]:
-    """The best of ``candidates`` -- (KV splits, host copy calls, HBM copy calls, pieces, the
-    splits' (work, landed) in launch order as ``pipelined_tail_ms`` takes them, or None for a plan
-    paced by its pieces, whose tail is left out) of each staging plan weighed -- for a call whose
-    copy runs ahead of its kernel (``pipelined_ms``; the pages already in HBM copied ahead of the
-    kernel on its stream, or read in place: no HBM copy calls; ``wait_bytes`` of the host pages,
-    the step's own, copied only after the previous kernel), and whether it beats reading
-    ``in_place_bytes`` (default ``host_bytes``) in place by the margin ``choose_staged`` uses.
-    Returns (the verdict, the index of the chosen candidate)."""
-    if not candidates:
-        raise ValueError("choose_pipelined needs at least one candidate plan")
-    in_place = in_place_ms(m, host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
-    q_ms = q_read_ms(m, flops, kv_read_bytes)
-    fold_ms = partial_bytes / (m.fold_gbps * 1e6)
-    busy = min(1.0, ctas / sms) if ctas and sms else 1.0
-
-    def est(splits: int, host_calls: int, hbm_calls: int, pieces: int, layout) -> float:
-        d2d_ms = hbm_bytes / (m.d2d_gbps * 1e6) + hbm_calls * m.copy_call_ms
-        copy = copy_time_ms(m, host_bytes, host_calls, pieces)
-        tail = 0.0 if layout is None else pipelined_tail_ms(copy, q_ms, fold_ms, *layout, busy=busy)
-        return d2d_ms + pipelined_ms(m, copy, q_ms, partial_bytes, splits, ctas, sms,
-                                     wait_bytes / (m.memcpy_gbps * 1e6), tail)
-
-    ests = [est(*c) for c in candidates]
-    best = min(range(len(ests)), key=lambda i: (ests[i], candidates[i][0]))
-    staged = ests[best] < stage_margin(m, host_bytes, flops) * in_place
-    return StagedChoice(in_place, ests[best], staged, candidates[best][0], pipelined=True), best
-
-
-def choose_staged(m, host_bytes: int, hbm_bytes: int, flops: float, partial_bytes: float = 0.0,
-                  splits: int = 0, host_calls: int = 1, hbm_calls: int = 0,
-                  in_place_bytes: int | None = None, kv_read_bytes: int = 0, heads: int = 1,
-                  head_calls: int = 0, chunk_q: int = 0, wave_calls: int = 0, pieces: int = 1,
-                  head_flags: int = 0, split_ctas: int = 0, sms: int = 0,
-                  choices: tuple[int, ...] = SPLIT_CHOICES) -> StagedChoice:
-    """Stage when the model says the copy of ``host_bytes`` (``host_calls`` copy calls;
-    ``hbm_calls`` for the pages already in HBM) + Q-tiled kernel (its compute, or its reads of
-    ``kv_read_bytes`` from the buffer, at the best of ``choices``, or at ``splits``) beats reading
-    ``in_place_bytes`` in place (default ``host_bytes``; more where sequences share pages, which
-    the staging copies once), by ``stage_margin``: the in-place kernel is bound by max(link, its
-    compute), plus ``chunk_tail_ms(chunk_q)`` for the chunk kernel. With ``head_calls`` (the copy
-    calls of the call staged head by head over ``heads`` KV heads) that order is weighed too, and
-    with ``wave_calls`` (the copy calls of the call in ``LINK_PIECES`` pieces, given when its CTAs
-    fit one wave) one split over those pieces. Each piece's ready flag costs ``flag_ms`` of the
-    copy (``pieces`` flags; ``head_flags`` staged head by head; ``LINK_PIECES`` in one wave).
-    ``split_ctas`` (CTAs of one split) over ``sms`` SMs: the split's CTAs beyond one per SM run
-    after their pieces have landed (``staged_ms``'s ``waiting``)."""
-    in_place = in_place_ms(m, host_bytes if in_place_bytes is None else in_place_bytes, flops, chunk_q)
-    copy = copy_time_ms(m, host_bytes, host_calls, pieces)
-    d2d_ms = hbm_bytes / (m.d2d_gbps * 1e6) + hbm_calls * m.copy_call_ms  # copied before the kernel starts
-    q_ms = q_read_ms(m, flops, kv_read_bytes)
-    waiting = max(0.0, 1.0 - sms / split_ctas) if split_ctas and sms else 0.0
-    best = min((splits,) if splits else choices, key=lambda s: staged_ms(m, copy, q_ms, partial_bytes, s, waiting))
-    est = d2d_ms + staged_ms(m, copy, q_ms, partial_bytes, best, waiting)
-    by_head = coarse = False
-    if wave_calls and splits in (0, 1):
-        ow = d2d_ms + one_wave_ms(m, copy_time_ms(m, host_bytes, wave_calls, LINK_PIECES), q_ms, LINK_PIECES)
-        if ow < est:
-            est, best, coarse = ow, 1, True
-    if head_calls and heads > 1 and splits in (0, 1):
-        hm = d2d_ms + head_major_ms(m, copy_time_ms(m, host_bytes, head_calls, head_flags), q_ms, heads)
-        if hm < est:
-            est, best, by_head, coarse = hm, 1, True, False
-    return StagedChoice(in_place, est, est < stage_margin(m, host_bytes, flops) * in_place, best, by_head, coarse)
-
-
 # A batch whose sequences share pages is attended by the cascade (each shared span once, each
 # sequence's own pages, in place: about the unique bytes at the link plus the staged call's
 # overhead per pass) unless one staged call of the whole batch -- the staging copies each
@@ -383,40 +295,3 @@ def stage_instead_of_cascade(m, host_bytes: int, passes: int, staged: StagedChoi
 def partial_bytes(total_q: int, num_q_heads: int, head_dim: int) -> int:
     """fp32 partial O and LSE of one split, written and read back once (a split's fold)."""
     return 2 * total_q * num_q_heads * (head_dim + 1) * 4
-
-
-def q_tiled_splits(max_tiles: int, piece_tiles: int, want: int = 0, ready_tiles: int = 0) -> tuple[int, int]:
-    """(splits, tiles per split) of a staged Q-tiled call: ``want`` (0: ``STAGED_SPLITS``) runs of
-    whole pieces over the longest sequence's tiles; fewer when there are fewer pieces. With
-    ``ready_tiles`` (the tiles before the pieces that are ready when the kernel starts, a whole
-    number of pieces) and ``want`` > 1: about ``want`` runs of whole pieces over those tiles,
-    the rest in splits of their own (``ready_split``), where one is left."""
-    want = want or STAGED_SPLITS
-    if want > 1 and 0 < ready_tiles < max_tiles:
-        per = max(1, round(ready_tiles / want / piece_tiles)) * piece_tiles
-        if math.ceil(ready_tiles / per) < math.ceil(max_tiles / per):
-            return math.ceil(max_tiles / per), per
-    per = math.ceil(max_tiles / want)
-    per = max(piece_tiles, math.ceil(per / piece_tiles) * piece_tiles)
-    return math.ceil(max_tiles / per), per
-
-
-def ready_split(ready_piece: int, piece_tiles: int, split_tiles: int, splits: int) -> int:
-    """The split a staged call's launch starts at: the first one whose tiles, and every later
-    split's, lie in pieces from ``ready_piece`` on (pages in HBM before the call, ready when the
-    kernel starts), so their CTAs run while the copy lands the rest; 0 where there is none."""
-    first = math.ceil(ready_piece * piece_tiles / split_tiles)
-    return first if 0 < first < splits else 0
-
-
-def window_piece_pages(piece_pages: int, ready_page: int, max_pages: int, tile_pages: int, min_pages: int = 1) -> int:
-    """Pages per piece of a staged chunk whose pages from ``ready_page`` on were all in HBM before
-    the call (a step's own tokens mirrored): the multiple of ``tile_pages`` (at least ``min_pages``)
-    within half to twice ``piece_pages`` that divides ``ready_page`` and is nearest to it, so those
-    pages form pieces of their own (ready when the kernel starts); ``piece_pages`` where none does."""
-    if not 0 < ready_page < max_pages:
-        return piece_pages
-    lo = max(tile_pages, min_pages, piece_pages // 2)
-    cands = [c for c in range(math.ceil(lo / tile_pages) * tile_pages, 2 * piece_pages + 1, tile_pages)
-             if ready_page % c == 0]
-    return min(cands, key=lambda c: (abs(c - piece_pages), c)) if cands else piece_pages

@@ -214,6 +214,7 @@ def build_random_model(preset, dtype: torch.dtype | None = None, device: str | t
     dtype = torch.bfloat16 if dtype is None else dtype
 
     if attn_implementation == "directkv":
+        # transformers (optional) and torch: the preset names and shapes import without either
         import directkv_cute.hf  # noqa: F401 - registers the attention implementation
 
     config = preset_config(preset, **overrides) if isinstance(preset, str) else copy.deepcopy(preset)

@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from directkv_cute._pinned import PinnedHostBuffer
+
 GB = 1e9
 TimeMs = Callable[[Sequence[Callable[[], object]]], float]
 
@@ -56,8 +58,6 @@ def measure_bandwidths(device: str, host_bytes: int, hbm_bytes: int, time_ms: Ti
     """The SMs' read rate of pinned host memory, the copy engine's H2D rate from it, and the HBM
     read rate: ({"host_read_gbps", "memcpy_h2d_gbps", "hbm_read_gbps"}, details). On a CPU the
     'host' buffer is ordinary memory (a smoke run)."""
-    from directkv_cute._pinned import PinnedHostBuffer
-
     host_bytes -= host_bytes % 16
     hbm_bytes -= hbm_bytes % 16
     host = PinnedHostBuffer(host_bytes, torch.device("cuda") if device == "cuda" else None)

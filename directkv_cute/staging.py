@@ -23,164 +23,25 @@ while layer l's kernel finishes and the layer's other work runs, instead of afte
 without that record (the tensor-only op) waits for the current stream's work so far, as does
 every call with ``DIRECTKV_STAGE_OVERLAP=0`` or a buffer over half the staging cap.
 
-Planning (``plan_staging``, ``piece_waits``) is plain Python on the host page table; whether a
-call copies ahead is the plan's (``planner``: the cache records its host writes, the overlap is
-on, and a buffer per slot fits the staging cap). The device part is ``Stager``, one per (device,
-stream), holding the side stream, the buffers and the flags.
+The plan of a staged call (its pieces, KV splits and copy runs: ``stage_plan.StagePlan``) is
+plain Python on the host page table, and whether a call copies ahead is the plan's (``planner``:
+the cache records its host writes, the overlap is on, and a buffer per slot fits the staging
+cap). Here is the device part: ``piece_waits`` (the recorded writes each piece's copies wait
+for) and ``Stager``, one per (device, stream), holding the side stream, the buffers and the
+flags.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
 
 import numpy as np
 
-MAX_PIECES = 64  # pieces per call; more are merged into fewer, larger ones
-MAX_FLAGS = 4096  # ready flags per stager: a copy staged head by head has one per (KV head, piece)
-HEAD_PIECES = 4  # pieces per KV head of a copy staged head by head
+from directkv_cute.stage_plan import MAX_FLAGS, SLOTS, Run, StagePlan
+
 HEADS_PER_COPY = 1  # KV heads per strided copy of a copy staged head by head (wider rows, coarser steps)
-# Rows of a strided copy narrower than this run the copy engine slowly: FP8 pages staged head by
-# head in rows of one head's 16 KiB block (page 64, d 128) moved 8 MB in about 250 us, 33 GB/s
-# against 52 GB/s for rows of 32 KiB and more (measured on the H200). FP8 pages are staged in
-# groups of heads whose rows reach it (``head_groups``).
-MIN_COPY_ROW = 32 * 1024
-SLOTS = 2  # staging buffers (and flag sets) that consecutive calls alternate between
 SLOT_BUFFERS = ("buffer", "buffer1")  # the Stager attribute holding each slot's buffer
-
-
-@dataclass(frozen=True)
-class Run:
-    """One copy: ``count`` consecutive pages of a tier (``hbm``: the HBM pool, else the host
-    pool) from page ``src`` to staging page ``dst``."""
-
-    hbm: bool
-    src: int
-    dst: int
-    count: int
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """The copies of one staged call, piece by piece, and the page table over the buffer."""
-
-    pieces: tuple[tuple[Run, ...], ...]  # piece p: the runs of logical pages [p * pp, (p + 1) * pp)
-    # (B, max_pages) int32: HBM-encoded entries (-(staging page) - 1); follows from the host table
-    # and the pieces, so plans compare by their pieces
-    table: np.ndarray = field(compare=False)
-    pages: int  # staging pages used
-    piece_pages: int  # pp
-    # The first piece whose pages, and every later piece's, were all in HBM before the call (a
-    # step's own tokens mirrored): copied ahead of the kernel, so ready when it starts (len(pieces):
-    # none).
-    ready_from: int
-    # Pages already in HBM, where the call reads any, are read where they are (entries >= 0 into
-    # ``hbm_in_place``'s view), not copied: ``plan_staging``'s ``hbm_layers``.
-    reads_in_place: bool = False
-
-    @property
-    def host_pages(self) -> int:
-        return sum(r.count for piece in self.pieces for r in piece if not r.hbm)
-
-    @property
-    def copy_calls(self) -> tuple[int, int]:
-        """(copies from the host pool, copies of pages already in HBM): one per run."""
-        hbm = sum(r.hbm for piece in self.pieces for r in piece)
-        return sum(len(piece) for piece in self.pieces) - hbm, hbm
-
-
-def piece_pages_for(max_pages: int, page_size: int, tile_n: int, want: int = 0, pieces: int = 16) -> int:
-    """Pages per ready piece: ``want`` (0: about ``pieces`` pieces over the longest sequence),
-    rounded up to whole KV tiles, and coarse enough for at most ``MAX_PIECES`` flags."""
-    tile_pages = max(1, tile_n // page_size)
-    pp = want or math.ceil(max_pages / pieces)
-    pp = max(pp, math.ceil(max_pages / MAX_PIECES), 1)
-    return math.ceil(pp / tile_pages) * tile_pages
-
-
-def head_groups(heads: int, head_bytes: int, first: int = 0) -> list[range]:
-    """KV heads in consecutive groups whose blocks of a page, together, span at least
-    ``MIN_COPY_ROW`` bytes (the last group may be smaller): the steps of a copy staged by head.
-    With ``first``, the first group is that many heads, the rest grouped so from there."""
-    g = min(heads, max(1, math.ceil(MIN_COPY_ROW / head_bytes)))
-    first = min(max(first, 0), heads)
-    lead = [range(0, first)] if first else []
-    return lead + [range(h, min(heads, h + g)) for h in range(first, heads, g)]
-
-
-def _runs(entries: np.ndarray, piece: np.ndarray, n_pieces: int) -> tuple[tuple[Run, ...], ...]:
-    """Per piece, the maximal runs of same-tier, consecutive pages in encoded entries (>= 0 host
-    page, < 0 HBM page -e - 1) in staging order (entry i goes to staging page i; ``piece[i]``
-    its piece, non-decreasing). One vectorized pass: a run also breaks where the piece does."""
-    out = [[] for _ in range(n_pieces)]
-    if entries.size:
-        hbm = entries < 0
-        src = np.where(hbm, -entries.astype(np.int64) - 1, entries.astype(np.int64))
-        brk = np.flatnonzero((hbm[1:] != hbm[:-1]) | (np.diff(src) != 1) | (piece[1:] != piece[:-1])) + 1
-        starts = np.concatenate(([0], brk))
-        ends = np.concatenate((brk, [entries.size]))
-        hbm_l, src_l, piece_l = hbm.tolist(), src.tolist(), piece.tolist()
-        for s, e in zip(starts.tolist(), ends.tolist()):
-            out[piece_l[s]].append(Run(hbm_l[s], src_l[s], s, e - s))
-    return tuple(tuple(runs) for runs in out)
-
-
-def plan_staging(host_table: np.ndarray, seq_lens, page_size: int, piece_pages: int,
-                 hbm_layers: int = 0) -> StagePlan:
-    """The copies and staged page table for a batch. Piece p holds logical pages
-    [p * piece_pages, (p + 1) * piece_pages) of every sequence; each distinct page entry is
-    copied once, in the first piece that needs it, so pages that sequences share (forks of one
-    prompt) cross the link once per call. A piece's pages take the next free staging pages in
-    tier and page order: one copy per run of consecutive pages, whatever their logical order.
-    With ``hbm_layers`` (the pool's L) pages already in HBM are not copied: the kernel reads them
-    where they are, their entries ``page * hbm_layers`` (>= 0) indexing ``hbm_in_place``'s view of
-    the HBM pool; only host pages are staged."""
-    table = np.asarray(host_table, dtype=np.int32)
-    if table.ndim != 2 or table.shape[0] != len(seq_lens):
-        raise ValueError(f"host_table {table.shape} does not match {len(seq_lens)} sequences")
-    if piece_pages < 1:
-        raise ValueError(f"piece_pages must be >= 1, got {piece_pages}")
-    n_pages = [math.ceil(int(n) / page_size) for n in seq_lens]
-    if min(n_pages) < 1 or max(n_pages) > table.shape[1]:
-        raise ValueError(f"sequence lengths {list(seq_lens)[:8]} do not fit the table's {table.shape[1]} pages")
-    n_pieces = math.ceil(max(n_pages) / piece_pages)
-    # Every (row, logical page) in copy order: piece by piece, row by row within a piece.
-    counts = np.asarray(n_pages, dtype=np.int64)
-    rows = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    cols = np.arange(len(rows), dtype=np.int64) - starts
-    piece_of = cols // piece_pages
-    order = np.lexsort((cols, rows, piece_of))  # by piece, then row, then page
-    rows, cols, piece_of = rows[order], cols[order], piece_of[order]
-    flat = table[rows, cols]
-    if hbm_layers and flat.size and int(-flat.min()) * hbm_layers >= 2**31:
-        raise ValueError(f"HBM pages read in place: page {-int(flat.min()) - 1} x {hbm_layers} layers overflows int32")
-    uniq, first, inv = np.unique(flat, return_index=True, return_inverse=True)
-    # Distinct entries by the piece that first uses them, then by tier and page: within a piece the
-    # staging order is free (the kernel finds each page through the staged table), and in page
-    # order a piece's pages form the fewest runs whatever order the sequences hold them in (an
-    # engine that frees blocks last to first hands them out descending).
-    src = np.where(uniq < 0, -uniq.astype(np.int64) - 1, uniq.astype(np.int64))
-    order = np.lexsort((src, uniq < 0, piece_of[first]))
-    if hbm_layers:  # only host entries take staging pages
-        order = order[uniq[order] >= 0]
-    dst_of = np.zeros(len(uniq), dtype=np.int64)
-    dst_of[order] = np.arange(len(order))
-    staged = np.empty_like(table)
-    staged[rows, cols] = -dst_of[inv.reshape(-1)] - 1
-    if hbm_layers:
-        in_hbm = flat < 0
-        staged[rows[in_hbm], cols[in_hbm]] = (-flat[in_hbm].astype(np.int64) - 1) * hbm_layers
-    # Past a sequence's pages, its last one repeats.
-    width = table.shape[1]
-    past = np.arange(width)[None, :] >= counts[:, None]  # (B, width)
-    last = staged[np.arange(len(counts)), counts - 1]
-    staged = np.where(past, last[:, None], staged)
-    pieces = _runs(flat[first[order]], piece_of[first[order]], n_pieces)  # entries in staging order
-    host = flat >= 0
-    ready_from = int(piece_of[host].max()) + 1 if host.any() else 0
-    return StagePlan(pieces, staged, int(len(order)), piece_pages, ready_from, bool(hbm_layers) and not host.all())
 
 
 def piece_waits(plan: StagePlan, writes) -> list[list[int]]:

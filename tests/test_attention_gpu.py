@@ -283,7 +283,7 @@ def test_link_tickets_balance():
     HBM none (multi-token and decode kernels, several splits)."""
     from directkv_cute.kernels.launch import link_counters
 
-    counters = link_counters(torch.device("cuda"))
+    counters = link_counters(torch.device("cuda"), False)
 
     def tickets(lens, q_lens, hbm, config):
         torch.cuda.synchronize()

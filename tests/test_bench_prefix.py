@@ -84,16 +84,16 @@ def test_the_cache_shares_the_prompt_and_fa4s_pools_hold_each_page_once():
 
 
 def test_a_wrong_output_fails_its_check_and_marks_the_row(monkeypatch):
-    import directkv_cute.cascade as cascade
+    import directkv_cute.ops as ops
 
-    real = cascade.cascade_attention
+    real = ops.cascade_attention
 
     def broken(*a, **k):
         out = real(*a, **k)
         out[-1] += 1.0  # the last sequence's last query row
         return out
 
-    monkeypatch.setattr(cascade, "cascade_attention", broken)
+    monkeypatch.setattr(ops, "cascade_attention", broken)
     b = _bench()
     records = [r.to_dict() for r in b.run()]
     doc = b.doc

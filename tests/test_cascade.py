@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from directkv_cute.cache import PagedKVCache
-from directkv_cute.cascade import (pack_rows, unpack_rows, cascade_attention, find_spans, merge_partials,
-                                   plan_cascade)
+from directkv_cute.cascade import find_spans, merge_partials, pack_rows, plan_cascade, unpack_rows
+from directkv_cute.ops import cascade_attention
 from directkv_cute.reference import paged_attention_ref
 
 L, HKV, D = 2, 2, 32

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from directkv_cute.cache import PagedKVCache
-from directkv_cute.cascade import cascade_attention, plan_cascade
+from directkv_cute.cascade import plan_cascade
+from directkv_cute.ops import cascade_attention
 from directkv_cute.reference import paged_attention_ref
 
 pytestmark = pytest.mark.gpu

@@ -184,10 +184,10 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(dtype, kv_dtype, page
     first piece, one that ends exactly on the split): planned as staged in two pieces and two
     launches whose partials are combined; matches the reference over what the pages hold,
     poisoned output."""
-    from directkv_cute import DirectKVAttention, planner
+    from directkv_cute import DirectKVAttention, stage_plan
 
     longest = 36000
-    pp = math.ceil(math.ceil(longest / page) * (1 - planner.FP8_TAIL_SHARE))
+    pp = math.ceil(math.ceil(longest / page) * (1 - stage_plan.FP8_TAIL_SHARE))
     lens = [longest, 1, 20001, pp * page, 33333]
     cache, ids, ks, vs, layer = _build(lens, 4, 128, page, dtype, kv_dtype, seed=5)
     q = torch.randn(len(lens), 16, 128, device="cuda", generator=torch.Generator("cuda").manual_seed(6)).to(dtype)
@@ -197,7 +197,7 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(dtype, kv_dtype, page
     o, lse = attn.run(q, layer, out=out)
     torch.cuda.synchronize()
     assert plan.route == "decode_fp8_two_piece", plan.explain()
-    assert len(plan.fp8_parts) == 2 and len(plan.staging.pieces) == 2 and plan.staging.piece_pages == pp, \
+    assert len(plan.detail.parts) == 2 and len(plan.staging.pieces) == 2 and plan.staging.piece_pages == pp, \
         plan.explain()
     ref, ref_lse = dense_attention_ref(q, ks, vs, None, None)
     assert not torch.isnan(out).any()
@@ -218,18 +218,19 @@ def test_two_piece_staged_fp8_decode_over_ragged_sequences(dtype, kv_dtype, page
 def test_fp8_chunks_run_head_by_head(monkeypatch, lens, q_lens, hq, hkv, page, dtype, kv_dtype, frac, config,
                                      staging):
     """Multi-token calls over FP8 pages that fill a wave run one Q-tiled launch per group of KV
-    heads (``planner.fp8_head_groups``), each after its group's copy and dequantization, on several
+    heads (``stage_plan.fp8_head_groups``), each after its group's copy and dequantization, on several
     streams: every head's rows match the reference (poisoned output, LSE checked), and each KV
     head is launched exactly once, in the groups the copy lands."""
-    from directkv_cute import machine, planner
+    from directkv_cute import stage_plan
     from directkv_cute.kernels import launch as L
+    from directkv_cute.tuning.lookup import machine_for
 
     heads = []
     real = L.launch_q_tiled
     monkeypatch.setattr(L, "launch_q_tiled", lambda *a, **k: heads.append(k["heads"]) or real(*a, **k))
     _run(lens, q_lens, hq, hkv, 128, page, dtype, kv_dtype, frac, config, seed=11, staging=staging)
-    m = machine.machine_for(torch.cuda.get_device_name())
-    assert heads == planner.fp8_head_groups(m, hkv, page, 128, 1, lens, q_lens, hq), heads
+    m = machine_for(torch.cuda.get_device_name())
+    assert heads == stage_plan.fp8_head_groups(m, hkv, page, 128, 1, lens, q_lens, hq), heads
 
 
 @pytest.mark.parametrize("kv_dtype,dtype,d,page", [(E4M3, torch.bfloat16, 128, 64), (E5M2, torch.float16, 64, 16)])

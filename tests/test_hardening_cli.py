@@ -3,7 +3,7 @@ is one line on stderr and exit status 2 (never a traceback), refused before anyt
 
 * a profile's ``machine:`` section: every rate finite and in its stated range, no unknown keys,
   checked by one function (``directkv_cute.machine.machine_problems``) wherever a profile is
-  read: the loader, ``directkv-tune check`` / ``show``, and the planner's ``machine_for``;
+  read: the loader, ``directkv-tune check`` / ``show``, and the planner's ``lookup.machine_for``;
 * ``python -m bench regress`` / ``refresh`` with a missing file, a file that is not JSON, or
   JSON that is not a results document;
 * ``python -m bench e2e``: no time budget unless one is asked for;
@@ -34,7 +34,7 @@ GPU = "Hardening Test GPU"  # no bundled profile has this name
 @pytest.fixture(autouse=True)
 def isolated(isolated_profiles):
     """Every profile folder under tmp_path (``conftest.isolated_profiles``), no machine warning given yet."""
-    M._WARNED.clear()
+    L._WARNED.clear()
     yield
     L.clear_cache()
 
@@ -152,15 +152,15 @@ def test_the_planner_refuses_a_bad_machine_section_naming_the_file_and_the_field
     rather than falling back to the conservative default in silence."""
     path = _with_machine_line(tmp_path, key, value)
     with pytest.raises(M.MachineModelError) as ei:
-        M.machine_for(GPU)
+        L.machine_for(GPU)
     msg = str(ei.value)
     assert str(path) in msg and f"{where}: " in msg and says in msg and "\n" not in msg, msg
     # the same again (cached), and once the file is fixed, its rates
     with pytest.raises(M.MachineModelError):
-        M.machine_for(GPU)
+        L.machine_for(GPU)
     P.save_profile(_profile(), path, merge=False)
     L.clear_cache()
-    assert M.machine_for(GPU) == dataclasses.replace(H200, name=GPU)
+    assert L.machine_for(GPU) == dataclasses.replace(H200, name=GPU)
 
 
 def test_a_bad_machine_section_in_a_later_folder_is_refused_too(tmp_path):
@@ -169,18 +169,18 @@ def test_a_bad_machine_section_in_a_later_folder_is_refused_too(tmp_path):
     good = tmp_path / "xdg" / "directkv_cute" / "profiles" / P.profile_filename(GPU)
     P.save_profile(_profile(), good)
     L.clear_cache()
-    assert M.machine_for(GPU) == dataclasses.replace(H200, name=GPU)
+    assert L.machine_for(GPU) == dataclasses.replace(H200, name=GPU)
     bad = _with_machine_line(tmp_path, "link_gbps", ".nan")
     L.clear_cache()
     with pytest.raises(M.MachineModelError, match=re.escape(str(bad))):
-        M.machine_for(GPU)
+        L.machine_for(GPU)
 
 
 def test_a_profile_without_a_machine_section_still_gets_the_conservative_default(tmp_path):
     path = tmp_path / "env" / P.profile_filename(GPU)
     P.save_profile(dataclasses.replace(_profile(), machine=None), path)
     with pytest.warns(P.ProfileWarning, match="no machine model"):
-        m = M.machine_for(GPU)
+        m = L.machine_for(GPU)
     assert m.memcpy_gbps == M.CONSERVATIVE.memcpy_gbps
 
 

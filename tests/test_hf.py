@@ -15,6 +15,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Confi
 
 import directkv_cute.hf as dkhf  # noqa: E402
 from directkv_cute.cache import CacheCapacityError  # noqa: E402
+from directkv_cute.hf.step import Step  # noqa: E402
 
 VOCAB = 512
 
@@ -169,14 +170,14 @@ def test_failed_layer_rolls_the_step_back(monkeypatch):
     cache = _ours(model, batch=2)
     _generate(model, cache, ids, mask, max_new_tokens=3, do_sample=False)
     lengths, processed, state = cache.seq_lengths(), cache.get_seq_length(), cache.kv.state()
-    real = dkhf.DirectKVCache._attend_layer
+    real = Step.run
 
-    def boom(self, step, query, key, value, scaling, layer_idx):
+    def boom(self, query, key, value, scaling, layer_idx):
         if layer_idx == 2:
             raise RuntimeError("injected")
-        return real(self, step, query, key, value, scaling, layer_idx)
+        return real(self, query, key, value, scaling, layer_idx)
 
-    monkeypatch.setattr(dkhf.DirectKVCache, "_attend_layer", boom)
+    monkeypatch.setattr(Step, "run", boom)
     model.set_attn_implementation("directkv")
     nxt = torch.randint(1, VOCAB, (2, 5))
     full_mask = torch.ones(2, processed + 5, dtype=torch.long)
@@ -375,8 +376,8 @@ def test_beams_over_a_long_prompt_read_it_once_through_the_cascade(monkeypatch):
     assert all(len({id(p) for p, _ in step}) == 1 and [l for _, l in step] == list(range(layers))
                for step in steps)  # one plan per step, run by every layer in order
     cascades = [step[0][0] for step in steps if step[0][0].route == "cascade"]
-    assert cascades and all(p.cascade.shared for p in cascades)
-    assert max(len(s.rows) for p in cascades for s in p.cascade.spans) >= 3
+    assert cascades and all(p.detail.cascade.shared for p in cascades)
+    assert max(len(s.rows) for p in cascades for s in p.detail.cascade.spans) >= 3
 
 
 def test_return_sequences_store_the_prompt_once_and_fork_when_they_diverge():
@@ -491,17 +492,17 @@ def test_window_steps_read_new_tokens_from_hbm_and_generate_like_dynamic_cache(m
     ref = _generate(model, DynamicCache(config=model.config), ids, mask, **kw)
     cache = _ours(model, window_tokens=window)
     seen, marks = [], []
-    real = dkhf.DirectKVCache._attend_layer
+    real = Step.run
 
-    def watch(self, step, query, key, value, scaling, layer_idx):
-        marks.append(step.tables)
+    def watch(self, query, key, value, scaling, layer_idx):
+        marks.append(self.tables)
         if layer_idx == 0:
-            before = dict(step.undo.lengths)  # sequences the step made were empty
-            seen.append((step.tables.host_table.copy(), list(step.tables.host_seq_lens),
-                         [before.get(self._seqs[b], 0) for b in step.rows]))
-        return real(self, step, query, key, value, scaling, layer_idx)
+            before = dict(self.undo.lengths)  # sequences the step made were empty
+            seen.append((self.tables.host_table.copy(), list(self.tables.host_seq_lens),
+                         [before.get(sid, 0) for sid in self.seq_ids]))
+        return real(self, query, key, value, scaling, layer_idx)
 
-    monkeypatch.setattr(dkhf.DirectKVCache, "_attend_layer", watch)
+    monkeypatch.setattr(Step, "run", watch)
     out = _generate(model, cache, ids, mask, **kw)
     assert torch.equal(out, ref)
     P = 16

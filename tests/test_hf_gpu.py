@@ -165,7 +165,7 @@ def test_forks_of_one_prompt_agree_with_dynamic_cache_through_the_cascade(model,
         ours, _ = _run(model, cache, "directkv", ids, mask, tokens)
     finally:
         DirectKVAttention.plan = real
-    shared = [p for p in plans if p.cascade is not None and p.cascade.shared]
+    shared = [p for p in plans if getattr(p.detail, "cascade", None) is not None and p.detail.cascade.shared]
     rel, agree = _errors(ours, ref_logits)
     rel_sdpa, agree_sdpa = _errors(bf16_logits, ref_logits)
     with capsys.disabled():

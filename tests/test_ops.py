@@ -11,7 +11,7 @@ import torch
 import directkv_cute as dk
 from directkv_cute import ops, runner
 from directkv_cute.config import DecodeConfig, multi_token_splits
-from directkv_cute.machine import H200, DeviceInfo
+from directkv_cute.machine import H200, DeviceInfo, stream_capturing
 from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
 from directkv_cute.validate import check_q_lens
 
@@ -121,7 +121,7 @@ def test_q_lens_validation(q_lens, total, msg):
 def _offsets(q_lens, batch, total_q):
     """The op's path to the query offsets: validate q_lens, then the cached device copy."""
     lens = check_q_lens(q_lens, batch, total_q)
-    return runner.cu_seqlens(lens, "cpu"), max(lens)
+    return runner.cu_seqlens(lens, "cpu", stream_capturing()), max(lens)
 
 
 def test_query_offsets_are_cached_per_q_lens(monkeypatch):

@@ -196,7 +196,8 @@ def build_device(spec: dict):
 
 
 def build_machine(name: str, device):
-    from directkv_cute.machine import CONSERVATIVE, H200, machine_for
+    from directkv_cute.machine import CONSERVATIVE, H200
+    from directkv_cute.tuning.lookup import machine_for
 
     if name == "H200":
         return H200
@@ -540,21 +541,26 @@ def summarize(plan, call: dict | None = None, top: bool = True) -> dict | None:
     if call is None:
         call = shape
     c = plan.choice
+    # The route's own fields (``plan.detail``), each recorded under its name; a field the route
+    # does not have is recorded as its value for a plan without it (1 split, no copy ahead).
+    d = plan.detail
+    layout = getattr(d, "layout", None)
     out = _compact({
-        "route": plan.route, "kernel": plan.kernel, "config": _config(plan.config), "splits": plan.splits,
-        "layout": None if plan.layout is None else dataclasses.asdict(plan.layout),
-        "staging": _staging(plan.staging), "copy_ahead": plan.copy_ahead,
+        "route": str(plan.route), "kernel": plan.kernel, "config": _config(plan.config),
+        "splits": getattr(d, "splits", 1),
+        "layout": None if layout is None else dataclasses.asdict(layout),
+        "staging": _staging(plan.staging), "copy_ahead": getattr(d, "copy_ahead", False),
         "fp8_parts": [{"splits": p.splits, "lens": [int(n) for n in p.lens], "table": _digest(p.table)}
-                      for p in plan.fp8_parts],
-        "head_groups": [[g.start, g.stop] for g in plan.head_groups],
+                      for p in getattr(d, "parts", ())],
+        "head_groups": [[g.start, g.stop] for g in getattr(d, "head_groups", ())],
         "choice": None if c is None else {"in_place_ms": _num(c.in_place_ms), "staged_ms": _num(c.staged_ms),
                                           "staged": c.staged, "splits": c.splits, "by_head": c.by_head,
                                           "coarse": c.coarse, "pipelined": c.pipelined},
         "why": list(plan.why), "machine": plan.machine, "shape": "call" if shape == call else shape,
-        "inner": summarize(plan.inner, top=False), "cascade": _cascade(plan.cascade),
+        "inner": summarize(getattr(d, "inner", None), top=False), "cascade": _cascade(getattr(d, "cascade", None)),
         "passes": [_compact({"rows": None if p.rows is None else list(p.rows), "n_pseudo": p.n_pseudo, "g2": p.g2,
                              "shape": _shape(p.shape), "plan": summarize(p.plan, _shape(p.shape), False)})
-                   for p in plan.passes],
+                   for p in getattr(d, "passes", ())],
         "capture": summarize(plan.capture, shape, False),
     })
     if top:

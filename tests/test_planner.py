@@ -77,8 +77,9 @@ def test_a_shared_prefix_plans_the_cascade_and_runs_it_like_the_reference(randn)
         c.append(k, randn(3, 1, 2, 64), randn(3, 1, 2, 64))
     attn = dk.DirectKVAttention(c)
     plan = attn.plan(kids, q_lens=[3, 3, 3], num_q_heads=8, return_lse=True)
-    assert plan.route == "cascade" and len(plan.passes) == 1 + len(plan.cascade.spans)
-    assert plan.cascade.host_pages_read < plan.cascade.host_pages_naive and "shared span" in plan.explain()
+    tree = plan.detail.cascade
+    assert plan.route == "cascade" and len(plan.detail.passes) == 1 + len(tree.spans)
+    assert tree.host_pages_read < tree.host_pages_naive and "shared span" in plan.explain()
     q = randn(9, 8, 64)
     o, lse = attn.run(q, 0)
     ro, rl = dk.paged_attention_ref(q, c, 0, kids, [3, 3, 3])
@@ -93,9 +94,10 @@ def test_a_batch_sharing_a_long_prompt_on_a_gpu_is_planned_as_a_cascade_or_one_s
     from test_architecture_routing import forks
 
     p = plan_attention(forks(64, 0), FACTS, H200, DefaultConfigs())
-    assert p.route == "cascade" and p.passes[1].n_pseudo == 2 and p.passes[1].plan.route == "q_tiled_staged"
+    span = p.detail.passes[1]
+    assert p.route == "cascade" and span.n_pseudo == 2 and span.plan.route == "q_tiled_staged"
     p = plan_attention(forks(16, 8192), FACTS, H200, DefaultConfigs())
-    assert p.route == "cascade_staged" and p.inner.route == "q_tiled_staged"
+    assert p.route == "cascade_staged" and p.detail.inner.route == "q_tiled_staged"
 
 
 def test_every_route_is_reached_and_named_once():
@@ -113,7 +115,8 @@ def test_every_route_is_reached_and_named_once():
 
 def _sub_plans(plan):
     yield plan
-    for sub in (plan.capture, plan.inner, *(p.plan for p in plan.passes)):
+    for sub in (plan.capture, getattr(plan.detail, "inner", None),
+                *(p.plan for p in getattr(plan.detail, "passes", ()))):
         if sub is not None:
             yield from _sub_plans(sub)
 

@@ -337,8 +337,8 @@ def test_back_to_back_chunks_are_planned_for_copies_ahead():
     plain_plan = plain.plan(tables=cache.kernel_tables(ids), q_lens=q_lens, num_q_heads=32, cascade=False)
     marked_plan = marked.plan(tables=cache.kernel_tables(ids, back_to_back=True), q_lens=q_lens, num_q_heads=32,
                               cascade=False)
-    assert plain_plan.staged and plain_plan.copy_ahead and not plain_plan.choice.pipelined, plain_plan.explain()
-    assert marked_plan.staged and marked_plan.copy_ahead and marked_plan.choice.pipelined, marked_plan.explain()
+    assert plain_plan.staged and plain_plan.detail.copy_ahead and not plain_plan.choice.pipelined, plain_plan.explain()
+    assert marked_plan.staged and marked_plan.detail.copy_ahead and marked_plan.choice.pipelined, marked_plan.explain()
     assert len(marked_plan.staging.pieces) < len(plain_plan.staging.pieces)  # coarse pieces
     torch.cuda.synchronize()
     torch.cuda._sleep(100_000_000)  # about 50 ms: the calls below queue behind it
@@ -448,7 +448,7 @@ def test_a_pool_view_with_a_write_log_copies_ahead_after_the_writes_it_records()
     attn = DirectKVAttention(view)
     plan = attn.plan(tables=tables, q_lens=[2000], num_q_heads=32, config=QTiledConfig(),
                      staging=StagingRequest(piece_pages=4))
-    assert plan.route == "q_tiled_staged" and plan.copy_ahead, plan.explain()
+    assert plan.route == "q_tiled_staged" and plan.detail.copy_ahead, plan.explain()
     attn.run(q, 0)  # compiled, slot chosen
     torch.cuda.synchronize()
     step = torch.cuda.Event()

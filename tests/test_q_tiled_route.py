@@ -15,13 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from directkv_cute import runner
+from directkv_cute import routes, runner
 from directkv_cute.config import ConfigError, DecodeConfig, QTiledConfig
 from directkv_cute.machine import H200, DeviceInfo
-from directkv_cute.plan import LINK_PIECES
-from directkv_cute.planner import (FP8_TAIL_SHARE, CallShape, PlanError, ProfileConfigs, StagingRequest,
-                                   fp8_head_groups, plan_attention, split_staged_table)
-from directkv_cute.staging import HEAD_PIECES, MAX_FLAGS
+from directkv_cute.planner import CallShape, PlanError, ProfileConfigs, StagingRequest, plan_attention
+from directkv_cute.stage_plan import (FP8_TAIL_SHARE, HEAD_PIECES, LINK_PIECES, MAX_FLAGS, fp8_head_groups,
+                                      split_staged_table)
 from directkv_cute.tuning import lookup as L
 from directkv_cute.tuning import profiles as P
 
@@ -104,10 +103,10 @@ def test_the_routing_table(name, call, route, staged, why):
     p = plan(shape(**call))
     assert p.route == route, p.explain()
     if route == "q_tiled_staged":
-        assert p.staging is not None and p.layout is not None
+        assert p.staging is not None and p.detail.layout is not None
         assert p.staging.host_pages == sum(math.ceil(n / 64) for n in call["lens"])
         if staged is not None:
-            assert (p.layout.splits, len(p.staging.pieces), p.layout.by_head) == staged, p.explain()
+            assert (p.detail.layout.splits, len(p.staging.pieces), p.detail.layout.by_head) == staged, p.explain()
     if route in ("decode", "multi_token", "q_tiled_hbm", "decode_fp8"):
         assert p.staging is None
     assert p.route in p.explain() and (p.kernel or "-") in p.explain()
@@ -156,23 +155,23 @@ def test_an_explicit_config_always_runs_its_kernel():
 
 def test_copy_orders_and_explicit_staging_requests_are_kept():
     p = plan(shape([32768], [8192]), QTiledConfig(), copy_order=1)
-    assert not p.layout.by_head and p.layout.splits > 1 and len(p.staging.pieces) == 16
+    assert not p.detail.layout.by_head and p.detail.layout.splits > 1 and len(p.staging.pieces) == 16
     # q 64 over 32k is link-bound: the model keeps the pieces of all heads together
-    assert not plan(shape([32768], [64])).layout.by_head
+    assert not plan(shape([32768], [64])).detail.layout.by_head
     p = plan(shape([32768, 5000], [64, 7]), QTiledConfig(), copy_order=2)
-    assert p.layout.by_head and p.layout.splits == 1 and p.staging.host_pages == 512 + 79
+    assert p.detail.layout.by_head and p.detail.layout.splits == 1 and p.staging.host_pages == 512 + 79
     p = plan(shape([8192], [8192]), QTiledConfig(), copy_order=2, order=2)
-    assert p.layout.by_head and p.layout.ascending and p.layout.splits == 1
+    assert p.detail.layout.by_head and p.detail.layout.ascending and p.detail.layout.splits == 1
     p = plan(shape([8192], [8192]), QTiledConfig(), order=2)
-    assert p.layout.ascending and p.layout.splits == 1
+    assert p.detail.layout.ascending and p.detail.layout.splits == 1
     p = plan(shape([8192, 3000], [8192, 100]), QTiledConfig(), splits=3, piece_pages=4)
-    assert p.layout.splits == 3 and p.staging.piece_pages == 4 and p.staging.pages == 128 + 47
+    assert p.detail.layout.splits == 3 and p.staging.piece_pages == 4 and p.staging.pages == 128 + 47
     assert "StagingRequest(piece_pages=4, splits=3" in p.explain()
     assert plan(shape([8192], [512]), QTiledConfig(), piece_pages=4).staging.piece_pages == 4
     # an all-automatic request is no request: the same plan as none
     assert plan(shape([32768], [2048]), QTiledConfig(), **{"order": 0}) == plan(shape([32768], [2048]), QTiledConfig())
     # the lightest-first order holds over pages all in HBM too (one split there)
-    assert plan(shape([8192], [8192], tier="hbm"), QTiledConfig(), order=2).layout.ascending
+    assert plan(shape([8192], [8192], tier="hbm"), QTiledConfig(), order=2).detail.layout.ascending
 
 
 def test_staging_requests_are_checked_and_go_with_a_q_tiled_config():
@@ -308,7 +307,7 @@ def test_fp8_decode_staging():
     sp = p.staging
     assert p.route == "decode_fp8_two_piece" and sp.host_pages == 512 and (sp.table < 0).all()
     assert len(sp.pieces) == 2 and sp.piece_pages == 512 - int(512 * FP8_TAIL_SHARE)
-    assert p.splits == sum(part.splits for part in p.fp8_parts) and p.capture.route == "decode_fp8"
+    assert p.detail.splits == sum(part.splits for part in p.detail.parts) and p.capture.route == "decode_fp8"
     p = plan(shape([32768] * 4, [1] * 4, fp8=True))
     assert p.staging.host_pages == 4 * 512 and len(p.staging.pieces) == 2
     assert plan(shape([32768], [1], fp8=True).replace(host_table=None)).route == "decode_fp8"  # bare tables
@@ -344,16 +343,16 @@ def test_fp8_chunks_run_head_by_head_where_16_bit_pages_in_hbm_would_run_the_q_t
         assert (got.route == "fp8_by_head") == (over_hbm.route == "q_tiled_hbm"), (lens, q_lens)
         if got.route == "fp8_by_head":
             assert got.config == over_hbm.config
-            assert list(got.head_groups) == fp8_head_groups(H200, 8, 64, 128, 1, lens, q_lens, 32)
+            assert list(got.detail.head_groups) == fp8_head_groups(H200, 8, 64, 128, 1, lens, q_lens, 32)
         else:
-            assert got.route == "fp8_dequantized" and got.inner.route == "multi_token"
-            assert (got.inner.staging is None and got.staging.pages ==
+            assert got.route == "fp8_dequantized" and got.detail.inner.route == "multi_token"
+            assert (got.detail.inner.staging is None and got.staging.pages ==
                     sum(math.ceil(n / 64) for n in lens))
     explicit = QTiledConfig(tile_n=64, stages=3)
     assert plan(shape([8192], [16], fp8=True), explicit).config is explicit
     p = plan(shape([8192], [2048], fp8=True), DecodeConfig(tile_n=64, stages=7, q_regs=1, consumer_wgs=2,
                                                            carveout=100, ctas_per_sm=1))
-    assert p.route == "fp8_dequantized" and p.inner.route == "multi_token"
+    assert p.route == "fp8_dequantized" and p.detail.inner.route == "multi_token"
 
 
 def test_fp8_chunk_over_the_staging_cap_is_refused_before_anything_is_staged():
@@ -375,13 +374,15 @@ def test_marked_tables_plan_copies_ahead_where_the_device_lets_them():
     ahead (a cache without a record of its host writes, the overlap off), keep the
     paced plan."""
     p = plan(shape([8192], [2048], tier="window", marked=True))
-    assert (p.layout.splits, p.layout.by_head, len(p.staging.pieces), p.staging.ready_from) == (3, False, 3, 2)
-    assert p.staging.piece_pages == 48 and p.choice.pipelined and p.copy_ahead
+    lo = p.detail.layout
+    assert (lo.splits, lo.by_head, len(p.staging.pieces), p.staging.ready_from) == (3, False, 3, 2)
+    assert p.staging.piece_pages == 48 and p.choice.pipelined and p.detail.copy_ahead
     paced = plan(shape([8192], [2048], tier="window"))
-    assert paced.layout.splits > 1 and len(paced.staging.pieces) > 2 and not paced.choice.pipelined
+    assert paced.detail.layout.splits > 1 and len(paced.staging.pieces) > 2 and not paced.choice.pipelined
     behind = plan(shape([8192], [2048], tier="window", marked=True), None,
                   dataclasses.replace(H200_FACTS, copies_ahead=False))
-    assert behind.layout == paced.layout and behind.staging.pieces == paced.staging.pieces and not behind.copy_ahead
+    assert behind.detail.layout == paced.detail.layout and behind.staging.pieces == paced.staging.pieces
+    assert not behind.detail.copy_ahead
 
 
 def test_copies_ahead_end_a_piece_where_the_steps_own_pages_begin():
@@ -389,7 +390,7 @@ def test_copies_ahead_end_a_piece_where_the_steps_own_pages_begin():
     previous kernel; the history of every sequence ends before the piece that holds them."""
     lens, q_lens, page = [6000, 3100], [2000, 700], 64
     p = plan(shape(lens, q_lens, marked=True))
-    assert p.layout.splits == 1 and p.staging.piece_pages == 36
+    assert p.detail.layout.splits == 1 and p.staging.piece_pages == 36
     own_first = [(n - ql) // page for n, ql in zip(lens, q_lens)]
     table = shape(lens, q_lens).host_table
     for i, piece in enumerate(p.staging.pieces):
@@ -404,7 +405,7 @@ def test_copies_ahead_keep_the_paced_plan_where_the_steps_own_pages_would_stall_
     """A first chunk (every page on the host, the step's own just written): planned ahead, the
     copy of its own pages would stall the kernel (16k q8192: 2.82 ms planned ahead vs 2.38 paced)."""
     got, paced = plan(shape(lens, q_lens, marked=True)), plan(shape(lens, q_lens))
-    assert got.layout == paced.layout and got.staging.pieces == paced.staging.pieces
+    assert got.detail.layout == paced.detail.layout and got.staging.pieces == paced.staging.pieces
 
 
 def test_copies_ahead_split_long_histories_so_the_runs_last_kernel_ends_soon_after_its_copy():
@@ -414,7 +415,7 @@ def test_copies_ahead_split_long_histories_so_the_runs_last_kernel_ends_soon_aft
     for lens, q_lens, least in (([32768], [2048], 4), ([131072], [2048], 8)):
         p = plan(shape(lens, q_lens, tier="window", marked=True))
         own = (lens[0] - q_lens[0]) // 64
-        assert p.layout.splits >= least and p.staging.ready_from * p.staging.piece_pages == own
+        assert p.detail.layout.splits >= least and p.staging.ready_from * p.staging.piece_pages == own
         assert len(p.staging.pieces) == p.staging.ready_from + 1  # the history's pieces, then the window's
 
 
@@ -422,6 +423,7 @@ def test_pipelined_cost_model():
     """max(copy, kernel + the wait for the step's own pages) + the tail's share; a kernel's splits
     past the first cost their folds, and too few CTAs for the SMs stretch it."""
     from directkv_cute import plan as pl
+    from directkv_cute import stage_plan
 
     m = H200
     assert pl.kernel_ms(m, 1.0, 0.0, 1, 132, 132) == 1.0
@@ -441,27 +443,25 @@ def test_pipelined_cost_model():
     paced, piped = (16, 16, 0, 16, None), (1, 1, 0, 2, ([1.0], [1.0]))
     big = int(9.4e-3 * m.memcpy_gbps * 1e9)  # a 9.4 ms copy, the kernel 6 ms
     flops = 6.0e-3 * m.q_tiled_tflops * 1e12
-    choice, best = pl.choose_pipelined(m, big, 0, flops, 1e5, [piped, paced])
+    choice, best = stage_plan.choose_pipelined(m, big, 0, flops, 1e5, [piped, paced])
     assert best == 1 and choice.splits == 16 and choice.pipelined
     small = int(0.47e-3 * m.memcpy_gbps * 1e9)  # 8k q2048's history and kernel: the pipeline wins
-    choice, best = pl.choose_pipelined(m, small, 0, 0.374e-3 * m.q_tiled_tflops * 1e12, 67.6e6,
+    choice, best = stage_plan.choose_pipelined(m, small, 0, 0.374e-3 * m.q_tiled_tflops * 1e12, 67.6e6,
                                        [(1, 1, 0, 2, ([1.0], [1.0])), (8, 8, 0, 8, None)])
     assert best == 0 and choice.staged
     with pytest.raises(ValueError, match="at least one candidate"):
-        pl.choose_pipelined(m, small, 0, 1.0, 0.0, [])
+        stage_plan.choose_pipelined(m, small, 0, 1.0, 0.0, [])
 
 
 def test_an_unknown_gpu_gets_a_conservative_machine_model_and_one_warning():
     """No machine model in the profile: one warning naming the file, and a model with no copy
     engine edge, under which link-bound calls read in place and compute-bound ones still stage."""
-    from directkv_cute import machine
-
     name = "Unknown GPU for the machine model"
     with pytest.warns(P.ProfileWarning, match="no machine model for Unknown GPU"):
-        m = machine.machine_for(name)
+        m = L.machine_for(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert machine.machine_for(name) == m  # said once
+        assert L.machine_for(name) == m  # said once
     assert m.memcpy_gbps == m.link_gbps and m != H200
     facts = dataclasses.replace(H200_FACTS, name=name)
     assert plan_attention(shape([32768], [1]), facts, m, ProfileConfigs(name)).route == "decode"
@@ -515,19 +515,19 @@ def test_two_piece_fp8_decode_launches_each_part_after_its_copy_into_one_combine
         log.append(("combine", o_part.data_ptr(), o_part.shape[0], splits))
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _Stream("cur", log))
-    monkeypatch.setattr(runner, "stager", lambda device, stream: FakeStager())
-    monkeypatch.setattr(runner, "_compiled_fp8", lambda *a: "fp8")
-    monkeypatch.setattr(runner, "_compiled_combine", lambda d, dtype: None)
+    monkeypatch.setattr(routes, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(runner, "compiled_fp8", lambda *a: "fp8")
+    monkeypatch.setattr(routes, "compiled_combine", lambda d, dtype: None)
     monkeypatch.setattr(launch, "launch_decode", decode)
     monkeypatch.setattr(launch, "launch_combine", combine)
-    monkeypatch.setattr(launch, "link_counters", lambda device: None)
+    monkeypatch.setattr(launch, "link_counters", lambda device, capturing: None)
     lens = (32768, 5000)
     p = plan(shape(list(lens), [1, 1], fp8=True))
     assert p.route == "decode_fp8_two_piece"
-    parts = tuple((torch.from_numpy(pt.table), torch.from_numpy(pt.lens)) for pt in p.fp8_parts)
+    parts = tuple((torch.from_numpy(pt.table), torch.from_numpy(pt.lens)) for pt in p.detail.parts)
     bound = runner.Bound(SimpleNamespace(seq_lens=torch.tensor(lens)), None, parts=parts)
     q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
-    out, lse = runner._fp8_staged_decode(p, bound, q, None, 0, 1.0, None)
+    out, lse = p.route.run(p, bound, runner.Call(q, None, 0, 1.0))
     assert out.shape == q.shape and lse.shape == (2, 32)
     assert [e[0] for e in log] == ["wait", "decode", "wait", "decode", "combine", "finish"]
     assert log[0][2] == "first" and log[2][2] == "second"
@@ -546,7 +546,7 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, page, sizes):
     launch runs on a stream (round-robin) that first waits for the event recorded after that
     dequantization, over the group's heads only; the current stream waits for every stream before
     ``finish``. A missing wait, a wrong group or a skipped head fails it."""
-    from directkv_cute import staging
+    from directkv_cute import stage_plan
     from directkv_cute.kernels import launch as L_
 
     log = []
@@ -574,7 +574,7 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, page, sizes):
         lock = contextlib.nullcontext()
 
         def stage_fp8(self, cache, layer, sp, groups=None):
-            assert groups == staging.head_groups(hkv, 2 * page * d) and len(sp.pieces) == 1
+            assert groups == stage_plan.head_groups(hkv, 2 * page * d) and len(sp.pieces) == 1
             raw = torch.zeros(sp.pages, 1, hkv, 2, page, d, dtype=E4M3, device="meta")
             return raw, torch.zeros(raw.shape[:-1], device="meta"), [Event(f"landed{i}") for i in range(len(groups))]
 
@@ -587,10 +587,10 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, page, sizes):
         def finish(self):
             log.append(("finish",))
 
-    monkeypatch.setattr(runner, "stager", lambda device, stream: FakeStager())
-    monkeypatch.setattr(runner, "_compiled_q_tiled", lambda *a: "attn")
-    monkeypatch.setattr(runner, "_compiled_dequant", lambda *a: "deq")
-    monkeypatch.setattr(L_, "link_counters", lambda device: None)
+    monkeypatch.setattr(routes, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(routes, "compiled_q_tiled", lambda *a: "attn")
+    monkeypatch.setattr(routes, "compiled_dequant", lambda *a: "deq")
+    monkeypatch.setattr(L_, "link_counters", lambda device, capturing: None)
     monkeypatch.setattr(L_, "launch_dequant", lambda fn, raw, sc, buf, heads: log.append(("dequant", current[0].name,
                                                                                           heads)))
     monkeypatch.setattr(L_, "launch_q_tiled", lambda *a, heads, **k: log.append(("attn", current[0].name, heads)))
@@ -599,11 +599,11 @@ def test_fp8_chunk_launch_order_per_head_group(monkeypatch, page, sizes):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     p = plan(shape([20000, 9000], [2048, 1000], page=page, fp8=True))
     assert p.route == "fp8_by_head"
-    p = dataclasses.replace(p, head_groups=tuple(staging.head_groups(hkv, 2 * page * d)))  # the grouping asserted
+    groups = stage_plan.head_groups(hkv, 2 * page * d)
+    p = dataclasses.replace(p, detail=dataclasses.replace(p.detail, head_groups=tuple(groups)))  # the grouping asserted
     q = torch.zeros(3048, 32, d, dtype=torch.bfloat16)
     bound = runner.Bound(SimpleNamespace(seq_lens=None), None, staged_table=None)
-    runner._fp8_by_head(p, bound, q, None, 0, 1.0, None)
-    groups = staging.head_groups(hkv, 2 * page * d)
+    p.route.run(p, bound, runner.Call(q, None, 0, 1.0))
     assert [len(g) for g in groups] == sizes
     streams = ["cur", "aux0", "aux1", "aux2"][:len(groups)]
     at = 0
@@ -624,7 +624,7 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
     without a window the splits run in order. Every split runs exactly once, folded in the kernel
     into buffers shaped as the call's (no partial slots, no combine)."""
     from directkv_cute.kernels import launch as L_
-    from directkv_cute.plan import q_tiled_splits
+    from directkv_cute.stage_plan import q_tiled_splits
 
     log, hosts = [], []
 
@@ -648,8 +648,8 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
         log.append(("attn", fn, [(split_first + r) % splits for r in range(splits)], split_tiles, piece_tiles))
         hosts.append(host)
 
-    monkeypatch.setattr(runner, "stager", lambda device, stream: FakeStager())
-    monkeypatch.setattr(runner, "_compiled_q_tiled", lambda *a: ("attn", *a[5:]))
+    monkeypatch.setattr(routes, "stager", lambda device, stream: FakeStager())
+    monkeypatch.setattr(routes, "compiled_q_tiled", lambda *a: ("attn", *a[5:]))
     monkeypatch.setattr(L_, "launch_q_tiled", launch)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     for window in (True, False):
@@ -662,11 +662,11 @@ def test_a_window_chunk_launches_its_ready_splits_first(monkeypatch, lens, q_len
                 table[b, (n - m) // page:] = -(np.arange((n - m) // page, table.shape[1]) + 1000 * (b + 1)) - 1
             s = s.replace(host_table=table)
         p = plan(s)
-        assert p.route == "q_tiled_staged" and p.layout.splits > 1 and not p.layout.by_head
+        assert p.route == "q_tiled_staged" and p.detail.layout.splits > 1 and not p.detail.layout.by_head
         cache = SimpleNamespace(host_pool_cuda=None, host_pool=torch.empty(0, dtype=torch.bfloat16), num_layers=32,
                                 hbm_pool=torch.empty(5, 32, 8, 2, page, 128, dtype=torch.bfloat16, device="meta"))
         q = torch.zeros(sum(q_lens), 32, 128, dtype=torch.bfloat16)
-        runner._q_tiled(p, runner.Bound(SimpleNamespace(seq_lens=None), None), q, cache, 3, 1.0, None)
+        p.route.run(p, runner.Bound(SimpleNamespace(seq_lens=None), None), runner.Call(q, cache, 3, 1.0))
         (a1, done) = log
         assert a1[1] == ("attn", True, True) and done == ("finish",)  # staged (wait_ready), folding
         runs, split_tiles, piece_tiles = a1[2:]

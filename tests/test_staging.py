@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from directkv_cute.config import ConfigError, QTiledConfig, q_tiles
 from directkv_cute.machine import H200, DeviceInfo
-from directkv_cute.plan import LINK_STAGE_MARGIN, causal_flops, choose_staged, may_stage, partial_bytes
-from directkv_cute.staging import MAX_PIECES, piece_pages_for, plan_staging
+from directkv_cute.plan import LINK_STAGE_MARGIN, causal_flops, may_stage, partial_bytes
+from directkv_cute.stage_plan import MAX_PIECES, choose_staged, piece_pages_for, plan_staging
 
 
 def _encode(tier_hbm: bool, page: int) -> int:
@@ -320,7 +320,7 @@ def test_q_tiled_compile_key_changes_with_every_code_input():
 @pytest.mark.parametrize("max_tiles,piece_tiles,want", [(256, 16, 0), (256, 16, 3), (5, 16, 0), (1000, 7, 4),
                                                         (64, 1, 1)])
 def test_q_tiled_splits_are_whole_pieces_covering_every_tile(max_tiles, piece_tiles, want):
-    from directkv_cute.plan import STAGED_SPLITS, q_tiled_splits
+    from directkv_cute.stage_plan import STAGED_SPLITS, q_tiled_splits
 
     splits, per = q_tiled_splits(max_tiles, piece_tiles, want)
     assert per % piece_tiles == 0
@@ -593,7 +593,7 @@ def test_stager_copies_every_page_and_marks_each_flag_after_its_copies(monkeypat
 
 
 def test_hbm_runs_per_sequence_tells_a_window_from_spread_pages():
-    from directkv_cute.planner import hbm_runs_per_sequence
+    from directkv_cute.stage_plan import hbm_runs_per_sequence
 
     table = np.array([[3, 4, 5, -1, -2, -7],   # a window at the end of its 5 pages (-7 is past them)
                       [-3, 8, -4, 9, -5, -6],  # spread: three runs
@@ -682,7 +682,7 @@ def test_stager_copies_fp8_pages_and_scales_piece_by_piece(monkeypatch):
 
 
 def test_head_groups_span_a_full_rate_copy_row():
-    from directkv_cute.staging import MIN_COPY_ROW, head_groups
+    from directkv_cute.stage_plan import MIN_COPY_ROW, head_groups
 
     assert head_groups(8, 16384) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]  # FP8, page 64, d 128
     assert head_groups(8, 32768) == [range(h, h + 1) for h in range(8)]  # bf16, page 64, d 128
@@ -701,11 +701,11 @@ def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
     the page's slot; on the side stream all scale copies first, then per head group one strided
     copy per host run of exactly that group's bytes, then that group's event; a plan of several
     pieces is refused before anything is queued."""
-    from directkv_cute import staging
+    from directkv_cute import stage_plan
 
     pages, layers, hkv, P, d, layer = 40, 3, 5, 16, 8, 1
     head_bytes = 2 * P * d
-    monkeypatch.setattr(staging, "MIN_COPY_ROW", 2 * head_bytes)  # groups of two heads: [0, 2), [2, 4), [4, 5)
+    monkeypatch.setattr(stage_plan, "MIN_COPY_ROW", 2 * head_bytes)  # groups of two heads: [0, 2), [2, 4), [4, 5)
     cache = _fp8_pools(pages, layers, hkv, P, d)
     lens, table = _two_sequences(P, pages)
     events = []
@@ -713,11 +713,11 @@ def test_stager_copies_fp8_pages_by_head_group_after_every_scale(monkeypatch):
     st.buffer = None
     _record_events(monkeypatch, events)
     with pytest.raises(ValueError, match="one-piece plan"):
-        st.stage_fp8(cache, layer, plan_staging(table, lens, P, 3), staging.head_groups(hkv, head_bytes))
+        st.stage_fp8(cache, layer, plan_staging(table, lens, P, 3), stage_plan.head_groups(hkv, head_bytes))
     assert events == []
     plan = plan_staging(table, lens, P, 10)
     assert len(plan.pieces) == 1
-    groups = staging.head_groups(hkv, head_bytes)
+    groups = stage_plan.head_groups(hkv, head_bytes)
     raw, sc, landed = st.stage_fp8(cache, layer, plan, groups)
     assert [len(g) for g in groups] == [2, 2, 1] and len(landed) == len(groups)
     _assert_fp8_staged(raw, sc, cache, table, plan, lens, P, layer)
@@ -779,7 +779,7 @@ def test_copy_rates_bench_refuses_without_cuda(monkeypatch):
     (64, 8, 8, 0, (8, 8, 0)),
 ])
 def test_q_tiled_splits_give_the_ready_tiles_splits_that_launch_first(max_tiles, piece_tiles, want, ready, expect):
-    from directkv_cute.plan import q_tiled_splits, ready_split
+    from directkv_cute.stage_plan import q_tiled_splits, ready_split
 
     splits, per = q_tiled_splits(max_tiles, piece_tiles, want, ready)
     first = ready_split(ready // piece_tiles, piece_tiles, per, splits) if ready else 0
@@ -790,7 +790,7 @@ def test_q_tiled_splits_give_the_ready_tiles_splits_that_launch_first(max_tiles,
 
 
 def test_window_piece_pages_give_the_window_pieces_of_its_own():
-    from directkv_cute.plan import window_piece_pages
+    from directkv_cute.stage_plan import window_piece_pages
 
     assert window_piece_pages(64, 480, 512, 2) == 60  # 32k q2048 at page 64
     assert window_piece_pages(16, 96, 128, 2) == 16  # 8k q2048: already whole pieces
@@ -855,7 +855,7 @@ def test_stager_flags_the_ready_pieces_before_any_host_copy(monkeypatch):
 
 
 def test_head_groups_may_start_with_a_smaller_group():
-    from directkv_cute.staging import MIN_COPY_ROW, head_groups
+    from directkv_cute.stage_plan import MIN_COPY_ROW, head_groups
 
     hb = MIN_COPY_ROW // 2  # two heads per group
     assert head_groups(8, hb) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
@@ -865,7 +865,7 @@ def test_head_groups_may_start_with_a_smaller_group():
 
 def test_fp8_chunks_copy_a_single_head_first_only_where_compute_outlasts_the_copy():
     """q8192 (compute longer than the 16-bit copy): one head, then pairs; q2048 and q512: pairs."""
-    from directkv_cute.planner import fp8_head_groups
+    from directkv_cute.stage_plan import fp8_head_groups
 
     for n, q, first in ((8192, 8192, 1), (32768, 8192, 1), (131072, 8192, 1), (32768, 2048, 2), (8192, 512, 2)):
         groups = fp8_head_groups(H200, 8, 64, 128, 1, [n], [q], 32)
@@ -875,7 +875,7 @@ def test_fp8_chunks_copy_a_single_head_first_only_where_compute_outlasts_the_cop
 
 
 def test_ready_page_is_one_past_every_sequences_last_host_page():
-    from directkv_cute.planner import ready_page
+    from directkv_cute.stage_plan import ready_page
 
     t = np.array([[0, 1, 2, -1, -2], [5, 6, -3, -3, -3]], dtype=np.int32)
     assert ready_page(t, [5, 2]) == 3  # the second sequence's pages past its length do not count
@@ -1055,7 +1055,7 @@ def test_copy_calls_count_the_runs_of_each_tier_and_copies_ahead_needs_a_record_
     for cap, ahead in ((2 * buffer, True), (2 * buffer - 1, False)):
         facts = DeviceInfo("G", 132, 8 * 2**30, copies_ahead=True, staging_cap=cap)
         got = plan_attention(shape, facts, H200, DefaultConfigs())
-        assert got.route == "q_tiled_staged" and got.copy_ahead == ahead
+        assert got.route == "q_tiled_staged" and got.detail.copy_ahead == ahead
 
 
 def test_a_pool_view_with_a_write_log_copies_ahead_after_the_writes_it_records(monkeypatch):

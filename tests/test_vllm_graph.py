@@ -351,7 +351,7 @@ def test_a_prompt_step_over_every_block_is_planned_as_hbm_reads_without_its_host
     bare = CallShape.of(Pools, device_tables._replace(hbm_only=False), q_lens, 32)
     a, b = (plan_attention(s, info, H200, configs) for s in (known, marked))
     assert a.route == b.route == "q_tiled_hbm"
-    assert (a.config, a.layout) == (b.config, b.layout)
+    assert (a.config, a.detail.layout) == (b.config, b.detail.layout)
     assert plan_attention(bare, info, H200, configs).route == "multi_token"
     # a host table wins over the mark: its pages say where they are
     assert CallShape.of(Pools, device_tables._replace(host_table=known.host_table), q_lens, 32).hbm_only is False

@@ -13,12 +13,13 @@ import torch
 from directkv_cute import runner
 from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.planner import CallShape, DefaultConfigs, plan_attention
+from directkv_cute.routes import dequant_args
 from directkv_cute.runner import PoolView, plan_kernels
 from directkv_cute.vllm.step import warmup_kernels, warmup_mirrors, warmup_steps
 
 H200_FACTS = DeviceInfo("NVIDIA H200", sms=132, total_memory=141 * 2**30)
-MEMOS = {runner._compiled, runner._compiled_fp8, runner._compiled_q_tiled, runner._compiled_combine,
-         runner._compiled_dequant}
+MEMOS = {runner.compiled_decode, runner.compiled_fp8, runner.compiled_q_tiled, runner.compiled_combine,
+         runner.compiled_dequant}
 
 
 def _steps(**kw):
@@ -60,7 +61,7 @@ def test_steps_refuse_bad_limits(bad, error):
 
 def test_plan_kernels_names_the_run_paths_choice():
     """For plans of every 16-bit route the H200 planner makes, the listed kernels are the run
-    path's memoized compile calls, the in-place kernel exactly as ``_in_place_kernel`` picks it."""
+    path's memoized compile calls, the in-place kernel exactly as ``in_place_kernel`` picks it."""
     routes = set()
     for seq_lens, q_lens, tier in (([4096], [1], "host"), ([131072] * 4, [1] * 4, "host"), ([32768], [2048], "host"),
                                    ([32768], [2048], "hbm"), ([8192], [64], "host"), ([1024] * 8, [16] * 8, "host")):
@@ -69,11 +70,11 @@ def test_plan_kernels_names_the_run_paths_choice():
         kernels = plan_kernels(plan, torch.bfloat16)
         assert kernels and all(fn in MEMOS for fn, _ in kernels)
         if plan.route in ("decode", "multi_token"):
-            assert runner._in_place_kernel(plan, torch.bfloat16, compile_now=False) == kernels[0]
-            assert (runner._compiled_combine in [fn for fn, _ in kernels]) == (plan.splits > 1 or
-                                                                               plan.kernel == "multi_token")
+            assert runner.in_place_kernel(plan, torch.bfloat16, compile_now=False) == kernels[0]
+            assert (runner.compiled_combine in [fn for fn, _ in kernels]) == (plan.detail.splits > 1 or
+                                                                              plan.kernel == "multi_token")
         if plan.route.startswith("q_tiled"):
-            assert kernels == [(runner._compiled_q_tiled, runner._q_tiled_args(plan, torch.bfloat16))]
+            assert kernels == [(runner.compiled_q_tiled, plan.route.q_tiled_args(plan, torch.bfloat16))]
     assert {"decode", "multi_token", "q_tiled_staged", "q_tiled_hbm"} <= routes, routes
 
 
@@ -88,14 +89,14 @@ def test_plan_kernels_of_fp8_routes_name_the_run_paths_choice():
         routes[plan.route] = kernels = plan_kernels(plan, torch.bfloat16)
         assert kernels and all(fn in MEMOS for fn, _ in kernels)
         if plan.route in ("fp8_dequantized", "fp8_by_head"):
-            assert (runner._compiled_dequant, runner._dequant_args(plan, torch.bfloat16)) in kernels
+            assert (runner.compiled_dequant, dequant_args(plan, torch.bfloat16)) in kernels
         if plan.route == "fp8_dequantized":
-            assert kernels[1:] == plan_kernels(plan.inner, torch.bfloat16)
+            assert kernels[1:] == plan_kernels(plan.detail.inner, torch.bfloat16)
         if plan.route == "fp8_by_head":
-            (fn, args), = [k for k in kernels if k[0] is runner._compiled_q_tiled]
-            assert args == runner._q_tiled_args(plan, torch.bfloat16) and args[-2:] == (False, False)
+            (fn, args), = [k for k in kernels if k[0] is runner.compiled_q_tiled]
+            assert args == plan.route.q_tiled_args(plan, torch.bfloat16) and args[-2:] == (False, False)
         if plan.route.startswith("decode_fp8"):
-            assert kernels[0] == runner._in_place_kernel(plan, torch.bfloat16, True, compile_now=False)
+            assert kernels[0] == runner.in_place_kernel(plan, torch.bfloat16, True, compile_now=False)
     assert {"decode_fp8", "decode_fp8_two_piece", "fp8_by_head", "fp8_dequantized"} <= set(routes), set(routes)
 
 
@@ -108,7 +109,7 @@ def test_warmup_kernels_of_a_llama_8b_server_on_an_h200():
     kernels = warmup_kernels(pools, steps, num_q_heads=32, dtype=torch.bfloat16, device="cpu",
                              device_info=H200_FACTS)
     names = [key[0] for key in kernels]
-    assert {"_compiled", "_compiled_q_tiled", "_compiled_combine"} <= set(names)
+    assert {"compiled_decode", "compiled_q_tiled", "compiled_combine"} <= set(names)
     assert 3 <= len(kernels) <= 24 and len(set(kernels)) == len(kernels)
     for key, (fn, args) in kernels.items():
         assert key == (fn.__name__, *args) and fn in MEMOS

@@ -23,13 +23,21 @@ from pathlib import Path
 
 from directkv_cute import env as envvars
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES, ConfigError
+from directkv_cute.kernels import specs
+from directkv_cute.paths import cache_root
 
 from directkv_cute.presets import TEST_PRESETS
 
+from . import machine as _machine
 from . import presets as _presets
+from . import profiles as _profiles
+from . import restamp as _restamp
+from .lookup import ProfileMissError, explain_config, tuned_buckets
+from .objectives import GpuObjective, ModelledObjective
 from .profiles import PROFILE_DIR_ENV, TUNE_COMMAND, ProfileError, current_kernel_hash, default_output_dir, \
     dump_yaml, find_profiles, list_profiles, load_profile, one_line, output_problem, profile_dirs, sanitize_gpu_name
-from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel
+from .space import STREAM_MAX_ROWS, TuneShape, get_space, kernels, normalize_dtype, op_kernel, torch_dtype
+from .tuner import MAX_SEEDS, TuneOptions, Tuner, TunerAbort, format_results, plain_table, shape_problem
 
 SUBCOMMANDS = ("run", "show", "check", "lookup", "presets", "machine", "restamp")
 CACHE_DIR_ENV = envvars.CACHE_DIR
@@ -39,8 +47,6 @@ DRY_RUN_SAMPLE = 20_000  # larger ones: the legal share of this many seeded rand
 
 def default_cache_dir() -> Path:
     """Tuner journals: the package's one cache folder (``directkv_cute.paths.cache_root``) / tune."""
-    from directkv_cute.paths import cache_root
-
     return cache_root() / "tune"
 
 
@@ -127,8 +133,6 @@ def _positive_float(text: str) -> float:
 
 
 def _seed_arg(text: str) -> int:
-    from .tuner import MAX_SEEDS
-
     n = _count_arg(text, 0)
     if n >= MAX_SEEDS:
         raise argparse.ArgumentTypeError(f"must be < {MAX_SEEDS} (2**32), got {n}")
@@ -310,10 +314,8 @@ def _shapes_from_args(a) -> list[TuneShape]:
 
 
 def _for_kernel(kernel: str, shapes) -> list[TuneShape]:
-    """The buckets the planner looks ``kernel``'s entries up for (``planner.tuned_buckets``, by
+    """The buckets the planner looks ``kernel``'s entries up for (``lookup.tuned_buckets``, by
     space.op_kernel); says which were left out."""
-    from directkv_cute.planner import tuned_buckets
-
     runs = tuned_buckets(kernel)
     kept = [s for s in shapes if op_kernel(s.group, s.q_len) == runs]
     left = [s for s in shapes if op_kernel(s.group, s.q_len) != runs]
@@ -374,8 +376,6 @@ def _dry_run(a, shapes, out) -> int:
     rows = [[str(s.num_q_heads), str(s.num_kv_heads), str(s.head_dim), str(s.group), str(s.batch), str(s.context),
              str(s.q_len), f"{s.kv_bytes() / 2**20:.0f}",
              str(space.launch_classes(s)) if small else "-"] for s in shapes]
-    from .tuner import plain_table
-
     p(plain_table(["hq", "hkv", "d", "group", "batch", "context", "q_len", "KV MiB/layer", "launches"], rows))
     p("")
     p(f"objective: {a.objective}; seed {a.seed}; time budget {a.time_budget or 'none'}; nothing was run (--dry-run)")
@@ -383,8 +383,6 @@ def _dry_run(a, shapes, out) -> int:
 
 
 def _make_objective(a):
-    from .objectives import GpuObjective, ModelledObjective
-
     if a.objective == "model":
         return ModelledObjective(seed=a.seed, kernel=a.kernel)
     return GpuObjective(seed=a.seed, max_host_bytes=int(a.max_host_gib * (1 << 30)), kernel=a.kernel)
@@ -439,8 +437,6 @@ def _journal_records_problem(path: Path) -> str | None:
 
 def _cmd_run(a, out) -> int:
     envvars.check_all()  # the op the GPU objective measures reads them: refuse a bad one now
-    from .tuner import shape_problem
-
     try:
         shapes = _shapes_from_args(a)
     except (KeyError, ValueError) as e:
@@ -466,8 +462,6 @@ def _cmd_run(a, out) -> int:
     problem = None if output is None else _folder_problem(output, "--output")
     if problem:
         return _fail(problem)
-
-    from .tuner import TuneOptions, Tuner, TunerAbort, format_results
 
     try:
         objective = _make_objective(a)
@@ -567,8 +561,6 @@ def _file_arg_problem(path: Path) -> str | None:
 
 
 def _cmd_show(a, out) -> int:
-    from .tuner import plain_table
-
     if _missing_dir(a, "show"):
         return 2
     for f in a.files:  # the files named: each must be a readable profile, else nothing is shown
@@ -654,11 +646,7 @@ def _resolve_compile():
 def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> None:
     """Compile one entry as the op launches it: multi_token entries with the multi-token kernel,
     q_tiled entries in each variant the op launches (``specs.Q_TILED_VARIANTS``)."""
-    from .space import torch_dtype
-
     if kernel == "q_tiled":
-        from directkv_cute.kernels import specs
-
         compile_q_tiled = specs.get("q_tiled").compile_fn
         for wait_ready, fold in specs.Q_TILED_VARIANTS:
             compile_q_tiled(cfg, torch_dtype(dtype), d, page, group, wait_ready, fold)
@@ -667,6 +655,7 @@ def _compile_entry(compile_fn, kernel, cfg, dtype, d, page, group, q_len) -> Non
     if kernel == "decode_fp8":  # its own compile, over e4m3 pages
         import torch
 
+        # torch and the compiler load only to compile: the CLI answers --help and bad arguments without them
         from directkv_cute.kernels.jit import compile_decode_fp8
 
         compile_decode_fp8(cfg, kv_dtype=torch.float8_e4m3fn, split_out=True, **kw)
@@ -776,8 +765,6 @@ def resolve_gpu_name(name: str) -> str:
 
 
 def _cmd_lookup(a, out) -> int:
-    from .lookup import ProfileMissError, explain_config
-
     hq, hkv, d, b, ctx, q = a.shape
     group = hq // hkv
     op = op_kernel(group, q)
@@ -814,8 +801,6 @@ def _cmd_lookup(a, out) -> int:
 
 
 def _cmd_presets(_a, out) -> int:
-    from .tuner import plain_table
-
     rows = [[p.name, str(p.num_q_heads), str(p.num_kv_heads), str(p.group), str(p.head_dim), str(p.hidden_size),
              str(p.num_layers), ",".join(map(str, p.batches)), ",".join(map(str, p.contexts)),
              ",".join(map(str, p.q_lens)), str(p.page_size), p.dtype, p.source] for p in _presets.PRESETS.values()]
@@ -832,15 +817,12 @@ def _cmd_presets(_a, out) -> int:
 
 
 def _cmd_machine(a, out) -> int:
-    from . import machine as mm
-    from .tuner import plain_table
-
     output = None if a.dry_run else (a.output if a.output is not None else default_output_dir())
     problem = None if output is None else _folder_problem(output, "--output")
     if problem:
         return _fail(problem)
     try:
-        probes = mm.gpu_probes()
+        probes = _machine.gpu_probes()
     except (RuntimeError, ImportError) as e:
         return _fail(e)
     env = dict(probes.env)
@@ -851,30 +833,27 @@ def _cmd_machine(a, out) -> int:
         return _fail(problem)
     print(f"directkv-tune machine: measuring the machine model of {probes.gpu_name}", file=out, flush=True)
     try:
-        measured = mm.measure_machine(probes, env["gpu_name"],
-                                      log=lambda msg: print(f"  {msg}", file=out, flush=True))
-    except (mm.MeasureError, ValueError) as e:
+        measured = _machine.measure_machine(probes, env["gpu_name"],
+                                            log=lambda msg: print(f"  {msg}", file=out, flush=True))
+    except (_machine.MeasureError, ValueError) as e:
         return _fail(f"machine: {e}", 1)
-    print(plain_table(["rate", "value", "how"], mm.table_rows(measured)), file=out)
+    print(plain_table(["rate", "value", "how"], _machine.table_rows(measured)), file=out)
     if output is None:
-        print(dump_yaml({"machine": mm.rounded(measured.model)}, default_flow_style=None, width=120), file=out)
+        print(dump_yaml({"machine": _machine.rounded(measured.model)}, default_flow_style=None, width=120), file=out)
         print("profile: not written (--dry-run)", file=out)
         return 0
-    path = mm.write_profile(output, env, measured)
+    path = _machine.write_profile(output, env, measured)
     print(f"profile: {path} (machine: written, its entries kept)", file=out)
     return 0
 
 
 def _cmd_restamp(a, out) -> int:
-    from . import restamp as rsm
-    from .profiles import bundled_profile_dir
-
-    paths = list(a.profile) or list_profiles(bundled_profile_dir())
+    paths = list(a.profile) or list_profiles(_profiles.bundled_profile_dir())
     if not paths:
-        return _fail(f"restamp: no profiles in {bundled_profile_dir()} (name one with --profile FILE)")
+        return _fail(f"restamp: no profiles in {_profiles.bundled_profile_dir()} (name one with --profile FILE)")
     try:
-        return rsm.run(paths, against=a.against, dry_run=a.dry_run, verbose=a.verbose, out=out)
-    except rsm.RestampError as e:
+        return _restamp.run(paths, against=a.against, dry_run=a.dry_run, verbose=a.verbose, out=out)
+    except _restamp.RestampError as e:
         return _fail(f"restamp: {e}")
 
 

@@ -34,11 +34,18 @@ except ``DIRECTKV_REQUIRE_PROFILE``'s miss and a value of ``DIRECTKV_REQUIRE_PRO
 ``DIRECTKV_PROFILE_DIR`` that ``directkv_cute.env`` refuses (raised before any profile is read):
 any failure reading a profile is a warning and the next source, in the end the default. Loaded profiles and decisions are cached (a decision per full
 key in a dict); :func:`clear_cache` forgets them (call it after writing a profile in-process).
+
+The planner's machine model of a GPU is looked up the same way (``machine_for``): the usable
+profile's ``machine:`` section, else ``machine.CONSERVATIVE`` with one warning; a profile whose
+section is invalid is refused.
+
+Which profile buckets each tuned kernel's entries serve is ``tuned_buckets``.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
 import os
@@ -49,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from directkv_cute import env as envvars
+from directkv_cute.machine import CONSERVATIVE, MachineModel, MachineModelError
 
 from .profiles import (
     PROFILE_DIR_ENV,
@@ -60,6 +68,7 @@ from .profiles import (
     expected_profile_path,
     find_profiles,
     load_profile,
+    one_line,
     profile_dirs,
 )
 from .space import get_space, normalize_dtype
@@ -392,11 +401,9 @@ def profile_for(gpu_name: str) -> Profile | None:
         return _usable_profile(gpu_name)[1]
 
 
-def machine_model(gpu_name: str):
+def machine_model(gpu_name: str) -> MachineModel | None:
     """The machine model (``directkv_cute.machine.MachineModel``) of ``gpu_name``'s usable profile,
     or None where it has none."""
-    from directkv_cute.machine import MachineModel
-
     key = (gpu_name, _EPOCH[0], os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
     if key not in _MACHINES:
         prof = profile_for(gpu_name)
@@ -407,6 +414,69 @@ def machine_model(gpu_name: str):
 
 _MACHINES: dict = {}
 
+# The in-place kernel (``kernels.specs.op_kernel``) of the calls whose profile buckets each tuned
+# kernel's entries serve: the planner looks decode_fp8 up for decode-sized calls over FP8 pages
+# and q_tiled for multi-token calls (staged, or over pages in HBM).
+TUNED_BUCKETS = {"decode": "decode", "decode_fp8": "decode", "multi_token": "multi_token", "q_tiled": "multi_token"}
 
-__all__ = ["Decision", "machine_model", "ProfileMissError", "REQUIRE_ENV", "clear_cache", "explain_config", "profile_for",
-           "select_config"]
+
+def tuned_buckets(kernel: str) -> str:
+    """``op_kernel``'s answer for the buckets the planner looks ``kernel``'s tuned entries up for."""
+    return TUNED_BUCKETS.get(kernel, kernel)
+
+
+_WARNED: set = set()
+_REFUSED: dict = {}  # (gpu_name, the lookup's cache epoch, the profile folders' variables) -> refusal or None
+
+
+def machine_for(gpu_name: str) -> MachineModel:
+    """The machine model of ``gpu_name``'s profile, else ``CONSERVATIVE`` (warned once per GPU).
+
+    A profile of this GPU whose ``machine:`` section is there but invalid (``machine_problems``)
+    is refused with ``MachineModelError`` naming the file and the field, when it is the profile
+    the lookup would read or one before it in the lookup's folders: the planner never plans with
+    its rates, nor in silence with other ones."""
+    refusal = _machine_refusal(gpu_name)
+    if refusal is not None:
+        raise MachineModelError(refusal)
+    m = machine_model(gpu_name)
+    if m is not None:
+        return m
+    if gpu_name not in _WARNED:
+        _WARNED.add(gpu_name)
+        warnings.warn(f"directkv-cute: no machine model for {gpu_name} (a `machine:` section in "
+                      f"{expected_profile_path(gpu_name)}); the planner uses a conservative default that stages "
+                      "only compute-bound calls", ProfileWarning, stacklevel=3)
+    return dataclasses.replace(CONSERVATIVE, name=f"{gpu_name} (conservative default)")
+
+
+def _machine_refusal(gpu_name: str) -> str | None:
+    """Why the planner may not plan for ``gpu_name`` (None: it may): the first of its profiles in
+    the lookup's order, up to the one the lookup uses, that was refused for its ``machine:``
+    section. Cached like the lookup's machine model (``clear_cache`` forgets it)."""
+    key = (gpu_name, cache_epoch(), os.environ.get(PROFILE_DIR_ENV), os.environ.get("XDG_CONFIG_HOME"))
+    if key in _REFUSED:
+        return _REFUSED[key]
+    refusal = None
+    for path in find_profiles(gpu_name):
+        try:
+            prof = load_profile(path)
+        except ProfileError as e:
+            if any(f == "machine" or f.startswith("machine.") for f in getattr(e, "fields", ())):
+                refusal = (f"directkv-cute: cannot plan for {gpu_name}: {one_line(e)} (fix the machine: "
+                           "section, measure it again with `directkv-tune machine`, or delete it for the "
+                           "conservative default)")
+                break
+            continue  # unusable for another reason: the lookup warns and reads the next folder's
+        except Exception:  # noqa: BLE001 - MemoryError, a bug: the lookup warns, never the op here
+            continue
+        if not prof.compat_problems(gpu_name=gpu_name):
+            break  # the profile the lookup uses (its machine: section, if any, is valid)
+    if len(_REFUSED) > 256:
+        _REFUSED.clear()
+    _REFUSED[key] = refusal
+    return refusal
+
+
+__all__ = ["Decision", "machine_for", "machine_model", "ProfileMissError", "REQUIRE_ENV", "clear_cache",
+           "explain_config", "profile_for", "select_config", "tuned_buckets"]

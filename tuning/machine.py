@@ -37,7 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from directkv_cute import plan as cm
-from directkv_cute.machine import H200, MachineModel
+from directkv_cute.machine import CONSERVATIVE, H200, MachineModel
+
+from .lookup import clear_cache
+from .profiles import Profile, make_metadata, profile_filename, save_profile
 
 # The representative call shape: Llama-3-8B's heads, bf16, pages of 64 tokens.
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, ELEM_BYTES = 32, 8, 128, 64, 2
@@ -183,15 +186,11 @@ def table_rows(measured: Measured) -> list[list[str]]:
 def write_profile(output: Path, env: dict, measured: Measured) -> Path:
     """Write ``measured`` as the ``machine:`` section of ``env['gpu_name']``'s profile in
     ``output`` (merged with the file there: its entries kept), with ``metadata.machine_sources``."""
-    from .profiles import Profile, make_metadata, profile_filename, save_profile
-
     bw = measured.raw.get("bandwidths", {})
     md = make_metadata({**env, "host_link_gbps": bw.get("memcpy_h2d_gbps"), "hbm_gbps": bw.get("hbm_read_gbps")},
                        objective="gpu", extra={"machine_sources": dict(measured.how)})
     path = Path(output) / profile_filename(env["gpu_name"])
     save_profile(Profile(metadata=md, path=path, machine=rounded(measured.model)), path)
-    from .lookup import clear_cache
-
     clear_cache()  # a lookup in this process sees the new machine model
     return path
 
@@ -222,6 +221,7 @@ class GpuProbes:
                     "smem_optin_bytes": int(getattr(props, "shared_memory_per_block_optin", 0) or 232448)}
 
     def bandwidths(self) -> dict:
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.probes import event_time_ms, measure_bandwidths
 
         return measure_bandwidths("cuda", self.HOST_BYTES, self.HBM_BYTES, event_time_ms)[0]
@@ -229,6 +229,7 @@ class GpuProbes:
     def d2d(self) -> tuple[int, float]:
         import cuda.bindings.runtime as rt
 
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.probes import event_time_ms
 
         torch, n = self.torch, self.D2D_BYTES
@@ -247,6 +248,7 @@ class GpuProbes:
         return n, ms
 
     def copy_calls(self) -> dict:
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.probes import copy_pattern, event_time_ms
 
         torch = self.torch
@@ -267,6 +269,7 @@ class GpuProbes:
 
     # ---- the kernels, through DirectKVAttention with the route forced ----------------------------
     def _cache(self, keys: int, hbm: bool):
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.cache import PagedKVCache
 
         torch = self.torch
@@ -282,6 +285,7 @@ class GpuProbes:
 
     def _time(self, keys: int, queries: int, hbm: bool, config_of, machine, route: str):
         """(ms per call, plan) of one call over a fresh cache, ``config_of(cache, tables)`` its config."""
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.attention import DirectKVAttention
 
         torch = self.torch
@@ -295,6 +299,7 @@ class GpuProbes:
             qs = [torch.randn(queries, NUM_Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
                   for _ in range(layers)]
             outs = [torch.empty_like(q) for q in qs]
+            # loads torch: only the GPU probes need it, the rest of this module runs without it
             from directkv_cute.probes import event_time_ms
 
             ms = event_time_ms([lambda i=i: dk.run(qs[i], i, outs[i]) for i in range(layers)], warmup=3, reps=7)
@@ -306,19 +311,19 @@ class GpuProbes:
             torch.cuda.empty_cache()
 
     def _configs(self):
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.planner import ProfileConfigs
 
         return ProfileConfigs(self.gpu_name)
 
     def _shape(self, cache, tables, queries: int):
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.planner import CallShape
 
         return CallShape.of(cache, tables, [queries], NUM_Q_HEADS)
 
     def chunk_ms(self, keys: int, queries: int) -> float:
         """The multi-token kernel reading host pages in place, with the profile's config."""
-        from directkv_cute.machine import CONSERVATIVE
-
         group = NUM_Q_HEADS // NUM_KV_HEADS
 
         def config(cache, tables):
@@ -329,12 +334,11 @@ class GpuProbes:
 
     def q_tiled_ms(self, keys: int, queries: int) -> float:
         """The Q-tiled kernel over HBM pages (every page in HBM: the planner runs it), the profile's config."""
-        from directkv_cute.machine import CONSERVATIVE
-
         return self._time(keys, queries, True, lambda cache, tables: None, CONSERVATIVE, "q_tiled_hbm")[0]
 
     def staged_ms(self, machine: MachineModel, keys: int, queries: int) -> tuple[float, float]:
         """(ms, the planner's estimate under ``machine``) of a staged Q-tiled call over host pages."""
+        # loads torch: only the GPU probes need it, the rest of this module runs without it
         from directkv_cute.planner import q_tiled_config
 
         group = NUM_Q_HEADS // NUM_KV_HEADS

@@ -27,6 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import directkv_cute
 from directkv_cute.config import SM90_NUM_SMS, SM90_SMEM_PER_BLOCK_OPTIN
 
 from .space import TuneShape, get_space, torch_dtype
@@ -355,10 +356,9 @@ class GpuObjective:
         self._checked = set()
         self._env = None
         if op is None:
-            import directkv_cute
-
             op = getattr(directkv_cute, "paged_attention_tables", None)
             if op is None:
+                # loads torch and the kernels: the modelled objective and the CLI import without them
                 from directkv_cute.ops import paged_attention_tables as op  # clear ImportError if missing
         self.op = op
 
@@ -449,6 +449,7 @@ class GpuObjective:
 
     def _build_cache(self, shape: TuneShape) -> _Setup:
         torch = self.torch
+        # loads torch: the modelled objective and the CLI import without it
         from directkv_cute.cache import PagedKVCache
 
         dt = torch_dtype(shape.dtype)
@@ -545,6 +546,7 @@ class GpuObjective:
 
     def _reference(self, st: _Setup):
         if st.ref is None:
+            # loads torch: the modelled objective and the CLI import without it
             from directkv_cute.reference import paged_attention_ref
 
             torch = self.torch

@@ -82,6 +82,8 @@ import yaml
 from directkv_cute import env as envvars
 from directkv_cute.config import ConfigError
 from directkv_cute.kernels import sources
+from directkv_cute.machine import MachineModel, machine_problems
+from directkv_cute.version import __version__
 
 from .space import get_space, kernels, normalize_dtype
 
@@ -278,12 +280,7 @@ def software_versions() -> dict:
         out["optuna"] = str(optuna.__version__)
     except Exception:
         pass
-    try:
-        import directkv_cute
-
-        out["directkv_cute"] = str(directkv_cute.__version__)
-    except Exception:
-        pass
+    out["directkv_cute"] = __version__
     return out
 
 
@@ -575,8 +572,6 @@ def _machine_sources(v: _V, md: dict) -> None:
     mapping of rate names (``MachineModel.fields()``) to short non-empty strings."""
     if "machine_sources" not in md:
         return
-    from directkv_cute.machine import MachineModel
-
     ms, where = md["machine_sources"], "metadata.machine_sources"
     if not isinstance(ms, dict):
         v.bad(where, f"must be a mapping of rate names to strings, got {type(ms).__name__}")
@@ -633,8 +628,6 @@ def _validate(doc, source) -> Profile:
     prof = Profile(metadata=md, schema_version=sv, migrated_from=migrated_from)
     machine = doc.get("machine")
     if machine is not None:
-        from directkv_cute.machine import machine_problems
-
         problems = machine_problems(machine)  # the one check of a machine model (the planner's too)
         for where, why in problems:
             v.bad(where, why)

@@ -466,11 +466,13 @@ class DecodeFP8Space(DecodeSpace):
     )
 
     def config_problems(self, cfg: DecodeConfig, head_dim: int, page_size: int, dtype="bf16") -> list[str]:
+        # loads torch: the spaces import without it (directkv_cute.tuning, the CLI)
         from directkv_cute.fp8 import decode_problems
 
         return decode_problems(cfg, head_dim, page_size)
 
     def default_config(self, head_dim: int, rows: int, page_size: int) -> DecodeConfig:
+        # loads torch: the spaces import without it (directkv_cute.tuning, the CLI)
         from directkv_cute.fp8 import decode_config
 
         return decode_config(default_decode_config(head_dim, rows, page_size), head_dim, page_size)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from directkv_cute.env import EnvironmentVariableError
 
+from .lookup import clear_cache
 from .objectives import GpuObjective, HardwareModel, ModelledObjective
 from .profiles import Profile, ProfileError, current_kernel_hash, load_profile, make_metadata, output_problem, \
     profile_filename, sanitize_gpu_name, save_profile
@@ -595,8 +596,6 @@ class Tuner:
         save_profile(prof, path)
         self.written = path
         try:  # a lookup in this process must see the new file
-            from .lookup import clear_cache
-
             clear_cache()
         except Exception:  # pragma: no cover
             pass

@@ -10,6 +10,10 @@
 * ``cache.tables``: what the kernels and stores index by -- ``KernelTables`` of a batch, built
   from the book, and ``TokenSlots``, the destinations of a batch of token rows.
 
+``cache.store`` is the one store path of new K/V rows, which the pools, the fused projection
+(``kv_project``'s destinations) and the vLLM backend share: the rows of a pool that hold a
+batch's tokens (``StoreIndex``) and the indexed copies into the host pool and the HBM copies.
+
 Layout
 ------
 A *page* holds ``page_size`` consecutive tokens of one sequence for every layer and KV head. Each
@@ -59,15 +63,15 @@ Design choices
   reads. A mirror starts as a copy of its host page unless nothing was written to that page
   since ``extend`` handed it out and the writes to come cover it.
 * **Writes** of GPU tensors go straight into the destination pages -- host pages through
-  ``host_pool_cuda`` (the GPU stores into host memory over the link), no staging buffer -- as a
-  few advanced-index stores covering all touched pages. All data movement (writes, copies,
-  moves) is enqueued on the current CUDA stream; host-side reads of ``host_pool`` must
-  synchronise first (``read`` works on the device and needs no care).
+  ``host_pool_cuda`` (the GPU stores into host memory over the link), no staging buffer -- as
+  one indexed copy per pool (``cache.store``) covering all touched pages. All data movement
+  (writes, copies, moves) is enqueued on the current CUDA stream; host-side reads of
+  ``host_pool`` must synchronise first (``read`` works on the device and needs no care).
 * **Host writes are recorded** (``host_writes``): every write path notes the host pages it
   enqueues a write to, so that a staged attention call (``directkv_cute.staging``) copies a host
   page only after the writes recorded for it, and the rest of its copy need not wait for the
   current stream (it overlaps the previous layer's kernel). A caller that writes host pages by
-  other means (``kv_project`` into ``kv_proj.cache_destinations``, a kernel of its own) calls
+  other means (``kv_project`` into ``write_destinations``, a kernel of its own) calls
   ``note_host_write`` after enqueueing the write, on the same stream.
 
 FP8 pages

@@ -12,6 +12,7 @@ import torch
 
 from directkv_cute.cache.pages import MAX_PAGES, CacheState, PageBook, SeqPages, Tier, check_int, check_tier
 from directkv_cute.cache.pools import DevicePools, page_bytes, resolve_device, resolve_dtypes
+from directkv_cute.cache.store import layer_start
 from directkv_cute.cache.tables import (
     KernelTables,
     StaleTablesError,
@@ -329,7 +330,7 @@ class PagedKVCache:
             raise StaleTablesError("stale token entries: a page they name was freed, moved or copied since they "
                                    "were taken; take them again")
         return TokenSlots.build(entry, off, self.device, mirror, cache_id=id(self),
-                                generation=self._book.slot_generation)
+                                generation=self._book.slot_generation, geometry=self._geometry)
 
     def check_slots(self, slots: TokenSlots) -> None:
         """Raise ``StaleTablesError`` unless ``slots`` came from this cache (``token_slots`` /
@@ -390,9 +391,21 @@ class PagedKVCache:
         n = self._pools.check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
             raise ValueError(f"{n} K/V rows for {slots.total} slots")
-        self._pools.store(slots.parts + (() if defer_host else slots.mirrored), layer, k, v, slots.host_pages)
+        self._pools.store(slots.store_index(defer_host), self._layer_start(layer), k, v, slots.host_pages)
         if defer_host:
             self._copy_back(layer, slots.runs)
+
+    def write_destinations(self, slots: TokenSlots, defer_host: bool = False) -> dict:
+        """``kv_project``'s ``host=`` / ``hbm=`` arguments for the tokens of ``slots``: the pools on
+        the cache device and int64 (total,) slots (``page * page_size + row``, -1 for a token the
+        pool does not take), the destinations ``write_slots`` stores to (a tier no token goes to
+        is left out). ``defer_host``: mirrored tokens go to their mirrors only (then
+        ``copy_mirrors_to_host(slots, layer)``, as ``write_slots(defer_host=True)`` does). After
+        enqueueing the write, call ``note_host_write(slots)``: a staged attention call then copies
+        those host pages after it (``host_writes``). No host synchronisation."""
+        self._check_open()
+        self.check_slots(slots)  # this cache's slots, no page they name freed or moved since
+        return {tier: (self._pools.pool(tier), s) for tier, s in slots.project_slots(defer_host).items()}
 
     @_locked
     def copy_mirrors_to_host(self, slots: TokenSlots, layer: int) -> None:
@@ -548,10 +561,19 @@ class PagedKVCache:
         """Queue the copy engine's copies of one layer of mirrored pages to their host pages."""
         self._pools.copy_back(layer, runs)
 
+    @property
+    def _geometry(self) -> tuple[int, int, int]:
+        """(num_kv_heads, page_size, num_layers): what the store rows of ``TokenSlots`` need."""
+        return self.num_kv_heads, self.page_size, self.num_layers
+
+    def _layer_start(self, layer: int) -> int:
+        return layer_start(layer, self.num_kv_heads, self.page_size)
+
     def _store(self, seq: SeqPages, layer: int | None, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Indexed stores of k, v ((n, Hkv, d) for one layer, (n, L, Hkv, d) for None) into their
         pages, window mirrors written through."""
-        lsel = slice(None) if layer is None else layer
         self._book.written(seq, start, k.shape[0])
-        slots = TokenSlots.of(self._book, seq, start, k.shape[0], self.device, mirrors=True)
-        self._pools.store(slots.parts + slots.mirrored, lsel, k, v, slots.host_pages)
+        slots = TokenSlots.of(self._book, seq, start, k.shape[0], self.device, mirrors=True, geometry=self._geometry,
+                              all_layers=layer is None)
+        self._pools.store(slots.store_index(), 0 if layer is None else self._layer_start(layer), k, v,
+                          slots.host_pages)

@@ -12,8 +12,9 @@ and between them.
   token's bytes with its scale, every page copy copies the scales, every gather dequantizes.
 
 Stores of GPU tensors go straight into the destination pages (host pages through
-``host_pool_cuda``: the GPU stores into host memory over the link), as a few advanced-index
-stores. All data movement is enqueued on the current CUDA stream, except ``copy_back``, which the
+``host_pool_cuda``: the GPU stores into host memory over the link), one indexed copy per pool
+through the package's one store path (``cache.store``: the rows a ``StoreIndex`` names). All
+data movement is enqueued on the current CUDA stream, except ``copy_back``, which the
 copy engine runs on a side stream (``host_current`` orders the current stream after it). Every
 host-page write is noted in ``log`` (``HostWriteLog``).
 """
@@ -29,6 +30,7 @@ import torch
 from directkv_cute._pinned import PinnedHostBuffer
 from directkv_cute.cache.host_writes import HostWriteLog
 from directkv_cute.cache.pages import Tier, check_tier, decode_page
+from directkv_cute.cache.store import StoreIndex, stack_kv, store_rows
 from directkv_cute.config import SUPPORTED_HEAD_DIMS
 from directkv_cute.fp8 import FP8_DTYPES, SCALE_DTYPE, dequantize, quantize
 
@@ -208,29 +210,21 @@ class DevicePools:
         return k.shape[0]
 
     def encode(self, k: torch.Tensor, v: torch.Tensor):
-        """(k, v, k scales, v scales) as the pages store them: FP8 with per-row scales, else as
-        given (scales None)."""
+        """(K/V, scales) as the pages store them (``store.stack_kv``): (n, ..., 2, d) in the page
+        dtype (FP8 as bytes, with scales (n, ..., 2) float32 per row), else as given (scales None)."""
         k, v = k.detach(), v.detach()  # the pools never join an autograd graph
         if not self.fp8:
-            return k, v, None, None
+            return stack_kv(k, v), None
         (qk, sk), (qv, sv) = quantize(k, self.dtype), quantize(v, self.dtype)
-        return qk, qv, sk, sv
+        return stack_kv(_raw(qk), _raw(qv)), torch.stack((sk, sv), dim=-1)
 
-    def put(self, tier: Tier, pidx, lsel, off, tok, enc) -> None:
-        """Store encoded rows (``encode``; ``tok`` selects them, None: all) at pages ``pidx``,
-        rows ``off`` of layer(s) ``lsel`` of ``tier`` (and their scales)."""
-        pool, scales = _raw(self.pool(tier)), self.scales(tier)
-        for kv, (data, scale) in enumerate(((_raw(enc[0]), enc[2]), (_raw(enc[1]), enc[3]))):
-            pool[pidx, lsel, :, kv, off] = data if tok is None else data[tok]
-            if scale is not None:
-                scales[pidx, lsel, :, kv, off] = scale if tok is None else scale[tok]
-
-    def store(self, parts, lsel, k: torch.Tensor, v: torch.Tensor, host_pages) -> None:
-        """Store k, v at every destination of ``parts`` (``TokenSlots`` parts) in layer(s) ``lsel``
-        and note the write to ``host_pages``."""
-        enc = self.encode(k, v)
-        for tier, tok, pidx, off in parts:
-            self.put(tier, pidx, lsel, off, tok, enc)
+    def store(self, index: StoreIndex, start: int, k: torch.Tensor, v: torch.Tensor, host_pages) -> None:
+        """Store k, v at the rows ``index`` names from row ``start`` on (``store.layer_start`` of
+        the layer stored; 0 for an index of every layer), HBM pages and mirrors included, and note
+        the write to ``host_pages``."""
+        kv, scales = self.encode(k, v)
+        store_rows(index, kv, _raw(self.pool("host")), _raw(self.hbm_pool), start=start, scales=scales,
+                   host_scales=self.scales("host"), hbm_scales=self.hbm_scales)
         self.log.record(host_pages)
 
     def gather(self, tier: Tier, pidx, lsel, off) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from directkv_cute.cache.pages import PageBook, SeqPages, encode_page
+from directkv_cute.cache.store import StoreIndex, one_copy, pool_rows, token_slots
 
 
 class StaleTablesError(ValueError):
@@ -133,6 +134,13 @@ class TokenSlots:
     the page. All on the cache device. A token whose page has a window mirror goes to the mirror
     (a part of tier "hbm") and to its host page, the part in ``mirrored``; ``runs`` (window page,
     host page, pages) cover those pages, for copying them instead (``write_slots(defer_host=True)``).
+
+    The same destinations for the writers (``cache.store``), made with the cache's geometry
+    (``build_slots``, the cache's own writes): ``store`` holds the rows of every destination
+    (``StoreIndex``, layer 0, or every layer for a store of all layers) and the same without the
+    host rows of mirrored tokens (``store_index(defer_host=True)``); ``slots`` holds
+    ``kv_project``'s per-token slots of the host pool (every host page; without the mirrored
+    tokens) and of the HBM pool, None where no token goes (``project_slots``).
     """
 
     total: int
@@ -144,48 +152,92 @@ class TokenSlots:
     # through them is refused once any page may have changed owner (``check_slots``).
     cache_id: int = 0
     generation: int = -1
+    store: tuple = ()  # (StoreIndex of every destination, StoreIndex without mirrored tokens' host rows)
+    slots: tuple = ()  # kv_project's int64 (total,) slots: (host, host without mirrored tokens, HBM)
+
+    def store_index(self, defer_host: bool = False) -> StoreIndex:
+        """The rows a store of these tokens writes (``defer_host``: mirrored tokens to their
+        mirrors only)."""
+        if not self.store:
+            raise ValueError("these token slots were built without the cache's geometry: take them with the "
+                             "cache's token_slots()")
+        return self.store[1 if defer_host else 0]
+
+    def project_slots(self, defer_host: bool = False) -> dict:
+        """``kv_project``'s slots of these tokens per tier, {"host": int64 (total,), "hbm": ...},
+        -1 for a token the tier does not take; a tier no token goes to is left out."""
+        if not self.slots:
+            raise ValueError("these token slots were built without the cache's geometry: take them with the "
+                             "cache's token_slots()")
+        host, direct, hbm = self.slots
+        return {tier: s for tier, s in (("host", direct if defer_host else host), ("hbm", hbm)) if s is not None}
 
     @staticmethod
     def build(entry: np.ndarray, off: np.ndarray, device, mirror: np.ndarray | None = None, *,
-              cache_id: int = 0, generation: int = -1) -> "TokenSlots":
+              cache_id: int = 0, generation: int = -1, geometry: tuple | None = None,
+              all_layers: bool = False) -> "TokenSlots":
         """From per-token page entries and rows (``token_entries``); ``mirror`` int64 (total,):
         each token's HBM window page (``mirror_entries``, -1: none) -- a second destination.
         ``cache_id``, ``generation``: the identity ``check_slots`` compares (a cache's
-        ``build_slots`` fills them)."""
+        ``build_slots`` fills them). ``geometry``: the cache's (num_kv_heads, page_size,
+        num_layers), for the writers' ``store`` and ``slots`` (``all_layers``: rows of every
+        layer, for a store of all layers at once)."""
         stamp = {"cache_id": cache_id, "generation": generation}
         total = len(entry)
+        entry, off = np.asarray(entry, dtype=np.int64), np.asarray(off, dtype=np.int64)
         in_hbm = entry < 0
         mirrored = np.zeros(total, bool) if mirror is None else mirror >= 0
         plain, mir = np.flatnonzero(~in_hbm & ~mirrored), np.flatnonzero(mirrored)
         hbm = np.flatnonzero(in_hbm)
-        # (tier, tokens, their pages): host pages, HBM pages, window mirrors, then the mirrored
-        # tokens' host pages (the part ``defer_host`` leaves to the copy engine).
-        groups = [g for g in (("host", plain, entry[plain]), ("hbm", hbm, -entry[hbm] - 1),
-                              ("hbm", mir, mirror[mir] if len(mir) else mir), ("host", mir, entry[mir])) if len(g[1])]
         host_pages = np.unique(entry[~in_hbm]).astype(np.int64)
-        if not groups:
-            return TokenSlots(0, (), host_pages=host_pages, **stamp)
-        dev = torch.from_numpy(np.concatenate([a for _, tok, pidx in groups for a in (tok, pidx, off[tok])]))
-        dev = dev.to(device, non_blocking=True)  # staged by the driver before it returns; no wait for the GPU
-        parts, at = [], 0
-        for tier, tok, _ in groups:
-            m = len(tok)
-            parts.append((tier, None if m == total else dev[at : at + m], dev[at + m : at + 2 * m],
-                          dev[at + 2 * m : at + 3 * m]))
-            at += 3 * m
+        # (tokens, pages, offsets) of each group: host pages, the mirrored tokens' host pages (the
+        # part ``defer_host`` leaves to the copy engine), HBM pages, window mirrors. Each pool's
+        # destinations are its groups one after the other, so every group is a slice of them.
+        groups = [(plain, entry[plain]), (mir, entry[mir]), (hbm, -entry[hbm] - 1),
+                  (mir, mirror[mir] if len(mir) else mir)]
+        groups = [(tok, pages, off[tok]) for tok, pages in groups]
+        dests = [tuple(np.concatenate(x) for x in zip(*pair)) for pair in (groups[:2], groups[2:])]
+        arrays = [a for dest in dests for a in dest]
+        if geometry is not None:
+            page_size = geometry[1]
+            arrays += [token_slots(total, groups[:2], page_size), token_slots(total, groups[:1], page_size),
+                       token_slots(total, groups[2:], page_size)]
+        views = one_copy(arrays, device)
+        (h_tok, h_page, h_off), (b_tok, b_page, b_off) = views[:3], views[3:6]
+        n_plain, n_hbm = len(plain), len(hbm)
+        tiered = [("host", h_tok[:n_plain], h_page[:n_plain], h_off[:n_plain]),
+                  ("hbm", b_tok[:n_hbm], b_page[:n_hbm], b_off[:n_hbm]),
+                  ("hbm", b_tok[n_hbm:], b_page[n_hbm:], b_off[n_hbm:]),
+                  ("host", h_tok[n_plain:], h_page[n_plain:], h_off[n_plain:])]
+        # parts in the order host pages, HBM pages, window mirrors, mirrored tokens' host pages
+        parts = tuple((tier, None if len(tok) == total else tok, pidx, o) for tier, tok, pidx, o in tiered if len(tok))
+        extra = {}
+        if geometry is not None:
+            num_kv_heads, page_size, num_layers = geometry
+            h_rows = pool_rows(h_page, h_off, num_kv_heads, page_size, num_layers, all_layers)
+            b_rows = pool_rows(b_page, b_off, num_kv_heads, page_size, num_layers, all_layers)
+            dense = bool(np.array_equal(dests[0][0], np.arange(total)))
+            write = StoreIndex(h_rows, None if dense else h_tok, b_rows, b_tok, total)
+            direct = write
+            if len(mir):  # the host rows of the plain tokens: the first of them
+                per_token = len(h_rows) // len(h_tok)
+                direct = StoreIndex(h_rows[:n_plain * per_token], h_tok[:n_plain], b_rows, b_tok, total)
+            extra = {"store": (write, direct), "slots": tuple(views[6:9])}
         if not len(mir):
-            return TokenSlots(total, tuple(parts), host_pages=host_pages, **stamp)
+            return TokenSlots(total, parts, host_pages=host_pages, **stamp, **extra)
         runs: list[list[int]] = []  # (window page, host page, pages) over the distinct pairs, in order
         for w, h in dict.fromkeys(zip(mirror[mir].tolist(), entry[mir].tolist())):
             if runs and runs[-1][0] + runs[-1][2] == w and runs[-1][1] + runs[-1][2] == h:
                 runs[-1][2] += 1
             else:
                 runs.append([w, h, 1])
-        return TokenSlots(total, tuple(parts[:-1]), (parts[-1],), tuple(map(tuple, runs)), host_pages, **stamp)
+        return TokenSlots(total, parts[:-1], (parts[-1],), tuple(map(tuple, runs)), host_pages, **stamp, **extra)
 
     @staticmethod
-    def of(book: PageBook, seq: SeqPages, start: int, n: int, device, mirrors: bool = False) -> "TokenSlots":
+    def of(book: PageBook, seq: SeqPages, start: int, n: int, device, mirrors: bool = False,
+           geometry: tuple | None = None, all_layers: bool = False) -> "TokenSlots":
         """Where tokens [start, start + n) of one sequence live; with ``mirrors`` their window
-        mirrors too."""
+        mirrors too; ``geometry``, ``all_layers``: as ``build``."""
         entry, off = book.entries(seq, start, n)
-        return TokenSlots.build(entry, off, device, book.mirror_of(seq, start, n) if mirrors else None)
+        return TokenSlots.build(entry, off, device, book.mirror_of(seq, start, n) if mirrors else None,
+                                geometry=geometry, all_layers=all_layers)

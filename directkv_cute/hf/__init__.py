@@ -41,9 +41,10 @@ decoding) raises; beam search and ``num_return_sequences`` fork sequences (share
 ``torch.compile`` / CUDA graphs of a whole step are not possible: each step plans its pages and
 tables on the host (a device-to-host read of the padding counts, growing page tables).
 
-Modules: ``hf.cache`` (the Cache API), ``hf.step`` (a step over the batch's sequences),
-``hf.step_plan`` (its host decisions as plain functions), ``hf.fused`` (the fused K/V
-projection), ``hf.model`` (model checks and refusals), ``hf.attention`` (the registration).
+Modules: ``hf.cache`` (the transformers adapter: the Cache API), ``hf.step`` (a step over the
+batch's sequences, which runs each layer: store, fused store, attend), ``hf.step_plan`` (its
+host decisions as plain functions), ``hf.fused`` (the fused K/V projection), ``hf.model`` (model
+checks and refusals), ``hf.attention`` (the registration).
 """
 
 from directkv_cute.cache import CacheCapacityError

@@ -1,11 +1,15 @@
-"""The transformers ``Cache`` API over one ``PagedKVCache``: ``DirectKVCache`` and the per-layer
-view transformers keeps a list of, ``DirectKVLayer``.
+"""The transformers adapter over one ``PagedKVCache``: ``DirectKVCache`` (a ``transformers.Cache``)
+and the per-layer view transformers keeps a list of, ``DirectKVLayer``. The adapter holds what
+transformers asks of a cache (the Cache API, batch reordering, lengths), the hand-off from
+``update`` to the attention function, and a step's rules (one thread, layers in order, rollback);
+the step runs each layer (``hf.step.Step``).
 
 ``update`` only hands a layer's new K/V to the attention function (it cannot see the padding
 mask); the attention function of the first layer plans the step once (``step.BatchSequences``,
-the attention included: ``DirectKVAttention.plan``) and every layer then stores its new K/V into
-their pages and runs that plan over the whole history (``Step.attention``). Pad tokens never
-enter the cache; their query rows get zeros.
+the attention included: ``DirectKVAttention.plan``) and every layer then runs in that step
+(``Step.run``: its new K/V stored into their pages, that plan run over the whole history;
+``Step.run_fused`` for a layer whose K/V projection is fused). Pad tokens never enter the cache;
+their query rows get zeros.
 
 A step is all or nothing: its capacity is checked before anything changes, and a refusal or an
 error at any layer rolls it back (``abort_step``), so a retry generates what a fresh cache would.
@@ -36,11 +40,12 @@ from directkv_cute.hf.model import (
     UnsupportedModelError,
     check_module,
     check_qkv,
+    check_query,
     model_spec,
     resolve_kv_dtype,
     text_config,
 )
-from directkv_cute.hf.step import BatchSequences, Step
+from directkv_cute.hf.step import BatchSequences, KVProjection, Step
 from directkv_cute.hf.step_plan import WINDOW_TOKENS, as_count, as_index_list, cache_pages
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
@@ -416,53 +421,42 @@ class DirectKVCache(Cache):
 
     def attend(self, module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                scaling: float | None, layer_idx: int) -> torch.Tensor:
-        """One layer of the step: store its new K/V, attend over the history; (B, S, Hq, d)."""
-        return self._run_layer(module, layer_idx, lambda: self._attend(query, key, value, attention_mask, scaling,
-                                                                       layer_idx))
-
-    def _attend(self, query, key, value, attention_mask, scaling, layer_idx: int) -> torch.Tensor:
-        check_qkv(query, key, value, self.spec, self.dtype, self.device)
-        step = self.step_for(query, key, value, attention_mask, layer_idx)
-        return self._attend_layer(step, query, key, value, scaling, layer_idx)
+        """One layer of the step (``Step.run``): store its new K/V, attend over the history;
+        (B, S, Hq, d)."""
+        return self._run_layer(module, layer_idx, lambda: self._layer(query, key, value, attention_mask, scaling,
+                                                                      layer_idx))
 
     def attend_fused(self, module, query: torch.Tensor, hidden_states: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, attention_mask, scaling: float | None, layer_idx: int) -> torch.Tensor:
-        """One layer of the step with the K/V projection fused (``fuse_kv_projection``); see
-        ``fused.attend_fused``; (B, S, Hq, d)."""
-        from directkv_cute.hf.fused import attend_fused
+        """One layer of the step with the K/V projection fused (``fuse_kv_projection``): query (B,
+        Hq, S, d) after RoPE, the layer's input ``hidden_states`` (B, S, hidden) and the rotary
+        ``cos``/``sin`` (B, S, d); ``kv_project`` computes K and V, applies RoPE and stores them
+        into their pages (the step's window mirrors, the host copy by the copy engine) in one
+        kernel (``Step.run_fused``), then the attention runs as in ``attend``; (B, S, Hq, d)."""
+        return self._run_layer(module, layer_idx, lambda: self._fused_layer(module, query, hidden_states, cos, sin,
+                                                                            attention_mask, scaling, layer_idx))
 
-        return self._run_layer(module, layer_idx, lambda: attend_fused(self, module, query, hidden_states, cos, sin,
-                                                                       attention_mask, scaling, layer_idx))
+    def _layer(self, query, key, value, attention_mask, scaling, layer_idx: int) -> torch.Tensor:
+        check_qkv(query, key, value, self.spec, self.dtype, self.device)
+        step = self.step_for(query, key, value, attention_mask, layer_idx)
+        return step.run(query, key, value, scaling, layer_idx)
+
+    def _fused_layer(self, module, query, hidden_states, cos, sin, attention_mask, scaling,
+                     layer_idx: int) -> torch.Tensor:
+        projection = KVProjection.of(module, hidden_states, cos, sin, query)
+        batch = query.shape[0]
+        # kv_project stores bf16/fp16 rows only, so FP8 pages take its dense K/V and quantize them
+        # as ``attend`` stores them; and sharing is found from the first layer's K/V
+        # (share_prompts), so that layer too projects densely and stores the unfused way.
+        if self.kv.fp8 or (layer_idx == 0 and self.share_prompts and batch > 1):
+            key, value = projection.dense(query, self.spec.num_kv_heads)
+            return self._layer(query, key, value, attention_mask, scaling, layer_idx)
+        if layer_idx == 0:
+            check_query(query, self.spec, self.dtype, self.device)
+        step = self.step_for(query, None, None, attention_mask, layer_idx)
+        return step.run_fused(query, projection, scaling, layer_idx)
 
     def _rollback(self, step: Step) -> None:
         self._batch.rollback(step)
         self.processed = step.processed_before
         self._step = None
-
-    def _attend_layer(self, step: Step, query, key, value, scaling, layer_idx: int) -> torch.Tensor:
-        batch, hq, q_len, d = query.shape
-        hkv = key.shape[1]
-        q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
-        k = key.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
-        v = value.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
-        if step.tok_idx is not None:
-            q, k, v = q[step.tok_idx], k[step.tok_idx], v[step.tok_idx]
-        if not step.rows:
-            return query.new_zeros(batch, q_len, hq, d)
-        if step.write_idx is None:
-            self.kv.write_slots(step.slots, layer_idx, k, v, defer_host=step.defer_host)
-        else:
-            self.kv.write_slots(step.slots, layer_idx, k.index_select(0, step.write_idx),
-                                v.index_select(0, step.write_idx), defer_host=step.defer_host)
-        return self._attention(step, q, scaling, layer_idx, query)
-
-    def _attention(self, step: Step, q: torch.Tensor, scaling, layer_idx: int, query) -> torch.Tensor:
-        """The step's attention of one layer, q (total real tokens, Hq, d), back in the batch's
-        shape (B, S, Hq, d) with zeros for pad rows."""
-        batch, hq, q_len, d = query.shape
-        o = step.attention(q, scaling, layer_idx)  # (total, Hq, d)
-        if step.tok_idx is None:
-            return o.view(batch, q_len, hq, d)
-        out = query.new_zeros(batch * q_len, hq, d)
-        out[step.tok_idx] = o
-        return out.view(batch, q_len, hq, d)

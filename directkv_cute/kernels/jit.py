@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from directkv_cute.config import DecodeConfig, QTiledConfig
+from directkv_cute.fp8 import decode_problems
 from directkv_cute.paths import kernel_cache_root
 from directkv_cute.kernels import disk_cache, sources, specs
 
@@ -163,10 +164,12 @@ def _compile_decode(cfg, dtype, head_dim, page_size, group, split_out, multi_tok
 
     dt = cutlass_dtype(dtype)
     if multi_token:
+        # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
         from directkv_cute.kernels.multi_token import MultiTokenAttention
 
         kernel = MultiTokenAttention(dt, head_dim, page_size, group, cfg, split_out, trace)
     else:
+        # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
         from directkv_cute.kernels.decode import DecodeAttention
 
         kernel = DecodeAttention(dt, head_dim, page_size, group, cfg, split_out)
@@ -191,8 +194,6 @@ def compile_decode_fp8(cfg: DecodeConfig, dtype: torch.dtype, kv_dtype: torch.dt
     """Compile (once per key) the streaming kernel over FP8 pages (``kernels/decode_fp8.py``):
     ``kv_dtype`` float8_e4m3fn or float8_e5m2 pages with their fp32 token scales, queries and
     outputs in ``dtype``."""
-    from directkv_cute.fp8 import decode_problems
-
     problems = decode_problems(cfg, head_dim, page_size, kv_dtype)
     if dtype not in (torch.bfloat16, torch.float16):
         problems.insert(0, f"dtype must be bfloat16 or float16, got {dtype}")
@@ -210,6 +211,7 @@ def _compile_decode_fp8(cfg, dtype, kv_dtype, head_dim, page_size, group, split_
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
+    # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
     from directkv_cute.kernels.decode_fp8 import DecodeFP8Attention
 
     dt = cutlass_dtype(dtype)
@@ -255,6 +257,7 @@ def _compile_q_tiled(cfg, dtype, head_dim, page_size, group, wait_ready, fold):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
+    # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
     from directkv_cute.kernels.q_tiled import QTiledAttention
 
     dt = cutlass_dtype(dtype)
@@ -283,6 +286,7 @@ def _compile_combine(head_dim, dtype):
     import cutlass.cute as cute
     from cutlass import Int32
 
+    # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
     from directkv_cute.kernels.combine import SplitCombine
 
     dt = cutlass_dtype(dtype)
@@ -310,6 +314,7 @@ def _compile_dequant(kv_dtype, dtype, head_dim, page_size):
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
+    # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
     from directkv_cute.kernels.dequant import DequantizePages
 
     kernel = DequantizePages(cutlass_dtype(kv_dtype), cutlass_dtype(dtype), head_dim, page_size)
@@ -359,6 +364,7 @@ def _compile_kv_proj(cfg, dtype, hidden, kv_heads, head_dim, page_size, bias, to
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
+    # CuTe DSL (cutlass) loads only to compile: the keys and the compile cache import without it
     from directkv_cute.kernels.kv_proj import KVProjection
 
     dt = cutlass_dtype(dtype)

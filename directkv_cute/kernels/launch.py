@@ -36,18 +36,19 @@ def _stream():
 _LINK_COUNTERS: dict[int, torch.Tensor] = {}
 
 
-def link_counters(device: torch.device) -> torch.Tensor:
+def link_counters(device: torch.device, capturing: bool) -> torch.Tensor:
     """The device's (2,) int32 link-ticket counters (issued, landed), shared by every launch in
     this process so ``link_credits`` bounds the host reads in flight across concurrent kernels.
     They only ever grow (int32, wrapping); every launch reports each ticket it takes. They are
-    allocated on the first call on a device, which must not be inside a CUDA graph capture (the
-    allocation would come from the graph's private pool and die with it)."""
+    allocated on the first call on a device, which must not be inside a CUDA graph capture
+    (``capturing``: the current stream captures one; the allocation would come from the graph's
+    private pool and die with it)."""
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
     counters = _LINK_COUNTERS.get(index)
     if counters is None:
-        if torch.cuda.is_current_stream_capturing():
+        if capturing:
             raise RuntimeError(
                 f"paged_attention: call it once outside CUDA graph capture on cuda:{index} first (it compiles its "
                 "kernels and allocates the device's link counters then); later calls can be captured")
@@ -59,7 +60,7 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     """Run a compiled streaming / multi-token kernel (or the FP8-page one, which also takes the
     scale pools beside the page pools). o/lse are the final (q dtype / fp32) outputs when
     num_splits == 1, else the fp32 split partials (splits, ...); ``counters`` is
-    ``link_counters(q.device)``."""
+    ``link_counters(q.device, capturing)``."""
     from cutlass import Float32, Int32
 
     # The device-side alias of the pinned pool (its UVA/device address), not the host tensor.

@@ -55,8 +55,12 @@ from vllm.v1.attention.backend import (
 )
 
 from directkv_cute import env
-from directkv_cute.cache import HostWriteLog
+from directkv_cute.attention import DirectKVAttention
+from directkv_cute.cache import HostWriteLog, KernelTables
 from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from directkv_cute.machine import DeviceInfo
+from directkv_cute.runner import PoolView, plan_kernels, tables_from_host
+from directkv_cute.vllm.memory import is_pinned_host
 from directkv_cute.vllm.step import (
     EVERY_BLOCK,
     GraphDecode,
@@ -247,8 +251,6 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         from the kernel disk cache) once, so that no request waits for a compile."""
         from vllm.model_executor.warmup.cutedsl_warmup import CuTeDSLCompileUnit
 
-        from directkv_cute.runner import plan_kernels
-
         config = self.vllm_config
         pools = self._layer_views()[self.layer_names[0]]  # a KV cache or tier the backend refuses stops startup here
         try:
@@ -271,9 +273,6 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> DirectKVMetadata:
-        from directkv_cute.attention import DirectKVAttention
-        from directkv_cute.runner import tables_from_host
-
         m = common_attn_metadata
         if m.causal is not True:
             raise ValueError("the DirectKV backend computes causal attention only")
@@ -323,8 +322,6 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         the host shape, reading HBM only; nothing read back. Blocks that prefix caching shares
         are read per sharer (no cascade: that needs the table on the host, and HBM reads of a
         shared prefix are cheap)."""
-        from directkv_cute.attention import DirectKVAttention
-
         tables, store = every_block_step(m.block_table_tensor[: m.num_reqs], m.slot_mapping, shape,
                                          m.num_actual_tokens, self.num_kv_heads, self.page_size)
         if tables is None:
@@ -358,10 +355,6 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         """The ``DirectKVAttention`` planned once for decode steps of ``batch`` requests over
         ``GraphDecode``'s buffers: in place (as a CUDA graph capture plans: nothing staged), split
         for the longest context the server admits, so that one capture serves every step."""
-        from directkv_cute.attention import DirectKVAttention
-        from directkv_cute.cache import KernelTables
-        from directkv_cute.machine import DeviceInfo
-
         attention = self._graph_plans.get(batch)
         if attention is not None:
             return attention
@@ -403,9 +396,6 @@ def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor, write_log=No
     the host writes to that tensor (``write_log``, a ``cache.HostWriteLog``; None: none kept).
     The KV tensor is refused unless it is in pinned host memory and laid out as
     ``get_kv_cache_shape`` says."""
-    from directkv_cute.runner import PoolView
-    from directkv_cute.vllm.memory import is_pinned_host
-
     if not kv_cache.is_cuda or not is_pinned_host(kv_cache):
         raise ValueError(f"the KV cache of {name} is not in DirectKV's pinned host memory: the backend needs vLLM's "
                          "V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) and the directkv plugin loaded")

@@ -9,14 +9,17 @@
 * ``slot_destinations``: vLLM's ``slot_mapping`` (``block * block_size + offset``, -1 for a
   padding token) -> the (row, page, offset) of every token whose K/V is stored;
   ``SlotDestinations.mirrored`` adds the HBM copies of the rows whose blocks have mirrors;
-  ``SlotDestinations.store_index`` turns them into the pools' rows (``StoreIndex``), once per step.
+  ``SlotDestinations.store_index`` turns them into the pools' rows (``cache.store.StoreIndex``),
+  once per step.
 * ``HbmMirrors``: the HBM tier's policy: which blocks get a copy ("mirror") in the per-layer HBM
   pools of ``hbm_pages`` pages, step by step; ``mirrors_every_block``: whether the tier is large
   enough to mirror every block at its own index instead (``EVERY_BLOCK``).
 * ``GraphDecode``: the persistent device buffers of decode steps over such a tier, filled on the
   device from vLLM's block table and slot mapping, which full CUDA graphs capture and replay.
 * ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor, and into
-  the mirrors of mirrored blocks (write-through): one indexed copy per pool.
+  the mirrors of mirrored blocks (write-through), checked, then stored by the package's one
+  store path (``cache.store.store_rows``, which the ``PagedKVCache`` stores through too): one
+  indexed copy per pool.
 * ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
   blocks for a model, the refusal when the host cannot pin them, and the HBM budget -> mirror pages.
 
@@ -32,9 +35,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from directkv_cute.attention import DirectKVAttention
 from directkv_cute.cache import KernelTables, page_bytes
-from directkv_cute.cache.pages import check_int
+from directkv_cute.cache.pages import check_int, encode_page
+from directkv_cute.cache.store import StoreIndex, pool_rows, stack_kv, store_rows
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
+from directkv_cute.env import VLLM_HBM_GB
+from directkv_cute.runner import plan_kernels, tables_from_host
 
 KV_DTYPES = ("bfloat16", "float16")  # the page dtypes the backend stores
 
@@ -198,8 +205,6 @@ def mirror_table(table: np.ndarray, mirrors) -> np.ndarray:
     slots = mirror_slots(table, mirrors)
     hit = slots >= 0
     if hit.any():
-        from directkv_cute.cache.pages import encode_page
-
         table[hit] = encode_page("hbm", slots[hit])
     return table
 
@@ -229,63 +234,9 @@ class SlotDestinations:
         """``store_kv``'s destinations of these rows in pools of ``num_kv_heads`` KV heads and
         ``page_size``-row pages (on the host; ``StoreIndex.to`` moves them to a device)."""
         at = self.hbm_at
-        host = _pool_rows(self.pages, self.offsets, num_kv_heads, page_size)
-        hbm = _pool_rows(self.hbm_slots, self.offsets[at], num_kv_heads, page_size)
-        extents = (int(host.max()) + 1 if host.size else 0, int(hbm.max()) + 1 if hbm.size else 0)
-        return StoreIndex(host, None if self.dense else self.rows, hbm, self.rows[at],
-                          int(self.rows[-1]) + 1 if len(self.rows) else 0, extents)
-
-
-def _pool_rows(pages, offsets, num_kv_heads: int, page_size: int) -> np.ndarray:
-    """int64 (m * Hkv * 2,): the rows of a pool (pages, Hkv, 2, page_size, d) viewed as (-1, d)
-    that hold the K then V of each KV head of m tokens at (``pages``, ``offsets``), token by token:
-    row ((page * Hkv + h) * 2 + c) * page_size + offset."""
-    hc = np.arange(2 * num_kv_heads, dtype=np.int64)  # h * 2 + c
-    pages, offsets = np.asarray(pages, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
-    return ((pages[:, None] * (2 * num_kv_heads) + hc) * page_size + offsets[:, None]).ravel()
-
-
-@dataclass(frozen=True)
-class StoreIndex:
-    """Where ``store_kv`` writes one step's K/V rows, as rows of a layer's pools viewed as
-    (-1, d) (``_pool_rows``): numpy arrays on the host, tensors on a device after ``to``.
-
-    host_rows:  int64 (m * Hkv * 2,) the host pool's rows, for each stored token its K and V of
-                every KV head.
-    tokens:     int64 (m,) the token rows they come from; None: tokens 0..m-1 (dense).
-    hbm_rows:   int64 (k * Hkv * 2,) the HBM pool's rows of the tokens stored into mirrored blocks.
-    hbm_tokens: int64 (k,) their token rows.
-    span:       the stored token rows all lie below it.
-    extents:    (host rows, HBM rows) the pools must have: one past the largest row of each,
-                known on the host where the index was made there; None: not known on the host
-                (``GraphDecode``'s, made on the device from vLLM's own slots).
-    """
-
-    host_rows: object
-    tokens: object
-    hbm_rows: object
-    hbm_tokens: object
-    span: int
-    extents: tuple | None = None
-
-    @property
-    def num_mirrored(self) -> int:
-        """k: the stored rows that also go to HBM mirrors."""
-        return len(self.hbm_tokens)
-
-    def to(self, device) -> "StoreIndex":
-        """The same index as tensors on ``device``, from one host-to-device copy."""
-        parts = [self.host_rows, self.tokens, self.hbm_rows, self.hbm_tokens]
-        flat = torch.from_numpy(np.concatenate([p for p in parts if p is not None]))  # int64 (_pool_rows, rows)
-        flat = flat.to(device, non_blocking=True)
-        views, at = [], 0
-        for p in parts:
-            if p is None:
-                views.append(None)
-                continue
-            views.append(flat[at:at + len(p)])
-            at += len(p)
-        return StoreIndex(*views, self.span, self.extents)
+        return StoreIndex.build((None if self.dense else self.rows, self.pages, self.offsets),
+                                (self.rows[at], self.hbm_slots, self.offsets[at]),
+                                int(self.rows[-1]) + 1 if len(self.rows) else 0, num_kv_heads, page_size)
 
 
 def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestinations:
@@ -307,9 +258,9 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
     """Store a step's K/V rows into a layer's pages. ``kv_cache``: (blocks, Hkv, 2, block_size,
     d), the backend's contiguous per-layer layout; ``key`` / ``value``: (tokens, Hkv, d);
     ``index``: the step's ``StoreIndex`` on their device; ``hbm``: the layer's HBM pool (slots,
-    Hkv, 2, block_size, d), which the rows of mirrored blocks go to as well. One stack of the
-    stored K/V and one indexed copy per pool (on a GPU the host stores go straight into the
-    mapped host pages, on the current stream)."""
+    Hkv, 2, block_size, d), which the rows of mirrored blocks go to as well. The checks, then
+    ``cache.store.store_rows``: one stack of the stored K/V and one indexed copy per pool (on a
+    GPU the host stores go straight into the mapped host pages, on the current stream)."""
     if index.num_mirrored and hbm is None:
         raise ValueError(f"{index.num_mirrored} K/V rows go to HBM mirrors, but no HBM pool was given")
     for name, pool in (("the KV cache", kv_cache), ("the HBM pool", hbm)):
@@ -331,13 +282,7 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
             if need > rows:
                 raise ValueError(f"the step stores into row {need - 1} of the {name}, which has {rows} rows of "
                                  f"{kv_cache.shape[-1]} (a slot or mirror past its pages)")
-    d = key.shape[-1]
-    kv = torch.stack((key[: index.span], value[: index.span]), dim=2).to(kv_cache.dtype)  # (span, Hkv, 2, d)
-    rows = kv if index.tokens is None else kv.index_select(0, index.tokens)
-    kv_cache.view(-1, d).index_copy_(0, index.host_rows, rows.view(-1, d))
-    if index.num_mirrored:
-        mirrored = rows if index.hbm_tokens is index.tokens else kv.index_select(0, index.hbm_tokens)
-        hbm.view(-1, d).index_copy_(0, index.hbm_rows, mirrored.view(-1, d))
+    store_rows(index, stack_kv(key[: index.span], value[: index.span], kv_cache.dtype), kv_cache, hbm)
 
 
 class HbmMirrors:
@@ -413,9 +358,9 @@ class GraphDecode:
                 ``ceil(seq_len / page_size)`` entries.
     seq_lens:   int32 (max_reqs,): each request's length, at least 1: a padded request (length 0,
                 block table row of zeros) reads one page of vLLM's null block 0.
-    rows:       int64 (max_tokens * 2 * Hkv,): the pool rows (``_pool_rows``) that each token's K
-                and V of every KV head go to; with every block mirrored at its own index they are
-                the same rows in the host pool and in the HBM tier.
+    rows:       int64 (max_tokens * 2 * Hkv,): the pool rows (``cache.store.pool_rows``) that
+                each token's K and V of every KV head go to; with every block mirrored at its own
+                index they are the same rows in the host pool and in the HBM tier.
     tokens:     int64 (max_tokens,): the token whose K/V each of those rows gets: itself, or for a
                 padding token (slot -1) the first stored token, whose rows it writes again with
                 the same values (a fixed-size store, so that a graph can hold it).
@@ -475,8 +420,8 @@ class GraphDecode:
 def every_block_rows(slots: torch.Tensor, positions: torch.Tensor, hc: torch.Tensor, page_size: int):
     """(tokens, rows) of a store over a tier that mirrors every block, computed on the slots'
     device from vLLM's ``slots`` (int64 (n,), -1 for a padding token): ``rows`` int64 (n * 2 *
-    Hkv,) the pool rows (``_pool_rows``, the same in the host pool and the tier) of each token's
-    K and V of every KV head, ``tokens`` int64 (n,) the token each row takes: itself, or for a
+    Hkv,) the pool rows (``cache.store.pool_rows``, the same in the host pool and the tier) of
+    each token's K and V of every KV head, ``tokens`` int64 (n,) the token each row takes: itself, or for a
     padding token the first stored token, written again with the same values (a fixed-size
     store). ``positions``: int64 arange(n); ``hc``: int64 arange(2 * Hkv)."""
     stored = slots >= 0
@@ -484,8 +429,7 @@ def every_block_rows(slots: torch.Tensor, positions: torch.Tensor, hc: torch.Ten
     tokens = torch.where(stored, positions, first)
     dest = slots.index_select(0, tokens).clamp_(min=0)  # a step that stores nothing writes block 0, vLLM's null block
     page, offset = dest.div(page_size, rounding_mode="floor"), dest.remainder(page_size)
-    rows = (page[:, None] * hc.numel() + hc).mul_(page_size).add_(offset[:, None])
-    return tokens, rows.view(-1)
+    return tokens, pool_rows(page, offset, hc.numel() // 2, page_size, hc=hc)
 
 
 def every_block_step(block_table: torch.Tensor, slot_mapping: torch.Tensor, shape: StepShape, num_tokens: int,
@@ -559,9 +503,6 @@ def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info
     each step's sequences on consecutive host pages and, where ``pools`` has an HBM tier, the
     same pages with their mirrors (``warmup_mirrors``), whose plans may route to other kernels.
     ``device_info``: the GPU to plan for (default: the pools' device's)."""
-    from directkv_cute.attention import DirectKVAttention
-    from directkv_cute.runner import plan_kernels, tables_from_host
-
     page_size, num_blocks = pools.page_size, pools.host_pool.shape[0]
     slots = pools.hbm_pool.shape[0]
     out: dict = {}
@@ -638,17 +579,17 @@ def hbm_pages(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: i
     return budget_bytes // kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_dtype)
 
 
-def check_host_bytes(nbytes: int, available: int | None) -> None:
-    """Refuse to pin ``nbytes`` of KV pages that the host's available memory cannot hold."""
-    _refuse_beyond(nbytes, available, "the KV cache", "pinned host memory", "the host", "--kv-cache-memory-bytes")
+def check_host_bytes(nbytes: int, available: int | None, ranks: int = 1) -> None:
+    """Refuse to pin ``nbytes`` of KV pages that the host's available memory cannot hold
+    (``ranks``: GPUs of this host whose KV caches ``nbytes`` counts together)."""
+    what = "the KV cache" if ranks == 1 else f"the KV caches of {ranks} GPUs"
+    _refuse_beyond(nbytes, available, what, "pinned host memory", "the host", "--kv-cache-memory-bytes")
 
 
 def check_hbm_tier(nbytes: int, available: int | None) -> None:
     """Refuse an HBM tier of ``nbytes`` (its mirror pools over every layer) that the GPU's
     available memory (free, plus what torch's allocator holds unused) cannot hold, before any
     of it is allocated."""
-    from directkv_cute.env import VLLM_HBM_GB
-
     _refuse_beyond(nbytes, available, "the HBM tier", "GPU memory", "the GPU", VLLM_HBM_GB, " after vLLM's own")
 
 
