@@ -645,6 +645,79 @@ def test_register_wraps_the_v2_runner_kv_allocation_once():
     assert _params(attn_utils._allocate_kv_cache) == ["kv_cache_config", "shared_layers", "device"]
 
 
+def test_a_kv_cache_beyond_host_memory_is_refused_where_vllm_builds_its_config(monkeypatch):
+    """The host check runs inside ``EngineArgs.create_engine_config`` (the process that parses
+    vLLM's arguments, before any engine starts): one line naming the bytes of every GPU of the
+    host; other backends and a config without the size pass."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    import directkv_cute.vllm as plugin
+    from directkv_cute.vllm import memory
+
+    plugin.register()
+    wrapped = EngineArgs.create_engine_config
+    assert getattr(wrapped, "directkv", False)
+    plugin.register()
+    assert EngineArgs.create_engine_config is wrapped  # not wrapped twice
+
+    def config(backend, per_gpu, world=1, nnodes=1):
+        return SimpleNamespace(attention_config=SimpleNamespace(backend=backend),
+                               cache_config=SimpleNamespace(kv_cache_memory_bytes=per_gpu),
+                               parallel_config=SimpleNamespace(world_size=world, nnodes=nnodes))
+
+    custom = AttentionBackendEnum.CUSTOM
+    with pytest.raises(MemoryError) as e:
+        memory.check_config_host_bytes(config(custom, 40 * 2**30, world=2), 64 * 2**30)
+    assert "\n" not in str(e.value) and "of 2 GPUs needs 85899345920 bytes" in str(e.value)
+    memory.check_config_host_bytes(config(custom, 40 * 2**30, world=2, nnodes=2), 64 * 2**30)  # one per host
+    memory.check_config_host_bytes(config(custom, 40 * 2**30), 64 * 2**30)
+    memory.check_config_host_bytes(config(AttentionBackendEnum.FLASH_ATTN, 2**50), 2**30)  # not ours
+    memory.check_config_host_bytes(config(custom, None), 2**30)  # no size: the allocation refuses it
+    memory.check_config_host_bytes(config(custom, 2**50), None)  # availability unknown
+    # the wrapper refuses what vLLM's own config builder returned
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**30)
+    with pytest.raises(MemoryError, match="lower --kv-cache-memory-bytes"):
+        _refusing_wrapper(memory, lambda self: config(custom, 2**31))(None)
+
+
+def _refusing_wrapper(memory, original):
+    """``install_host_check``'s wrapper around ``original`` (a stand-in for vLLM's builder)."""
+    import types
+
+    from vllm.engine import arg_utils
+
+    fake = types.SimpleNamespace(create_engine_config=original)
+    real = arg_utils.EngineArgs
+    try:
+        arg_utils.EngineArgs = fake
+        memory.install_host_check()
+        return fake.create_engine_config
+    finally:
+        arg_utils.EngineArgs = real
+
+
+def test_the_backends_log_lines_go_where_vllm_logs(monkeypatch):
+    pytest.importorskip("vllm")
+    import logging
+
+    import directkv_cute.vllm as plugin
+
+    ours, theirs = logging.getLogger("directkv_cute"), logging.getLogger("vllm")
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    handler = logging.Handler(logging.INFO)
+    monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(theirs, "level", logging.INFO)
+    plugin.log_like_vllm()
+    assert ours.handlers == [handler] and ours.getEffectiveLevel() == logging.INFO
+    plugin.log_like_vllm()
+    assert ours.handlers == [handler]  # once
+
+
 def test_blocks_shared_by_prefix_caching_are_planned_once_for_their_sharers():
     """Eight requests whose block tables share 300 prefix blocks (vLLM's prefix caching gives
     them one block id) and own 2 each: on an H200 the step is planned as the cascade, reading

@@ -13,8 +13,7 @@ backend with ``--attention-backend CUSTOM`` and sizes the host KV with ``--kv-ca
 
 from __future__ import annotations
 
-ENTRY_POINT = "directkv"  # the plugin's name for VLLM_PLUGINS
-BACKEND_PATH = "directkv_cute.vllm.backend.DirectKVBackend"
+from directkv_cute.vllm.names import BACKEND_PATH, ENTRY_POINT
 
 
 def plugin_installed() -> bool:
@@ -28,11 +27,29 @@ def plugin_installed() -> bool:
 
 
 def register() -> None:
-    """Register the backend as vLLM's CUSTOM attention backend and install the pinned KV
-    allocation (idempotent)."""
+    """Register the backend as vLLM's CUSTOM attention backend, install the pinned KV allocation
+    and the host-size check of vLLM's config, and log where vLLM logs (idempotent)."""
+    # vLLM is an optional dependency: imported only when vLLM loads the plugin
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from directkv_cute.vllm.memory import install
+    # loads torch and hooks vLLM's allocation: only once vLLM loads the plugin
+    from directkv_cute.vllm.memory import install, install_host_check
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     install()
+    install_host_check()
+    log_like_vllm()
+
+
+def log_like_vllm() -> None:
+    """The package's log records go to vLLM's handlers at vLLM's level (vLLM configures only its
+    own ``vllm`` logger, so the backend's INFO lines would otherwise be dropped); nothing changes
+    where the package's logger has handlers already or vLLM's has none."""
+    import logging
+
+    ours, theirs = logging.getLogger("directkv_cute"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())

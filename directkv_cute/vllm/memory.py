@@ -11,7 +11,9 @@ tensors; the kernels read them in place. Other layers are allocated as vLLM does
 
 The host bytes are vLLM's ``--kv-cache-memory-bytes``, which skips vLLM's HBM profiling
 (``gpu_worker.Worker.determine_available_memory``): the backend refuses to start without it, and
-refuses a size the host's available memory cannot hold before pinning anything.
+refuses a size the host's available memory cannot hold: first where vLLM turns its arguments
+into a config (``install_host_check`` wraps ``EngineArgs.create_engine_config``, in the process
+that parses them, before any engine starts or loads weights), and again before pinning.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 import torch
 
 from directkv_cute._pinned import PinnedHostBuffer, available_host_bytes
+from directkv_cute.vllm.names import BACKEND_PATH
 from directkv_cute.vllm.step import check_host_bytes
 
 log = logging.getLogger(__name__)
@@ -88,9 +91,9 @@ def allocate(kv_cache_config, shared_layers: dict, device, ours: set, kv_cache_m
 
 
 def _ours(backend) -> bool:
-    from directkv_cute.vllm.backend import DirectKVBackend
-
-    return isinstance(backend, type) and issubclass(backend, DirectKVBackend)
+    """Whether an attention group's backend class is ``DirectKVBackend`` (by its path: this module
+    is imported by the backend's)."""
+    return isinstance(backend, type) and any(f"{c.__module__}.{c.__qualname__}" == BACKEND_PATH for c in backend.__mro__)
 
 
 def install() -> None:
@@ -125,3 +128,47 @@ def install() -> None:
 
     init_kv_cache.directkv = True
     model_runner.init_kv_cache = init_kv_cache
+
+
+def host_ranks(parallel_config) -> int:
+    """The GPUs of one host whose KV caches the host pins together: vLLM's world size (tensor x
+    pipeline parallel) per node."""
+    world = int(getattr(parallel_config, "world_size", 1) or 1)
+    return max(1, world // max(1, int(getattr(parallel_config, "nnodes", 1) or 1)))
+
+
+def check_config_host_bytes(vllm_config, available: int | None) -> None:
+    """Refuse a config whose DirectKV KV caches (``--kv-cache-memory-bytes`` per GPU, for every
+    GPU of this host) exceed the host's ``available`` memory: one line (``MemoryError``). A config
+    of another backend, or without the size, passes (the allocation refuses the latter)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    backend = getattr(vllm_config.attention_config, "backend", None)
+    per_gpu = vllm_config.cache_config.kv_cache_memory_bytes
+    if backend != AttentionBackendEnum.CUSTOM or not per_gpu:
+        return
+    try:
+        if AttentionBackendEnum.CUSTOM.get_path() != BACKEND_PATH:
+            return  # CUSTOM names another backend
+    except ValueError:
+        return  # CUSTOM names no backend: vLLM refuses it itself
+    ranks = host_ranks(vllm_config.parallel_config)
+    check_host_bytes(int(per_gpu) * ranks, available, ranks)
+
+
+def install_host_check() -> None:
+    """Check the host bytes where vLLM builds its config from the arguments (idempotent)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "directkv", False):
+        return
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        config = original(self, *args, **kwargs)
+        check_config_host_bytes(config, available_host_bytes())
+        return config
+
+    create_engine_config.directkv = True
+    EngineArgs.create_engine_config = create_engine_config
