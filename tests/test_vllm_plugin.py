@@ -775,3 +775,36 @@ def test_available_gpu_bytes_is_unknown_off_a_gpu():
     from directkv_cute.vllm.backend import available_gpu_bytes
 
     assert available_gpu_bytes("cpu") is None  # the tier check then leaves the allocation to decide
+
+
+def test_each_rank_pins_its_kv_on_the_numa_node_nearest_its_gpu(monkeypatch):
+    """``memory.allocate`` (each vLLM rank's process, one GPU each) pins the backend's KV tensors
+    with the thread bound to the NUMA node of its GPU (``tp.gpu_numa_node``): pages are placed
+    where pinning first touches them."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from directkv_cute.vllm import memory
+
+    bound = []
+
+    @contextlib.contextmanager
+    def on_node(node):
+        bound.append(node)
+        yield
+        bound.pop()
+
+    made = []
+    monkeypatch.setattr(memory, "gpu_numa_node", lambda device: 1 if str(device) == "cuda:1" else 0)
+    monkeypatch.setattr(memory, "on_node", on_node)
+    monkeypatch.setattr(memory, "pinned_tensor", lambda n, device: made.append((n, list(bound))) or torch.zeros(n, dtype=torch.int8))
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 2**30)
+    tensors = [SimpleNamespace(size=4096, shared_by=["a"], block_stride=0),
+               SimpleNamespace(size=8192, shared_by=["b"], block_stride=0)]
+    config = SimpleNamespace(kv_cache_tensors=tensors, kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"])])
+    raw = memory.allocate(config, {}, "cuda:1", {"a", "b"}, 12288)
+    assert made == [(4096, [1]), (8192, [1])]  # each pinned on node 1, the node of cuda:1
+    assert set(raw) == {"a", "b"} and bound == []
+    made.clear()
+    memory.allocate(config, {}, "cuda:0", {"a", "b"}, 12288)
+    assert [nodes for _, nodes in made] == [[0], [0]]

@@ -26,6 +26,7 @@ import logging
 import torch
 
 from directkv_cute._pinned import PinnedHostBuffer, available_host_bytes
+from directkv_cute.tp import gpu_numa_node, on_node
 from directkv_cute.vllm.names import BACKEND_PATH
 from directkv_cute.vllm.step import check_host_bytes
 
@@ -70,9 +71,12 @@ def allocate(kv_cache_config, shared_layers: dict, device, ours: set, kv_cache_m
     raw: dict = {}
     packed = None
     pinned = {id(t) for t in mine}
+    # each rank (its own process and GPU) pins its pages on the NUMA node nearest its GPU
+    node = gpu_numa_node(device) if torch.device(device).type == "cuda" else None
     for t in tensors:
         if id(t) in pinned:
-            tensor = pinned_tensor(t.size, device)
+            with on_node(node):
+                tensor = pinned_tensor(t.size, device)
         elif t.block_stride > 0:  # as vLLM: one backing for every packed tensor
             if packed is None:
                 packed = torch.zeros(t.size, dtype=torch.int8, device=device)
@@ -86,7 +90,8 @@ def allocate(kv_cache_config, shared_layers: dict, device, ours: set, kv_cache_m
     if missing:
         raise ValueError(f"no KV cache tensor for layers {sorted(missing)[:4]}")
     if mine:
-        log.info("DirectKV: %d KV tensors, %.3g GiB of pinned host memory", len(mine), total / 2**30)
+        log.info("DirectKV: %d KV tensors, %.3g GiB of pinned host memory (NUMA node %s)", len(mine), total / 2**30,
+                 "unknown" if node is None else node)
     return raw
 
 
