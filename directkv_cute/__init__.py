@@ -9,6 +9,7 @@ Public API:
     kv_project              fused K/V projection + RoPE + store of new tokens into host/HBM pages
     DecodeConfig            kernel knobs (tile, stages, splits, SMEM carveout, warpgroups)
     StagingRequest          an explicit Q-tiled call's staging (pieces, KV splits, launch/copy order)
+    SparseBudget            opt-in: decode rows read only their best pages (page summaries' bound)
     paged_attention_ref     the float32 reference (also the CPU path)
 """
 
@@ -30,6 +31,7 @@ _LAZY = {
     "DirectKVAttention": "directkv_cute.attention",
     "AttentionPlan": "directkv_cute.plan_types",
     "StagingRequest": "directkv_cute.plan_types",
+    "SparseBudget": "directkv_cute.sparse",
     "DeviceInfo": "directkv_cute.machine",
     "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",
@@ -66,6 +68,7 @@ __all__ = [
     "KVProjConfig",
     "KernelTables",
     "PagedKVCache",
+    "SparseBudget",
     "StagingRequest",
     "__version__",
     "cascade_attention",

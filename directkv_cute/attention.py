@@ -36,6 +36,7 @@ from directkv_cute.machine import CONSERVATIVE, DeviceInfo, MachineModel, stream
 from directkv_cute.plan_types import AttentionPlan, CallShape, ProfileConfigs, StagingRequest
 from directkv_cute.planner import plan_attention
 from directkv_cute.runner import bind, run
+from directkv_cute.sparse import SparseBudget
 from directkv_cute.tuning.lookup import cache_epoch, machine_for
 from directkv_cute.validate import (check_attention, check_config, check_groups, check_max_seq_len, check_q_lens,
                                     check_seq_ids, check_softmax_scale)
@@ -68,7 +69,8 @@ class DirectKVAttention:
     def plan(self, seq_ids=None, *, tables=None, q_lens=None, num_q_heads: int, softmax_scale: float | None = None,
              max_seq_len: int | None = None, return_lse: bool = False, config=None,
              staging: StagingRequest | None = None, cascade=True, groups=None,
-             device_info: DeviceInfo | None = None, q: torch.Tensor | None = None) -> AttentionPlan:
+             device_info: DeviceInfo | None = None, q: torch.Tensor | None = None,
+             sparse: SparseBudget | None = None) -> AttentionPlan:
         """Plan the attention of one step (every layer runs this plan) and return it.
 
         seq_ids:       the batch's sequences (the tables are built here, marked back to back: a
@@ -91,6 +93,9 @@ class DirectKVAttention:
         groups:        the rows that may share (default: any): disjoint lists of row indices.
         device_info:   a ``machine.DeviceInfo`` to plan for (default: the device's own).
         q:             a tensor on the device the plan runs on (default: the tables' device).
+        sparse:        a ``sparse.SparseBudget``: decode rows read only their best pages, chosen
+                       per layer from the cache's page summaries (``PagedKVCache(...,
+                       summaries=True)``); multi-token rows stay exact. None: exact.
 
         ``run`` refuses the plan (``StaleTablesError``: plan again) once any of the cache's pages
         changed owner since it was made (a sequence freed, truncated, pages moved, mirrors
@@ -120,6 +125,11 @@ class DirectKVAttention:
             raise TypeError(f"device_info must be a machine.DeviceInfo or None, got {type(device_info).__name__}")
         if q is not None and not isinstance(q, torch.Tensor):
             raise TypeError(f"q must be a torch.Tensor or None, got {type(q).__name__}")
+        if sparse is not None:
+            if not isinstance(sparse, SparseBudget):
+                raise TypeError(f"sparse must be a sparse.SparseBudget or None, got {type(sparse).__name__}")
+            if getattr(cache, "summaries", None) is None:
+                raise ValueError("sparse reads need the cache's page summaries: PagedKVCache(..., summaries=True)")
         if tables is None:
             tables = cache.kernel_tables(seq_ids, back_to_back=True)
         seq_lens = getattr(tables, "host_seq_lens", None)
@@ -143,10 +153,10 @@ class DirectKVAttention:
         configs = self.configs if self.configs is not None else ProfileConfigs(device_info.name)
         cascade_plan = cascade if not isinstance(cascade, bool) else None
         shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len,
-                             cascade=bool(cascade) and config is None, groups=groups)
+                             cascade=bool(cascade) and config is None, groups=groups, sparse=sparse)
         if shape.host_table is None and _needs_host_table(shape, config):
             tables = _with_host_table(tables)  # the dispatcher's bare tables: read back once
-            shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len)
+            shape = CallShape.of(cache, tables, lens, num_q_heads, max_seq_len=max_seq_len, sparse=sparse)
         plan, staged = _planned(shape, device_info, machine, configs, config, cascade_plan, staging)
         bound = bind(plan, tables, device, capturing, staged)
         generation = getattr(tables, "generation", -1)

@@ -36,6 +36,7 @@ from directkv_cute.cascade import CascadePlan
 from directkv_cute.config import ConfigError, QTiledConfig, default_decode_config, default_multi_token_config
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.plan import StagedChoice
+from directkv_cute.sparse import SparseBudget
 from directkv_cute.tuning.lookup import select_config
 from directkv_cute.tuning.profiles import current_kernel_hash
 
@@ -63,6 +64,7 @@ class CallShape:
     cascade:      read the pages that sequences share once per batch; groups: rows that may share.
     hbm_only:     every page the device tables name is in HBM (``KernelTables.hbm_only``): a call
                   without a host table is routed as one whose pages are all in HBM.
+    sparse:       a ``sparse.SparseBudget``: decode rows read only their best pages (None: exact).
     """
 
     host_table: np.ndarray | None
@@ -82,10 +84,11 @@ class CallShape:
     cascade: bool = False
     groups: tuple | None = None
     hbm_only: bool = False
+    sparse: SparseBudget | None = None
 
     @classmethod
     def of(cls, cache, tables, q_lens, num_q_heads: int, compute_dtype=None, *, max_seq_len=None,
-           cascade: bool = False, groups=None, back_to_back=None) -> "CallShape":
+           cascade: bool = False, groups=None, back_to_back=None, sparse=None) -> "CallShape":
         """The shape of a call over ``cache`` (its public attributes) and ``tables``
         (``cache.kernel_tables``)."""
         host = getattr(tables, "host_table", None)
@@ -100,7 +103,7 @@ class CallShape:
                    cache.num_layers, int(hbm.shape[0]) if hbm is not None else 0, int(width), max_seq_len,
                    bool(getattr(tables, "back_to_back", False) if back_to_back is None else back_to_back),
                    cascade, None if groups is None else tuple(tuple(g) for g in groups),
-                   bool(getattr(tables, "hbm_only", False)) and host is None)
+                   bool(getattr(tables, "hbm_only", False)) and host is None, sparse)
 
     @classmethod
     def example(cls, seq_lens, q_lens=None, *, num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128,
@@ -381,6 +384,16 @@ class WholeBatch:
     staged call of the whole batch, where that is estimated faster than the cascade."""
 
     cascade: CascadePlan = field(repr=False)
+    inner: AttentionPlan
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """``sparse_decode``: per layer, each row's ``pages`` best pages under ``budget`` are selected
+    on the device into a compact table, then ``inner``, the in-place decode plan over it."""
+
+    budget: SparseBudget
+    pages: int
     inner: AttentionPlan
 
 

@@ -38,10 +38,10 @@ from directkv_cute.machine import DeviceInfo, MachineModel
 from directkv_cute.plan import causal_flops, cascade_ms, compute_bound, stage_instead_of_cascade
 from directkv_cute.plan_types import (AUTOMATIC, AttentionPlan, ByHead, CallShape, CascadePass, CascadePasses,
                                       DefaultConfigs, Dequantized, FP8Part, InPlace, PlanError, ProfileConfigs,
-                                      QTiled, QTiledLayout, StagedDecode, StagingRequest, WholeBatch)
+                                      QTiled, QTiledLayout, Sparse, StagedDecode, StagingRequest, WholeBatch)
 from directkv_cute.routes import (ROUTES, Cascade, CascadeStaged, Decode, DecodeFP8, DecodeFP8Staged,
                                   DecodeFP8TwoPiece, FP8ByHead, FP8Dequantized, MultiToken, QTiledHBM, QTiledStaged,
-                                  Reference)
+                                  Reference, SparseDecode)
 from directkv_cute.stage_plan import (SLOTS, fp8_head_groups, fp8_stage_plan, pages_used, plan_staging,
                                       split_staged_table, staged_layout, staging_choice)
 
@@ -63,6 +63,10 @@ def plan_attention(shape: CallShape, device: DeviceInfo, machine: MachineModel, 
             raise PlanError("a StagingRequest steers the Q-tiled kernel's staged launch: it needs an explicit "
                             f"QTiledConfig (config=QTiledConfig(...)), got config {config!r}")
     staging = staging or AUTOMATIC
+    if shape.sparse is not None:
+        got = _plan_sparse(shape, device, machine, configs, config)
+        if got is not None:
+            return got
     if shape.cascade and shape.host_table is not None and config is None:
         got = _plan_cascade(shape, device, machine, configs, cascade_plan)
         if got is not None:
@@ -357,3 +361,24 @@ def _plan_cascade(shape: CallShape, device: DeviceInfo, m: MachineModel, configs
                                why=(f"{len(cp.spans)} shared span(s): {cp.host_pages_read} host pages read instead "
                                     f"of {cp.host_pages_naive}",)), shape, m)
 
+
+
+def _plan_sparse(shape: CallShape, device: DeviceInfo, machine: MachineModel, configs, config) -> AttentionPlan | None:
+    """Decode rows under a ``SparseBudget``: the plan of the compact table of each row's selected
+    pages (the in-place decode kernel, its splits for the budget's context), where the budget
+    reads fewer pages than the longest sequence has; None (exact) for multi-token rows or a budget
+    that covers every page."""
+    if shape.max_q_len != 1:
+        return None  # prefill and multi-token rows stay exact
+    P = shape.page_size
+    max_pages = math.ceil(max(shape.seq_lens) / P) if shape.seq_lens else shape.width
+    pages = shape.sparse.budget_pages(max_pages)
+    if pages >= max_pages:
+        return None
+    inner_shape = shape.replace(host_table=None, seq_lens=tuple(min(n, pages * P) for n in shape.seq_lens)
+                                if shape.seq_lens else None, width=pages, max_seq_len=pages * P, cascade=False,
+                                hbm_only=False, sparse=None)
+    inner = plan_attention(inner_shape, device, machine, configs, config)
+    why = (f"decode rows under a budget of {pages} of {max_pages} pages: each layer reads each row's best pages",)
+    return _done(AttentionPlan(SparseDecode(), inner.kernel, inner.config, Sparse(shape.sparse, pages, inner),
+                               why=why), shape, machine)

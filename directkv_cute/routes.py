@@ -18,6 +18,8 @@ reference) and call the plan's route for the rest. Adding a route is a class her
   next group's copy (``ByHead``);
 - ``cascade``: the pages sequences share read once per batch, the passes merged by their LSE
   (``CascadePasses``); ``cascade_staged``: the batch as one staged call (``WholeBatch``);
+- ``sparse_decode``: decode rows that read only their best pages, selected per layer on the
+  device, then the in-place decode plan over them (``SparseDecode``);
 - ``reference``: a CPU cache: the float32 reference.
 """
 
@@ -29,10 +31,12 @@ import torch
 from directkv_cute.cache.tables import KernelTables
 from directkv_cute.cascade import merge_partials, pack_rows, unpack_rows
 from directkv_cute.kernels import launch
-from directkv_cute.plan_types import ByHead, CascadePasses, Dequantized, InPlace, QTiled, StagedDecode, WholeBatch
+from directkv_cute.plan_types import (ByHead, CascadePasses, Dequantized, InPlace, QTiled, Sparse, StagedDecode,
+                                      WholeBatch)
 from directkv_cute.reference import cache_scales, tables_attention_ref
 from directkv_cute.runner import (Bound, Call, PoolView, bind, compiled_combine, compiled_dequant, compiled_q_tiled,
                                   in_place_kernel, in_place_partials, run_call, tables_from_host)
+from directkv_cute.sparse import select_pages
 from directkv_cute.staging import hbm_in_place, stager
 
 # Streams that FP8 chunks run their KV head groups on, at most: one group's launch may fill only
@@ -525,6 +529,45 @@ class CascadeStaged(Route):
         return run_call(plan.detail.inner, bound.inner, call)
 
 
+class SparseDecode(Route):
+    """Decode rows that read only their best pages (``Sparse``): per layer, ``sparse.select_pages``
+    writes each row's pages into a compact table bound once per plan, then the inner in-place
+    decode plan reads it."""
+
+    name = "sparse_decode"
+    detail = Sparse
+
+    def bind(self, plan, bound, device, capturing, staged):
+        t = bound.tables
+        B, K = t.page_table.shape[0], plan.detail.pages
+        table = torch.zeros((B, K), dtype=torch.int32, device=device)  # the selected pages, per layer
+        lens = torch.ones(B, dtype=torch.int32, device=device)
+        bound.inner = bind(plan.detail.inner, KernelTables(table, lens), device, capturing)
+
+    def kernels(self, plan, dtype):
+        inner = plan.detail.inner
+        return inner.route.kernels(inner, dtype)
+
+    def describe(self, plan):
+        return [f"  sparse: {plan.detail.pages} pages per row ({plan.detail.budget}), chosen per layer by the "
+                "page summaries' bound on q . k"]
+
+    def nested(self, plan):
+        return [_nested("over the selected pages", plan.detail.inner)]
+
+    def run(self, plan, bound, call):
+        summaries = getattr(call.cache, "summaries", None)
+        if summaries is None:
+            raise ValueError("a sparse plan needs the cache's page summaries (PagedKVCache(..., summaries=True))")
+        b, inner = plan.detail.budget, bound.inner.tables
+        select_pages(call.q, bound.tables.page_table, bound.tables.seq_lens, summaries, call.layer,
+                     plan.shape.page_size, plan.detail.pages, b.sink_pages, b.recent_pages,
+                     out_table=inner.page_table, out_lens=inner.seq_lens)
+        return run_call(plan.detail.inner, bound.inner, call)
+
+    reference = run
+
+
 class Reference(Route):
     """A CPU cache: the float32 reference (``Route.reference``); no kernel."""
 
@@ -534,7 +577,7 @@ class Reference(Route):
 # Every route, in the order the docs list them.
 ROUTES: tuple[Route, ...] = (
     Decode(), MultiToken(), QTiledHBM(), QTiledStaged(), DecodeFP8(), DecodeFP8Staged(), DecodeFP8TwoPiece(),
-    FP8Dequantized(), FP8ByHead(), Cascade(), CascadeStaged(), Reference(),
+    FP8Dequantized(), FP8ByHead(), Cascade(), CascadeStaged(), SparseDecode(), Reference(),
 )
 BY_NAME = {r.name: r for r in ROUTES}
 

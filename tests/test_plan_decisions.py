@@ -177,6 +177,10 @@ def build_shape(spec: dict):
         changes["groups"] = tuple(tuple(g) for g in spec["groups"])
     if "hbm_pages" in spec:
         changes["hbm_pages"] = spec["hbm_pages"]
+    if "sparse" in spec:
+        from directkv_cute.sparse import SparseBudget
+
+        changes["sparse"] = SparseBudget(**spec["sparse"])
     s = s.replace(**changes)
     if spec.get("bare"):  # the dispatcher's op: device tables only
         s = s.replace(host_table=None)
@@ -445,6 +449,15 @@ def cases() -> list[dict]:
                     (dict(big, q=[2048, 64]), dict(device=dict(capturing=True, copies_ahead=False))),
                     (big, dict(device=dict(gpu="H100")))]:
         add({"api": api}, **kw)
+    # Decode rows under a sparse budget (prefill rows and budgets covering every page: exact).
+    for budget in (dict(fraction=1 / 8), dict(pages=16, sink_pages=0, recent_pages=1), dict(fraction=1)):
+        for shape in (dict(lens=131072), dict(lens=131072, tier="hbm"), dict(lens=[131072, 4096], batch=2),
+                      dict(lens=32768, batch=16, tier="window"), dict(lens=512), dict(lens=131072, q=2048),
+                      dict(lens=131072, dtype="e4m3"), dict(lens=131072, q=4), dict(lens=32768, hq=64, hkv=8)):
+            add(dict(shape, sparse=budget))
+        for device in (dict(capturing=True, copies_ahead=False), dict(gpu="cpu"), dict(gpu="H100")):
+            add(dict(lens=131072, sparse=budget), device=device)
+    add(dict(lens=131072, sparse=dict(fraction=1 / 8)), config={"decode": dict(tile_n=64, stages=4)})
     return out
 
 
@@ -562,6 +575,7 @@ def summarize(plan, call: dict | None = None, top: bool = True) -> dict | None:
                              "shape": _shape(p.shape), "plan": summarize(p.plan, _shape(p.shape), False)})
                    for p in getattr(d, "passes", ())],
         "capture": summarize(plan.capture, shape, False),
+        "sparse": None if getattr(d, "budget", None) is None else {"budget": str(d.budget), "pages": d.pages},
     })
     if top:
         out["explain"] = plan.explain().splitlines()

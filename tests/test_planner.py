@@ -14,6 +14,7 @@ import torch
 import directkv_cute as dk
 from directkv_cute.machine import CONSERVATIVE, H200, DeviceInfo, MachineModel
 from directkv_cute.planner import ROUTES, CallShape, DefaultConfigs, ProfileConfigs, plan_attention
+from directkv_cute.sparse import SparseBudget
 from directkv_cute.tuning import profiles as P
 
 FACTS = DeviceInfo("Test GPU without a profile", 132, 140 * 2**30, copies_ahead=True)
@@ -109,6 +110,8 @@ def test_every_route_is_reached_and_named_once():
     for lens, q, tier, fp8 in shapes:
         s = CallShape.example(lens, q, tier=tier, page_dtype=torch.float8_e4m3fn if fp8 else None)
         seen.add(plan_attention(s, FACTS, H200, DefaultConfigs()).route)
+    sparse = CallShape.example([32768]).replace(sparse=SparseBudget(fraction=1 / 8))
+    seen.add(plan_attention(sparse, FACTS, H200, DefaultConfigs()).route)
     seen |= {"cascade", "cascade_staged", "reference"}  # planned in the tests above
     assert seen == set(ROUTES)
 
@@ -130,6 +133,7 @@ def test_every_plan_and_fallback_knows_its_call():
                                          ([32768], [1], "host", False), ([4096], [1], "host", True),
                                          ([32768], [1], "host", True), ([32768], [4], "host", True),
                                          ([8192], [2048], "host", True), ([8192], [64], "host", True)]]
+    shapes.append(CallShape.example([32768]).replace(sparse=SparseBudget(fraction=1 / 8)))
     checked = 0
     for shape in shapes:
         for sub in _sub_plans(plan_attention(shape, FACTS, H200, DefaultConfigs())):
