@@ -46,6 +46,7 @@ import torch
 from directkv_cute import presets
 from directkv_cute.cache import page_bytes
 from directkv_cute.kernels import jit
+from directkv_cute.sparse import SparseBudget, parse_budget
 from directkv_cute.version import __version__
 
 __all__ = ["GenerateResult", "StepClock", "dtype_kwargs", "main", "parse_size", "random_prompt",
@@ -396,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hbm-budget", default="0", metavar="SIZE",
                    help="GPU memory for the cache's HBM tier, e.g. 8GiB, 512MiB, 4GB (default 0: every page in "
                         "pinned host memory; a CPU run has no HBM and takes only 0)")
+    p.add_argument("--sparse-budget", default=None, metavar="BUDGET",
+                   help="decode reads only each row's best pages: a fraction of the pages (1/8, 0.125) or a page "
+                        "count (256p), chosen per layer from page summaries; prefill stays exact (default: exact)")
     p.add_argument("--page-size", type=int, default=64, choices=PAGE_SIZES, metavar="TOKENS",
                    help=f"tokens per cache page: {', '.join(map(str, PAGE_SIZES))} (default 64)")
     p.add_argument("--sink-pages", type=int, default=1, metavar="N",
@@ -440,6 +444,7 @@ class _Args:
     hbm_budget: int
     kv_dtype: torch.dtype | None = None  # None: the model dtype
     json_path: Path | None = None
+    sparse: SparseBudget | None = None  # None: exact decode
 
 
 def _check_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
@@ -527,7 +532,14 @@ def check_args(p: argparse.ArgumentParser, ns: argparse.Namespace) -> _Args:
         p.error(f"--kv-dtype {kv} differs from the model dtype {str(dtype).removeprefix('torch.')}: pages hold "
                 "the model dtype (auto) or fp8")
     json_path = _check_json_path(p, ns.json) if ns.json else None
-    return _Args(device=device, dtype=dtype, hbm_budget=budget, kv_dtype=kv_dtype, json_path=json_path)
+    sparse = None
+    if ns.sparse_budget is not None:
+        try:
+            sparse = parse_budget(ns.sparse_budget)
+        except ValueError as e:
+            p.error(f"--sparse-budget: {e}")
+    return _Args(device=device, dtype=dtype, hbm_budget=budget, kv_dtype=kv_dtype, json_path=json_path,
+                 sparse=sparse)
 
 
 def _cpu_budget_refusal(text: str, budget: int) -> str:
@@ -789,7 +801,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = DirectKVCache(model, max_tokens=batch * (prompt_len + ns.max_new_tokens), max_batch_size=batch,
                               page_size=ns.page_size, hbm_budget=a.hbm_budget,
                               sink_pages=min(ns.sink_pages, pages_per_row), dtype=a.dtype, device=a.device,
-                              kv_dtype=a.kv_dtype)
+                              kv_dtype=a.kv_dtype, sparse=a.sparse)
         cache.check_request(lengths, ns.max_new_tokens)
     except (CacheCapacityError, UnsupportedModelError, ValueError, TypeError) as e:
         p.error(str(e))
@@ -858,6 +870,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": int(batch), "prompt_len": int(prompt_len), "prompt_lens": [int(x) for x in lengths],
             "prompt_ids": input_ids.cpu().tolist() if input_ids.numel() <= PROMPT_IDS_IN_JSON else None,
             "max_new_tokens": ns.max_new_tokens, "page_size": ns.page_size, "hbm_budget": a.hbm_budget,
+            "sparse_budget": None if a.sparse is None else str(a.sparse),
             "prefill_chunk": ns.prefill_chunk, "sample": ns.sample, "seed": ns.seed,
             "ttft_s": res.prefill_s, "prefill_forwards": res.prefill_forwards, "total_s": res.total_s,
             "decode_steps": steps, "decode_ms_per_token": res.decode_ms, "decode_ms_median": res.decode_ms_median,

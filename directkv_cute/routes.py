@@ -561,7 +561,7 @@ class SparseDecode(Route):
             raise ValueError("a sparse plan needs the cache's page summaries (PagedKVCache(..., summaries=True))")
         b, inner = plan.detail.budget, bound.inner.tables
         select_pages(call.q, bound.tables.page_table, bound.tables.seq_lens, summaries, call.layer,
-                     plan.shape.page_size, plan.detail.pages, b.sink_pages, b.recent_pages,
+                     plan.shape.page_size, plan.detail.pages, b.sink_pages, b.recent_pages, call.scale,
                      out_table=inner.page_table, out_lens=inner.seq_lens)
         return run_call(plan.detail.inner, bound.inner, call)
 

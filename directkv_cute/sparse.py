@@ -6,9 +6,11 @@ highest first. A page's score bounds what its keys can contribute to a query row
 elementwise min and max of the page's K rows per KV head (``cache.summaries``: kept next to the
 GPU, 1/page_size of the KV's bytes), ``q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d)`` for every
 key k of the page. The pages of a sequence are shared by all its KV heads and query heads (one
-page table per sequence, which the decode kernels walk): a page's score is the largest over the
-query heads of its bound less that head's best page's bound, so a head whose queries are large
-does not crowd out the others.
+page table per sequence, which the decode kernels walk): a page's score is
+``log sum_h exp(scale * (bound_h - best_h))`` over the query heads h, ``best_h`` that head's
+largest bound over the sequence's pages: a bound on the page's share of each head's softmax
+mass relative to that head's best page, summed over the heads, so a head whose queries are large
+does not crowd out the others, and a page several heads need ranks above one that one head needs.
 
 ``select_pages`` runs on the device, with static shapes (a CUDA graph can hold it): the selected
 pages, in their order in the sequence, become a compact page table of ``budget`` pages per
@@ -70,11 +72,27 @@ class SparseBudget:
         return f"{size}, {self.sink_pages} sink + {self.recent_pages} recent always"
 
 
+def parse_budget(text: str) -> SparseBudget:
+    """A command line's budget: a fraction of the pages ("1/8", "0.125") or a page count ("256p");
+    a ``ValueError`` in one line otherwise."""
+    t = str(text).strip().lower()
+    try:
+        if t.endswith("p"):
+            return SparseBudget(pages=int(t[:-1]))
+        if "/" in t:
+            num, den = t.split("/", 1)
+            return SparseBudget(fraction=int(num) / int(den))
+        return SparseBudget(fraction=float(t))
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"a sparse budget is a fraction of the pages (1/8, 0.125) or a page count (256p), "
+                         f"got {text!r}" + (f": {e}" if "SparseBudget" in str(e) else "")) from None
+
+
 def page_scores(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, summaries, layer: int,
-                page_size: int, sink_pages: int, recent_pages: int) -> torch.Tensor:
+                page_size: int, sink_pages: int, recent_pages: int, scale: float | None = None) -> torch.Tensor:
     """float32 (B, W): each page's score for the decode rows ``q`` (B, Hq, d): +inf for the
-    pages always read, -inf past a sequence's pages, else the largest over the query heads of the
-    page's bound on q . k less that head's largest bound over the sequence's pages.
+    pages always read, -inf past a sequence's pages, else ``log sum_h exp(scale * (bound_h -
+    best_h))`` (the module docstring; ``scale``: the softmax scale, default 1 / sqrt(d)).
     ``page_table`` int32 (B, W) (encoded: >= 0 host page, < 0 HBM page -e - 1), ``seq_lens``
     int32 (B,), ``summaries``: ``PageSummaries`` (``host`` and ``hbm``: (pages, layers, Hkv, 2, d),
     min then max of each page's K rows)."""
@@ -99,14 +117,16 @@ def page_scores(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tenso
     valid = j[None, :] < n_pages[:, None]  # (B, W)
     bound = bound.masked_fill(~valid[:, :, None, None], -math.inf)
     best = bound.amax(dim=1, keepdim=True)  # (B, 1, Hkv, g): each head's best page
-    score = (bound - best).nan_to_num(nan=-math.inf).flatten(2).amax(dim=2)  # (B, W)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    rel = ((bound - best) * scale).nan_to_num(nan=-math.inf).flatten(2)  # (B, W, Hq)
+    score = torch.logsumexp(rel, dim=2)  # (B, W)
     keep = (j[None, :] < sink_pages) | (j[None, :] >= n_pages[:, None] - recent_pages)
     score = torch.where(keep & valid, torch.full_like(score, math.inf), score)
     return score.masked_fill(~valid, -math.inf)
 
 
 def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, summaries, layer: int,
-                 page_size: int, budget: int, sink_pages: int, recent_pages: int,
+                 page_size: int, budget: int, sink_pages: int, recent_pages: int, scale: float | None = None,
                  out_table: torch.Tensor | None = None, out_lens: torch.Tensor | None = None):
     """(table int32 (B, budget), lens int32 (B,)): each sequence's ``budget`` best pages
     (``page_scores``) in sequence order, the rest of its row repeating its last selected page,
@@ -114,7 +134,7 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     min(budget, its pages), tail = its newest page's rows. Written into ``out_table`` /
     ``out_lens`` where given (persistent buffers a plan binds once)."""
     B, W = page_table.shape
-    score = page_scores(q, page_table, seq_lens, summaries, layer, page_size, sink_pages, recent_pages)
+    score = page_scores(q, page_table, seq_lens, summaries, layer, page_size, sink_pages, recent_pages, scale)
     idx = score.topk(budget, dim=1).indices.sort(dim=1).values  # chosen pages, in sequence order
     lens = seq_lens.long()
     n_pages = (lens + page_size - 1) // page_size
@@ -131,4 +151,4 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     return out_table, out_lens
 
 
-__all__ = ["SparseBudget", "page_scores", "select_pages"]
+__all__ = ["SparseBudget", "page_scores", "parse_budget", "select_pages"]

@@ -15,7 +15,7 @@ import torch
 from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.plan_types import CallShape, ProfileConfigs
 from directkv_cute.planner import plan_attention
-from directkv_cute.sparse import SparseBudget, page_scores, select_pages
+from directkv_cute.sparse import SparseBudget, page_scores, parse_budget, select_pages
 
 
 @pytest.mark.parametrize("kwargs, err", [
@@ -27,6 +27,16 @@ from directkv_cute.sparse import SparseBudget, page_scores, select_pages
 def test_a_budget_that_cannot_be_read_is_refused_naming_the_field(kwargs, err):
     with pytest.raises(err, match="SparseBudget"):
         SparseBudget(**kwargs)
+
+
+def test_a_command_lines_budget():
+    assert parse_budget("1/8") == SparseBudget(fraction=0.125)
+    assert parse_budget(" 0.25 ") == SparseBudget(fraction=0.25)
+    assert parse_budget("256p") == SparseBudget(pages=256)
+    for bad in ("", "1/0", "x", "0", "2", "-1/8", "0p", "1.5p", "nan"):
+        with pytest.raises(ValueError) as e:
+            parse_budget(bad)
+        assert "\n" not in str(e.value) and "sparse budget" in str(e.value)
 
 
 def test_budget_pages():
@@ -59,8 +69,8 @@ def _reference_selection(q, table, lens, summ, layer, P, budget, sink, recent):
             hkv = page.shape[0]
             g = Hq // hkv
             s.append([np.maximum(q[b, h] * page[h // g, 0], q[b, h] * page[h // g, 1]).sum() for h in range(Hq)])
-        s = np.array(s)  # (n, Hq)
-        rel = (s - s.max(axis=0)).max(axis=1)
+        s = np.array(s) / math.sqrt(d)  # (n, Hq), the softmax scale's
+        rel = np.log(np.exp(s - s.max(axis=0)).sum(axis=1))
         forced = [j for j in range(n) if j < sink or j >= n - recent]
         rest = sorted((j for j in range(n) if j not in forced), key=lambda j: -rel[j])
         out.append(sorted(forced + rest[: max(0, min(budget, n) - len(forced))]))
@@ -131,3 +141,121 @@ def test_decode_rows_under_a_budget_plan_the_selected_pages_and_prefill_stays_ex
     # on a CPU the selection feeds the reference
     cpu = plan_attention(shape, DeviceInfo.for_cpu(), H200, configs)
     assert cpu.route == "sparse_decode" and cpu.detail.inner.route == "reference"
+
+
+def _dense(q, k, v, scale):
+    """float64 attention of one decode row q (Hq, d) over k, v (n, Hkv, d)."""
+    g = q.shape[0] // k.shape[1]
+    s = torch.einsum("hd,nhd->hn", q.double(), k.double().repeat_interleave(g, 1)) * scale
+    return torch.einsum("hn,nhd->hd", s.softmax(-1), v.double().repeat_interleave(g, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype):
+    """``DirectKVAttention.plan(sparse=...)`` over a ``PagedKVCache(summaries=True)`` on the CPU:
+    ragged sequences (one within the budget), GQA, some pages moved to HBM, output poisoned
+    first; each row's output equals float64 attention over exactly the pages an independent
+    selection (min / max taken from the pools' own K rows) chooses, and a budget covering every
+    page equals exact attention."""
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.cache import PagedKVCache
+
+    torch.manual_seed(0)
+    P, L, hkv, hq, d = 16, 2, 2, 8, 32
+    cache = PagedKVCache(L, hkv, d, P, 64, 16, dtype=dtype, device="cpu", summaries=True)
+    lens = [21 * P + 3, 2 * P + 1, 12 * P]
+    kv = {}
+    for n in lens:
+        sid = cache.add_sequence()
+        k = torch.randn(n, L, hkv, d) * torch.rand(n, 1, 1, 1) * 3  # pages of different spread
+        v = torch.randn(n, L, hkv, d)
+        cache.append(sid, k.to(dtype), v.to(dtype))
+        kv[sid] = (k.to(dtype), v.to(dtype))
+    sids = list(kv)
+    cache.move_pages(sids[0], [3, 4, 20], "hbm")
+    budget = SparseBudget(pages=6, sink_pages=1, recent_pages=2)
+    tables = cache.kernel_tables(sids)
+    dk = DirectKVAttention(cache)
+    plan = dk.plan(tables=tables, num_q_heads=hq, sparse=budget)
+    assert plan.route == "sparse_decode" and plan.detail.pages == 6
+    scale = 1 / math.sqrt(d)
+    host, hbm = cache.device_pool("host"), cache.device_pool("hbm")
+    for layer in range(L):
+        q = torch.randn(len(sids), hq, d).to(dtype)
+        out = torch.full_like(q, float("nan"))
+        dk.run(q, layer, out)
+        # the selection again, from the pools' K rows (not from the cache's summaries)
+        table = tables.page_table.numpy()
+        for b, sid in enumerate(sids):
+            n = lens[b]
+            pages = -(-n // P)
+            rows = [min(P, n - j * P) for j in range(pages)]
+            summ = []
+            for j in range(pages):
+                e = int(table[b, j])
+                kp = (host[e] if e >= 0 else hbm[-e - 1])[layer, :, 0, : rows[j]].float()  # (Hkv, rows, d)
+                summ.append(torch.stack((kp.amin(1), kp.amax(1)), 1))  # (Hkv, 2, d)
+            fake = SimpleNamespace(host=torch.stack(summ)[:, None].expand(pages, L, hkv, 2, d), hbm=None)
+            want = _reference_selection(q[b:b + 1].float(), np.arange(pages)[None], [n], fake, layer, P, 6, 1, 2)[0]
+            keys = torch.cat([kv[sid][0][j * P: j * P + rows[j], layer] for j in want])
+            vals = torch.cat([kv[sid][1][j * P: j * P + rows[j], layer] for j in want])
+            torch.testing.assert_close(out[b].double(), _dense(q[b], keys, vals, scale), atol=2e-2, rtol=2e-2)
+    full = dk.plan(tables=tables, num_q_heads=hq, sparse=SparseBudget(fraction=1.0))
+    assert full.route != "sparse_decode"
+    q = torch.randn(len(sids), hq, d).to(dtype)
+    out = dk.run(q, 1)
+    for b, sid in enumerate(sids):
+        torch.testing.assert_close(out[b].double(), _dense(q[b], kv[sid][0][:, 1], kv[sid][1][:, 1], scale),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_a_sparse_budget_needs_a_cache_with_page_summaries():
+    from directkv_cute.attention import DirectKVAttention
+    from directkv_cute.cache import PagedKVCache
+
+    cache = PagedKVCache(1, 1, 16, 16, 8, 0, device="cpu")
+    sid = cache.add_sequence()
+    cache.append(sid, torch.zeros(40, 1, 1, 16, dtype=torch.bfloat16), torch.zeros(40, 1, 1, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="summaries=True"):
+        DirectKVAttention(cache).plan(seq_ids=[sid], num_q_heads=1, sparse=SparseBudget(pages=1))
+    with pytest.raises(TypeError, match="SparseBudget"):
+        DirectKVAttention(cache).plan(seq_ids=[sid], num_q_heads=1, sparse=0.125)
+
+
+def test_directkv_cache_decodes_under_a_budget_and_prompts_stay_exact():
+    """``DirectKVCache(sparse=...)`` on a random tiny model: the prompt step is planned exactly,
+    a decode step under the budget (the sparse route, named with its pages by ``explain()``), the
+    tokens of a budget that covers every page equal exact decoding, and a wrong type is refused."""
+    import directkv_cute.hf  # noqa: F401  (registers the attention implementation)
+    from directkv_cute.hf.cache import DirectKVCache
+    from directkv_cute.presets import build_random_model
+
+    model = build_random_model("tiny", torch.float32, "cpu", seed=0, num_hidden_layers=2,
+                               attn_implementation="directkv")
+    ids = torch.randint(0, 1024, (1, 200), generator=torch.Generator().manual_seed(3))
+
+    def generate(sparse):
+        cache = DirectKVCache(model, max_tokens=260, page_size=16, sparse=sparse)
+        with torch.no_grad():
+            return model.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False)[0, 200:]
+
+    assert torch.equal(generate(SparseBudget(fraction=1.0)), generate(None))
+    cache = DirectKVCache(model, max_tokens=260, page_size=16, sparse=SparseBudget(pages=4, sink_pages=1,
+                                                                                   recent_pages=1))
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        assert cache.last_plan.route == "reference"  # the prompt: exact
+        model(logits[:, -1:].argmax(-1), past_key_values=cache)
+    assert cache.last_plan.route == "sparse_decode" and "4 pages per row" in cache.last_plan.explain()
+    with pytest.raises(TypeError, match="SparseBudget"):
+        DirectKVCache(model, max_tokens=64, sparse="1/8")
+
+
+@pytest.mark.parametrize("bad", ["2", "1/0", "eighth", "0p"])
+def test_directkv_generate_refuses_a_bad_sparse_budget_in_one_line(bad, capsys):
+    from directkv_cute.generate import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--context", "64", "--device", "cpu", "--sparse-budget", bad])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "--sparse-budget" in err[-1] and "Traceback" not in "".join(err)

@@ -14,6 +14,10 @@
 (``kv_project``'s destinations) and the vLLM backend share: the rows of a pool that hold a
 batch's tokens (``StoreIndex``) and the indexed copies into the host pool and the HBM copies.
 
+``cache.summaries`` (``PagedKVCache(..., summaries=True)``): per page, layer and KV head the
+elementwise min and max of the K rows written, on the cache device, kept by every store and
+page operation, for choosing pages by query without reading them.
+
 Layout
 ------
 A *page* holds ``page_size`` consecutive tokens of one sequence for every layer and KV head. Each
@@ -102,6 +106,7 @@ from directkv_cute.cache.pages import (
     encode_page,
 )
 from directkv_cute.cache.pools import CPU_ONLY_DTYPES, PAGE_DTYPES, SUPPORTED_DTYPES, DevicePools, page_bytes
+from directkv_cute.cache.summaries import PageSummaries
 from directkv_cute.cache.tables import (
     KernelTables,
     StaleTablesError,
@@ -124,6 +129,7 @@ __all__ = [
     "HostWriteLog",
     "KernelTables",
     "PageBook",
+    "PageSummaries",
     "PagedKVCache",
     "StaleTablesError",
     "Tier",

@@ -10,9 +10,19 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from directkv_cute.cache.pages import MAX_PAGES, CacheState, PageBook, SeqPages, Tier, check_int, check_tier
+from directkv_cute.cache.pages import (
+    MAX_PAGES,
+    CacheState,
+    PageBook,
+    SeqPages,
+    Tier,
+    check_int,
+    check_tier,
+    encode_page,
+)
 from directkv_cute.cache.pools import DevicePools, page_bytes, resolve_device, resolve_dtypes
 from directkv_cute.cache.store import layer_start
+from directkv_cute.cache.summaries import PageSummaries
 from directkv_cute.cache.tables import (
     KernelTables,
     StaleTablesError,
@@ -59,6 +69,10 @@ class PagedKVCache:
         compute_dtype: the dtype of the K/V that ``write``/``append``/``write_slots`` take and
             ``read`` returns: ``dtype`` for bf16/fp16 pages (the default; nothing else is
             accepted), bf16 (default) or fp16 (float32 on device='cpu' too) for FP8 pages.
+        summaries: keep ``summaries`` (``cache.summaries.PageSummaries``): per page, layer and KV
+            head the min and max of the K rows written, on the cache device, 1/page_size of the
+            KV's bytes, kept by every store and page operation. Off (the default): nothing is
+            allocated and no store does more than without.
     """
 
     host_pool = _pooled("host_pool", "(num_host_pages, L, Hkv, 2, page_size, d) CPU tensor; pinned and mapped on CUDA.")
@@ -89,6 +103,7 @@ class PagedKVCache:
         device: str | torch.device = "cuda",
         num_window_pages: int = 0,
         compute_dtype: torch.dtype | None = None,
+        summaries: bool = False,
     ) -> None:
         self.num_layers = check_int(num_layers, "num_layers", 1)
         self.num_kv_heads = check_int(num_kv_heads, "num_kv_heads", 1)
@@ -111,7 +126,13 @@ class PagedKVCache:
         device = resolve_device(device, self.head_dim)
         self._pools = DevicePools(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, capacity,
                                   window, dtype, compute_dtype, device)
-        self._book = PageBook(capacity, self.page_size, window, self._pools.copy_page)
+        if not isinstance(summaries, bool):
+            raise TypeError(f"summaries must be a bool, got {type(summaries).__name__}")
+        self._summaries = PageSummaries(self._pools) if summaries else None
+        if summaries:
+            self._book = PageBook(capacity, self.page_size, window, self._copy_page, self._summaries.reset)
+        else:
+            self._book = PageBook(capacity, self.page_size, window, self._pools.copy_page)
         self._capacity = capacity
         self._lock = threading.RLock()
         self._closed = False
@@ -119,7 +140,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, config, *, host_bytes: int, hbm_bytes: int = 0, page_size: int = DEFAULT_PAGE_SIZE,
                   dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-                  compute_dtype: torch.dtype | None = None) -> "PagedKVCache":
+                  compute_dtype: torch.dtype | None = None, summaries: bool = False) -> "PagedKVCache":
         """A cache sized by bytes for a model config (a transformers config or anything with
         ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` /
         ``hidden_size``): ``host_bytes`` of pinned host pages, ``hbm_bytes`` of HBM pages (FP8
@@ -135,7 +156,7 @@ class PagedKVCache:
             raise ValueError(f"host_bytes={host_bytes} holds no page of {one} bytes ({page_size} tokens)")
         return cls(layers, hkv, head_dim, page_size, num_host_pages=host,
                    num_hbm_pages=check_int(hbm_bytes, "hbm_bytes") // one, dtype=dtype, device=device,
-                   compute_dtype=compute_dtype)
+                   compute_dtype=compute_dtype, summaries=summaries)
 
     @property
     def device(self) -> torch.device:
@@ -166,6 +187,13 @@ class PagedKVCache:
             f"host {self.free_pages('host')}/{self._capacity['host']} free, "
             f"hbm {self.free_pages('hbm')}/{self._capacity['hbm']} free, {len(self._book.seqs)} sequences)"
         )
+
+    @property
+    def summaries(self) -> PageSummaries | None:
+        """The page summaries (``summaries=True``): ``host`` / ``hbm`` tensors (pages, L, Hkv, 2, d),
+        min then max of each page's K rows, indexed by the decoded page-table entries; None when
+        off."""
+        return self._summaries
 
     @property
     def host_pinned(self) -> bool:
@@ -391,7 +419,10 @@ class PagedKVCache:
         n = self._pools.check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
             raise ValueError(f"{n} K/V rows for {slots.total} slots")
-        self._pools.store(slots.store_index(defer_host), self._layer_start(layer), k, v, slots.host_pages)
+        kv, scales = self._pools.store(slots.store_index(defer_host), self._layer_start(layer), k, v,
+                                       slots.host_pages)
+        if self._summaries is not None:
+            self._summaries.merge(slots, layer, self._summaries.stored_k(k, kv, scales))
         if defer_host:
             self._copy_back(layer, slots.runs)
 
@@ -402,10 +433,25 @@ class PagedKVCache:
         is left out). ``defer_host``: mirrored tokens go to their mirrors only (then
         ``copy_mirrors_to_host(slots, layer)``, as ``write_slots(defer_host=True)`` does). After
         enqueueing the write, call ``note_host_write(slots)``: a staged attention call then copies
-        those host pages after it (``host_writes``). No host synchronisation."""
+        those host pages after it (``host_writes``); with ``summaries``, also
+        ``refresh_summaries(slots, layer)``. No host synchronisation."""
         self._check_open()
         self.check_slots(slots)  # this cache's slots, no page they name freed or moved since
         return {tier: (self._pools.pool(tier), s) for tier, s in slots.project_slots(defer_host).items()}
+
+    def refresh_summaries(self, slots: TokenSlots, layer: int | None = None) -> None:
+        """Bring ``summaries`` up to date with a store of the tokens of ``slots`` at ``layer``
+        (None: every layer) that a writer made by other means (``kv_project`` into
+        ``write_destinations``): the stored K rows are read back from the pools, from the HBM copy
+        where a token has one, else from its host page (on a GPU, ``Hkv * head_dim`` elements per
+        such token and layer cross the link), and merged. Call it after enqueueing the write, on
+        the same stream; no host synchronisation. Nothing to do without summaries."""
+        if self._summaries is None:
+            return
+        with self._lock:  # reads the rows just stored and the mirrors: no wait for the copy engine
+            self._check_open()
+            self.check_slots(slots)
+            self._summaries.refresh(slots, None if layer is None else self._check_layer(layer))
 
     @_locked
     def copy_mirrors_to_host(self, slots: TokenSlots, layer: int) -> None:
@@ -501,6 +547,15 @@ class PagedKVCache:
         """
         self._check_open()
         self._book.truncate(seq_id, length)
+        rows = length % self.page_size
+        if self._summaries is not None and rows:  # the new partial last page: its remaining rows
+            seq = self._book.seq(seq_id)
+            lp = len(seq.pages) - 1
+            mirror = seq.mirrors.get(lp)
+            if mirror is None:
+                self._summaries.recompute(seq.pages[lp], rows)
+            else:  # the mirror is current (the host copy may be on its way): read it
+                self._summaries.recompute(encode_page("hbm", mirror), rows, also=(seq.pages[lp],))
 
     @_locked
     def move_pages(self, seq_id: int, logical_pages: Iterable[int], tier: Tier) -> None:
@@ -557,6 +612,11 @@ class PagedKVCache:
             raise IndexError(f"layer {layer} out of range for a cache of {self.num_layers} layers")
         return layer
 
+    def _copy_page(self, src: int, dst: int) -> None:
+        """Copy a page (encoded entries), its summaries with it."""
+        self._pools.copy_page(src, dst)
+        self._summaries.copy(src, dst)
+
     def _copy_back(self, layer: int, runs) -> None:
         """Queue the copy engine's copies of one layer of mirrored pages to their host pages."""
         self._pools.copy_back(layer, runs)
@@ -575,5 +635,7 @@ class PagedKVCache:
         self._book.written(seq, start, k.shape[0])
         slots = TokenSlots.of(self._book, seq, start, k.shape[0], self.device, mirrors=True, geometry=self._geometry,
                               all_layers=layer is None)
-        self._pools.store(slots.store_index(), 0 if layer is None else self._layer_start(layer), k, v,
-                          slots.host_pages)
+        kv, scales = self._pools.store(slots.store_index(), 0 if layer is None else self._layer_start(layer), k, v,
+                                       slots.host_pages)
+        if self._summaries is not None:
+            self._summaries.merge(slots, layer, self._summaries.stored_k(k, kv, scales))

@@ -10,7 +10,9 @@ modifies anything.
 
 The book moves no data itself: where an operation needs a page's data copied (a fork's partial
 last page, copy-on-write, a move between tiers, a mirror of a page with history) it calls the
-``copy_page(src_entry, dst_entry)`` it was given, in the order the copies must run.
+``copy_page(src_entry, dst_entry)`` it was given, in the order the copies must run; where it hands
+out pages with nothing in them (``extend``'s new pages, a window mirror its writes will fill) it
+calls ``fresh_pages(entries)`` once with their entries (the page summaries start empty there).
 """
 
 from __future__ import annotations
@@ -123,6 +125,10 @@ def _no_copy(src: int, dst: int) -> None:
     return None
 
 
+def _no_fresh(entries: list[int]) -> None:
+    return None
+
+
 class PageBook:
     """The page tables of every sequence over two tiers of ``capacity`` pages and a window of
     ``num_window_pages`` HBM pages numbered after the HBM tier's (``mirror``).
@@ -135,10 +141,12 @@ class PageBook:
     """
 
     def __init__(self, capacity: dict[str, int], page_size: int, num_window_pages: int = 0,
-                 copy_page: Callable[[int, int], None] = _no_copy) -> None:
+                 copy_page: Callable[[int, int], None] = _no_copy,
+                 fresh_pages: Callable[[list[int]], None] = _no_fresh) -> None:
         self.capacity = dict(capacity)
         self.page_size = page_size
         self.copy_page = copy_page
+        self.fresh_pages = fresh_pages
         self.generation = 0
         self.slot_generation = 0
         self.refs = {tier: np.zeros(n, dtype=np.int32) for tier, n in self.capacity.items()}
@@ -213,6 +221,8 @@ class PageBook:
         start = seq.length
         new = [self.alloc(tier) for _ in range(need)]
         seq.add_entries([encode_page(tier, i) for i in new])
+        if new:
+            self.fresh_pages(seq.pages[-len(new):])
         if tier == "host":
             self.unwritten.update(new)
         seq.length += n
@@ -278,6 +288,7 @@ class PageBook:
         if n == 0:
             return 0
         made = 0
+        fresh = []  # window pages the writes to come fill
         ps = self.page_size
         for lp in range(start // ps, (start + n - 1) // ps + 1):
             if lp in seq.mirrors or seq.pages[lp] < 0:
@@ -289,10 +300,14 @@ class PageBook:
             # The mirror starts as a copy of its host page, unless nothing was written there since
             # ``extend`` handed it out and no token of the page lies outside the range (before it,
             # or after it up to the sequence's end): then the writes to come fill it.
-            fresh = seq.pages[lp] in self.unwritten
-            if not fresh or lp * ps < start or min((lp + 1) * ps, seq.length) > start + n:
+            unwritten = seq.pages[lp] in self.unwritten
+            if not unwritten or lp * ps < start or min((lp + 1) * ps, seq.length) > start + n:
                 self.copy_page(seq.pages[lp], encode_page("hbm", w))
+            else:
+                fresh.append(encode_page("hbm", w))
             made += 1
+        if fresh:
+            self.fresh_pages(fresh)
         seq._table = None
         if made:
             self.slot_generation += 1  # slots taken before would miss the mirrors

@@ -218,14 +218,16 @@ class DevicePools:
         (qk, sk), (qv, sv) = quantize(k, self.dtype), quantize(v, self.dtype)
         return stack_kv(_raw(qk), _raw(qv)), torch.stack((sk, sv), dim=-1)
 
-    def store(self, index: StoreIndex, start: int, k: torch.Tensor, v: torch.Tensor, host_pages) -> None:
+    def store(self, index: StoreIndex, start: int, k: torch.Tensor, v: torch.Tensor, host_pages):
         """Store k, v at the rows ``index`` names from row ``start`` on (``store.layer_start`` of
         the layer stored; 0 for an index of every layer), HBM pages and mirrors included, and note
-        the write to ``host_pages``."""
+        the write to ``host_pages``. Returns what was stored, (K/V, scales) as ``encode`` gives
+        them (the page summaries take their K from it)."""
         kv, scales = self.encode(k, v)
         store_rows(index, kv, _raw(self.pool("host")), _raw(self.hbm_pool), start=start, scales=scales,
                    host_scales=self.scales("host"), hbm_scales=self.hbm_scales)
         self.log.record(host_pages)
+        return kv, scales
 
     def gather(self, tier: Tier, pidx, lsel, off) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows at pages ``pidx``, rows ``off`` of ``tier``, in the compute dtype."""

@@ -47,6 +47,7 @@ from directkv_cute.hf.model import (
 )
 from directkv_cute.hf.step import BatchSequences, KVProjection, Step
 from directkv_cute.hf.step_plan import WINDOW_TOKENS, as_count, as_index_list, cache_pages
+from directkv_cute.sparse import SparseBudget
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 
@@ -145,6 +146,9 @@ class DirectKVCache(Cache):
             computes in its own dtype; half the bytes of bf16 per token over the link (on a GPU:
             decode reads FP8 pages in place, ``kernels/decode_fp8.py``; prefill chunks dequantize
             the pages they read once into HBM, group by group of KV heads as their copy lands).
+        sparse: a ``directkv_cute.SparseBudget``: decode steps read only each row's best pages,
+            chosen per layer from page summaries the cache keeps (``PagedKVCache(...,
+            summaries=True)``); prompt steps stay exact. None (default): exact.
 
     The cache serves the model it was built for (a model with another layer count, KV heads or
     head_dim is refused at its first layer) and one generation at a time: the first step's thread
@@ -155,7 +159,8 @@ class DirectKVCache(Cache):
     def __init__(self, model, *, max_tokens: int, max_batch_size: int = 1, page_size: int = DEFAULT_PAGE_SIZE,
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, share_prompts: bool = True,
-                 window_tokens: int = WINDOW_TOKENS, kv_dtype: str | torch.dtype | None = None):
+                 window_tokens: int = WINDOW_TOKENS, kv_dtype: str | torch.dtype | None = None,
+                 sparse: SparseBudget | None = None):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
         # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
@@ -181,6 +186,8 @@ class DirectKVCache(Cache):
         if device.type == "cuda" and self.spec.head_dim not in KERNEL_HEAD_DIMS:
             raise UnsupportedModelError(
                 f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
+        if sparse is not None and not isinstance(sparse, SparseBudget):
+            raise TypeError(f"sparse must be a directkv_cute.SparseBudget or None, got {type(sparse).__name__}")
         page_dtype = resolve_kv_dtype(kv_dtype, dtype)
         if is_fp8(page_dtype) and device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
             raise UnsupportedModelError(
@@ -195,14 +202,16 @@ class DirectKVCache(Cache):
             self.kv = PagedKVCache(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, page_size,
                                    num_host_pages=host_pages, num_hbm_pages=hbm_pages, dtype=page_dtype,
                                    device=device, num_window_pages=window_pages,
-                                   compute_dtype=dtype if is_fp8(page_dtype) else None)
+                                   compute_dtype=dtype if is_fp8(page_dtype) else None,
+                                   summaries=sparse is not None)
         self.device = self.kv.device
         self.dtype = dtype
         self.kv_dtype = page_dtype
         self.sink_pages = sink_pages
         self.share_prompts = bool(share_prompts)
         self.processed = 0
-        self._batch = BatchSequences(self.kv, sink_pages, self.share_prompts)
+        self.sparse = sparse
+        self._batch = BatchSequences(self.kv, sink_pages, self.share_prompts, sparse)
         self._step: Step | None = None  # the step in flight, or the last one
         self._checked_configs: set[int] = set()
         # The thread whose generation the cache serves (None: free until the next step). A step
@@ -274,6 +283,12 @@ class DirectKVCache(Cache):
         self._select(as_index_list(beam_idx))
 
     # ---- our API -------------------------------------------------------------------------
+    @property
+    def last_plan(self):
+        """The ``AttentionPlan`` every layer of the latest step ran (``explain()`` says which route
+        and why, with a sparse budget's pages); None before the first step."""
+        return self._batch.attention.current
+
     @property
     def seq_ids(self) -> list[int]:
         """The PagedKVCache sequence of each batch row."""

@@ -29,6 +29,7 @@ from directkv_cute.hf.step_plan import (
     valid_tokens,
 )
 from directkv_cute.kv_proj import kv_project
+from directkv_cute.sparse import SparseBudget
 
 
 @dataclass
@@ -148,12 +149,14 @@ class Step:
 
     def store_fused(self, layer_idx: int, projection: KVProjection) -> None:
         """``store`` with the K/V computed by ``kv_project``, which stores them itself into the
-        destinations ``write_slots`` would; then the cache's part of that store (the host writes
-        recorded, the copy engine's copy of the mirrored pages queued)."""
+        destinations ``write_slots`` would; then the cache's part of that store (the page
+        summaries brought up to date, the host writes recorded, the copy engine's copy of the
+        mirrored pages queued)."""
         sel = self.tok_idx
         if self.write_idx is not None:
             sel = self.write_idx if sel is None else sel[self.write_idx]
         projection.store(self.kv.write_destinations(self.slots, self.defer_host), layer_idx, sel)
+        self.kv.refresh_summaries(self.slots, layer_idx)  # the page summaries of the rows just stored
         self.kv.note_host_write(self.slots)  # staged calls copy these host pages after the kernel
         if self.defer_host:
             self.kv.copy_mirrors_to_host(self.slots, layer_idx)
@@ -177,13 +180,16 @@ class Step:
 class BatchSequences:
     """The ``PagedKVCache`` sequence of each batch row (``seqs``) and the planning of a step over
     them. ``hbm`` placement: each sequence's equal share of the HBM tier holds its first
-    ``sink_pages`` pages and its most recent ones."""
+    ``sink_pages`` pages and its most recent ones. ``sparse``: the ``SparseBudget`` decode steps
+    are planned under (None: exact)."""
 
-    def __init__(self, kv: PagedKVCache, sink_pages: int, share_prompts: bool) -> None:
+    def __init__(self, kv: PagedKVCache, sink_pages: int, share_prompts: bool,
+                 sparse: SparseBudget | None = None) -> None:
         self.kv = kv
         self.attention = DirectKVAttention(kv)  # planned once per step, run by every layer
         self.sink_pages = sink_pages
         self.share_prompts = share_prompts
+        self.sparse = sparse
         self.seqs: list[int] = []
 
     def reset(self) -> None:
@@ -338,7 +344,8 @@ class BatchSequences:
             if rows:  # the step's layers run back to back over these tables
                 tables = kv.kernel_tables(seq_ids, back_to_back=True)
                 attn = self.attention
-                attn.plan(tables=tables, q_lens=q_lens, num_q_heads=hq, max_seq_len=max_seq_len, q=query)
+                attn.plan(tables=tables, q_lens=q_lens, num_q_heads=hq, max_seq_len=max_seq_len, q=query,
+                          sparse=self.sparse)
         except BaseException:
             self.undo(undo)
             raise
