@@ -1,5 +1,5 @@
-"""``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,check,regress,refresh,timeline,breakdown,plot,e2e,
-vllm,serve,soak}``,
+"""``python -m bench {decode,prefill,all,prefix,kvproj,fp8-accuracy,sparse-accuracy,check,regress,refresh,timeline,
+breakdown,plot,e2e,vllm,serve,soak}``,
 run from the root of a source checkout (``bench`` is not installed with the package).
 
 decode | prefill | all   run the GPU benchmarks (``--quick`` default, ``--full``), print the
@@ -15,6 +15,11 @@ fp8-accuracy            FP8 KV pages: op output error vs float64 for bf16 and FP
                         granularity (random and heavy-tailed K), and end-to-end greedy agreement
                         and logit error of FP8 vs bf16 KV on a random-weight Llama (CPU by
                         design; ``bench/fp8_accuracy.py``).
+sparse-accuracy         RULER-style tasks (needles, variable tracking, common / frequent words) at 4k
+                        and 8k tokens on SmolLM2-135M-Instruct: transformers' cache, exact DirectKV
+                        and page budgets (1/4, 1/8, 1/16), FP8 pages; mean score per task and method,
+                        its difference to exact and the attention mass of the selected pages
+                        (``bench/sparse_accuracy.py``; ``--device cpu`` smoke).
 check                   the GPU-free CI part: profiles validate, every default / profile config
                         compiles for sm_90a, the host-traffic model reads each byte once.
 regress                 compare a run (``--results FILE``, or a fresh run replaying the
@@ -70,6 +75,8 @@ from bench.regress import DEFAULT_ATOL, DEFAULT_MIN_MS, DEFAULT_RTOL
 from bench.serve import add_arguments as add_serve_arguments
 from bench.serve import cmd_serve
 from bench.soak import add_arguments as add_soak_arguments
+from bench.sparse_accuracy import add_arguments as add_sparse_accuracy_arguments
+from bench.sparse_accuracy import cmd_sparse_accuracy
 from bench.soak import cmd_soak
 from bench.timeline import add_arguments as add_timeline_arguments
 from bench.timeline import cmd_timeline
@@ -108,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sub.add_parser("serve", help="vllm bench serve against vllm serve, one engine at a time"))
     add_soak_arguments(sub.add_parser("soak", help="vllm serve with the DirectKV backend under a long mixed load"))
     add_fp8_arguments(sub.add_parser("fp8-accuracy", help="FP8 KV pages: op and end-to-end accuracy vs bf16 (CPU)"))
+    add_sparse_accuracy_arguments(sub.add_parser(
+        "sparse-accuracy", help="RULER-style tasks on a real model: exact vs page budgets vs FP8 pages"))
 
     pl = sub.add_parser("plot", help="PNG plots of a results JSON (made where matplotlib is missing)")
     pl.add_argument("--results", required=True, help="a results JSON written by decode / prefill / all / prefix")
@@ -270,7 +279,8 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 COMMANDS = {"decode": cmd_run, "prefill": cmd_run, "all": cmd_run, "check": cmd_check,
             "regress": cmd_regress, "refresh": cmd_refresh, "timeline": cmd_timeline, "breakdown": cmd_breakdown,
             "plot": cmd_plot, "e2e": cmd_e2e, "prefix": cmd_prefix, "kvproj": cmd_kvproj,
-            "fp8-accuracy": cmd_fp8_accuracy, "vllm": cmd_vllm, "serve": cmd_serve, "soak": cmd_soak}
+            "fp8-accuracy": cmd_fp8_accuracy, "sparse-accuracy": cmd_sparse_accuracy, "vllm": cmd_vllm,
+            "serve": cmd_serve, "soak": cmd_soak}
 
 
 def main(argv: list[str] | None = None) -> int:
