@@ -14,8 +14,11 @@ Kinds:
   a folder.
 * ``folders`` -- folder paths separated by ``os.pathsep``, each as ``folder``.
 * ``choice`` -- the flag values, or one of the variable's named modes.
+* ``budget`` -- a sparse decode budget as ``sparse.parse_budget`` reads it: a fraction of the
+  pages (``1/8``, ``0.125``) or a page count (``256p``).
 
-Plain Python (no torch): host code and tests read it on any machine.
+Plain Python (no torch; ``sparse_budget`` is plain Python too): host code and tests read it on any
+machine.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
 GIB = 1 << 30
 FLAG_TRUE = ("1", "true", "yes", "on")
@@ -43,7 +48,7 @@ class EnvironmentVariableError(ValueError):
 @dataclass(frozen=True)
 class Variable:
     name: str
-    kind: str  # "flag" | "size" | "folder" | "folders" | "choice"
+    kind: str  # "flag" | "size" | "folder" | "folders" | "choice" | "budget"
     default: str  # what an unset (or empty) variable means, in words
     meaning: str
     modes: tuple = ()  # a choice's named modes beyond the flag values
@@ -59,6 +64,8 @@ class Variable:
             return f"a size in GiB, a finite number > 0 (0 or unset: {self.default})"
         if self.kind == "folder":
             return "a folder path (absent: created when needed)"
+        if self.kind == "budget":
+            return "a fraction of the pages in (0, 1] (1/8, 0.125) or a page count >= 1 (256p)"
         return f"folder paths separated by {os.pathsep!r}"
 
 
@@ -70,6 +77,7 @@ MAX_STAGING_GB = "DIRECTKV_MAX_STAGING_GB"
 STAGE_OVERLAP = "DIRECTKV_STAGE_OVERLAP"
 MAX_WORKSPACE_GB = "DIRECTKV_MAX_WORKSPACE_GB"
 VLLM_HBM_GB = "DIRECTKV_VLLM_HBM_GB"
+VLLM_SPARSE_BUDGET = "DIRECTKV_VLLM_SPARSE_BUDGET"
 
 VARIABLES = {v.name: v for v in (
     Variable(DISK_CACHE, "flag", "on", "keep compiled kernels on disk (off: compile in memory only)"),
@@ -87,6 +95,8 @@ VARIABLES = {v.name: v for v in (
              "the most HBM the multi-token kernel's fp32 partials may take"),
     Variable(VLLM_HBM_GB, "size", "no HBM tier",
              "the HBM the vLLM backend gives HBM copies of KV blocks, over all its layers"),
+    Variable(VLLM_SPARSE_BUDGET, "budget", "exact decode (every page read)",
+             "the vLLM backend's decode rows read only their best pages under this budget"),
 )}
 
 
@@ -191,7 +201,20 @@ def folders(name: str) -> list[Path]:
     return out
 
 
-_PARSERS = {"flag": flag, "choice": choice, "size": size_bytes, "folder": folder, "folders": folders}
+def budget(name: str) -> SparseBudget | None:
+    """A ``budget`` variable (``sparse.parse_budget``); None when unset or empty."""
+    var = _declared(name, "budget")
+    raw = _raw(name)
+    if raw is None:
+        return None
+    try:
+        return parse_budget(raw)
+    except ValueError:
+        raise EnvironmentVariableError(name, raw, "not a sparse budget", var.accepts) from None
+
+
+_PARSERS = {"flag": flag, "choice": choice, "size": size_bytes, "folder": folder, "folders": folders,
+            "budget": budget}
 
 
 def check_all() -> None:
@@ -244,6 +267,13 @@ def vllm_hbm_bytes() -> int:
     return size_bytes(VLLM_HBM_GB) or 0
 
 
-__all__ = ["EnvironmentVariableError", "VARIABLES", "Variable", "cache_dir", "check_all", "choice",
+def vllm_sparse_budget() -> SparseBudget | None:
+    """``DIRECTKV_VLLM_SPARSE_BUDGET``: the ``SparseBudget`` the vLLM backend's decode rows read
+    under, or None (unset or empty: exact decode)."""
+    return budget(VLLM_SPARSE_BUDGET)
+
+
+__all__ = ["EnvironmentVariableError", "VARIABLES", "Variable", "budget", "cache_dir", "check_all", "choice",
            "disk_cache_enabled", "flag", "folder", "folders", "max_staging_bytes", "max_workspace_bytes",
-           "profile_dirs", "require_profile", "size_bytes", "stage_overlap", "vllm_hbm_bytes"]
+           "profile_dirs", "require_profile", "size_bytes", "stage_overlap", "vllm_hbm_bytes",
+           "vllm_sparse_budget"]

@@ -114,11 +114,15 @@ class PoolView:
     records (``record`` after each write it enqueues): staged calls over the view then copy ahead
     of the current stream, each host page after the writes recorded for it (``host_writes``, as a
     ``PagedKVCache``'s). None: nothing is recorded, so every staged copy waits for the current
-    stream's work so far."""
+    stream's work so far.
+
+    summaries: the pools' page summaries (``host`` and ``hbm`` tensors, as ``cache.summaries``
+    lays them out) that a sparse plan's selection reads (``routes.SparseDecode``); None: none
+    kept, and a sparse plan over the view is refused."""
 
     def __init__(self, host_pool: torch.Tensor, hbm_pool: torch.Tensor, compute_dtype: torch.dtype | None = None,
                  host_scales: torch.Tensor | None = None, hbm_scales: torch.Tensor | None = None,
-                 write_log=None):
+                 write_log=None, summaries=None):
         _, self.num_layers, self.num_kv_heads, _, self.page_size, self.head_dim = host_pool.shape
         self.host_pool = self.host_pool_cuda = host_pool
         self.hbm_pool = hbm_pool
@@ -127,6 +131,7 @@ class PoolView:
         self.dtype = host_pool.dtype
         self.compute_dtype = compute_dtype or host_pool.dtype
         self.write_log = write_log
+        self.summaries = summaries
 
     @property
     def host_writes(self):

@@ -40,6 +40,13 @@ Upkeep (``PagedKVCache`` drives it; every step is enqueued on the current stream
 A row written twice (``write`` over tokens already written) keeps its old values in the merge:
 the summary then bounds both, still a valid (looser) bound; truncating and writing again makes it
 exact.
+
+``StoreSummaries`` keeps the same summaries for one-layer pools written through a
+``cache.store.StoreIndex`` (the vLLM backend's per-layer pools, ``L = 1``): each store merges its
+K rows into the summaries of the host pages and of their HBM copies, and a page whose row 0 is
+stored is emptied first (a page handed out fresh is written from row 0; a page read again without
+being written, a prefix shared by another request, keeps its summary). Both are device operations
+of static shapes (no host sync; a CUDA graph can hold them).
 """
 
 from __future__ import annotations
@@ -48,10 +55,43 @@ import numpy as np
 import torch
 
 from directkv_cute.cache.pages import Tier, check_tier, decode_page
-from directkv_cute.cache.store import one_copy
+from directkv_cute.cache.store import StoreIndex, one_copy
 from directkv_cute.fp8 import dequantize
 
 MIN, MAX = 0, 1  # the index of the min and the max on a summary's second-to-last dimension
+
+
+def merge_rows(summaries: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
+    """Merge ``values`` (n, d) into the summary rows ``start + index`` (int64 (n,)) of
+    ``summaries`` viewed as rows ``(-1, 2, d)``: the min with amin, the max with amax (one
+    ``scatter_reduce`` each; rows named several times take all their values)."""
+    d = values.shape[-1]
+    flat = summaries.view(-1, 2, summaries.shape[-1])[start:]
+    index = index[:, None].expand(-1, d)
+    flat[:, MIN].scatter_reduce_(0, index, values, "amin")
+    flat[:, MAX].scatter_reduce_(0, index, values, "amax")
+
+
+def empty_rows(summaries: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Empty the summary rows ``index[fresh]`` of ``summaries`` (rows ``(-1, 2, d)``; ``fresh``
+    bool (n,)) and leave the others as they are, with static shapes (no host sync): every row of
+    ``index`` takes ``max(min, +inf or -inf)`` and ``min(max, -inf or +inf)``."""
+    d = summaries.shape[-1]
+    # filled on the device from Python scalars: no host-to-device copy (a CUDA graph capture holds it)
+    low = torch.full(fresh.shape, float("-inf"), dtype=summaries.dtype, device=summaries.device)
+    low = low.masked_fill_(fresh, float("inf"))[:, None].expand(-1, d)  # +inf: emptied, -inf: kept
+    flat = summaries.view(-1, 2, d)
+    index = index[:, None].expand(-1, d)
+    flat[:, MIN].scatter_reduce_(0, index, low, "amax")
+    flat[:, MAX].scatter_reduce_(0, index, -low, "amin")
+
+
+def empty_summaries(pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device) -> torch.Tensor:
+    """(pages, L, Hkv, 2, d) summaries of pages never written: min +inf, max -inf."""
+    out = torch.empty((pages, num_layers, num_kv_heads, 2, head_dim), dtype=dtype, device=device)
+    out[..., MIN, :] = float("inf")
+    out[..., MAX, :] = float("-inf")
+    return out
 
 
 class PageSummaries:
@@ -70,9 +110,7 @@ class PageSummaries:
         self.device = pools.device
         shape = (self.num_layers, self.num_kv_heads, 2, self.head_dim)
         # One empty summary, (L, Hkv, 2, d): +inf then -inf, what a reset writes.
-        self._empty = torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._empty[..., MIN, :] = float("inf")
-        self._empty[..., MAX, :] = float("-inf")
+        self._empty = empty_summaries(1, *shape[:2], self.head_dim, self.dtype, self.device)[0]
         self.host = self._empty.expand(pools.host_pool.shape[0], *shape).contiguous()
         self.hbm = self._empty.expand(pools.hbm_pool.shape[0], *shape).contiguous()
         self._heads = torch.arange(self.num_kv_heads, dtype=torch.int64, device=self.device)  # (Hkv,)
@@ -124,11 +162,7 @@ class PageSummaries:
         d = self.head_dim
         start = 0 if layer is None else layer * self.num_kv_heads
         for summaries, tok, sidx in self._destinations(slots, layer is None):
-            vals = (k if tok is None else k.index_select(0, tok)).reshape(-1, d)
-            index = sidx[:, None].expand(-1, d)
-            flat = summaries.view(-1, 2, d)
-            flat[start:, MIN].scatter_reduce_(0, index, vals, "amin")
-            flat[start:, MAX].scatter_reduce_(0, index, vals, "amax")
+            merge_rows(summaries, sidx, (k if tok is None else k.index_select(0, tok)).reshape(-1, d), start)
 
     def refresh(self, slots, layer: int | None) -> None:
         """Merge the K rows the pools hold for the tokens of ``slots`` at ``layer`` (None: every
@@ -207,3 +241,41 @@ class PageSummaries:
             self._memo = (slots, {})
         self._memo[1][all_layers] = out
         return out
+
+
+class StoreSummaries:
+    """The page summaries of one layer's pools in the vLLM backend's layout (one-layer pages
+    ``(pages, Hkv, 2, P, d)``), kept by the stores of ``cache.store.StoreIndex`` (see the module
+    docstring): ``host`` (host pages, 1, Hkv, 2, d) and ``hbm`` (HBM pages, 1, Hkv, 2, d) on
+    ``device``, as ``sparse.page_scores`` reads them (layer 0).
+
+    A K row of the store lands at pool row ``(page * 2 * Hkv + 2 * h) * P + off``
+    (``cache.store.pool_rows``, ``L = 1``): its summary row is ``row // (2 * P)``, ``page * Hkv +
+    h``, and its offset ``row % P``."""
+
+    def __init__(self, host_pages: int, hbm_pages: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+                 device) -> None:
+        self.page_size, self.num_kv_heads, self.head_dim, self.dtype = page_size, num_kv_heads, head_dim, dtype
+        self.host = empty_summaries(host_pages, 1, num_kv_heads, head_dim, dtype, device)
+        self.hbm = empty_summaries(hbm_pages, 1, num_kv_heads, head_dim, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of both tiers' summaries."""
+        return (self.host.numel() + self.hbm.numel()) * self.host.element_size()
+
+    def merge(self, index: StoreIndex, k: torch.Tensor) -> None:
+        """Merge the K rows ``k`` ((span, Hkv, d), the store's tokens) that ``index`` (on ``k``'s
+        device) stores into the summaries of their host pages and HBM copies, each page whose row
+        0 is among them emptied first. A token written twice with the same values (a padding
+        token of a fixed-size store) changes nothing."""
+        k = k.detach().to(self.dtype)
+        for summaries, rows, tokens in ((self.host, index.host_rows, index.tokens),
+                                        (self.hbm, index.hbm_rows, index.hbm_tokens)):
+            if not len(rows):
+                continue
+            k_rows = rows.view(-1, 2)[:, 0]  # token by token, each KV head's K row (then its V row)
+            sidx = k_rows.div(2 * self.page_size, rounding_mode="floor")
+            empty_rows(summaries, sidx, k_rows.remainder(self.page_size) == 0)
+            vals = (k if tokens is None else k.index_select(0, tokens)).reshape(-1, self.head_dim)
+            merge_rows(summaries, sidx, vals)

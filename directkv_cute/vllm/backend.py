@@ -34,6 +34,13 @@ longest context. Prompt and mixed steps run as before, between piecewise graphs.
 tier (host only, or a smaller tier) decode reads the link, where the copy engine's staging, which
 a graph cannot hold, beats reading in place: attention stays outside CUDA graphs
 (``AttentionCGSupport.NEVER``), planned on the host per step.
+
+A sparse budget (``DIRECTKV_VLLM_SPARSE_BUDGET``; unset: exact) gives each layer's pools page
+summaries (``cache.summaries.StoreSummaries``: per block and KV head the min and max of its K
+rows, on the GPU, kept by every store), and the builder plans decode rows under it
+(``sparse=``): each layer's decode rows read only their best pages (``routes.SparseDecode``),
+in eager steps and in the decode plans of the full CUDA graphs alike. Prompt and multi-token
+rows stay exact.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from vllm.v1.attention.backend import (
 from directkv_cute import env
 from directkv_cute.attention import DirectKVAttention
 from directkv_cute.cache import HostWriteLog, KernelTables
+from directkv_cute.cache.summaries import StoreSummaries
 from directkv_cute.config import DEFAULT_PAGE_SIZE, SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.machine import DeviceInfo
 from directkv_cute.runner import PoolView, plan_kernels, tables_from_host
@@ -183,6 +191,9 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         self._write_logs = []  # one per layer that owns its KV: its host writes (HostWriteLog)
         self._graph = None  # GraphDecode: decode steps' device buffers (only where the tier mirrors every block)
         self._graph_plans = {}  # batch size -> DirectKVAttention planned over the GraphDecode buffers
+        # the budget decode rows are planned under (None: exact); read once, so that the pools'
+        # summaries and every plan agree, and a bad value stops startup here
+        self._sparse = env.vllm_sparse_budget()
         # vLLM compiles the units of registered providers before serving (kernel_warmup)
         from vllm.model_executor.warmup.cutedsl_warmup import register_cutedsl_warmup_provider
 
@@ -201,7 +212,8 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         """{layer name: ``PoolView``} of the group's layers, made at the first build: each layer's
         host KV and its HBM pool of ``hbm_pages`` pages (a layer that shares another's KV shares
         its HBM pool too), sized from ``DIRECTKV_VLLM_HBM_GB`` over every layer of this backend
-        that owns its KV."""
+        that owns its KV; with a sparse budget, the pools' page summaries (``StoreSummaries``,
+        shared the same way)."""
         if self._views is not None:
             return self._views
         context = self.vllm_config.compilation_config.static_forward_context
@@ -232,6 +244,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         self._mirrors = EVERY_BLOCK if every else HbmMirrors(slots) if slots else None
         hbm: dict = {}
         logs: dict = {}  # a layer that shares another's KV reads the writes that layer records
+        summaries: dict = {}
         views = {}
         for name, owner in owner_of.items():
             layer = context[name]
@@ -240,7 +253,12 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                 # every block mirrored: attention never reads the host, so nothing is staged and no
                 # host write needs recording
                 logs[owner] = None if every else HostWriteLog(torch.device(self.device))
-            views[name] = pool_view(layer.kv_cache, name, hbm[owner], logs[owner])
+                summaries[owner] = None if self._sparse is None else StoreSummaries(
+                    first.shape[0], slots, self.num_kv_heads, self.head_dim, self.page_size, first.dtype, self.device)
+            views[name] = pool_view(layer.kv_cache, name, hbm[owner], logs[owner], summaries[owner])
+        if self._sparse is not None:
+            log.info("DirectKV: decode reads under a sparse budget of %s; page summaries of %.3g GiB on the GPU over "
+                     "%d layers", self._sparse, sum(x.nbytes for x in summaries.values()) / 2**30, len(summaries))
         self._views, self._write_logs = views, [w for w in logs.values() if w is not None]
         return views
 
@@ -259,7 +277,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
                                  max_model_len=config.model_config.max_model_len, page_size=self.page_size,
                                  num_blocks=pools.host_pool.shape[0])
             kernels = warmup_kernels(pools, steps, num_q_heads=self.num_q_heads, dtype=config.model_config.dtype,
-                                     device=self.device)
+                                     device=self.device, sparse=self._sparse)
             if self._mirrors is EVERY_BLOCK:  # the decode plans of every batch size a graph may capture
                 kernels |= {(fn.__name__, *args): (fn, args) for b in range(1, config.scheduler_config.max_num_seqs + 1)
                             for fn, args in plan_kernels(self._graph_attention(b).current, config.model_config.dtype)}
@@ -310,7 +328,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         # Blocks that prefix caching shares (one block id in several rows) are read once for all
         # their sharers where the planner finds that pays (the cascade).
         plan = attention.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=self.num_q_heads,
-                              max_seq_len=shape.max_seq_len)
+                              max_seq_len=shape.max_seq_len, sparse=self._sparse)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
@@ -328,7 +346,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
             return DirectKVMetadata(m.num_actual_tokens, 0, None, store, views, None)
         attention = DirectKVAttention(views[self.layer_names[0]])
         plan = attention.plan(tables=tables, q_lens=shape.q_lens, num_q_heads=self.num_q_heads,
-                              max_seq_len=shape.max_seq_len, cascade=False)
+                              max_seq_len=shape.max_seq_len, cascade=False, sparse=self._sparse)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("DirectKV step: %d decodes, %d prefills\n%s", shape.num_decodes, shape.num_prefills,
                       plan.explain())
@@ -354,7 +372,9 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
     def _graph_attention(self, batch: int):
         """The ``DirectKVAttention`` planned once for decode steps of ``batch`` requests over
         ``GraphDecode``'s buffers: in place (as a CUDA graph capture plans: nothing staged), split
-        for the longest context the server admits, so that one capture serves every step."""
+        for the longest context the server admits, so that one capture serves every step. Under a
+        sparse budget its page count comes from that context (the buffers' width), and the
+        selection (static shapes, into buffers bound now) runs inside the graph."""
         attention = self._graph_plans.get(batch)
         if attention is not None:
             return attention
@@ -364,7 +384,7 @@ class DirectKVMetadataBuilder(AttentionMetadataBuilder[DirectKVMetadata]):
         info = DeviceInfo(info.name, info.sms, info.total_memory, capturing=True)
         attention.plan(tables=KernelTables(*self._decode_buffers().tables(batch)), q_lens=(1,) * batch,
                        num_q_heads=self.num_q_heads, max_seq_len=self.vllm_config.model_config.max_model_len,
-                       cascade=False, device_info=info)
+                       cascade=False, device_info=info, sparse=self._sparse)
         self._graph_plans[batch] = attention
         return attention
 
@@ -390,10 +410,11 @@ def available_gpu_bytes(device) -> int | None:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor, write_log=None):
+def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor, write_log=None, summaries=None):
     """The one-layer DirectKV pools over a layer's vLLM KV tensor and its HBM pool ``hbm`` (the
     KV tensor's layout with its own page count; 0 pages without an HBM tier), with the record of
-    the host writes to that tensor (``write_log``, a ``cache.HostWriteLog``; None: none kept).
+    the host writes to that tensor (``write_log``, a ``cache.HostWriteLog``; None: none kept)
+    and the pools' page summaries (``summaries``, a ``StoreSummaries``; None: none kept).
     The KV tensor is refused unless it is in pinned host memory and laid out as
     ``get_kv_cache_shape`` says."""
     if not kv_cache.is_cuda or not is_pinned_host(kv_cache):
@@ -403,7 +424,7 @@ def pool_view(kv_cache: torch.Tensor, name: str, hbm: torch.Tensor, write_log=No
         raise ValueError(f"the KV cache of {name} has shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}, "
                          "expected a contiguous (blocks, kv_heads, 2, block_size, head_size)")
     host = kv_cache.unsqueeze(1)  # (pages, 1, Hkv, 2, P, d)
-    return PoolView(host, hbm.unsqueeze(1), write_log=write_log)
+    return PoolView(host, hbm.unsqueeze(1), write_log=write_log, summaries=summaries)
 
 
 class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
@@ -442,7 +463,8 @@ class DirectKVImpl(AttentionImpl[DirectKVMetadata]):
         if pools is None:
             raise ValueError(f"attention layer {name!r} is not in the DirectKV group the step was built for")
         if md.store is not None and self.kv_sharing_target_layer_name is None and key is not None:
-            store_kv(kv_cache, key, value, md.store, pools.hbm_pool[:, 0] if md.store.num_mirrored else None)
+            store_kv(kv_cache, key, value, md.store, pools.hbm_pool[:, 0] if md.store.num_mirrored else None,
+                     pools.summaries)
             if pools.write_log is not None and md.stored_pages is not None:
                 pools.write_log.record(md.stored_pages)  # staged copies of these pages follow the store
         n = md.num_query_rows

@@ -19,7 +19,8 @@
 * ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor, and into
   the mirrors of mirrored blocks (write-through), checked, then stored by the package's one
   store path (``cache.store.store_rows``, which the ``PagedKVCache`` stores through too): one
-  indexed copy per pool.
+  indexed copy per pool; with a sparse budget the layer's page summaries take the K rows too
+  (``cache.summaries.StoreSummaries``).
 * ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
   blocks for a model, the refusal when the host cannot pin them, and the HBM budget -> mirror pages.
 
@@ -254,13 +255,16 @@ def slot_destinations(slots, page_size: int, num_blocks: int) -> SlotDestination
     return SlotDestinations(rows, kept // page_size, kept % page_size, bool(stored.all()))
 
 
-def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
+def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None, summaries=None) -> None:
     """Store a step's K/V rows into a layer's pages. ``kv_cache``: (blocks, Hkv, 2, block_size,
     d), the backend's contiguous per-layer layout; ``key`` / ``value``: (tokens, Hkv, d);
     ``index``: the step's ``StoreIndex`` on their device; ``hbm``: the layer's HBM pool (slots,
-    Hkv, 2, block_size, d), which the rows of mirrored blocks go to as well. The checks, then
-    ``cache.store.store_rows``: one stack of the stored K/V and one indexed copy per pool (on a
-    GPU the host stores go straight into the mapped host pages, on the current stream)."""
+    Hkv, 2, block_size, d), which the rows of mirrored blocks go to as well; ``summaries``: the
+    layer's ``cache.summaries.StoreSummaries`` (a sparse budget's page summaries), which take the
+    stored K rows too (None: none kept). The checks, then ``cache.store.store_rows``: one stack of
+    the stored K/V and one indexed copy per pool (on a GPU the host stores go straight into the
+    mapped host pages, on the current stream), then the summaries' merge (device operations, no
+    host sync)."""
     if index.num_mirrored and hbm is None:
         raise ValueError(f"{index.num_mirrored} K/V rows go to HBM mirrors, but no HBM pool was given")
     for name, pool in (("the KV cache", kv_cache), ("the HBM pool", hbm)):
@@ -282,7 +286,13 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None) -> None:
             if need > rows:
                 raise ValueError(f"the step stores into row {need - 1} of the {name}, which has {rows} rows of "
                                  f"{kv_cache.shape[-1]} (a slot or mirror past its pages)")
+    if summaries is not None and (summaries.host.shape[0] != kv_cache.shape[0] or
+                                  (hbm is not None and summaries.hbm.shape[0] != hbm.shape[0])):
+        raise ValueError(f"the page summaries hold {summaries.host.shape[0]} host and {summaries.hbm.shape[0]} HBM "
+                         f"pages, the pools {kv_cache.shape[0]} and {'no' if hbm is None else hbm.shape[0]}")
     store_rows(index, stack_kv(key[: index.span], value[: index.span], kv_cache.dtype), kv_cache, hbm)
+    if summaries is not None:
+        summaries.merge(index, key[: index.span])
 
 
 class HbmMirrors:
@@ -497,12 +507,14 @@ def warmup_steps(*, max_num_seqs: int, max_num_batched_tokens: int, max_model_le
     return [step for step in steps if pages(step) <= num_blocks]
 
 
-def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info=None) -> dict:
+def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info=None, sparse=None) -> dict:
     """{key: (compile function, arguments)} of every kernel the plans of ``steps`` (``warmup_steps``)
     launch over ``pools`` (a layer's ``runner.PoolView``), planned as the builder plans a step:
     each step's sequences on consecutive host pages and, where ``pools`` has an HBM tier, the
     same pages with their mirrors (``warmup_mirrors``), whose plans may route to other kernels.
-    ``device_info``: the GPU to plan for (default: the pools' device's)."""
+    ``device_info``: the GPU to plan for (default: the pools' device's); ``sparse``: the
+    ``SparseBudget`` the builder plans decode rows under (their plans list the kernels over the
+    selected pages; the pools need their page summaries)."""
     page_size, num_blocks = pools.page_size, pools.host_pool.shape[0]
     slots = pools.hbm_pool.shape[0]
     out: dict = {}
@@ -517,7 +529,7 @@ def warmup_kernels(pools, steps, *, num_q_heads: int, dtype, device, device_info
             table = mirror_table(host_table.copy(), mirrors)
             tables = tables_from_host(table, seq_lens, device)._replace(back_to_back=True)
             plan = DirectKVAttention(pools).plan(tables=tables, q_lens=q_lens, num_q_heads=num_q_heads,
-                                                 max_seq_len=max(seq_lens), device_info=device_info)
+                                                 max_seq_len=max(seq_lens), device_info=device_info, sparse=sparse)
             for fn, args in plan_kernels(plan, dtype):
                 out.setdefault((fn.__name__, *args), (fn, args))
     return out
