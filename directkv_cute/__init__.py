@@ -31,7 +31,7 @@ _LAZY = {
     "DirectKVAttention": "directkv_cute.attention",
     "AttentionPlan": "directkv_cute.plan_types",
     "StagingRequest": "directkv_cute.plan_types",
-    "SparseBudget": "directkv_cute.sparse",
+    "SparseBudget": "directkv_cute.sparse_budget",
     "DeviceInfo": "directkv_cute.machine",
     "plan_cascade": "directkv_cute.cascade",
     "dense_attention_ref": "directkv_cute.reference",
