@@ -619,14 +619,13 @@ def parse_client_result(doc: dict) -> dict:
     return row
 
 
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: sum of its samples over label sets}; a counter's
-    ``_total`` sample is filed under its name without the suffix (``vllm:num_preemptions``), its
-    ``_created`` samples are dropped."""
-    out: dict[str, float] = collections.defaultdict(float)
+def parse_samples(text: str) -> list[tuple[str, dict, float]]:
+    """Prometheus text -> [(name, {label: value}, value)] of every finite sample."""
+    out = []
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
@@ -634,16 +633,24 @@ def parse_metrics(text: str) -> dict[str, float]:
         m = _SAMPLE.match(line)
         if not m:
             continue
-        name = m.group(1)
-        if name.endswith("_created"):
-            continue
         try:
             value = float(m.group(3))
         except ValueError:
             continue
-        if not math.isfinite(value):
-            continue
-        out[name.removesuffix("_total")] += value
+        if math.isfinite(value):
+            labels = {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(m.group(2) or "")}
+            out.append((m.group(1), labels, value))
+    return out
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: sum of its samples over label sets}; a counter's
+    ``_total`` sample is filed under its name without the suffix (``vllm:num_preemptions``), its
+    ``_created`` samples are dropped."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for name, _, value in parse_samples(text):
+        if not name.endswith("_created"):
+            out[name.removesuffix("_total")] += value
     return dict(out)
 
 

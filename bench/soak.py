@@ -95,6 +95,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench.common import GiB, MiB, UsageError, add_out_dir_argument, available_host_bytes, checked_out_dir, fmt_opt
+from bench.serve import parse_samples  # the one Prometheus text parser (serve's counters are built on it)
 
 SOAK_SCHEMA = "directkv-bench-soak/1"
 DIRECTKV_BACKEND = "CUSTOM"
@@ -452,30 +453,6 @@ def outcome(request: dict, result: dict) -> tuple[str, str | None]:
 
 
 # ---- /metrics --------------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_samples(text: str) -> list[tuple[str, dict, float]]:
-    """Prometheus text -> [(name, {label: value}, value)] of every finite sample."""
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        if math.isfinite(value):
-            labels = {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(m.group(2) or "")}
-            out.append((m.group(1), labels, value))
-    return out
-
-
 def metric(samples, name: str, **labels) -> float | None:
     """The sum of ``name``'s samples (a counter's ``name_total`` too, never ``_created``) whose
     labels include ``labels``; None when there is none."""
