@@ -150,19 +150,21 @@ def _dense(q, k, v, scale):
     return torch.einsum("hn,nhd->hd", s.softmax(-1), v.double().repeat_interleave(g, 1))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype):
-    """``DirectKVAttention.plan(sparse=...)`` over a ``PagedKVCache(summaries=True)`` on the CPU:
-    ragged sequences (one within the budget), GQA, some pages moved to HBM, output poisoned
-    first; each row's output equals float64 attention over exactly the pages an independent
-    selection (min / max taken from the pools' own K rows) chooses, and a budget covering every
-    page equals exact attention."""
+def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, device):
+    """``DirectKVAttention.plan(sparse=...)`` over a ``PagedKVCache(summaries=True)`` (the
+    reference on the CPU; on a GPU the selection there and the decode kernels over host pages in
+    place): ragged sequences (one within the budget), GQA, some pages moved to HBM, output
+    poisoned first; each row's output equals float64 attention over exactly the pages an
+    independent selection (min / max taken from the pools' own K rows) chooses, and a budget
+    covering every page equals exact attention."""
     from directkv_cute.attention import DirectKVAttention
     from directkv_cute.cache import PagedKVCache
 
     torch.manual_seed(0)
-    P, L, hkv, hq, d = 16, 2, 2, 8, 32
-    cache = PagedKVCache(L, hkv, d, P, 64, 16, dtype=dtype, device="cpu", summaries=True)
+    P, L, hkv, hq, d = 16, 2, 2, 8, 64
+    cache = PagedKVCache(L, hkv, d, P, 64, 16, dtype=dtype, device=device, summaries=True)
     lens = [21 * P + 3, 2 * P + 1, 12 * P]
     kv = {}
     for n in lens:
@@ -182,10 +184,11 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype):
     host, hbm = cache.device_pool("host"), cache.device_pool("hbm")
     for layer in range(L):
         q = torch.randn(len(sids), hq, d).to(dtype)
-        out = torch.full_like(q, float("nan"))
-        dk.run(q, layer, out)
+        out = torch.full_like(q, float("nan"), device=device)
+        dk.run(q.to(device), layer, out)
+        out = out.cpu()
         # the selection again, from the pools' K rows (not from the cache's summaries)
-        table = tables.page_table.numpy()
+        table = tables.page_table.cpu().numpy()
         for b, sid in enumerate(sids):
             n = lens[b]
             pages = -(-n // P)
@@ -193,7 +196,7 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype):
             summ = []
             for j in range(pages):
                 e = int(table[b, j])
-                kp = (host[e] if e >= 0 else hbm[-e - 1])[layer, :, 0, : rows[j]].float()  # (Hkv, rows, d)
+                kp = (host[e] if e >= 0 else hbm[-e - 1])[layer, :, 0, : rows[j]].float().cpu()  # (Hkv, rows, d)
                 summ.append(torch.stack((kp.amin(1), kp.amax(1)), 1))  # (Hkv, 2, d)
             fake = SimpleNamespace(host=torch.stack(summ)[:, None].expand(pages, L, hkv, 2, d), hbm=None)
             want = _reference_selection(q[b:b + 1].float(), np.arange(pages)[None], [n], fake, layer, P, 6, 1, 2)[0]
@@ -203,7 +206,7 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype):
     full = dk.plan(tables=tables, num_q_heads=hq, sparse=SparseBudget(fraction=1.0))
     assert full.route != "sparse_decode"
     q = torch.randn(len(sids), hq, d).to(dtype)
-    out = dk.run(q, 1)
+    out = dk.run(q.to(device), 1).cpu()
     for b, sid in enumerate(sids):
         torch.testing.assert_close(out[b].double(), _dense(q[b], kv[sid][0][:, 1], kv[sid][1][:, 1], scale),
                                    atol=2e-2, rtol=2e-2)
