@@ -288,6 +288,7 @@ class Runner:
         if method.sparse:
             kwargs["sparse"] = directkv_cute.SparseBudget(fraction=method.fraction, sink_pages=SINK_PAGES,
                                                          recent_pages=RECENT_PAGES)
+            kwargs["sparse_stats"] = True  # the attention mass column
         try:
             cache = dkhf.DirectKVCache(self.model, **kwargs)
         except TypeError as e:

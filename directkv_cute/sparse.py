@@ -20,6 +20,12 @@ the existing decode kernels read as they read any table. Positions are in the ke
 where they sit. A sequence with no more pages than the budget reads all of them: exact.
 
 Prefill and multi-token rows stay exact (the planner routes only decode-sized calls here).
+
+``SparseStats`` (opt-in, for measurements) records the attention mass the selected pages hold:
+per decode row and layer, the share of each query head's exact softmax (over every key of the
+sequence, read from the pools) that falls on the selected pages, averaged over the heads. It
+reads all of a row's keys, so it costs an exact step's reads and more: a measurement, not a mode
+to serve with.
 """
 
 from __future__ import annotations
@@ -94,4 +100,77 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     return out_table, out_lens
 
 
-__all__ = ["SparseBudget", "page_scores", "parse_budget", "select_pages"]
+def _pools(cache):
+    """(host, hbm, host scales, hbm scales) pools of a ``PagedKVCache`` or ``runner.PoolView`` on
+    the device the kernels read from; (pages, layers, Hkv, 2, page_size, d) and, for FP8 pages,
+    (pages, layers, Hkv, 2, page_size) float32 scales."""
+    if hasattr(cache, "device_pool"):
+        return (cache.device_pool("host"), cache.device_pool("hbm"), cache.device_scales("host"),
+                cache.device_scales("hbm"))
+    return cache.host_pool_cuda, cache.hbm_pool, cache.host_scales_cuda, cache.hbm_scales
+
+
+def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor,
+                  cache, layer: int, scale: float) -> torch.Tensor:
+    """float32 (B,): for each decode row of ``q`` (B, Hq, d), the share of its exact softmax mass
+    (every key of its sequence, ``page_table`` (B, W) and ``seq_lens`` (B,) as for
+    ``page_scores``) on the pages of ``sel_table`` (B, K), averaged over the query heads. Keys
+    are read from ``cache``'s pools (FP8 pages dequantized with their scales)."""
+    B, Hq, d = q.shape
+    W = page_table.shape[1]
+    host, hbm, host_s, hbm_s = _pools(cache)
+    e = page_table.long()
+    flat_h = e.clamp(min=0).view(-1)
+    k = host[:, layer, :, 0].index_select(0, flat_h).float()  # (B * W, Hkv, P, d)
+    if host_s is not None:
+        k = k * host_s[:, layer, :, 0].index_select(0, flat_h)[..., None]
+    if hbm is not None and hbm.shape[0]:
+        flat_d = (-e - 1).clamp(min=0).view(-1)
+        kd = hbm[:, layer, :, 0].index_select(0, flat_d).float()
+        if hbm_s is not None:
+            kd = kd * hbm_s[:, layer, :, 0].index_select(0, flat_d)[..., None]
+        k = torch.where((e < 0).view(-1, 1, 1, 1), kd, k)
+    hkv, P = k.shape[1], k.shape[2]
+    k = k.view(B, W, hkv, P, d)
+    qf = q.float().view(B, hkv, Hq // hkv, d)
+    s = torch.einsum("bhgd,bwhpd->bhgwp", qf, k) * scale  # (B, Hkv, g, W, P)
+    pos = torch.arange(W * P, device=q.device).view(W, P)
+    s = s.masked_fill((pos[None] >= seq_lens.long().view(B, 1, 1))[:, None, None], -math.inf)
+    chosen = (page_table[:, :, None] == sel_table[:, None, :]).any(-1)  # (B, W)
+    whole = torch.logsumexp(s.flatten(3), dim=3)  # (B, Hkv, g)
+    part = torch.logsumexp(s.masked_fill(~chosen[:, None, None, :, None], -math.inf).flatten(3), dim=3)
+    return torch.exp(part - whole).flatten(1).mean(1)
+
+
+class SparseStats:
+    """What the selected pages of sparse decode steps hold of the exact attention (opt-in; see
+    the module docstring): set as ``DirectKVAttention.sparse_stats`` (or
+    ``DirectKVCache(..., sparse_stats=True)``), every sparse decode layer run outside a CUDA graph
+    capture records its rows' ``selected_mass``. Sums stay on the device until read."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self._sum = None
+        self._count = 0
+
+    def record(self, mass: torch.Tensor) -> None:
+        """Adds the per-row masses (a 1-d tensor) of one layer run."""
+        total = mass.double().sum()
+        self._sum = total if self._sum is None else self._sum + total
+        self._count += mass.numel()
+
+    @property
+    def count(self) -> int:
+        """Rows x layers recorded since the last ``reset``."""
+        return self._count
+
+    @property
+    def mass(self) -> float | None:
+        """The mean attention mass on the selected pages over every row and layer recorded (0..1);
+        None before the first."""
+        return None if not self._count else float(self._sum) / self._count
+
+
+__all__ = ["SparseBudget", "SparseStats", "page_scores", "parse_budget", "select_pages", "selected_mass"]

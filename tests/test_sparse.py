@@ -15,7 +15,7 @@ import torch
 from directkv_cute.machine import H200, DeviceInfo
 from directkv_cute.plan_types import CallShape, ProfileConfigs
 from directkv_cute.planner import plan_attention
-from directkv_cute.sparse import SparseBudget, page_scores, parse_budget, select_pages
+from directkv_cute.sparse import SparseBudget, SparseStats, page_scores, parse_budget, select_pages
 
 
 @pytest.mark.parametrize("kwargs, err", [
@@ -178,8 +178,10 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
     budget = SparseBudget(pages=6, sink_pages=1, recent_pages=2)
     tables = cache.kernel_tables(sids)
     dk = DirectKVAttention(cache)
+    dk.sparse_stats = SparseStats()
     plan = dk.plan(tables=tables, num_q_heads=hq, sparse=budget)
     assert plan.route == "sparse_decode" and plan.detail.pages == 6
+    masses = []
     scale = 1 / math.sqrt(d)
     host, hbm = cache.device_pool("host"), cache.device_pool("hbm")
     for layer in range(L):
@@ -203,6 +205,17 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
             keys = torch.cat([kv[sid][0][j * P: j * P + rows[j], layer] for j in want])
             vals = torch.cat([kv[sid][1][j * P: j * P + rows[j], layer] for j in want])
             torch.testing.assert_close(out[b].double(), _dense(q[b], keys, vals, scale), atol=2e-2, rtol=2e-2)
+            # the share of each head's exact softmax on the chosen pages, averaged over the heads
+            g = hq // hkv
+            logits = torch.einsum("hd,nhd->hn", q[b].double(), kv[sid][0][:, layer].double().repeat_interleave(g, 1))
+            probs = (logits * scale).softmax(-1)
+            on = torch.zeros(n, dtype=torch.bool)
+            for j in want:
+                on[j * P: j * P + rows[j]] = True
+            masses.append(float(probs[:, on].sum(-1).mean()))
+    assert dk.sparse_stats.count == L * len(sids)
+    assert dk.sparse_stats.mass == pytest.approx(sum(masses) / len(masses), abs=2e-3)
+    assert 0 < dk.sparse_stats.mass < 1  # one row within the budget holds all its mass, the others less
     full = dk.plan(tables=tables, num_q_heads=hq, sparse=SparseBudget(fraction=1.0))
     assert full.route != "sparse_decode"
     q = torch.randn(len(sids), hq, d).to(dtype)
@@ -244,12 +257,18 @@ def test_directkv_cache_decodes_under_a_budget_and_prompts_stay_exact():
 
     assert torch.equal(generate(SparseBudget(fraction=1.0)), generate(None))
     cache = DirectKVCache(model, max_tokens=260, page_size=16, sparse=SparseBudget(pages=4, sink_pages=1,
-                                                                                   recent_pages=1))
+                                                                                   recent_pages=1), sparse_stats=True)
     with torch.no_grad():
         logits = model(ids, past_key_values=cache).logits
         assert cache.last_plan.route == "reference"  # the prompt: exact
+        assert cache.sparse_stats.mass is None  # prompt steps are not sparse
         model(logits[:, -1:].argmax(-1), past_key_values=cache)
     assert cache.last_plan.route == "sparse_decode" and "4 pages per row" in cache.last_plan.explain()
+    assert cache.sparse_stats.count == 2 and 0 < cache.sparse_stats.mass < 1  # 2 layers x 1 row; 4 of 13 pages
+    cache.reset()
+    assert cache.sparse_stats.mass is None
+    with pytest.raises(TypeError, match="sparse_stats"):
+        DirectKVCache(model, max_tokens=64, sparse=SparseBudget(pages=4), sparse_stats=1)
     with pytest.raises(TypeError, match="SparseBudget"):
         DirectKVCache(model, max_tokens=64, sparse="1/8")
 

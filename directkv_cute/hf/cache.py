@@ -47,7 +47,7 @@ from directkv_cute.hf.model import (
 )
 from directkv_cute.hf.step import BatchSequences, KVProjection, Step
 from directkv_cute.hf.step_plan import WINDOW_TOKENS, as_count, as_index_list, cache_pages
-from directkv_cute.sparse import SparseBudget
+from directkv_cute.sparse import SparseBudget, SparseStats
 from directkv_cute.tp import gpu_numa_node, model_shard, on_node
 
 
@@ -149,6 +149,9 @@ class DirectKVCache(Cache):
         sparse: a ``directkv_cute.SparseBudget``: decode steps read only each row's best pages,
             chosen per layer from page summaries the cache keeps (``PagedKVCache(...,
             summaries=True)``); prompt steps stay exact. None (default): exact.
+        sparse_stats: with ``sparse``, measure the attention mass each decode step's selected
+            pages hold of the exact attention (``sparse_stats.mass``, ``directkv_cute.sparse``);
+            it reads every key of each row per layer: for measurements, not for speed.
 
     The cache serves the model it was built for (a model with another layer count, KV heads or
     head_dim is refused at its first layer) and one generation at a time: the first step's thread
@@ -160,7 +163,7 @@ class DirectKVCache(Cache):
                  hbm_budget: int = 0, sink_pages: int = 1, dtype: torch.dtype | None = None,
                  device: str | torch.device | None = None, share_prompts: bool = True,
                  window_tokens: int = WINDOW_TOKENS, kv_dtype: str | torch.dtype | None = None,
-                 sparse: SparseBudget | None = None):
+                 sparse: SparseBudget | None = None, sparse_stats: bool = False):
         config = getattr(model, "config", model)
         self.spec = model_spec(config)
         # Tensor parallel (transformers' tp_plan under torchrun): this rank's heads only.
@@ -188,6 +191,8 @@ class DirectKVCache(Cache):
                 f"head_dim {self.spec.head_dim}: the DirectKV kernels support {KERNEL_HEAD_DIMS}")
         if sparse is not None and not isinstance(sparse, SparseBudget):
             raise TypeError(f"sparse must be a directkv_cute.SparseBudget or None, got {type(sparse).__name__}")
+        if not isinstance(sparse_stats, bool):
+            raise TypeError(f"sparse_stats must be a bool, got {type(sparse_stats).__name__}")
         page_dtype = resolve_kv_dtype(kv_dtype, dtype)
         if is_fp8(page_dtype) and device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
             raise UnsupportedModelError(
@@ -212,6 +217,9 @@ class DirectKVCache(Cache):
         self.processed = 0
         self.sparse = sparse
         self._batch = BatchSequences(self.kv, sink_pages, self.share_prompts, sparse)
+        # The attention mass of the selected pages, measured where asked (None: not measured).
+        self.sparse_stats = SparseStats() if sparse_stats and sparse is not None else None
+        self._batch.attention.sparse_stats = self.sparse_stats
         self._step: Step | None = None  # the step in flight, or the last one
         self._checked_configs: set[int] = set()
         # The thread whose generation the cache serves (None: free until the next step). A step
@@ -265,6 +273,8 @@ class DirectKVCache(Cache):
         self._enter()
         self._batch.reset()
         self.processed = 0
+        if self.sparse_stats is not None:
+            self.sparse_stats.reset()
         self._step = None
         with self._owner_lock:
             self._owner_thread = None
