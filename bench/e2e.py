@@ -95,6 +95,7 @@ import argparse
 import copy
 import gc
 import math
+import re
 import statistics
 import sys
 import time
@@ -116,6 +117,16 @@ DEFAULT_METHODS = "dynamic,hf-offloaded,ours[host],ours[hbm]"
 FA4_METHODS = ("fa4", "hf-offloaded+fa4")
 METHOD_ORDER = {"dynamic": 0, "fa4": 1, "hf-offloaded": 2, "hf-offloaded+fa4": 3, "ours[readback]": 4,
                 "ours[host]": 5, "ours[fused]": 6, "ours[fp8]": 7, "ours[hbm]": 8}
+# ours[sparse=B] / ours[fp8,sparse=B]: decode reads each row's best pages under budget B; after
+# the exact method of the same pages.
+SPARSE_ORDER = 9
+
+
+def method_order(name: str) -> tuple:
+    """A method name's place in tables and plots: METHOD_ORDER, then the sparse methods."""
+    if "sparse=" in name:
+        return (SPARSE_ORDER, "fp8" in name, name)
+    return (METHOD_ORDER.get(name, SPARSE_ORDER + 1), False, name)
 
 ROW_FIELDS = (
     "bench", "preset", "method", "label", "role", "context", "batch", "dtype", "status", "error",
@@ -131,6 +142,12 @@ PHYSICS_FACTOR = 1.15
 PREFILL_FACTOR = 1.3
 MIN_TOKENS_PER_S = {"llama3-70b": 1.0}
 FP8_MIN_TOKENS_PER_S = {"llama3-70b": 2.0}  # with FP8 KV pages (ours[fp8])
+# Sparse decode reads: from this context on, a budget of at most 1/8 of the pages decodes in at
+# most this share of the exact method's step (the same pages: ours[host] or ours[fp8]); with FP8
+# pages and such a budget, at least these tokens/s per sequence.
+SPARSE_TARGET_CONTEXT = 131072
+SPARSE_STEP_SHARE = 0.2
+SPARSE_FP8_MIN_TOKENS_PER_S = {"llama3-70b": 8.0}
 
 # The CPU smoke run (and ``--device cpu`` defaults): the tiny preset, seconds on a laptop.
 CPU_DEFAULTS = dict(preset="tiny", contexts=[128], batches=[1], new_tokens=2, warmup_tokens=1, offloaded_tokens=1,
@@ -155,15 +172,18 @@ class Method:
     fused: bool = False  # ours: fuse_kv_projection (the K/V projection kernel)
     kv_dtype: str | None = None  # ours: "fp8" pages (DirectKVCache(kv_dtype=...)), None the model's dtype
     attn: str = "sdpa"  # dynamic / hf-offloaded: "sdpa" or "fa4"
+    sparse: str | None = None  # ours: a page budget for decode ("1/8", "256p"; directkv_cute.sparse), None: exact
 
     @property
     def name(self) -> str:
         """The method's key in rows and plots: dynamic, fa4, hf-offloaded, hf-offloaded+fa4,
-        ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm]."""
+        ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm], ours[sparse=B], ours[fp8,sparse=B]."""
         if self.base != "ours":
             if self.attn == "sdpa":
                 return self.base
             return self.attn if self.base == "dynamic" else f"{self.base}+{self.attn}"
+        if self.sparse:
+            return f"ours[{self.kv_dtype},sparse={self.sparse}]" if self.kv_dtype else f"ours[sparse={self.sparse}]"
         if self.fused:
             return "ours[fused]"
         if self.kv_dtype:
@@ -181,9 +201,10 @@ def parse_methods(text: str) -> list[Method]:
     """``dynamic,fa4,hf-offloaded,hf-offloaded+fa4,ours[host],ours[hbm],ours[hbm=8GiB]`` -> Methods
     (bench order)."""
     from directkv_cute.generate import parse_size
+    from directkv_cute.sparse_budget import parse_budget
 
     out: list[Method] = []
-    for item in (s.strip() for s in text.split(",")):
+    for item in (s.strip() for s in re.split(r",(?![^\[]*\])", text)):  # commas outside brackets
         if not item:
             continue
         if item in ("dynamic", "hf-offloaded"):
@@ -204,15 +225,24 @@ def parse_methods(text: str) -> list[Method]:
             out.append(Method("ours", "hbm"))
         elif item.startswith("ours[hbm=") and item.endswith("]"):
             out.append(Method("ours", "hbm", parse_size(item[len("ours[hbm="):-1])))
+        elif item.startswith(("ours[sparse=", "ours[fp8,sparse=")) and item.endswith("]"):
+            fp8 = item.startswith("ours[fp8,")
+            text = item[len("ours[fp8,sparse=" if fp8 else "ours[sparse="):-1]
+            try:
+                parse_budget(text)
+            except ValueError as e:
+                raise ValueError(f"method {item!r}: {e}") from None
+            out.append(Method("ours", "host", kv_dtype="fp8" if fp8 else None, sparse=text))
         else:
             raise ValueError(f"unknown method {item!r}; use dynamic, fa4, hf-offloaded, hf-offloaded+fa4, "
-                             "ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm] or ours[hbm=<bytes>]")
+                             "ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm], ours[hbm=<bytes>], "
+                             "ours[sparse=<budget>] or ours[fp8,sparse=<budget>] (budget: 1/8, 0.125 or 256p)")
     if not out:
         raise ValueError("no methods given")
     names = [m.name for m in out]
     if len(set(names)) != len(names):
         raise ValueError(f"a method is given twice in {text!r}")
-    return sorted(out, key=lambda m: METHOD_ORDER[m.name])
+    return sorted(out, key=lambda m: method_order(m.name))
 
 
 # ---- rows ------------------------------------------------------------------------------------
@@ -282,6 +312,15 @@ def mean_attended(context: int, warmup: int, timed: int) -> float:
     return context + warmup + (timed + 1) / 2
 
 
+def sparse_tokens(budget: str, tokens: float, page_size: int) -> float:
+    """Tokens a decode step under the page budget ``budget`` reads of a sequence of ``tokens``:
+    its selected pages (``SparseBudget.budget_pages``), the newest one partial."""
+    from directkv_cute.sparse_budget import parse_budget
+
+    pages = math.ceil(tokens / page_size)
+    return min(float(tokens), parse_budget(budget).budget_pages(pages) * page_size)
+
+
 def _ok(rows, **match) -> list[dict]:
     return [r for r in rows if r["status"] == "ok" and all(r[k] == v for k, v in match.items())]
 
@@ -309,6 +348,13 @@ def physics_rows(rows: list[dict], ceilings: dict, *, preset: str, dtype: str, t
                            error=f"KV {kv / 1e9:.2f} GB / {ceilings['host_read_gbps']:.1f} GB/s + "
                                  f"dynamic@{physics_context} {base['decode_ms']:.2f} ms"))
     return out
+
+
+def _budget_fraction(method: str) -> float | None:
+    """The fraction of a sparse method's budget (``ours[sparse=1/8]``: 0.125); None for a page count."""
+    from directkv_cute.sparse_budget import parse_budget
+
+    return parse_budget(method.split("sparse=", 1)[1].rstrip("]")).fraction
 
 
 def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
@@ -339,6 +385,23 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
                 add("ours[fp8] decode faster than ours[host] (bf16 pages)", ctx, batch, f8["decode_ms"],
                     host["decode_ms"], f8["decode_ms"] < host["decode_ms"],
                     f"{f8['decode_ms']:.1f} vs {host['decode_ms']:.1f} ms ({host['decode_ms'] / f8['decode_ms']:.2f}x)")
+        for r in rows:
+            if r["role"] != "measured" or r["status"] != "ok" or "sparse=" not in r["method"] or not r["decode_ms"] \
+                    or r["context"] != ctx or r["batch"] != batch:
+                continue
+            exact = f8 if r["method"].startswith("ours[fp8,") else host
+            fraction = _budget_fraction(r["method"])
+            if exact is not None and exact.get("decode_ms") and ctx >= SPARSE_TARGET_CONTEXT and fraction is not None \
+                    and fraction <= 1 / 8:
+                add(f"{r['method']} decode <= {SPARSE_STEP_SHARE:g} x {exact['method']}", ctx, batch, r["decode_ms"],
+                    SPARSE_STEP_SHARE * exact["decode_ms"], r["decode_ms"] <= SPARSE_STEP_SHARE * exact["decode_ms"],
+                    f"{r['decode_ms']:.1f} vs {exact['decode_ms']:.1f} ms ({r['decode_ms'] / exact['decode_ms']:.3f}x)")
+            need_tps = SPARSE_FP8_MIN_TOKENS_PER_S.get(preset)
+            if r["method"].startswith("ours[fp8,") and need_tps is not None and fraction is not None \
+                    and fraction <= 1 / 8 and ctx >= SPARSE_TARGET_CONTEXT:
+                per_seq = 1e3 / r["decode_ms"]
+                add(f"{r['method']} decode >= {need_tps:g} token/s per sequence", ctx, batch, per_seq, need_tps,
+                    per_seq >= need_tps, f"{per_seq:.2f} token/s ({r['decode_ms']:.1f} ms per token)")
         if host is None:
             continue
         rb = _one(rows, method="ours[readback]", role="measured", **m)
@@ -435,7 +498,7 @@ def format_table(doc: dict) -> str:
     """The rows as a fixed-width table under the ceilings, then the targets (a CPU run: the table
     alone)."""
     rows = sorted(doc["rows"], key=lambda r: (r["role"] == "non-attention" and -1 or 0, r["batch"], r["context"],
-                                              METHOD_ORDER.get(r["method"], 9)))
+                                              method_order(r["method"])))
     lines = [TABLE_COLUMNS]
     for r in rows:
         off = _one(doc["rows"], method="hf-offloaded", role="measured", context=r["context"], batch=r["batch"])
@@ -679,6 +742,7 @@ class Runner:
         """One timed generate; returns (GenerateResult, host KV bytes, HBM KV bytes, setup s)."""
         import directkv_cute.hf as dkhf
         from directkv_cute.generate import timed_generate
+        from directkv_cute.sparse_budget import parse_budget
 
         o = self.opts
         batch, ctx = ids.shape
@@ -690,6 +754,7 @@ class Runner:
             cache = dkhf.DirectKVCache(model, max_tokens=batch * (ctx + n_new), max_batch_size=batch,
                                        page_size=o.page_size, hbm_budget=int(budget or 0), dtype=o.dtype,
                                        device=o.device, kv_dtype=method.kv_dtype,
+                                       sparse=parse_budget(method.sparse) if method.sparse else None,
                                        **({} if method.window else {"window_tokens": 0}))
             try:
                 cache.check_request([ctx] * batch, n_new)
@@ -779,6 +844,9 @@ class Runner:
         if ref is not None and method.name != "dynamic":
             agree = agree_tokens(ref, res.new_tokens)
         kv_step = int(batch * mean_attended(context, warm, timed) * self.token_bytes)
+        if method.sparse:  # the pages the budget reads of the mean attended length
+            kv_step = int(batch * sparse_tokens(method.sparse, mean_attended(context, warm, timed), o.page_size)
+                          * self.token_bytes)
         return new_row(**base, status=status, prefill_s=res.prefill_s, decode_ms=statistics.median(steps),
                        decode_ms_mean=statistics.fmean(steps), step_ms=[round(s, 4) for s in steps],
                        peak_gpu_bytes=peak, base_gpu_bytes=base_bytes, host_kv_bytes=host, hbm_kv_bytes=hbm,
@@ -957,7 +1025,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", type=_ints, default=None, help="prompt tokens [32768,131072]")
     p.add_argument("--batches", type=_ints, default=None, help="[1,8]")
     p.add_argument("--methods", default=None, help=f"[{DEFAULT_METHODS}]; ours[hbm=8GiB] fixes the budget; also "
-                   "fa4, hf-offloaded+fa4 (FlashAttention-4 peers), ours[readback], ours[fused], ours[fp8]")
+                   "fa4, hf-offloaded+fa4 (FlashAttention-4 peers), ours[readback], ours[fused], ours[fp8], "
+                   "ours[sparse=1/8] and ours[fp8,sparse=1/8] (decode reads each row's best pages; 1/8, 0.125, 256p)")
     p.add_argument("--new-tokens", type=int, default=None, help="timed decode tokens per method [16]")
     p.add_argument("--warmup-tokens", type=int, default=None, help="decode tokens before the timed ones [2]")
     p.add_argument("--offloaded-tokens", type=int, default=None,

@@ -55,6 +55,28 @@ def test_parse_methods():
             e2e.parse_methods(bad)
 
 
+def test_sparse_methods_parse_name_and_order_after_the_exact_ones():
+    ms = e2e.parse_methods("ours[fp8,sparse=1/8],ours[sparse=256p],ours[host],ours[fp8]")
+    assert [m.name for m in ms] == ["ours[host]", "ours[fp8]", "ours[sparse=256p]", "ours[fp8,sparse=1/8]"]
+    assert ms[3].kv_dtype == "fp8" and ms[3].sparse == "1/8" and ms[2].kv_dtype is None
+    for bad in ("ours[sparse=2]", "ours[sparse=]", "ours[fp8,sparse=eighth]", "ours[sparse=1/8],ours[sparse=1/8]"):
+        with pytest.raises(ValueError):
+            e2e.parse_methods(bad)
+    assert e2e.sparse_tokens("1/8", 131072, 64) == 256 * 64
+    assert e2e.sparse_tokens("1/8", 100, 64) == 100  # 2 pages: fewer than sink + recent, every token
+
+
+def test_sparse_targets_against_the_exact_step_of_the_same_pages():
+    rows = [_row("ours[host]", 131072, 1, 320.0, 11.0), _row("ours[sparse=1/8]", 131072, 1, 60.0, 11.0),
+            _row("ours[fp8]", 131072, 1, 170.0, 11.0), _row("ours[fp8,sparse=1/8]", 131072, 1, 40.0, 11.0),
+            _row("ours[host]", 32768, 1, 100.0, 3.0), _row("ours[sparse=1/8]", 32768, 1, 60.0, 3.0)]
+    got = {(t["target"], t["context"]): t for t in e2e.evaluate_targets(rows, preset="llama3-70b")}
+    assert got[("ours[sparse=1/8] decode <= 0.2 x ours[host]", 131072)]["ok"] is True
+    assert got[("ours[fp8,sparse=1/8] decode <= 0.2 x ours[fp8]", 131072)]["ok"] is False  # 40 > 34 ms
+    assert got[("ours[fp8,sparse=1/8] decode >= 8 token/s per sequence", 131072)]["ok"] is True  # 25 token/s
+    assert not any(k[1] == 32768 and "sparse" in k[0] for k in got)  # the target is for long contexts
+
+
 def test_kv_bytes_and_mean_attended():
     from directkv_cute.presets import preset_config
 
@@ -295,6 +317,16 @@ def test_cpu_rows_skip_what_cannot_run():
     (row,) = doc["rows"]
     assert row["status"] == "ok" and row["hbm_budget"] == 65536 and row["label"] == "ours[hbm=64.0KiB]"
     assert row["hbm_kv_bytes"] > 0 and row["host_kv_bytes"] > 0
+
+
+def test_a_sparse_row_runs_the_sparse_route_and_reads_fewer_bytes():
+    runner = _runner("ours[host],ours[sparse=2p]", contexts=[96])
+    doc = {"rows": []}
+    e2e.run_rows(runner, doc, lambda: None)
+    by = {r["method"]: r for r in doc["rows"]}
+    assert by["ours[sparse=2p]"]["status"] == "ok", by["ours[sparse=2p]"]["error"]
+    # 3 pages of 16 tokens a step (2, raised to sink + recent) against the ~98 tokens the exact rows attend over
+    assert by["ours[sparse=2p]"]["kv_bytes_per_step"] * 2 < by["ours[host]"]["kv_bytes_per_step"]
 
 
 def test_cpu_smoke_run(tmp_path, capsys):
