@@ -64,9 +64,9 @@ class DirectKVAttention:
         # plan reads (None: no host table; -1: none of that tier), for ``run``'s integer checks.
         self._generation = -1
         self._pages: tuple[int, int] | None = None
-        # Opt-in measurement: a sparse.SparseStats that sparse decode runs record the attention
-        # mass of their selected pages into (None: nothing measured).
-        self.sparse_stats = None
+        # What sparse decode runs tell their selection (``selected(call, page_table, seq_lens,
+        # sel_table)``): sparse.SparseStats (the attention mass, a measurement), sparse.RecallCounts.
+        self.sparse_hooks: list = []
 
     # ---- planning ----------------------------------------------------------------------------
     def plan(self, seq_ids=None, *, tables=None, q_lens=None, num_q_heads: int, softmax_scale: float | None = None,
@@ -218,7 +218,7 @@ class DirectKVAttention:
                 _check_pool_pages(pools, self._pages)
         scale = self._scale if softmax_scale is None else softmax_scale
         return run(plan, self._bound, q, self.cache if pools is None else pools, layer, scale, out,
-                   self._return_lse, self.sparse_stats)
+                   self._return_lse, self.sparse_hooks)
 
 
 # The latest plans by value: calls that plan the same shape again (the layers of a step through

@@ -36,7 +36,7 @@ from directkv_cute.plan_types import (ByHead, CascadePasses, Dequantized, InPlac
 from directkv_cute.reference import cache_scales, tables_attention_ref
 from directkv_cute.runner import (Bound, Call, PoolView, bind, compiled_combine, compiled_dequant, compiled_q_tiled,
                                   in_place_kernel, in_place_partials, run_call, tables_from_host)
-from directkv_cute.sparse import select_pages, selected_mass
+from directkv_cute.sparse import select_pages
 from directkv_cute.staging import hbm_in_place, stager
 
 # Streams that FP8 chunks run their KV head groups on, at most: one group's launch may fill only
@@ -563,9 +563,8 @@ class SparseDecode(Route):
         select_pages(call.q, bound.tables.page_table, bound.tables.seq_lens, summaries, call.layer,
                      plan.shape.page_size, plan.detail.pages, b.sink_pages, b.recent_pages, call.scale,
                      out_table=inner.page_table, out_lens=inner.seq_lens)
-        if call.sparse_stats is not None and not call.capturing:
-            call.sparse_stats.record(selected_mass(call.q, bound.tables.page_table, bound.tables.seq_lens,
-                                                   inner.page_table, call.cache, call.layer, call.scale))
+        for hook in call.sparse_hooks:  # what the selection is watched by (a measurement, a recall cache)
+            hook.selected(call, bound.tables.page_table, bound.tables.seq_lens, inner.page_table)
         return run_call(plan.detail.inner, bound.inner, call)
 
     reference = run

@@ -180,7 +180,7 @@ class Call:
     scale: float
     out: torch.Tensor | None = None
     capturing: bool = False
-    sparse_stats: object | None = None  # a sparse.SparseStats that sparse decode runs record into
+    sparse_hooks: tuple = ()  # objects whose ``selected`` sparse decode runs call (sparse.SparseStats, RecallCounts)
 
     def replace(self, **changes) -> "Call":
         return dataclasses.replace(self, **changes)
@@ -207,11 +207,12 @@ def bind(plan: AttentionPlan, tables, device, capturing: bool, staged: dict | No
 
 
 def run(plan: AttentionPlan, bound: Bound, q: torch.Tensor, cache, layer: int, softmax_scale=None, out=None,
-        return_lse: bool = False, sparse_stats=None):
+        return_lse: bool = False, sparse_hooks=()):
     """Launch ``plan`` for ``layer`` (validated arguments); returns out, and the LSE with
-    ``return_lse``. ``sparse_stats``: a ``sparse.SparseStats`` a sparse decode run records into."""
+    ``return_lse``. ``sparse_hooks``: what a sparse decode run tells its selection
+    (``Call.sparse_hooks``)."""
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    o, lse = run_call(plan, bound, Call(q, cache, layer, scale, out, q.is_cuda and stream_capturing(), sparse_stats))
+    o, lse = run_call(plan, bound, Call(q, cache, layer, scale, out, q.is_cuda and stream_capturing(), tuple(sparse_hooks)))
     return (o, lse) if return_lse else o
 
 

@@ -21,6 +21,10 @@ where they sit. A sequence with no more pages than the budget reads all of them:
 
 Prefill and multi-token rows stay exact (the planner routes only decode-sized calls here).
 
+``RecallCounts`` counts, on the device, how often each page is selected (per layer and row); a
+cache with an HBM tier reads them once per step and keeps the pages its queries keep choosing in
+HBM (``hf.step_plan.hbm_targets``: the tier as a recall cache).
+
 ``SparseStats`` (opt-in, for measurements) records the attention mass the selected pages hold:
 per decode row and layer, the share of each query head's exact softmax (over every key of the
 sequence, read from the pools) that falls on the selected pages, averaged over the heads. It
@@ -144,12 +148,19 @@ def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
 
 class SparseStats:
     """What the selected pages of sparse decode steps hold of the exact attention (opt-in; see
-    the module docstring): set as ``DirectKVAttention.sparse_stats`` (or
-    ``DirectKVCache(..., sparse_stats=True)``), every sparse decode layer run outside a CUDA graph
+    the module docstring): in ``DirectKVAttention.sparse_hooks`` (``DirectKVCache(...,
+    sparse_stats=True)`` puts one there), every sparse decode layer run outside a CUDA graph
     capture records its rows' ``selected_mass``. Sums stay on the device until read."""
 
     def __init__(self):
         self.reset()
+
+    def selected(self, call, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor) -> None:
+        """A sparse decode run chose ``sel_table`` (B, K) for ``call`` over ``page_table`` /
+        ``seq_lens``: record its rows' attention mass (not while a CUDA graph is captured)."""
+        if call.capturing:
+            return
+        self.record(selected_mass(call.q, page_table, seq_lens, sel_table, call.cache, call.layer, call.scale))
 
     def reset(self) -> None:
         self._sum = None
@@ -173,4 +184,34 @@ class SparseStats:
         return None if not self._count else float(self._sum) / self._count
 
 
-__all__ = ["SparseBudget", "SparseStats", "page_scores", "parse_budget", "select_pages", "selected_mass"]
+class RecallCounts:
+    """How often each page was selected since the last ``take``: one count per (layer, row) that
+    chose it, on the device, without a host sync (a CUDA graph can hold ``selected``). Host pages
+    and HBM pages are counted apart (a page table's encoding: >= 0 host, < 0 HBM ``-e - 1``); a
+    row's repeats of its last selected page count once."""
+
+    def __init__(self, num_host_pages: int, num_hbm_pages: int, device):
+        # one spare slot at the end of each: where entries of the other tier and repeats land
+        self.host = torch.zeros(num_host_pages + 1, dtype=torch.float32, device=device)
+        self.hbm = torch.zeros(num_hbm_pages + 1, dtype=torch.float32, device=device)
+
+    def selected(self, call, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor) -> None:
+        sel = sel_table.long()
+        repeat = torch.zeros_like(sel, dtype=torch.bool)
+        repeat[:, 1:] = sel[:, 1:] == sel[:, :-1]
+        spare_h, spare_d = self.host.shape[0] - 1, self.hbm.shape[0] - 1
+        on_host = (sel >= 0) & ~repeat
+        on_hbm = (sel < 0) & ~repeat
+        ones = torch.ones(sel.numel(), dtype=torch.float32, device=sel.device)
+        self.host.index_add_(0, torch.where(on_host, sel, spare_h).view(-1), ones)
+        self.hbm.index_add_(0, torch.where(on_hbm, -sel - 1, spare_d).view(-1), ones)
+
+    def take(self):
+        """(host counts, HBM counts) as numpy float32 arrays (one copy to the host), zeroed after."""
+        host, hbm = self.host[:-1].cpu().numpy().copy(), self.hbm[:-1].cpu().numpy().copy()
+        self.host.zero_()
+        self.hbm.zero_()
+        return host, hbm
+
+
+__all__ = ["RecallCounts", "SparseBudget", "SparseStats", "page_scores", "parse_budget", "select_pages", "selected_mass"]

@@ -364,3 +364,16 @@ def test_directkv_generate_cli_matches_transformers(folder, model, tmp_path, cap
     assert d["tokens"] == new.tolist()
     assert d["text"] == tok.batch_decode(new, skip_special_tokens=True)
     assert "Paris" in d["text"][0]
+
+
+@pytest.mark.parametrize("given, want", [
+    ({"eos_token": "<|im_end|>"}, "<|im_end|>"),  # an older transformers' conversion: none
+    ({"eos_token": "<|im_end|>", "pad_token": "<pad>"}, "<pad>"),  # one of its own is kept
+])
+def test_the_folder_has_a_pad_token(tmp_path, given, want):
+    """The folder's tokenizer pads batches of prompts whichever transformers release converted it."""
+    (tmp_path / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-5}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(given))
+    realmodel._fix_files(tmp_path)
+    tcfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert tcfg["pad_token"] == want and tcfg["tokenizer_class"] == "PreTrainedTokenizerFast"

@@ -178,7 +178,8 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
     budget = SparseBudget(pages=6, sink_pages=1, recent_pages=2)
     tables = cache.kernel_tables(sids)
     dk = DirectKVAttention(cache)
-    dk.sparse_stats = SparseStats()
+    stats = SparseStats()
+    dk.sparse_hooks.append(stats)
     plan = dk.plan(tables=tables, num_q_heads=hq, sparse=budget)
     assert plan.route == "sparse_decode" and plan.detail.pages == 6
     masses = []
@@ -213,9 +214,9 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
             for j in want:
                 on[j * P: j * P + rows[j]] = True
             masses.append(float(probs[:, on].sum(-1).mean()))
-    assert dk.sparse_stats.count == L * len(sids)
-    assert dk.sparse_stats.mass == pytest.approx(sum(masses) / len(masses), abs=2e-3)
-    assert 0 < dk.sparse_stats.mass < 1  # one row within the budget holds all its mass, the others less
+    assert stats.count == L * len(sids)
+    assert stats.mass == pytest.approx(sum(masses) / len(masses), abs=2e-3)
+    assert 0 < stats.mass < 1  # one row within the budget holds all its mass, the others less
     full = dk.plan(tables=tables, num_q_heads=hq, sparse=SparseBudget(fraction=1.0))
     assert full.route != "sparse_decode"
     q = torch.randn(len(sids), hq, d).to(dtype)
@@ -281,3 +282,75 @@ def test_directkv_generate_refuses_a_bad_sparse_budget_in_one_line(bad, capsys):
         main(["--preset", "tiny", "--context", "64", "--device", "cpu", "--sparse-budget", bad])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "--sparse-budget" in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_recall_targets_keep_sinks_newest_then_preferred_then_recent():
+    from directkv_cute.hf.step_plan import Growth, growth_needs, hbm_targets, plan_growth
+
+    assert hbm_targets(20, 6, 1) == {0, 15, 16, 17, 18, 19}  # no ranking: sinks and the most recent
+    assert hbm_targets(20, 6, 1, [7, 3, 19, 12, 5], recent_pages=2) == {0, 19, 18, 7, 3, 12}
+    assert hbm_targets(20, 6, 1, [7], recent_pages=2) == {0, 19, 18, 7, 17, 16}  # the rest: most recent
+    assert hbm_targets(3, 6, 1, [2, 1], recent_pages=1) == {0, 1, 2}
+    # a sequence of 10 full pages of 16 with 0, 8, 9 in HBM, growing by one token: 8 leaves for the
+    # preferred 4; the new page (10) is among the newest 2; 9 stays
+    g = plan_growth(160, [0, 8, 9], 1, 16, 4, 1, preferred=[4, 2], recent_pages=2)
+    assert g == Growth(demote=(8,), runs=(("hbm", 1),), promote=(4,))
+    assert growth_needs([g], [160], 16) == {"host": 0, "hbm": 1}  # +1 new, +1 promoted, -1 demoted
+    # a partial last page is extended where it is, never promoted
+    g = plan_growth(150, [0], 1, 16, 4, 1, preferred=[9, 3], recent_pages=1)
+    assert g.promote == (3,) and g.runs == (("host", 1),)
+    # without a ranking nothing is promoted (the plain rule)
+    assert plan_growth(160, [0], 1, 16, 4, 1).promote == ()
+
+
+def test_recall_counts_each_selection_once_per_tier():
+    from directkv_cute.sparse import RecallCounts
+
+    rc = RecallCounts(10, 4, "cpu")
+    sel = torch.tensor([[0, 3, -2, 5, 5, 5], [3, -1, -2, 7, 8, 9]], dtype=torch.int32)  # row 0 repeats its last page
+    rc.selected(None, None, None, sel)
+    rc.selected(None, None, None, sel[:1])
+    host, hbm = rc.take()
+    assert host.tolist() == [2, 0, 0, 3, 0, 2, 0, 1, 1, 1]
+    assert hbm.tolist() == [1, 3, 0, 0]
+    host, hbm = rc.take()
+    assert not host.any() and not hbm.any()
+
+
+def test_the_hbm_tier_recalls_the_pages_sparse_decode_keeps_choosing():
+    """A tiny model decoding under a page budget over a cache whose HBM tier holds 6 of a
+    sequence's pages: pages its selections keep choosing move into HBM (beyond the sinks and the
+    newest pages), and the tokens equal those of the same budget over host pages only (moves do
+    not change what is read)."""
+    import directkv_cute.hf  # noqa: F401  (registers the attention implementation)
+    from directkv_cute.hf.cache import DirectKVCache
+    from directkv_cute.cache.pools import page_bytes
+    from directkv_cute.presets import build_random_model
+
+    model = build_random_model("tiny", torch.float32, "cpu", seed=1, num_hidden_layers=2,
+                               attn_implementation="directkv")
+    ids = torch.randint(0, 1024, (1, 300), generator=torch.Generator().manual_seed(4))
+    budget = SparseBudget(pages=5, sink_pages=1, recent_pages=1)
+    spec = model.config
+    hd = spec.hidden_size // spec.num_attention_heads
+    one_page = page_bytes(2, spec.num_key_value_heads, 16, hd, torch.float32)
+
+    def generate(hbm_pages):
+        cache = DirectKVCache(model, max_tokens=340, page_size=16, sparse=budget, hbm_budget=hbm_pages * one_page,
+                              window_tokens=0)
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)[0, 300:]
+        return out, cache
+
+    exact_tier, _ = generate(0)
+    tokens, cache = generate(6)
+    assert torch.equal(tokens, exact_tier)
+    sid = cache.seq_ids[0]
+    table = cache.kv.page_table(sid)
+    n = len(table)
+    in_hbm = {lp for lp, e in enumerate(table) if e < 0}
+    assert len(in_hbm) <= 6 and 0 in in_hbm
+    recalled = in_hbm - {0, n - 1}
+    assert recalled, f"no page recalled into HBM: {sorted(in_hbm)} of {n}"
+    scores = cache._batch._scores[sid]
+    assert all(scores[lp] >= 0.5 * 2 for lp in recalled if lp < n - 6)  # chosen, not merely recent

@@ -219,7 +219,8 @@ class DirectKVCache(Cache):
         self._batch = BatchSequences(self.kv, sink_pages, self.share_prompts, sparse)
         # The attention mass of the selected pages, measured where asked (None: not measured).
         self.sparse_stats = SparseStats() if sparse_stats and sparse is not None else None
-        self._batch.attention.sparse_stats = self.sparse_stats
+        if self.sparse_stats is not None:
+            self._batch.attention.sparse_hooks.append(self.sparse_stats)
         self._step: Step | None = None  # the step in flight, or the last one
         self._checked_configs: set[int] = set()
         # The thread whose generation the cache serves (None: free until the next step). A step

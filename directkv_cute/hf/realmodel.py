@@ -338,7 +338,9 @@ def _check_dense(model) -> None:
 def _fix_files(dest: Path) -> None:
     """What other readers need beyond what transformers wrote: ``torch_dtype`` beside ``dtype``
     (readers of transformers 4.x's config), no leftover GGUF fields; a tokenizer class that every
-    transformers release resolves (``PreTrainedTokenizerFast`` reads tokenizer.json)."""
+    transformers release resolves (``PreTrainedTokenizerFast`` reads tokenizer.json) and a pad
+    token (the end-of-turn token, as newer releases convert it; older ones leave none, and batches
+    of prompts need one)."""
     cfg_path = dest / "config.json"
     cfg = json.loads(cfg_path.read_text())
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
@@ -353,6 +355,8 @@ def _fix_files(dest: Path) -> None:
     if tok_path.is_file():
         tcfg = json.loads(tok_path.read_text())
         tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        if not tcfg.get("pad_token") and tcfg.get("eos_token"):
+            tcfg["pad_token"] = tcfg["eos_token"]
         for key in ("is_local", "local_files_only", "gguf_file"):
             tcfg.pop(key, None)
         tok_path.write_text(json.dumps(tcfg, indent=2, sort_keys=True) + "\n")

@@ -29,7 +29,13 @@ from directkv_cute.hf.step_plan import (
     valid_tokens,
 )
 from directkv_cute.kv_proj import kv_project
-from directkv_cute.sparse import SparseBudget
+from directkv_cute.sparse import RecallCounts, SparseBudget
+
+# The HBM tier as a sparse budget's recall cache (``BatchSequences.recall_preferred``): per step a
+# page's score is the (layer, row) selections of it since the last step plus this share of its
+# score before; pages scoring at least RECALL_MIN_SCORE x the model's layers are kept in HBM.
+RECALL_DECAY = 0.5
+RECALL_MIN_SCORE = 0.5
 
 
 @dataclass
@@ -181,7 +187,8 @@ class BatchSequences:
     """The ``PagedKVCache`` sequence of each batch row (``seqs``) and the planning of a step over
     them. ``hbm`` placement: each sequence's equal share of the HBM tier holds its first
     ``sink_pages`` pages and its most recent ones. ``sparse``: the ``SparseBudget`` decode steps
-    are planned under (None: exact)."""
+    are planned under (None: exact); with an HBM tier, the tier is also their recall cache: the
+    pages their selections keep choosing are moved there (``recall_preferred``)."""
 
     def __init__(self, kv: PagedKVCache, sink_pages: int, share_prompts: bool,
                  sparse: SparseBudget | None = None) -> None:
@@ -191,11 +198,41 @@ class BatchSequences:
         self.share_prompts = share_prompts
         self.sparse = sparse
         self.seqs: list[int] = []
+        self.recall: RecallCounts | None = None
+        self._scores: dict[int, np.ndarray] = {}  # sequence -> decayed selection counts per logical page
+        if sparse is not None and kv.num_pages("hbm") > 0:
+            self.recall = RecallCounts(kv.num_pages("host"), kv.num_pages("hbm"), kv.device)
+            self.attention.sparse_hooks.append(self.recall)
 
     def reset(self) -> None:
         for sid in dict.fromkeys(self.seqs):
             self.kv.free(sid)
         self.seqs = []
+        self._scores = {}
+        if self.recall is not None:
+            self.recall.take()
+
+    def recall_preferred(self, sids: list[int]) -> list[list[int]]:
+        """Each sequence's logical pages worth a place in HBM, best first: the selection counts
+        since the last step (``RecallCounts.take``, one copy from the device) added to the
+        earlier ones halved (``RECALL_DECAY``), those at least ``RECALL_MIN_SCORE`` x the layers.
+        A page moved to HBM costs one read of all its layers; a page every layer chose in the last
+        step, or half the layers in each of the last steps, is read that often anyway."""
+        host, hbm = self.recall.take()
+        kept = {}
+        out = []
+        for sid in sids:
+            e = np.asarray(self.kv.page_table(sid), dtype=np.int64)
+            hits = np.where(e >= 0, host[np.clip(e, 0, None)], hbm[np.clip(-e - 1, 0, None)]) if e.size else e
+            old = self._scores.get(sid, np.zeros(0))
+            score = hits.astype(np.float64)
+            n = min(old.size, score.size)
+            score[:n] += RECALL_DECAY * old[:n]
+            kept[sid] = score
+            order = np.argsort(-score, kind="stable")
+            out.append([int(lp) for lp in order if score[lp] >= RECALL_MIN_SCORE * self.kv.num_layers])
+        self._scores = kept
+        return out
 
     def select(self, rows: list[int]) -> None:
         """Batch rows become ``seqs[rows[i]]``; a row used again is forked (full pages shared),
@@ -284,8 +321,13 @@ class BatchSequences:
             for b, key_ in enumerate(after):
                 leads.setdefault(key_, b)
             grow = [(kv.seq_len(sid), self._hbm_pages(sid), int(counts[b])) for (sid, _), b in leads.items()]
+        preferred = None
+        if self.recall is not None and not first_step and quota > 0:
+            ranked = dict(zip(dict.fromkeys(self.seqs), self.recall_preferred(list(dict.fromkeys(self.seqs)))))
+            preferred = [ranked.get(sid, []) for (sid, _) in leads] + [[]] * (len(grow) - len(leads))
         plans = plan_step_growth([g[0] for g in grow], [g[1] for g in grow], [g[2] for g in grow], kv.page_size,
-                                 quota, self.sink_pages, free)
+                                 quota, self.sink_pages, free, preferred,
+                                 self.sparse.recent_pages if self.sparse is not None else 0)
         # ---- the step's changes, undone on failure -------------------------------------------
         undo = Undo(list(self.seqs), [(sid, kv.seq_len(sid)) for sid in dict.fromkeys(self.seqs)], [])
         skip: dict[int, int] = {}  # sequence -> leading tokens of this step it shares (not stored)
@@ -370,9 +412,12 @@ class BatchSequences:
         return "hbm" if self.kv.page_table(sid)[-1] < 0 else "host"
 
     def _grow(self, sid: int, growth) -> None:
-        """Apply one sequence's ``Growth``: its demotions to host, then its extends by tier."""
+        """Apply one sequence's ``Growth``: its demotions to host, its promotions to HBM, then its
+        extends by tier."""
         if growth.demote:
             self.kv.move_pages(sid, growth.demote, "host")
+        if growth.promote:
+            self.kv.move_pages(sid, growth.promote, "hbm")
         for tier, n in growth.runs:
             self.kv.extend(sid, n, tier)
 

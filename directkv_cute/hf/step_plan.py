@@ -4,7 +4,10 @@ and where its pages go (HBM placement), and which of the step's tokens are store
 
 Placement: with an HBM quota a sequence keeps its first ``sink_pages`` pages and its most recent
 pages in HBM; when it outgrows its quota its oldest non-sink HBM page moves to host memory, so
-every byte crosses the link once, as in the host-only cache.
+every byte crosses the link once, as in the host-only cache. Under a sparse budget the HBM tier is
+also a recall cache: the pages its decode steps keep selecting (``preferred``, from
+``sparse.RecallCounts``) take the quota's places after the sinks and the newest pages, moved from
+host memory once, instead of being read over the link at every step that selects them.
 """
 
 from __future__ import annotations
@@ -44,12 +47,24 @@ def cache_pages(max_tokens: int, max_batch_size: int, page_size: int, page_bytes
     return CachePages(host, hbm_budget // page_bytes, window)
 
 
-def hbm_targets(num_pages: int, quota: int, sink_pages: int) -> set[int]:
-    """Logical pages a sequence of ``num_pages`` pages keeps in HBM under ``quota`` pages:
-    the first sink pages, then the most recent ones."""
+def hbm_targets(num_pages: int, quota: int, sink_pages: int, preferred: Sequence[int] = (),
+                recent_pages: int = 0) -> set[int]:
+    """Logical pages a sequence of ``num_pages`` pages keeps in HBM under ``quota`` pages: the
+    first sink pages, then the most recent ones. With ``preferred`` (a recall cache's ranking,
+    best first): the sinks, the newest ``recent_pages``, then the preferred pages, then the most
+    recent others, up to the quota."""
     sinks = min(sink_pages, quota, num_pages)
-    recent = quota - sinks
-    return set(range(sinks)) | set(range(max(sinks, num_pages - recent), num_pages))
+    if not preferred:
+        recent = quota - sinks
+        return set(range(sinks)) | set(range(max(sinks, num_pages - recent), num_pages))
+    out = set(range(sinks))
+    for lp in [*range(num_pages - 1, max(sinks, num_pages - recent_pages) - 1, -1), *preferred,
+               *range(num_pages - 1, sinks - 1, -1)]:
+        if len(out) >= min(quota, num_pages):
+            break
+        if 0 <= lp < num_pages:
+            out.add(lp)
+    return out
 
 
 @dataclass(frozen=True)
@@ -58,17 +73,25 @@ class Growth:
 
     demote: tuple[int, ...]  # logical pages moving HBM -> host
     runs: tuple[tuple[str, int], ...]  # (tier, tokens) extends, in order
+    promote: tuple[int, ...] = ()  # logical pages moving host -> HBM (a recall cache's), after the demotions
 
 
 def plan_growth(length: int, hbm_pages: Sequence[int], n: int, page_size: int, quota: int,
-                sink_pages: int) -> Growth:
+                sink_pages: int, preferred: Sequence[int] = (), recent_pages: int = 0) -> Growth:
     """Plan for a sequence of ``length`` tokens whose logical pages ``hbm_pages`` are in HBM to
     grow by ``n`` tokens under an HBM ``quota`` (pages): the old HBM pages that fall out of the
-    sink + recent window are demoted, and the new pages are allocated in runs by tier."""
+    targets (``hbm_targets``) are demoted, the old host pages among them promoted (a recall
+    cache's ``preferred`` pages, or a partial last page), and the new pages are allocated in runs
+    by tier."""
     old = -(-length // page_size)
     new = -(-(length + n) // page_size)
-    target = hbm_targets(new, quota, sink_pages) if quota > 0 else set()
+    target = hbm_targets(new, quota, sink_pages, preferred, recent_pages) if quota > 0 else set()
     demote = tuple(sorted(lp for lp in hbm_pages if lp not in target))
+    held, chosen = set(hbm_pages), set(preferred)
+    # old host pages the targets name for being chosen (a recall cache's ranking; the plain rule
+    # keeps a page where it was written); a partial last page is extended in place, wherever it is
+    promote = tuple(sorted(lp for lp in target if lp < old and lp not in held and lp in chosen
+                           and (lp < old - 1 or length % page_size == 0)))
     runs: list[tuple[str, int]] = []
     at = length
     lp = old
@@ -82,15 +105,15 @@ def plan_growth(length: int, hbm_pages: Sequence[int], n: int, page_size: int, q
         at, lp = stop, end
     if at < length + n:  # the tokens fit the partial last page
         runs.append(("host", length + n - at))
-    return Growth(demote, tuple(runs))
+    return Growth(demote, tuple(runs), promote)
 
 
 def growth_needs(plans: Sequence[Growth], lengths: Sequence[int], page_size: int) -> dict[str, int]:
     """Net new pages per tier of a step's plans (demotions free HBM pages, take host ones)."""
     need = {"host": 0, "hbm": 0}
     for g, length in zip(plans, lengths):
-        need["host"] += len(g.demote)
-        need["hbm"] -= len(g.demote)
+        need["host"] += len(g.demote) - len(g.promote)
+        need["hbm"] += len(g.promote) - len(g.demote)
         for tier, m in g.runs:
             need[tier] += -(-(length + m) // page_size) - -(-length // page_size)
             length += m
@@ -98,13 +121,16 @@ def growth_needs(plans: Sequence[Growth], lengths: Sequence[int], page_size: int
 
 
 def plan_step_growth(lengths: Sequence[int], hbm_pages: Sequence[Sequence[int]], counts: Sequence[int],
-                     page_size: int, quota: int, sink_pages: int, free: dict[str, int]) -> list[Growth]:
+                     page_size: int, quota: int, sink_pages: int, free: dict[str, int],
+                     preferred: Sequence[Sequence[int]] | None = None, recent_pages: int = 0) -> list[Growth]:
     """Every sequence's growth for a step (sequence i: ``lengths[i]`` tokens, logical pages
-    ``hbm_pages[i]`` in HBM, ``counts[i]`` new tokens), with the step's capacity checked as a
-    whole against ``free`` pages per tier: when the HBM tier is short (shared pages crowd it) the
-    new pages all go to host memory; ``CacheCapacityError`` when the host tier is short."""
-    plans = [plan_growth(length, hbm, int(n), page_size, quota, sink_pages)
-             for length, hbm, n in zip(lengths, hbm_pages, counts)]
+    ``hbm_pages[i]`` in HBM, ``counts[i]`` new tokens, ``preferred[i]`` a recall cache's ranking
+    of its pages), with the step's capacity checked as a whole against ``free`` pages per tier:
+    when the HBM tier is short (shared pages crowd it) nothing is promoted and the new pages all
+    go to host memory; ``CacheCapacityError`` when the host tier is short."""
+    preferred = preferred if preferred is not None else [()] * len(lengths)
+    plans = [plan_growth(length, hbm, int(n), page_size, quota, sink_pages, pref, recent_pages)
+             for length, hbm, n, pref in zip(lengths, hbm_pages, counts, preferred)]
     need = growth_needs(plans, lengths, page_size)
     if need["hbm"] > free["hbm"]:  # shared pages can crowd the tier: spill to host
         plans = [Growth(g.demote, tuple(("host", m) for _, m in g.runs)) for g in plans]
