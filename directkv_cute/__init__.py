@@ -14,7 +14,17 @@ Public API:
 """
 
 from importlib import import_module
+import os as _os
 import sys as _sys
+
+# A source checkout imported without the install's mapping (no install, or an editable install by
+# an older setuptools that ignores package-dir): `tuning/` and `profiles/` sit beside this folder,
+# not in it. The package's path then also names the checkout's root, so that
+# `directkv_cute.tuning` and `directkv_cute.profiles` are those folders, as in an install.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_root = _os.path.dirname(_here)
+if not _os.path.isdir(_os.path.join(_here, "tuning")) and _os.path.isfile(_os.path.join(_root, "tuning", "__init__.py")):
+    __path__.append(_root)
 
 from directkv_cute.config import ConfigError, DecodeConfig, default_decode_config, default_multi_token_config
 from directkv_cute.version import __version__

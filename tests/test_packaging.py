@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,18 @@ def test_the_vllm_workers_find_bench_in_this_checkout(monkeypatch, tmp_path):
     assert module == str(ROOT / "bench" / "vllm_worker.py")
     assert str(tmp_path) not in path and "" not in path  # -P: not from the current folder
     assert path.index(str(ROOT)) < path.index(str(tmp_path / "a")) < path.index(str(tmp_path / "b")), path
+
+
+def test_a_checkout_without_the_installs_mapping_imports_tuning_and_profiles():
+    """From a source checkout whose install does not map package-dir (none, or an editable install
+    by an older setuptools), ``directkv_cute.tuning`` / ``.profiles`` are the checkout's folders."""
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import directkv_cute.tuning, directkv_cute.profiles\n"
+        "print(directkv_cute.tuning.__file__); print(list(directkv_cute.profiles.__path__)[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    tuning, profiles = out.stdout.split()
+    assert Path(tuning) == ROOT / "tuning" / "__init__.py" and Path(profiles) == ROOT / "profiles"
