@@ -21,7 +21,9 @@ the same ``--gpu-memory-utilization``, ``--max-model-len``, ``--dtype bfloat16``
   place over the link, ``DIRECTKV_VLLM_HBM_GB=0`` in the server's environment;
 * ``directkv-hbm=X``: the same with ``DIRECTKV_VLLM_HBM_GB=X`` (X GiB of HBM mirrors of blocks,
   docs/SERVING.md); ``directkv-hbm=all``: X is the KV of the sweep's largest point (its
-  concurrency x whole 64-token blocks of ``input + output + 64`` tokens) rounded up to GiB, + 1.
+  concurrency x whole 64-token blocks of ``input + output + 64`` tokens) rounded up to GiB, + 1;
+* ``directkv-sparse=B``: ``directkv`` with ``DIRECTKV_VLLM_SPARSE_BUDGET=B`` (a page budget: ``1/8``,
+  ``0.125`` or ``256p``): decode rows read only their best pages.
 
 The default host sizes (``--directkv-gib``, ``--offload-gib``) hold the KV of the sweep's largest
 point (its in-flight requests x ``max_model_len`` tokens; a rate sweep counts every prompt of a
@@ -130,7 +132,8 @@ from typing import Callable
 from bench.common import GB, GiB, UsageError, add_out_dir_argument, available_host_bytes, checked_out_dir, fmt_opt, kilo
 
 SERVE_SCHEMA = "directkv-bench-serve/1"
-ENGINE_KINDS = ("hbm", "offload", "directkv", "directkv-hbm")
+ENGINE_KINDS = ("hbm", "offload", "directkv", "directkv-hbm", "directkv-sparse")
+DIRECTKV_KINDS = ("directkv", "directkv-hbm", "directkv-sparse")  # the plugin's engines
 DIRECTKV_BACKEND = "CUSTOM"
 DIRECTKV_BLOCK = 64  # the page size the plugin asks vLLM for (docs/SERVING.md)
 # tokens beyond input + output: the server re-tokenizes each prompt's text, which may come out
@@ -179,11 +182,13 @@ def new_row(**fields) -> dict:
 @dataclass(frozen=True)
 class Engine:
     """One engine configuration: ``kind`` in ENGINE_KINDS; ``hbm_gib`` the directkv HBM tier
-    (``directkv-hbm=X``; ``"all"`` until resolved); ``name`` as given on the command line."""
+    (``directkv-hbm=X``; ``"all"`` until resolved); ``sparse`` the page budget of
+    ``directkv-sparse=B`` (``DIRECTKV_VLLM_SPARSE_BUDGET``); ``name`` as given on the command line."""
 
     name: str
     kind: str
     hbm_gib: float | str | None = None
+    sparse: str | None = None
 
 
 def _usage(msg: str) -> UsageError:
@@ -191,18 +196,28 @@ def _usage(msg: str) -> UsageError:
 
 
 def parse_engines(text: str) -> list[Engine]:
-    """``hbm,directkv-hbm=20,directkv`` -> Engines in the order given; unknown names, bad tiers
-    and repeats are one line (exit 2)."""
+    """``hbm,directkv-hbm=20,directkv,directkv-sparse=1/8`` -> Engines in the order given; unknown
+    names, bad tiers or budgets and repeats are one line (exit 2)."""
     out: list[Engine] = []
     for item in (s.strip() for s in str(text).split(",")):
         if not item:
             continue
         kind, _, value = item.partition("=")
         kind = kind.strip().lower()
-        if kind not in ENGINE_KINDS or (kind == "directkv-hbm") != bool(_):
-            raise _usage(f"unknown engine {item!r}; use hbm, offload, directkv or directkv-hbm=GIB (or =all)")
-        hbm = None
-        if kind == "directkv-hbm":
+        if kind not in ENGINE_KINDS or (kind in ("directkv-hbm", "directkv-sparse")) != bool(_):
+            raise _usage(f"unknown engine {item!r}; use hbm, offload, directkv, directkv-hbm=GIB (or =all) or "
+                         "directkv-sparse=BUDGET (1/8, 0.125 or 256p)")
+        hbm = sparse = None
+        if kind == "directkv-sparse":
+            from directkv_cute.sparse_budget import parse_budget
+
+            value = value.strip()
+            try:
+                parse_budget(value)
+            except ValueError as e:
+                raise _usage(f"{item!r}: {e}") from None
+            sparse = value
+        elif kind == "directkv-hbm":
             value = value.strip().lower()
             if value == "all":
                 hbm = "all"
@@ -213,10 +228,10 @@ def parse_engines(text: str) -> list[Engine]:
                     hbm = math.nan
                 if not math.isfinite(hbm) or hbm < 0:
                     raise _usage(f"directkv-hbm= takes GiB (a finite number >= 0) or all, got {item!r}")
-        name = kind if hbm is None else f"directkv-hbm={value}"
+        name = kind if not _ else f"{kind}={value}"
         if any(e.name == name for e in out):
             raise _usage(f"--engines names {name} twice")
-        out.append(Engine(name, kind, hbm))
+        out.append(Engine(name, kind, hbm, sparse))
     if not out:
         raise _usage("--engines is empty")
     return out
@@ -460,7 +475,7 @@ def resolve_options(ns: argparse.Namespace, host_avail: int | None) -> dict:
     seq_bytes = opts["max_model_len"] * token_bytes
     kinds = {e.kind for e in opts["engines"]}
     host_why = {}
-    for key, kinds_of in (("directkv_gib", ("directkv", "directkv-hbm")), ("offload_gib", ("offload",))):
+    for key, kinds_of in (("directkv_gib", DIRECTKV_KINDS), ("offload_gib", ("offload",))):
         given = check_host_gib("--" + key.replace("_", "-"), getattr(ns, key), host_avail=host_avail,
                                min_bytes=seq_bytes if key == "directkv_gib" else 0)
         if given is None:
@@ -474,7 +489,7 @@ def resolve_options(ns: argparse.Namespace, host_avail: int | None) -> dict:
     opts["host_why"] = host_why
     hbm_all = all_kv_hbm_gib(token_bytes, points)
     opts["engines"] = [Engine(e.name, e.kind, hbm_all) if e.hbm_gib == "all" else e for e in opts["engines"]]
-    if kinds & {"directkv", "directkv-hbm"}:
+    if kinds & set(DIRECTKV_KINDS):
         value = str(os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "")).strip()
         if value and value.lstrip("-").isdigit() and int(value) == 0:
             raise _usage("the directkv engines need vLLM's V2 model runner; unset VLLM_USE_V2_MODEL_RUNNER=0")
@@ -491,7 +506,7 @@ def engine_flags(engine: Engine, opts: dict) -> list[str]:
     """The flags that make ``engine`` what it is (beyond the flags every engine gets)."""
     if engine.kind == "offload":
         return ["--kv-offloading-size", f"{opts['offload_gib']:g}", "--kv-offloading-backend", "native"]
-    if engine.kind in ("directkv", "directkv-hbm"):
+    if engine.kind in DIRECTKV_KINDS:
         return ["--attention-backend", DIRECTKV_BACKEND,
                 "--kv-cache-memory-bytes", str(int(opts["directkv_gib"] * GiB))]
     return []
@@ -521,11 +536,14 @@ def server_command(engine: Engine, opts: dict, *, model: str, port: int, tokeniz
 
 def engine_env_changes(engine: Engine, opts: dict) -> dict[str, str | None]:
     """The environment ``engine``'s server gets beyond the bench's own (None: removed)."""
-    from directkv_cute.env import VLLM_HBM_GB
+    from directkv_cute.env import VLLM_HBM_GB, VLLM_SPARSE_BUDGET
 
-    changes: dict[str, str | None] = {VLLM_HBM_GB: None}  # only the directkv engines read it
-    if engine.kind in ("directkv", "directkv-hbm"):
+    # only the directkv engines read them; a sparse budget only where the engine names one
+    changes: dict[str, str | None] = {VLLM_HBM_GB: None, VLLM_SPARSE_BUDGET: None}
+    if engine.kind in DIRECTKV_KINDS:
         changes[VLLM_HBM_GB] = repr(float(engine.hbm_gib or 0.0))
+    if engine.sparse:
+        changes[VLLM_SPARSE_BUDGET] = engine.sparse
     if opts["long_model_len"]:
         changes["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     return changes
@@ -991,7 +1009,8 @@ def run_engine(engine: Engine, opts: dict, ctx: Context) -> tuple[dict, list[dic
     env = server_env(engine, opts, ctx.base_env)
     entry = {"name": engine.name, "kind": engine.kind, "status": "ok", "error": None,
              "flags": engine_flags(engine, opts), "env": changes, "command": cmd, "port": port,
-             "hbm_gib": {"directkv-hbm": engine.hbm_gib, "directkv": 0.0}.get(engine.kind),
+             "hbm_gib": {"directkv-hbm": engine.hbm_gib, "directkv": 0.0, "directkv-sparse": 0.0}.get(engine.kind),
+             "sparse_budget": engine.sparse,
              "host_kv_gib": opts["directkv_gib"] if engine.kind.startswith("directkv") else (
                  opts["offload_gib"] if engine.kind == "offload" else None),
              "server_log": str(log_path)}
@@ -1231,7 +1250,7 @@ def format_table(doc: dict) -> str:
     return "\n".join(head + body)
 
 
-_STYLE = {"hbm": "d-", "offload": "^--", "directkv": "o-", "directkv-hbm": "s-"}
+_STYLE = {"hbm": "d-", "offload": "^--", "directkv": "o-", "directkv-hbm": "s-", "directkv-sparse": "v-"}
 
 
 def plot_serve(doc: dict, path: str | Path) -> Path | None:
@@ -1374,7 +1393,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``serve`` subcommand's options (defaults in brackets)."""
     p.add_argument("--engines", default=None,
                    help="comma list, run in this order: hbm, offload, directkv, directkv-hbm=GIB (or =all: the "
-                        f"largest point's KV) [{DEFAULTS['engines']}]")
+                        "largest point's KV), directkv-sparse=BUDGET (1/8, 0.125, 256p) "
+                        f"[{DEFAULTS['engines']}]")
     p.add_argument("--model", default=None, help="a local Hugging Face folder (weights, tokenizer) to serve")
     p.add_argument("--preset", default=None,
                    help=f"or a model shape from directkv_cute.presets, dummy weights [{DEFAULTS['preset']}]")

@@ -181,7 +181,7 @@ def test_a_local_model_folder(tmp_path):
 
 # ---- commands and environments ----------------------------------------------------------------
 def test_server_commands_per_engine():
-    opts = _opts("--engines", "hbm,offload,directkv,directkv-hbm=20", "--gpu-memory-utilization", "0.5",
+    opts = _opts("--engines", "hbm,offload,directkv,directkv-hbm=20,directkv-sparse=1/8", "--gpu-memory-utilization", "0.5",
                  "--offload-gib", "12", "--directkv-gib", "40",
                  "--server-args", "--block-size 64 --max-num-batched-tokens 4096")
     cmds = {e.name: bs.server_command(e, opts, model="/m", port=8123, tokenizer=None, python="PY")
@@ -193,12 +193,16 @@ def test_server_commands_per_engine():
     assert cmds["hbm"] == common + extra
     assert cmds["offload"] == common + ["--kv-offloading-size", "12", "--kv-offloading-backend", "native"] + extra
     dkv = ["--attention-backend", "CUSTOM", "--kv-cache-memory-bytes", str(40 * GiB)]
-    assert cmds["directkv"] == cmds["directkv-hbm=20"] == common + dkv + extra
-    base = {"PATH": "/bin", "DIRECTKV_VLLM_HBM_GB": "7"}
+    assert cmds["directkv"] == cmds["directkv-hbm=20"] == cmds["directkv-sparse=1/8"] == common + dkv + extra
+    base = {"PATH": "/bin", "DIRECTKV_VLLM_HBM_GB": "7", "DIRECTKV_VLLM_SPARSE_BUDGET": "1/4"}
     envs = {e.name: bs.server_env(e, opts, base=base) for e in opts["engines"]}
     assert "DIRECTKV_VLLM_HBM_GB" not in envs["hbm"] and "DIRECTKV_VLLM_HBM_GB" not in envs["offload"]
     assert envs["directkv"]["DIRECTKV_VLLM_HBM_GB"] == "0.0"
     assert envs["directkv-hbm=20"]["DIRECTKV_VLLM_HBM_GB"] == "20.0"
+    # the budget only where the engine names one; the caller's own is never passed on
+    assert envs["directkv-sparse=1/8"]["DIRECTKV_VLLM_SPARSE_BUDGET"] == "1/8"
+    assert envs["directkv-sparse=1/8"]["DIRECTKV_VLLM_HBM_GB"] == "0.0"
+    assert all("DIRECTKV_VLLM_SPARSE_BUDGET" not in envs[n] for n in ("hbm", "offload", "directkv", "directkv-hbm=20"))
     assert all(env["PATH"] == "/bin" for env in envs.values()) and base["DIRECTKV_VLLM_HBM_GB"] == "7"
     opts = _opts("--engines", "hbm", "--no-prefix-caching", "--enforce-eager", "--max-num-seqs", "8")
     cmd = bs.server_command(opts["engines"][0], opts, model="/m", port=1, tokenizer="/tok")
@@ -206,6 +210,15 @@ def test_server_commands_per_engine():
     tail = cmd[cmd.index("--disable-uvicorn-access-log") + 1:]
     assert tail == ["--load-format", "dummy", "--tokenizer", "/tok", "--no-enable-prefix-caching", "--enforce-eager",
                     "--max-num-seqs", "8"]
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("directkv-sparse", "unknown engine"), ("directkv-sparse=2", "directkv-sparse=2"),
+    ("directkv-sparse=eighth", "directkv-sparse=eighth"), ("directkv-sparse=1/8,directkv-sparse=1/8", "twice"),
+])
+def test_a_bad_sparse_engine_is_one_line(text, needle):
+    with pytest.raises(bs.UsageError, match=needle):
+        bs.parse_engines(text)
 
 
 def test_the_default_server_env_keeps_hf_offline_and_this_tree_first(monkeypatch):
