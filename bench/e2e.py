@@ -177,13 +177,15 @@ class Method:
     @property
     def name(self) -> str:
         """The method's key in rows and plots: dynamic, fa4, hf-offloaded, hf-offloaded+fa4,
-        ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm], ours[sparse=B], ours[fp8,sparse=B]."""
+        ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm], ours[sparse=B], ours[fp8,sparse=B],
+        ours[hbm,sparse=B] (the HBM tier as the budget's recall cache)."""
         if self.base != "ours":
             if self.attn == "sdpa":
                 return self.base
             return self.attn if self.base == "dynamic" else f"{self.base}+{self.attn}"
         if self.sparse:
-            return f"ours[{self.kv_dtype},sparse={self.sparse}]" if self.kv_dtype else f"ours[sparse={self.sparse}]"
+            where = ",".join(x for x in (self.kv_dtype, "hbm" if self.tier == "hbm" else None) if x)
+            return f"ours[{where},sparse={self.sparse}]" if where else f"ours[sparse={self.sparse}]"
         if self.fused:
             return "ours[fused]"
         if self.kv_dtype:
@@ -193,7 +195,9 @@ class Method:
     def label(self, budget: int | None = None) -> str:
         if self.base == "ours" and self.tier == "hbm":
             b = self.budget if self.budget is not None else budget
-            return f"ours[hbm={_fmt_size(b)}]" if b is not None else "ours[hbm]"
+            if b is None:
+                return self.name
+            return f"ours[hbm={_fmt_size(b)},sparse={self.sparse}]" if self.sparse else f"ours[hbm={_fmt_size(b)}]"
         return self.name
 
 
@@ -225,18 +229,19 @@ def parse_methods(text: str) -> list[Method]:
             out.append(Method("ours", "hbm"))
         elif item.startswith("ours[hbm=") and item.endswith("]"):
             out.append(Method("ours", "hbm", parse_size(item[len("ours[hbm="):-1])))
-        elif item.startswith(("ours[sparse=", "ours[fp8,sparse=")) and item.endswith("]"):
-            fp8 = item.startswith("ours[fp8,")
-            text = item[len("ours[fp8,sparse=" if fp8 else "ours[sparse="):-1]
+        elif item.startswith(("ours[sparse=", "ours[fp8,sparse=", "ours[hbm,sparse=")) and item.endswith("]"):
+            where, text = item[len("ours["):-1].rpartition("sparse=")[::2]
             try:
                 parse_budget(text)
             except ValueError as e:
                 raise ValueError(f"method {item!r}: {e}") from None
-            out.append(Method("ours", "host", kv_dtype="fp8" if fp8 else None, sparse=text))
+            out.append(Method("ours", "hbm" if where == "hbm," else "host", kv_dtype="fp8" if where == "fp8," else None,
+                              sparse=text))
         else:
             raise ValueError(f"unknown method {item!r}; use dynamic, fa4, hf-offloaded, hf-offloaded+fa4, "
                              "ours[readback], ours[host], ours[fused], ours[fp8], ours[hbm], ours[hbm=<bytes>], "
-                             "ours[sparse=<budget>] or ours[fp8,sparse=<budget>] (budget: 1/8, 0.125 or 256p)")
+                             "ours[sparse=<budget>], ours[fp8,sparse=<budget>] or ours[hbm,sparse=<budget>] (budget: "
+                             "1/8, 0.125 or 256p)")
     if not out:
         raise ValueError("no methods given")
     names = [m.name for m in out]
@@ -387,7 +392,7 @@ def evaluate_targets(rows: list[dict], *, preset: str) -> list[dict]:
                     f"{f8['decode_ms']:.1f} vs {host['decode_ms']:.1f} ms ({host['decode_ms'] / f8['decode_ms']:.2f}x)")
         for r in rows:
             if r["role"] != "measured" or r["status"] != "ok" or "sparse=" not in r["method"] or not r["decode_ms"] \
-                    or r["context"] != ctx or r["batch"] != batch:
+                    or r["context"] != ctx or r["batch"] != batch or r["method"].startswith("ours[hbm,"):
                 continue
             exact = f8 if r["method"].startswith("ours[fp8,") else host
             fraction = _budget_fraction(r["method"])
@@ -1026,7 +1031,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=_ints, default=None, help="[1,8]")
     p.add_argument("--methods", default=None, help=f"[{DEFAULT_METHODS}]; ours[hbm=8GiB] fixes the budget; also "
                    "fa4, hf-offloaded+fa4 (FlashAttention-4 peers), ours[readback], ours[fused], ours[fp8], "
-                   "ours[sparse=1/8] and ours[fp8,sparse=1/8] (decode reads each row's best pages; 1/8, 0.125, 256p)")
+                   "ours[sparse=1/8], ours[fp8,sparse=1/8] (decode reads each row's best pages; 1/8, 0.125, 256p) and "
+                   "ours[hbm,sparse=1/8] (with the --hbm-budget tier as their recall cache)")
     p.add_argument("--new-tokens", type=int, default=None, help="timed decode tokens per method [16]")
     p.add_argument("--warmup-tokens", type=int, default=None, help="decode tokens before the timed ones [2]")
     p.add_argument("--offloaded-tokens", type=int, default=None,

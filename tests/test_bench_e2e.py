@@ -59,6 +59,9 @@ def test_sparse_methods_parse_name_and_order_after_the_exact_ones():
     ms = e2e.parse_methods("ours[fp8,sparse=1/8],ours[sparse=256p],ours[host],ours[fp8]")
     assert [m.name for m in ms] == ["ours[host]", "ours[fp8]", "ours[sparse=256p]", "ours[fp8,sparse=1/8]"]
     assert ms[3].kv_dtype == "fp8" and ms[3].sparse == "1/8" and ms[2].kv_dtype is None
+    (m,) = e2e.parse_methods("ours[hbm,sparse=1/8]")
+    assert m.tier == "hbm" and m.sparse == "1/8" and m.kv_dtype is None and m.name == "ours[hbm,sparse=1/8]"
+    assert m.label(8 * GiB) == "ours[hbm=8.00GiB,sparse=1/8]"
     for bad in ("ours[sparse=2]", "ours[sparse=]", "ours[fp8,sparse=eighth]", "ours[sparse=1/8],ours[sparse=1/8]"):
         with pytest.raises(ValueError):
             e2e.parse_methods(bad)
@@ -327,6 +330,13 @@ def test_a_sparse_row_runs_the_sparse_route_and_reads_fewer_bytes():
     assert by["ours[sparse=2p]"]["status"] == "ok", by["ours[sparse=2p]"]["error"]
     # 3 pages of 16 tokens a step (2, raised to sink + recent) against the ~98 tokens the exact rows attend over
     assert by["ours[sparse=2p]"]["kv_bytes_per_step"] * 2 < by["ours[host]"]["kv_bytes_per_step"]
+    runner = _runner("ours[sparse=2p],ours[hbm,sparse=2p]", contexts=[96], hbm_budget=64 * 1024)
+    doc = {"rows": []}
+    e2e.run_rows(runner, doc, lambda: None)
+    by = {r["method"]: r for r in doc["rows"]}
+    row = by["ours[hbm,sparse=2p]"]
+    assert row["status"] == "ok" and row["hbm_budget"] == 64 * 1024 and row["hbm_kv_bytes"] > 0, row["error"]
+    assert row["label"] == "ours[hbm=64.0KiB,sparse=2p]"
 
 
 def test_cpu_smoke_run(tmp_path, capsys):
