@@ -187,8 +187,9 @@ class SparseStats:
 class RecallCounts:
     """How often each page was selected since the last ``take``: one count per (layer, row) that
     chose it, on the device, without a host sync (a CUDA graph can hold ``selected``). Host pages
-    and HBM pages are counted apart (a page table's encoding: >= 0 host, < 0 HBM ``-e - 1``); a
-    row's repeats of its last selected page count once."""
+    and HBM pages are counted apart (a page table's encoding: >= 0 host, < 0 HBM ``-e - 1``; the
+    HBM pool's pages: the tier's and the window's mirrors); a row's repeats of its last selected
+    page count once."""
 
     def __init__(self, num_host_pages: int, num_hbm_pages: int, device):
         # one spare slot at the end of each: where entries of the other tier and repeats land

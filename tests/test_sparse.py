@@ -354,3 +354,30 @@ def test_the_hbm_tier_recalls_the_pages_sparse_decode_keeps_choosing():
     assert recalled, f"no page recalled into HBM: {sorted(in_hbm)} of {n}"
     scores = cache._batch._scores[sid]
     assert all(scores[lp] >= 0.5 * 2 for lp in recalled if lp < n - 6)  # chosen, not merely recent
+
+
+def test_recall_with_a_batch_and_the_write_window():
+    """Two rows, a tier of a few pages and the default write window (a decode step's table names
+    the window's mirror of each row's newest page, past the tier's pages): the recall counts every
+    page the tables name, and the tokens equal those of the same budget over host pages only."""
+    import directkv_cute.hf  # noqa: F401  (registers the attention implementation)
+    from directkv_cute.hf.cache import DirectKVCache
+    from directkv_cute.presets import build_random_model
+
+    model = build_random_model("tiny", torch.float32, "cpu", seed=2, num_hidden_layers=2,
+                               attn_implementation="directkv")
+    ids = torch.randint(0, 1024, (2, 300), generator=torch.Generator().manual_seed(5))
+    budget = SparseBudget(pages=5, sink_pages=1, recent_pages=1)
+
+    def generate(hbm_budget):
+        cache = DirectKVCache(model, max_tokens=700, max_batch_size=2, page_size=16, sparse=budget,
+                              hbm_budget=hbm_budget)
+        with torch.no_grad():
+            out = model.generate(ids, **directkv_cute.hf.cache_kwargs(model, cache), max_new_tokens=10,
+                                 do_sample=False)[:, 300:]
+        return out, cache
+
+    host_only, _ = generate(0)
+    tokens, cache = generate(1 << 15)
+    assert cache.kv.device_pool("hbm").shape[0] > cache.kv.num_pages("hbm")  # the window's mirrors
+    assert torch.equal(tokens, host_only)

@@ -201,7 +201,8 @@ class BatchSequences:
         self.recall: RecallCounts | None = None
         self._scores: dict[int, np.ndarray] = {}  # sequence -> decayed selection counts per logical page
         if sparse is not None and kv.num_pages("hbm") > 0:
-            self.recall = RecallCounts(kv.num_pages("host"), kv.num_pages("hbm"), kv.device)
+            # sized by the pools: a table may also name the HBM window's mirrors (past the tier)
+            self.recall = RecallCounts(kv.device_pool("host").shape[0], kv.device_pool("hbm").shape[0], kv.device)
             self.attention.sparse_hooks.append(self.recall)
 
     def reset(self) -> None:
