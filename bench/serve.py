@@ -125,7 +125,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -488,7 +488,7 @@ def resolve_options(ns: argparse.Namespace, host_avail: int | None) -> dict:
         opts[key], host_why[key] = given, why
     opts["host_why"] = host_why
     hbm_all = all_kv_hbm_gib(token_bytes, points)
-    opts["engines"] = [Engine(e.name, e.kind, hbm_all) if e.hbm_gib == "all" else e for e in opts["engines"]]
+    opts["engines"] = [replace(e, hbm_gib=hbm_all) if e.hbm_gib == "all" else e for e in opts["engines"]]
     if kinds & set(DIRECTKV_KINDS):
         value = str(os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "")).strip()
         if value and value.lstrip("-").isdigit() and int(value) == 0:
@@ -1009,7 +1009,7 @@ def run_engine(engine: Engine, opts: dict, ctx: Context) -> tuple[dict, list[dic
     env = server_env(engine, opts, ctx.base_env)
     entry = {"name": engine.name, "kind": engine.kind, "status": "ok", "error": None,
              "flags": engine_flags(engine, opts), "env": changes, "command": cmd, "port": port,
-             "hbm_gib": {"directkv-hbm": engine.hbm_gib, "directkv": 0.0, "directkv-sparse": 0.0}.get(engine.kind),
+             "hbm_gib": (engine.hbm_gib or 0.0) if engine.kind in DIRECTKV_KINDS else None,
              "sparse_budget": engine.sparse,
              "host_kv_gib": opts["directkv_gib"] if engine.kind.startswith("directkv") else (
                  opts["offload_gib"] if engine.kind == "offload" else None),

@@ -247,8 +247,6 @@ class Runner:
         self.dtype = torch.bfloat16 if opts.device == "cuda" else torch.float32
         self.tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         self.tok.padding_side = "left"
-        if self.tok.pad_token is None:  # a batch of prompts is padded (on the left) with the end-of-turn token
-            self.tok.pad_token = self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype, local_files_only=True,
                                                           attn_implementation="sdpa").to(opts.device).eval()
         self.caches: dict[str, object] = {}

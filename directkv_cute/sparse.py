@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from directkv_cute.fp8 import dequantize
 from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
 
@@ -104,14 +105,13 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     return out_table, out_lens
 
 
-def _pools(cache):
-    """(host, hbm, host scales, hbm scales) pools of a ``PagedKVCache`` or ``runner.PoolView`` on
-    the device the kernels read from; (pages, layers, Hkv, 2, page_size, d) and, for FP8 pages,
-    (pages, layers, Hkv, 2, page_size) float32 scales."""
-    if hasattr(cache, "device_pool"):
-        return (cache.device_pool("host"), cache.device_pool("hbm"), cache.device_scales("host"),
-                cache.device_scales("hbm"))
-    return cache.host_pool_cuda, cache.hbm_pool, cache.host_scales_cuda, cache.hbm_scales
+def _page_keys(pool: torch.Tensor, scales: torch.Tensor | None, pages: torch.Tensor, layer: int) -> torch.Tensor:
+    """float32 (n, Hkv, P, d): the K rows of ``layer`` in pages ``pages`` of ``pool`` (pages, L,
+    Hkv, 2, P, d), FP8 pages dequantized with their ``scales`` (pages, L, Hkv, 2, P)."""
+    k = pool[:, layer, :, 0].index_select(0, pages)
+    if scales is None:
+        return k.float()
+    return dequantize(k, scales[:, layer, :, 0].index_select(0, pages), torch.float32)
 
 
 def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor,
@@ -122,17 +122,13 @@ def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     are read from ``cache``'s pools (FP8 pages dequantized with their scales)."""
     B, Hq, d = q.shape
     W = page_table.shape[1]
-    host, hbm, host_s, hbm_s = _pools(cache)
+    on_gpu = cache.host_pool_cuda is not None  # the host pool's CUDA alias, as the kernels read it
+    host = cache.host_pool_cuda if on_gpu else cache.host_pool
+    host_s = cache.host_scales_cuda if on_gpu else cache.host_scales
     e = page_table.long()
-    flat_h = e.clamp(min=0).view(-1)
-    k = host[:, layer, :, 0].index_select(0, flat_h).float()  # (B * W, Hkv, P, d)
-    if host_s is not None:
-        k = k * host_s[:, layer, :, 0].index_select(0, flat_h)[..., None]
-    if hbm is not None and hbm.shape[0]:
-        flat_d = (-e - 1).clamp(min=0).view(-1)
-        kd = hbm[:, layer, :, 0].index_select(0, flat_d).float()
-        if hbm_s is not None:
-            kd = kd * hbm_s[:, layer, :, 0].index_select(0, flat_d)[..., None]
+    k = _page_keys(host, host_s, e.clamp(min=0).view(-1), layer)  # (B * W, Hkv, P, d)
+    if cache.hbm_pool is not None and cache.hbm_pool.shape[0]:
+        kd = _page_keys(cache.hbm_pool, cache.hbm_scales, (-e - 1).clamp(min=0).view(-1), layer)
         k = torch.where((e < 0).view(-1, 1, 1, 1), kd, k)
     hkv, P = k.shape[1], k.shape[2]
     k = k.view(B, W, hkv, P, d)

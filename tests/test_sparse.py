@@ -381,3 +381,36 @@ def test_recall_with_a_batch_and_the_write_window():
     tokens, cache = generate(1 << 15)
     assert cache.kv.device_pool("hbm").shape[0] > cache.kv.num_pages("hbm")  # the window's mirrors
     assert torch.equal(tokens, host_only)
+
+
+def test_the_attention_mass_of_fp8_pages_reads_them_dequantized():
+    """``selected_mass`` over FP8 pages (host and HBM) against float64 softmax over the keys the
+    cache itself returns (dequantized), for a chosen subset of each row's pages."""
+    from directkv_cute.cache import PagedKVCache
+    from directkv_cute.sparse import selected_mass
+
+    torch.manual_seed(3)
+    P, L, hkv, hq, d = 16, 2, 2, 4, 64
+    cache = PagedKVCache(L, hkv, d, P, 32, 8, dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, device="cpu")
+    lens = [7 * P + 5, 3 * P]
+    sids = []
+    for n in lens:
+        sid = cache.add_sequence()
+        cache.append(sid, torch.randn(n, L, hkv, d, dtype=torch.bfloat16) * 2,
+                     torch.randn(n, L, hkv, d, dtype=torch.bfloat16))
+        sids.append(sid)
+    cache.move_pages(sids[0], [2, 5], "hbm")
+    tables = cache.kernel_tables(sids)
+    chosen = [[0, 2, 7], [0, 1, 2]]  # page positions per row
+    sel = torch.stack([tables.page_table[b, chosen[b]] for b in range(2)])
+    q = torch.randn(2, hq, d)
+    layer, scale = 1, 0.125
+    got = selected_mass(q, tables.page_table, tables.seq_lens, sel, cache, layer, scale)
+    for b, sid in enumerate(sids):
+        k, _ = cache.read(sid, layer)  # (n, Hkv, d), dequantized
+        probs = (torch.einsum("hd,nhd->hn", q[b].double(), k.double().repeat_interleave(hq // hkv, 1)) * scale
+                 ).softmax(-1)
+        on = torch.zeros(lens[b], dtype=torch.bool)
+        for j in chosen[b]:
+            on[j * P:(j + 1) * P] = True
+        assert float(got[b]) == pytest.approx(float(probs[:, on].sum(-1).mean()), abs=1e-3)

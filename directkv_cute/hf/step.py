@@ -213,7 +213,7 @@ class BatchSequences:
         if self.recall is not None:
             self.recall.take()
 
-    def recall_preferred(self, sids: list[int]) -> list[list[int]]:
+    def recall_preferred(self, sids) -> dict[int, list[int]]:
         """Each sequence's logical pages worth a place in HBM, best first: the selection counts
         since the last step (``RecallCounts.take``, one copy from the device) added to the
         earlier ones halved (``RECALL_DECAY``), those at least ``RECALL_MIN_SCORE`` x the layers.
@@ -221,7 +221,7 @@ class BatchSequences:
         step, or half the layers in each of the last steps, is read that often anyway."""
         host, hbm = self.recall.take()
         kept = {}
-        out = []
+        out = {}
         for sid in sids:
             e = np.asarray(self.kv.page_table(sid), dtype=np.int64)
             hits = np.where(e >= 0, host[np.clip(e, 0, None)], hbm[np.clip(-e - 1, 0, None)]) if e.size else e
@@ -231,7 +231,7 @@ class BatchSequences:
             score[:n] += RECALL_DECAY * old[:n]
             kept[sid] = score
             order = np.argsort(-score, kind="stable")
-            out.append([int(lp) for lp in order if score[lp] >= RECALL_MIN_SCORE * self.kv.num_layers])
+            out[sid] = [int(lp) for lp in order if score[lp] >= RECALL_MIN_SCORE * self.kv.num_layers]
         self._scores = kept
         return out
 
@@ -324,8 +324,8 @@ class BatchSequences:
             grow = [(kv.seq_len(sid), self._hbm_pages(sid), int(counts[b])) for (sid, _), b in leads.items()]
         preferred = None
         if self.recall is not None and not first_step and quota > 0:
-            ranked = dict(zip(dict.fromkeys(self.seqs), self.recall_preferred(list(dict.fromkeys(self.seqs)))))
-            preferred = [ranked.get(sid, []) for (sid, _) in leads] + [[]] * (len(grow) - len(leads))
+            ranked = self.recall_preferred(dict.fromkeys(self.seqs))
+            preferred = [ranked[sid] for (sid, _) in leads]  # a split copy ranks as its sequence
         plans = plan_step_growth([g[0] for g in grow], [g[1] for g in grow], [g[2] for g in grow], kv.page_size,
                                  quota, self.sink_pages, free, preferred,
                                  self.sparse.recent_pages if self.sparse is not None else 0)

@@ -80,9 +80,9 @@ def plan_growth(length: int, hbm_pages: Sequence[int], n: int, page_size: int, q
                 sink_pages: int, preferred: Sequence[int] = (), recent_pages: int = 0) -> Growth:
     """Plan for a sequence of ``length`` tokens whose logical pages ``hbm_pages`` are in HBM to
     grow by ``n`` tokens under an HBM ``quota`` (pages): the old HBM pages that fall out of the
-    targets (``hbm_targets``) are demoted, the old host pages among them promoted (a recall
-    cache's ``preferred`` pages, or a partial last page), and the new pages are allocated in runs
-    by tier."""
+    targets (``hbm_targets``) are demoted, the old host pages among them that a recall cache
+    prefers are promoted (never a partial last page: it grows where it is), and the new pages are
+    allocated in runs by tier."""
     old = -(-length // page_size)
     new = -(-(length + n) // page_size)
     target = hbm_targets(new, quota, sink_pages, preferred, recent_pages) if quota > 0 else set()
