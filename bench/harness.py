@@ -67,6 +67,7 @@ class BenchOptions:
     peers: bool = True  # FlashAttention-4's methods (bench.peers) where it is installed
     window: bool = False  # ours[window]: the query tokens' pages mirrored in HBM (multi-token, host only)
     kv_dtype: str | None = None  # "fp8" / "e5m2": also ours[fp8] / ours[e5m2] over FP8 host pages
+    sparse_budgets: tuple[str, ...] = ()  # also ours[sparse=B] and select[B] (decode shapes, host pages)
     skip_methods: tuple[str, ...] = ()  # of SKIPPABLE: listed as missing, not run
     # Samples of at least this many calls back to back (a model's layers); ours' tables marked so
     # (``KernelTables.back_to_back``: staged chunks may plan their copies to run ahead).
@@ -500,6 +501,8 @@ class ShapeBench:
                 self._ours_fraction(api, cache, seq_ids, placed, f)
             if self.opts.kv_dtype and 0.0 in fractions:
                 self._ours_fp8(api, cache, seq_ids, placed)
+            if self._sparse():
+                self._ours_sparse(cache, seq_ids, placed)
         finally:
             self.timer.sync()
             if hasattr(cache, "close"):
@@ -542,6 +545,8 @@ class ShapeBench:
         extra = {}
         if self._window():
             extra["num_window_pages"] = self.sets * s.batch * (math.ceil(s.q_len / opts.page_size) + 1)
+        if self._sparse():
+            extra["summaries"] = True
         cache = api.cache_cls(opts.num_layers, s.hkv, s.head_dim, opts.page_size,
                               num_host_pages=self.sets * s.batch * n_pages,
                               num_hbm_pages=self.sets * s.batch * n_hbm, dtype=self.dtype, device=opts.device,
@@ -554,6 +559,8 @@ class ShapeBench:
                 cache.extend(sid, s.context)
                 ids.append(sid)
             self._fill_pages(cache, ids, self.inputs.kv_dev[i])
+            if self._sparse():  # the pools were written in place: their summaries from what they hold
+                cache.refresh_summaries(cache.token_slots(ids, [0] * s.batch, [s.context] * s.batch))
             seq_ids.append(ids)
         self.timer.sync()
         return cache, seq_ids
@@ -597,6 +604,92 @@ class ShapeBench:
             self._ours_config(api, cache, seq_ids, placed, fraction, cfg, config_method(cfg))
         if fraction == 0.0 and self._window():
             self._ours_window(api, cache, seq_ids, placed)
+
+    def _sparse(self) -> bool:
+        """Whether this shape gets ours[sparse=B] (``--sparse-budgets``; decode, with host pages)."""
+        return bool(self.opts.sparse_budgets) and self.shape.q_len == 1 and 0.0 in self.opts.hbm_fractions
+
+    def _ours_sparse(self, cache, seq_ids, placed) -> None:
+        """ours[sparse=B] for each budget: every page on the host, each row reading only the pages
+        its query selects (``DirectKVAttention.plan(sparse=B)`` once per table, as a model step
+        plans, then one run per call: the selection from the page summaries and the decode over
+        the chosen pages, both timed). Its check is float32 attention over the pages the selection
+        chose (the selection itself is checked against an independent one by the tests); its host
+        bytes are those pages'. select[B] times the selection alone (``sparse.select_pages``), its
+        bytes the page summaries it reads."""
+        from directkv_cute.attention import DirectKVAttention
+        from directkv_cute.sparse import select_pages
+        from directkv_cute.sparse_budget import parse_budget
+
+        s, page = self.shape, self.opts.page_size
+        if any(placed[0][0]):
+            self._place(cache, seq_ids, placed, 0.0)
+        n_pages = self._pages_per_seq()
+        marked = {"back_to_back": True} if self.opts.layers > 1 else {}
+        for text in self.opts.sparse_budgets:
+            method, budget = f"ours[sparse={text}]", parse_budget(text)
+            k = budget.budget_pages(n_pages)
+            tail = s.context - (n_pages - 1) * page
+            tokens = (k - 1) * page + tail  # what each row attends
+            kw = dict(host_bytes=s.batch * tokens * s.token_bytes, hbm_fraction=0.0)
+            seen = _Selections()
+            tables, plans = [], []
+            try:
+                for ids in seq_ids:
+                    t = cache.kernel_tables(ids, **marked)
+                    dk = DirectKVAttention(cache)
+                    dk.sparse_hooks.append(seen)
+                    dk.plan(tables=t, num_q_heads=s.hq, sparse=budget, max_seq_len=s.context)
+                    tables.append(t)
+                    plans.append(dk)
+            except (NotImplementedError, ValueError) as e:
+                self._ours_missing([0.0], _short_error(e), method)
+                continue
+            outs = [torch.empty_like(q) for q in self.inputs.qs]
+            calls = [lambda i=i: plans[i].run(self.inputs.qs[i], 0, outs[i]) for i in range(self.sets)]
+            outs[0].fill_(float("nan"))  # poison: every element must be written
+            try:
+                _, extra = peak_extra_bytes(calls[0], self.opts.device)
+                ok, err = self._check_sparse(cache, seq_ids[0], outs[0], seen.tables[-1], tokens)
+            except Exception as e:  # noqa: BLE001 - a crashing call is a failed check, not a crashed run
+                add_check(self.doc, s, method, False, hbm_fraction=0.0, against="fp32 over the selected pages",
+                          detail=f"raised {_short_error(e)}")
+                self._ours_unmeasured([0.0], method)
+                continue
+            add_check(self.doc, s, method, ok, hbm_fraction=0.0, rel_err=err, against="fp32 over the selected pages")
+            if not ok:
+                self._ours_unmeasured([0.0], method)
+                continue
+            seen.keep = False
+            self._add(method, self._time(calls), gpu_bytes=extra, **kw)
+            summ = cache.summaries
+            sel_t = [torch.empty((s.batch, k), dtype=torch.int32, device=self.opts.device) for _ in tables]
+            sel_l = [torch.empty(s.batch, dtype=torch.int32, device=self.opts.device) for _ in tables]
+            scale = 1.0 / math.sqrt(s.head_dim)
+            select = [lambda i=i: select_pages(self.inputs.qs[i], tables[i].page_table, tables[i].seq_lens, summ, 0,
+                                               page, k, budget.sink_pages, budget.recent_pages, scale,
+                                               out_table=sel_t[i], out_lens=sel_l[i]) for i in range(self.sets)]
+            read = s.batch * n_pages * summ.bytes_per_page // self.opts.num_layers
+            self._add(f"select[{text}]", self._time(select), hbm_bytes=read, hbm_fraction=0.0)
+
+    def _check_sparse(self, cache, ids, out: torch.Tensor, sel_table: torch.Tensor, tokens: int):
+        """(ok, rel err) of a decode output (B, Hq, d) against float32 attention over the first
+        ``tokens`` keys of the pages ``sel_table`` (B, k) names, in its order."""
+        s, page = self.shape, self.opts.page_size
+        batches, _ = self.anchor_at
+        ks, vs = [], []
+        for b in batches:
+            k_all, v_all = cache.read(ids[b], 0)  # (S, Hkv, d)
+            entries = cache.page_table(ids[b])
+            order = [entries.index(int(e)) for e in sel_table[b].tolist()]
+            pos = torch.cat([torch.arange(j * page, min((j + 1) * page, s.context)) for j in order])[:tokens]
+            pos = pos.to(k_all.device)
+            ks.append(k_all[pos].transpose(0, 1))
+            vs.append(v_all[pos].transpose(0, 1))
+        q4 = q_as_4d(self.inputs.qs[0], s.batch, 1)[batches]
+        ref = anchor_reference(q4, torch.stack(ks), torch.stack(vs), list(range(len(batches))), 1)
+        err = rel_error(anchor_slice(q_as_4d(out, s.batch, 1), batches, 1), ref)
+        return err <= self.opts.tol, err
 
     def _window(self) -> bool:
         """Whether this shape gets ours[window] (``--window``; multi-token, with host pages)."""
@@ -726,6 +819,18 @@ class ShapeBench:
         gc.collect()
         if self.opts.device == "cuda":
             torch.cuda.empty_cache()
+
+
+class _Selections:
+    """A sparse plan's hook that keeps the selected page tables while ``keep`` (the checked call)."""
+
+    def __init__(self):
+        self.tables: list[torch.Tensor] = []
+        self.keep = True
+
+    def selected(self, call, page_table, seq_lens, sel_table) -> None:
+        if self.keep:
+            self.tables.append(sel_table.clone())
 
 
 def _short_error(e: BaseException) -> str:

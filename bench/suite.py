@@ -63,7 +63,7 @@ def bench_options(ns: argparse.Namespace, bench: str, device: str, details: dict
         hbm_read_kernel=details.get("hbm_read", {}).get("kernel", "sum_f32"),
         peers=not getattr(ns, "no_peers", False), window=getattr(ns, "window", False),
         skip_methods=tuple(getattr(ns, "skip_methods", ()) or ()), layers=getattr(ns, "layers", 1),
-        kv_dtype=getattr(ns, "kv_dtype", None))
+        kv_dtype=getattr(ns, "kv_dtype", None), sparse_budgets=tuple(getattr(ns, "sparse_budgets", ()) or ()))
 
 
 def bench_shapes(ns: argparse.Namespace, bench: str, device: str = "cuda"):
@@ -234,6 +234,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-plot", action="store_true")
     g.add_argument("--kv-dtype", default=None, choices=("fp8", "e5m2"),
                    help="also ours[fp8] / ours[e5m2]: the same K/V in FP8 host pages (with per-token scales)")
+    g.add_argument("--sparse-budgets", type=_budgets, default=(),
+                   help="also ours[sparse=B] for each budget B, comma-separated (1/8, 0.125, 256p): decode "
+                        "shapes over host pages, each row reading only its best pages (chosen per call from "
+                        "the page summaries), and select[B], the selection alone")
     g.add_argument("--window", action="store_true",
                    help="also ours[window]: multi-token shapes with the query tokens' own pages mirrored in "
                         "HBM (the HBM window of a model step), host only")
@@ -253,6 +257,20 @@ def _positive(s: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
     return n
+
+
+def _budgets(s: str) -> tuple[str, ...]:
+    from directkv_cute.sparse_budget import parse_budget
+
+    names = tuple(x.strip() for x in s.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("give at least one budget, e.g. 1/8")
+    for n in names:
+        try:
+            parse_budget(n)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return names
 
 
 def _skippable(s: str) -> tuple[str, ...]:

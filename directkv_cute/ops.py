@@ -24,13 +24,14 @@ from directkv_cute.fp8 import is_fp8
 from directkv_cute.plan_types import StagingRequest
 from directkv_cute.reference import paged_attention_ref, tables_attention_ref
 from directkv_cute.runner import PoolView
+from directkv_cute.sparse_budget import SparseBudget
 from directkv_cute.validate import check_attention, check_seq_ids
 
 
 def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], q_lens=None,
                     softmax_scale: float | None = None, *, config: DecodeConfig | QTiledConfig | None = None,
                     staging: StagingRequest | None = None, out: torch.Tensor | None = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, sparse: SparseBudget | None = None):
     """Attention of new query tokens over their sequences' whole cached history.
 
     q: (total_q, Hq, d), packed by sequence (``q_lens[i]`` rows for ``seq_ids[i]``, default 1).
@@ -39,11 +40,16 @@ def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], 
     Returns out (total_q, Hq, d) in q's dtype, and the natural-log LSE (total_q, Hq) fp32 when
     ``return_lse``. ``config``: an explicit DecodeConfig or QTiledConfig (default: the planner's
     choice); ``staging``: with a QTiledConfig, a ``StagingRequest`` for its staged launch.
+    ``sparse``: a ``sparse.SparseBudget``: decode rows attend only their best pages (the cache needs
+    ``summaries=True``; ``DirectKVAttention.plan``); multi-token rows stay exact. None: exact.
     """
     seq_ids = check_seq_ids(seq_ids)
     lengths = [cache.seq_len(s) for s in seq_ids]  # unknown ids raise here
     layer, q_lens = check_attention(q, cache, layer, batch=len(seq_ids), q_lens=q_lens, out=out, config=config,
                                     softmax_scale=softmax_scale, seq_lens=lengths, cuda=q.is_cuda)
+    if sparse is not None:  # the selection runs on any device; the plan routes decode rows to it
+        return _plan_and_run(q, cache, layer, cache.kernel_tables(seq_ids), q_lens, softmax_scale, config, staging,
+                             out, return_lse, max(lengths), sparse)
     if not q.is_cuda:
         o, lse = paged_attention_ref(q, cache, layer, seq_ids, q_lens, softmax_scale)
         if out is not None:
@@ -57,7 +63,8 @@ def paged_attention(q: torch.Tensor, cache, layer: int, seq_ids: Sequence[int], 
 def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=None,
                            softmax_scale: float | None = None, *, config: DecodeConfig | QTiledConfig | None = None,
                            staging: StagingRequest | None = None, out: torch.Tensor | None = None,
-                           return_lse: bool = False, max_seq_len: int | None = None):
+                           return_lse: bool = False, max_seq_len: int | None = None,
+                           sparse: SparseBudget | None = None):
     """``paged_attention`` with page tables built once (``cache.kernel_tables``) and reused,
     e.g. inside a CUDA graph. ``max_seq_len`` (the longest sequence, if the caller knows it) only
     steers the decode split count and the profile bucket; without it the page table's width
@@ -79,13 +86,15 @@ def paged_attention_tables(q: torch.Tensor, cache, layer: int, tables, q_lens=No
     if batch < 1 or seq_lens.shape != (batch,):
         raise ValueError("seq_lens must have one entry per page-table row")
     return _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, staging, out, return_lse,
-                         max_seq_len)
+                         max_seq_len, sparse)
 
 
-def _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, staging, out, return_lse, max_seq_len):
+def _plan_and_run(q, cache, layer, tables, q_lens, softmax_scale, config, staging, out, return_lse, max_seq_len,
+                  sparse=None):
     dk = DirectKVAttention(cache)
     dk.plan(tables=tables, q_lens=q_lens, num_q_heads=q.shape[1], softmax_scale=softmax_scale,
-            max_seq_len=max_seq_len, return_lse=return_lse, config=config, staging=staging, cascade=False, q=q)
+            max_seq_len=max_seq_len, return_lse=return_lse, config=config, staging=staging, cascade=False, q=q,
+            sparse=sparse)
     return dk.run(q, layer, out)
 
 

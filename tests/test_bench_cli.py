@@ -198,3 +198,33 @@ def test_plot_writes_under_out_dir_not_next_to_its_input(tmp_path, cwd, capsys):
 def test_checked_out_dir_creates_nothing(tmp_path):
     target = tmp_path / "a" / "b"
     assert checked_out_dir(target) == target and not (tmp_path / "a").exists()
+
+
+def test_decode_sparse_rows_are_checked_against_the_selected_pages(no_gpu, cwd, capsys, monkeypatch):
+    """``--sparse-budgets``: ours[sparse=B] (checked against float32 attention over the pages the
+    selection chose, host bytes those pages') and select[B] per budget; a decode that ignored the
+    budget would attend every page and fail that check; a bad budget is one line, exit 2."""
+    argv = ["decode", "--device", "cpu", "--batches", "2", "--contexts", "512", "--heads", "4/2", "--head-dim",
+            "64", "--page-size", "16", "--hbm-fractions", "0", "--no-progress", "--sparse-budgets", "1/4,6p"]
+    assert main(argv) == 0
+    doc = json.loads(next(cwd.rglob("*.json")).read_text())
+    recs = {r["method"]: r for r in doc["records"]}
+    token_bytes = 2 * 2 * 64 * 2  # K and V, 2 KV heads, d 64, bf16
+    assert recs["ours[sparse=1/4]"]["host_bytes"] == 2 * 8 * 16 * token_bytes  # 8 of 32 pages per row
+    assert recs["ours[sparse=6p]"]["host_bytes"] == 2 * 6 * 16 * token_bytes
+    assert all(recs[m]["ms"] for m in ("ours[sparse=1/4]", "select[1/4]", "ours[sparse=6p]", "select[6p]"))
+    checks = [c for c in doc["checks"] if c["method"].startswith("ours[sparse")]
+    assert len(checks) == 2 and all(c["ok"] for c in checks)
+
+    from directkv_cute.attention import DirectKVAttention
+    plan = DirectKVAttention.plan
+    monkeypatch.setattr(DirectKVAttention, "plan", lambda self, *a, sparse=None, **k: plan(self, *a, **k))
+    for p in cwd.rglob("*.json"):
+        p.unlink()
+    assert main(argv) == 1  # every page attended: not the selected pages' attention
+    doc = json.loads(next(cwd.rglob("*.json")).read_text())
+    assert not any(c["ok"] for c in doc["checks"] if c["method"].startswith("ours[sparse"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(argv[:-1] + ["1/0"])
+    assert e.value.code == 2 and "sparse budget" in capsys.readouterr().err

@@ -414,3 +414,52 @@ def test_the_attention_mass_of_fp8_pages_reads_them_dequantized():
         for j in chosen[b]:
             on[j * P:(j + 1) * P] = True
         assert float(got[b]) == pytest.approx(float(probs[:, on].sum(-1).mean()), abs=1e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_ops_take_a_budget_and_attend_the_selected_pages(device):
+    """``paged_attention`` and ``paged_attention_tables`` with ``sparse=``: each decode row equals
+    float64 attention over the pages an independent selection (the float64 reference selection
+    over min / max taken from the pools' K rows) picks; output poisoned first; without a budget
+    the same call is exact."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from directkv_cute import paged_attention, paged_attention_tables
+    from directkv_cute.cache import PagedKVCache
+
+    torch.manual_seed(3)
+    P, L, hkv, hq, d, dtype = 16, 1, 2, 4, 64, torch.bfloat16
+    cache = PagedKVCache(L, hkv, d, P, 48, 8, dtype=dtype, device=device, summaries=True)
+    lens, kv = [17 * P + 5, 9 * P], {}
+    for n in lens:
+        sid = cache.add_sequence()
+        k = (torch.randn(n, L, hkv, d) * torch.rand(n, 1, 1, 1) * 3).to(dtype)
+        v = torch.randn(n, L, hkv, d).to(dtype)
+        cache.append(sid, k, v)
+        kv[sid] = (k, v)
+    sids = list(kv)
+    budget = SparseBudget(pages=5, sink_pages=1, recent_pages=1)
+    q = torch.randn(len(sids), hq, d).to(dtype).to(device)
+    outs = [paged_attention(q, cache, 0, sids, sparse=budget, out=torch.full_like(q, float("nan")))]
+    if device == "cuda":
+        outs.append(paged_attention_tables(q, cache, 0, cache.kernel_tables(sids), sparse=budget))
+    exact = paged_attention(q, cache, 0, sids).cpu()
+    host = cache.device_pool("host")
+    for out in outs:
+        out = out.cpu()
+        for b, sid in enumerate(sids):
+            n, table = lens[b], cache.page_table(sid)
+            pages = -(-n // P)
+            rows = [min(P, n - j * P) for j in range(pages)]
+            summ = [torch.stack((host[table[j]][0, :, 0, :rows[j]].float().cpu().amin(1),
+                                 host[table[j]][0, :, 0, :rows[j]].float().cpu().amax(1)), 1) for j in range(pages)]
+            fake = SimpleNamespace(host=torch.stack(summ)[:, None], hbm=None)
+            want = _reference_selection(q[b:b + 1].float().cpu(), np.arange(pages)[None], [n], fake, 0, P, 5, 1, 1)[0]
+            assert len(want) == 5
+            keys = torch.cat([kv[sid][0][j * P: j * P + rows[j], 0] for j in want])
+            vals = torch.cat([kv[sid][1][j * P: j * P + rows[j], 0] for j in want])
+            torch.testing.assert_close(out[b].double(), _dense(q[b].cpu(), keys, vals, 1 / math.sqrt(d)),
+                                       atol=2e-2, rtol=2e-2)
+            full = _dense(q[b].cpu(), kv[sid][0][:, 0], kv[sid][1][:, 0], 1 / math.sqrt(d))
+            torch.testing.assert_close(exact[b].double(), full, atol=2e-2, rtol=2e-2)
+            assert not torch.allclose(out[b].double(), full, atol=2e-2, rtol=2e-2)  # fewer pages: another result
