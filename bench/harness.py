@@ -615,10 +615,10 @@ class ShapeBench:
         plans, then one run per call: the selection from the page summaries and the decode over
         the chosen pages, both timed). Its check is float32 attention over the pages the selection
         chose (the selection itself is checked against an independent one by the tests); its host
-        bytes are those pages'. select[B] times the selection alone (``sparse.select_pages``), its
+        bytes are those pages'. select[B] times the selection alone (``sparse.PageSelector.select``: a layer's), its
         bytes the page summaries it reads."""
         from directkv_cute.attention import DirectKVAttention
-        from directkv_cute.sparse import select_pages
+        from directkv_cute.sparse import PageSelector
         from directkv_cute.sparse_budget import parse_budget
 
         s, page = self.shape, self.opts.page_size
@@ -663,12 +663,10 @@ class ShapeBench:
             seen.keep = False
             self._add(method, self._time(calls), gpu_bytes=extra, **kw)
             summ = cache.summaries
-            sel_t = [torch.empty((s.batch, k), dtype=torch.int32, device=self.opts.device) for _ in tables]
-            sel_l = [torch.empty(s.batch, dtype=torch.int32, device=self.opts.device) for _ in tables]
             scale = 1.0 / math.sqrt(s.head_dim)
-            select = [lambda i=i: select_pages(self.inputs.qs[i], tables[i].page_table, tables[i].seq_lens, summ, 0,
-                                               page, k, budget.sink_pages, budget.recent_pages, scale,
-                                               out_table=sel_t[i], out_lens=sel_l[i]) for i in range(self.sets)]
+            selectors = [PageSelector(t.page_table, t.seq_lens, page, k, budget.sink_pages, budget.recent_pages,
+                                      self.opts.device) for t in tables]
+            select = [lambda i=i: selectors[i].select(self.inputs.qs[i], summ, 0, scale) for i in range(self.sets)]
             read = s.batch * n_pages * summ.bytes_per_page // self.opts.num_layers
             self._add(f"select[{text}]", self._time(select), hbm_bytes=read, hbm_fraction=0.0)
 

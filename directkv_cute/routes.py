@@ -36,7 +36,7 @@ from directkv_cute.plan_types import (ByHead, CascadePasses, Dequantized, InPlac
 from directkv_cute.reference import cache_scales, tables_attention_ref
 from directkv_cute.runner import (Bound, Call, PoolView, bind, compiled_combine, compiled_dequant, compiled_q_tiled,
                                   in_place_kernel, in_place_partials, run_call, tables_from_host)
-from directkv_cute.sparse import select_pages
+from directkv_cute.sparse import PageSelector
 from directkv_cute.staging import hbm_in_place, stager
 
 # Streams that FP8 chunks run their KV head groups on, at most: one group's launch may fill only
@@ -530,19 +530,19 @@ class CascadeStaged(Route):
 
 
 class SparseDecode(Route):
-    """Decode rows that read only their best pages (``Sparse``): per layer, ``sparse.select_pages``
-    writes each row's pages into a compact table bound once per plan, then the inner in-place
+    """Decode rows that read only their best pages (``Sparse``): per layer, a ``sparse.PageSelector``
+    bound once per plan writes each row's pages into a compact table, then the inner in-place
     decode plan reads it."""
 
     name = "sparse_decode"
     detail = Sparse
 
     def bind(self, plan, bound, device, capturing, staged):
-        t = bound.tables
-        B, K = t.page_table.shape[0], plan.detail.pages
-        table = torch.zeros((B, K), dtype=torch.int32, device=device)  # the selected pages, per layer
-        lens = torch.ones(B, dtype=torch.int32, device=device)
-        bound.inner = bind(plan.detail.inner, KernelTables(table, lens), device, capturing)
+        t, b = bound.tables, plan.detail.budget
+        bound.selector = PageSelector(t.page_table, t.seq_lens, plan.shape.page_size, plan.detail.pages,
+                                      b.sink_pages, b.recent_pages, device)
+        bound.inner = bind(plan.detail.inner, KernelTables(bound.selector.table, bound.selector.lens), device,
+                           capturing)
 
     def kernels(self, plan, dtype):
         inner = plan.detail.inner
@@ -559,12 +559,9 @@ class SparseDecode(Route):
         summaries = getattr(call.cache, "summaries", None)
         if summaries is None:
             raise ValueError("a sparse plan needs the cache's page summaries (PagedKVCache(..., summaries=True))")
-        b, inner = plan.detail.budget, bound.inner.tables
-        select_pages(call.q, bound.tables.page_table, bound.tables.seq_lens, summaries, call.layer,
-                     plan.shape.page_size, plan.detail.pages, b.sink_pages, b.recent_pages, call.scale,
-                     out_table=inner.page_table, out_lens=inner.seq_lens)
+        bound.selector.select(call.q, summaries, call.layer, call.scale, call.capturing)
         for hook in call.sparse_hooks:  # what the selection is watched by (a measurement, a recall cache)
-            hook.selected(call, bound.tables.page_table, bound.tables.seq_lens, inner.page_table)
+            hook.selected(call, bound.tables.page_table, bound.tables.seq_lens, bound.selector.table)
         return run_call(plan.detail.inner, bound.inner, call)
 
     reference = run

@@ -163,7 +163,8 @@ class Bound:
     cu_q: torch.Tensor | None
     staged_table: torch.Tensor | None = None  # plan.staging.table on the device
     parts: tuple = ()  # decode_fp8_two_piece: (page_table, seq_lens) per part
-    inner: "Bound | None" = None  # fp8_dequantized, cascade_staged: the inner plan's
+    inner: "Bound | None" = None  # fp8_dequantized, cascade_staged, sparse_decode: the inner plan's
+    selector: object = None  # sparse_decode: the sparse.PageSelector whose table the inner plan reads
     passes: tuple = ()  # cascade: (row indices on the device or None, Bound) per pass
     capture: "Bound | None" = None
 

@@ -42,41 +42,72 @@ from directkv_cute.fp8 import dequantize
 from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
 
+def _row_bounds(seq_lens: torch.Tensor, page_size: int, width: int, sink_pages: int, recent_pages: int):
+    """What a row's selection needs of its length alone: (last page index (B, 1) int32, pages
+    past the sequence (B, W) bool, pages always read (B, W) bool)."""
+    last = torch.div(seq_lens - 1, page_size, rounding_mode="floor").view(-1, 1)  # (B, 1): the newest page
+    j = torch.arange(width, device=seq_lens.device)  # (W,)
+    past = j > last
+    keep = (j < sink_pages) | (j > last - recent_pages)
+    return last, past, keep
+
+
+def _bounds(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int) -> torch.Tensor:
+    """float32 (B, Hkv, g, W): each page's bound on q . k per query head (the module docstring),
+    ``q`` (B, Hq, d); NaN for a page with no K row (0 x inf)."""
+    B, Hq, d = q.shape
+    W = page_table.shape[1]
+    host = summaries.host[:, layer]  # (host pages, Hkv, 2, d)
+    hkv = host.shape[1]
+    s = host.index_select(0, page_table.clamp(min=0).view(-1))  # (B * W, Hkv, 2, d)
+    hbm = summaries.hbm[:, layer] if summaries.hbm is not None and summaries.hbm.shape[0] else None
+    if hbm is not None:
+        in_hbm = (page_table < 0).view(-1, 1, 1, 1)
+        s = torch.where(in_hbm, hbm.index_select(0, (-1 - page_table).clamp(min=0).view(-1)), s)
+    # (B, Hkv, W, 2d): min then max of each page's K rows, per KV head
+    s = s.view(B, W, hkv, 2 * d).transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+    qf = q.float()
+    # max(q * kmin, q * kmax) summed over d = q- . kmin + q+ . kmax: one product with [q-, q+]
+    q2 = torch.stack((qf.clamp(max=0), qf.clamp(min=0)), dim=2).view(B, hkv, Hq // hkv, 2 * d)
+    return torch.matmul(q2, s.transpose(2, 3))
+
+
+def _scores(bound: torch.Tensor, past: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 (B, W) from ``bound`` (B, Hkv, g, W): ``sum_h exp(scale * (bound_h - best_h))``
+    over the query heads (the module docstring's score, before its log), +inf where ``keep``,
+    -inf where ``past``."""
+    bound = bound.nan_to_num_(nan=-math.inf).masked_fill_(past[:, None, None, :], -math.inf)
+    best = bound.amax(dim=3, keepdim=True)  # each head's best page: finite (a row has a page)
+    score = bound.sub_(best).mul_(scale).exp_().sum(dim=(1, 2))  # (B, W), >= 0
+    return score.masked_fill_(keep, math.inf).masked_fill_(past, -math.inf)
+
+
 def page_scores(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, summaries, layer: int,
                 page_size: int, sink_pages: int, recent_pages: int, scale: float | None = None) -> torch.Tensor:
     """float32 (B, W): each page's score for the decode rows ``q`` (B, Hq, d): +inf for the
-    pages always read, -inf past a sequence's pages, else ``log sum_h exp(scale * (bound_h -
-    best_h))`` (the module docstring; ``scale``: the softmax scale, default 1 / sqrt(d)).
-    ``page_table`` int32 (B, W) (encoded: >= 0 host page, < 0 HBM page -e - 1), ``seq_lens``
-    int32 (B,), ``summaries``: ``PageSummaries`` (``host`` and ``hbm``: (pages, layers, Hkv, 2, d),
-    min then max of each page's K rows)."""
-    B, Hq, d = q.shape
-    W = page_table.shape[1]
-    e = page_table.long()
-    host = summaries.host[:, layer]  # (host pages, Hkv, 2, d)
-    hbm = summaries.hbm[:, layer] if summaries.hbm is not None and summaries.hbm.shape[0] else None
-    s = host.index_select(0, e.clamp(min=0).view(-1)).view(B, W, *host.shape[1:])  # (B, W, Hkv, 2, d)
-    if hbm is not None:
-        in_hbm = (e < 0).view(B, W, 1, 1, 1)
-        s = torch.where(in_hbm, hbm.index_select(0, (-e - 1).clamp(min=0).view(-1)).view(B, W, *hbm.shape[1:]), s)
-    hkv = s.shape[2]
-    qf = q.float().view(B, hkv, Hq // hkv, d)  # (B, Hkv, g, d)
-    kmin, kmax = s[..., 0, :].float(), s[..., 1, :].float()  # (B, W, Hkv, d)
-    # max(q * kmin, q * kmax) summed over d = q+ . kmax + q- . kmin
-    bound = torch.einsum("bhgd,bwhd->bwhg", qf.clamp(min=0), kmax) + \
-        torch.einsum("bhgd,bwhd->bwhg", qf.clamp(max=0), kmin)
-    bound = torch.nan_to_num(bound, nan=-math.inf)  # a page never written: -inf (0 x inf is nan)
-    n_pages = (seq_lens.long() + page_size - 1) // page_size  # (B,)
-    j = torch.arange(W, device=q.device)
-    valid = j[None, :] < n_pages[:, None]  # (B, W)
-    bound = bound.masked_fill(~valid[:, :, None, None], -math.inf)
-    best = bound.amax(dim=1, keepdim=True)  # (B, 1, Hkv, g): each head's best page
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    rel = ((bound - best) * scale).nan_to_num(nan=-math.inf).flatten(2)  # (B, W, Hq)
-    score = torch.logsumexp(rel, dim=2)  # (B, W)
-    keep = (j[None, :] < sink_pages) | (j[None, :] >= n_pages[:, None] - recent_pages)
-    score = torch.where(keep & valid, torch.full_like(score, math.inf), score)
-    return score.masked_fill(~valid, -math.inf)
+    pages always read, -inf past a sequence's pages, else ``sum_h exp(scale * (bound_h -
+    best_h))`` (the exponential of the module docstring's score: the same order; ``scale``: the
+    softmax scale, default 1 / sqrt(d)). ``page_table`` int32 (B, W) (encoded: >= 0 host page,
+    < 0 HBM page -e - 1), ``seq_lens`` int32 (B,), ``summaries``: ``PageSummaries`` (``host`` and
+    ``hbm``: (pages, layers, Hkv, 2, d), min then max of each page's K rows)."""
+    _, past, keep = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    return _scores(_bounds(q, page_table, summaries, layer), past, keep, scale)
+
+
+def _chosen(score: torch.Tensor, last: torch.Tensor, budget: int) -> torch.Tensor:
+    """int64 (B, budget): the ``budget`` best pages of each row in sequence order; past a row's
+    own pages (a row with fewer), its newest page again."""
+    idx = score.topk(budget, dim=1).indices.sort(dim=1).values
+    return torch.minimum(idx, last)  # pages past the sequence score -inf: they sort last
+
+
+def _selected_lens(seq_lens: torch.Tensor, last: torch.Tensor, page_size: int, budget: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 (B,): the keys a row reads over its chosen pages: its length less the full pages it
+    skips, ``(k - 1) * page_size + tail`` (k = min(budget, its pages), tail = its newest page's rows)."""
+    skipped = (last.view(-1) - (budget - 1)).clamp_(min=0).mul_(page_size)
+    return torch.sub(seq_lens, skipped, out=out)
 
 
 def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, summaries, layer: int,
@@ -87,22 +118,48 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     and the length the decode kernels read over them: ``(k - 1) * page_size + tail``, k =
     min(budget, its pages), tail = its newest page's rows. Written into ``out_table`` /
     ``out_lens`` where given (persistent buffers a plan binds once)."""
-    B, W = page_table.shape
-    score = page_scores(q, page_table, seq_lens, summaries, layer, page_size, sink_pages, recent_pages, scale)
-    idx = score.topk(budget, dim=1).indices.sort(dim=1).values  # chosen pages, in sequence order
-    lens = seq_lens.long()
-    n_pages = (lens + page_size - 1) // page_size
-    k = n_pages.clamp(max=budget).clamp(min=1)  # (B,)
-    pos = torch.arange(budget, device=q.device)[None, :]
-    idx = torch.where(pos < k[:, None], idx, idx.gather(1, (k - 1)[:, None]))  # past k: the last chosen page
-    table = page_table.gather(1, idx)
-    tail = lens - (n_pages - 1).clamp(min=0) * page_size
-    sel_lens = ((k - 1) * page_size + tail).to(torch.int32)
-    if out_table is None:
-        return table, sel_lens
-    out_table.copy_(table)
-    out_lens.copy_(sel_lens)
-    return out_table, out_lens
+    last, past, keep = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    idx = _chosen(_scores(_bounds(q, page_table, summaries, layer), past, keep, scale), last, budget)
+    table = torch.gather(page_table, 1, idx, out=out_table)
+    return table, _selected_lens(seq_lens, last, page_size, budget, out_lens)
+
+
+class PageSelector:
+    """A plan's selection (``routes.SparseDecode``): the buffers its inner decode plan reads,
+    ``table`` (B, budget) int32 and ``lens`` (B,) int32, bound once, and per layer
+    ``select`` into them. What depends on the rows' lengths alone (which pages are past a
+    sequence or always read, the lengths read) is made once per change of ``page_table`` /
+    ``seq_lens`` (their version counters: a plan that is reused over tables written in place,
+    as a CUDA graph's are, sees each write) and in every call under a CUDA graph capture (the
+    replay then remakes it per step); each layer then costs the bound, the scores, the top pages
+    and one gather."""
+
+    def __init__(self, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, budget: int,
+                 sink_pages: int, recent_pages: int, device):
+        B, W = page_table.shape
+        self.page_table, self.seq_lens = page_table, seq_lens  # (B, W) int32, (B,) int32: the plan's
+        self.page_size, self.budget = page_size, budget
+        self.sink_pages, self.recent_pages = sink_pages, recent_pages
+        self.table = torch.zeros((B, budget), dtype=torch.int32, device=device)  # (B, budget) the chosen pages
+        self.lens = torch.ones(B, dtype=torch.int32, device=device)  # (B,) the keys read over them
+        self._rows = None  # (last, past, keep) of the versions in _seen
+        self._seen = None
+
+    def _row_state(self, capturing: bool):
+        seen = (self.page_table._version, self.seq_lens._version)
+        if capturing or self._rows is None or seen != self._seen:
+            self._rows = _row_bounds(self.seq_lens, self.page_size, self.page_table.shape[1], self.sink_pages,
+                                     self.recent_pages)
+            _selected_lens(self.seq_lens, self._rows[0], self.page_size, self.budget, self.lens)
+            self._seen = seen
+        return self._rows
+
+    def select(self, q: torch.Tensor, summaries, layer: int, scale: float, capturing: bool = False) -> None:
+        """Writes the pages ``q`` (B, Hq, d) selects at ``layer`` into ``table`` (and ``lens``)."""
+        last, past, keep = self._row_state(capturing)
+        idx = _chosen(_scores(_bounds(q, self.page_table, summaries, layer), past, keep, scale), last, self.budget)
+        torch.gather(self.page_table, 1, idx, out=self.table)
 
 
 def _page_keys(pool: torch.Tensor, scales: torch.Tensor | None, pages: torch.Tensor, layer: int) -> torch.Tensor:
@@ -211,4 +268,4 @@ class RecallCounts:
         return host, hbm
 
 
-__all__ = ["RecallCounts", "SparseBudget", "SparseStats", "page_scores", "parse_budget", "select_pages", "selected_mass"]
+__all__ = ["PageSelector", "RecallCounts", "SparseBudget", "SparseStats", "page_scores", "parse_budget", "select_pages", "selected_mass"]

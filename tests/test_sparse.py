@@ -171,7 +171,7 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
         sid = cache.add_sequence()
         k = torch.randn(n, L, hkv, d) * torch.rand(n, 1, 1, 1) * 3  # pages of different spread
         v = torch.randn(n, L, hkv, d)
-        cache.append(sid, k.to(dtype), v.to(dtype))
+        cache.append(sid, k.to(dtype).to(device), v.to(dtype).to(device))
         kv[sid] = (k.to(dtype), v.to(dtype))
     sids = list(kv)
     cache.move_pages(sids[0], [3, 4, 20], "hbm")
@@ -435,7 +435,7 @@ def test_the_ops_take_a_budget_and_attend_the_selected_pages(device):
         sid = cache.add_sequence()
         k = (torch.randn(n, L, hkv, d) * torch.rand(n, 1, 1, 1) * 3).to(dtype)
         v = torch.randn(n, L, hkv, d).to(dtype)
-        cache.append(sid, k, v)
+        cache.append(sid, k.to(device), v.to(device))
         kv[sid] = (k, v)
     sids = list(kv)
     budget = SparseBudget(pages=5, sink_pages=1, recent_pages=1)
@@ -463,3 +463,32 @@ def test_the_ops_take_a_budget_and_attend_the_selected_pages(device):
             full = _dense(q[b].cpu(), kv[sid][0][:, 0], kv[sid][1][:, 0], 1 / math.sqrt(d))
             torch.testing.assert_close(exact[b].double(), full, atol=2e-2, rtol=2e-2)
             assert not torch.allclose(out[b].double(), full, atol=2e-2, rtol=2e-2)  # fewer pages: another result
+
+
+def test_a_bound_selector_follows_tables_written_in_place():
+    """``PageSelector`` (a plan's selection, reused over tables that a CUDA graph's steps write in
+    place): after the lengths and the page table change in place, each layer's selection equals
+    ``select_pages`` over the new tables (the rows' state is remade on each write); under a
+    capture it is remade on every call, so a replay remakes it per step."""
+    from directkv_cute.sparse import PageSelector
+
+    rng = np.random.default_rng(11)
+    P, hkv, Hq, d, budget = 8, 2, 4, 16, 5
+    summ = _summaries(rng, 64, 0, 2, hkv, d)
+    summ.hbm = torch.zeros(0, 2, hkv, 2, d)
+    table = torch.from_numpy(rng.choice(64, size=(2, 12), replace=False).astype(np.int32))
+    lens = torch.tensor([12 * P, 3 * P + 2], dtype=torch.int32)
+    sel = PageSelector(table, lens, P, budget, 1, 1, "cpu")
+    for step in range(3):
+        for layer in range(2):
+            q = torch.randn(2, Hq, d)
+            sel.select(q, summ, layer, 0.25)
+            want_t, want_l = select_pages(q, table, lens, summ, layer, P, budget, 1, 1, 0.25)
+            assert torch.equal(sel.table, want_t) and torch.equal(sel.lens, want_l), (step, layer)
+        lens.copy_(torch.tensor([[5 * P + 1, 12 * P], [9 * P, 2]][step % 2], dtype=torch.int32))
+        table[0].copy_(table[0].flip(0))
+    lens.numpy()[1] = 7 * P  # a write torch does not see (no version change): only a capture's call remakes
+    q = torch.randn(2, Hq, d)
+    sel.select(q, summ, 0, 0.25, capturing=True)
+    want_t, want_l = select_pages(q, table, lens, summ, 0, P, budget, 1, 1, 0.25)
+    assert torch.equal(sel.table, want_t) and torch.equal(sel.lens, want_l)
