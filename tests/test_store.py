@@ -10,7 +10,7 @@ import torch
 
 from directkv_cute import kv_proj as K
 from directkv_cute.cache import PagedKVCache
-from directkv_cute.cache.store import StoreIndex, layer_start, pool_rows, stack_kv, store_rows
+from directkv_cute.cache.store import StoreIndex, layer_start, pool_rows, store_rows
 
 
 def test_pool_rows_name_the_rows_of_the_pool():
@@ -45,12 +45,12 @@ def test_store_rows_writes_only_the_named_rows_and_their_scales():
     sk, sv = torch.rand(3, hkv), torch.rand(3, hkv)
     index = StoreIndex.build((np.array([0, 2]), np.array([3, 1]), np.array([5, 15])),
                              (np.array([2]), np.array([1]), np.array([15])), 3, hkv, P).to("cpu")
-    store_rows(index, stack_kv(k, v), host, hbm, scales=torch.stack((sk, sv), dim=-1), host_scales=hs,
-               hbm_scales=bs)
+    store_rows(index, k, v, host, hbm, k_scales=sk, v_scales=sv, host_scales=hs, hbm_scales=bs)
     for t, (page, off) in ((0, (3, 5)), (2, (1, 15))):
         assert torch.equal(host[page, :, 0, off], k[t]) and torch.equal(host[page, :, 1, off], v[t])
         assert torch.equal(hs[page, :, 0, off], sk[t]) and torch.equal(hs[page, :, 1, off], sv[t])
-    assert torch.equal(hbm[1, :, 0, 15], k[2]) and torch.equal(bs[1, :, 1, 15], sv[2])
+    assert torch.equal(hbm[1, :, 0, 15], k[2]) and torch.equal(hbm[1, :, 1, 15], v[2])
+    assert torch.equal(bs[1, :, 0, 15], sk[2]) and torch.equal(bs[1, :, 1, 15], sv[2])
     assert int((host != 0).sum()) == 2 * 2 * hkv * d and int((hbm != 0).sum()) == 2 * hkv * d
     assert int((hs != 0).sum()) == 2 * 2 * hkv and int((bs != 0).sum()) == 2 * hkv
 
@@ -93,7 +93,9 @@ def test_write_slots_store_what_advanced_index_stores_store(defer, dtype):
         c.host_pool.view(torch.uint8).fill_(0x7)
         c.hbm_pool.view(torch.uint8).fill_(0x7)
     cache.write_slots(slots, layer, k, v, defer_host=defer)
-    kv, scales = ref._pools.encode(k, v)  # (n, Hkv, 2, d) as the pages hold them
+    ke, ve, ks, vs = ref._pools.encode(k, v)  # (n, Hkv, d) each as the pages hold them
+    kv = torch.stack((ke, ve), dim=2)  # (n, Hkv, 2, d)
+    scales = None if ks is None else torch.stack((ks, vs), dim=2)  # (n, Hkv, 2)
     for tier, tok, pidx, off in slots.parts + (() if defer else slots.mirrored):
         pool = ref.device_pool(tier).view(torch.uint8) if ref.fp8 else ref.device_pool(tier)
         pool[pidx, layer, :, :, off] = kv if tok is None else kv[tok]
@@ -125,3 +127,31 @@ def test_append_of_every_layer_goes_through_the_rows_of_every_layer():
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     (lp, w), = cache.mirrored_pages(sid).items()
     assert lp == 1 and torch.equal(cache.hbm_pool[w], cache.host_pool[cache.page_table(sid)[1]])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_store_makes_no_copy_of_the_kv_data(dtype):
+    """``append`` of every layer into 16-bit pages writes K and V from the caller's tensors into
+    their pages: no operation makes new memory as large as half of K (a stacked or gathered copy of
+    the data), only indexes; the pages then hold K and V."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cache = PagedKVCache(2, 4, 64, 16, 12, 2, dtype=dtype, device="cpu")
+    sid = cache.add_sequence()
+    k, v = torch.randn(100, 2, 4, 64).to(dtype), torch.randn(100, 2, 4, 64).to(dtype)
+    made = []
+
+    class Outputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()]
+                      if isinstance(a, torch.Tensor)}
+            if isinstance(out, torch.Tensor) and out.untyped_storage().data_ptr() not in inputs:  # new memory
+                made.append((func.__name__, out.numel() * out.element_size()))
+            return out
+
+    with Outputs():
+        cache.append(sid, k, v)
+    assert made and not [(n, b) for n, b in made if b >= k.nbytes // 2], made
+    got_k, got_v = cache.read(sid, None)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)

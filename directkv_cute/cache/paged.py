@@ -419,10 +419,10 @@ class PagedKVCache:
         n = self._pools.check_kv(k, v, (self.num_kv_heads, self.head_dim), "(n, num_kv_heads, head_dim)")
         if n != slots.total:
             raise ValueError(f"{n} K/V rows for {slots.total} slots")
-        kv, scales = self._pools.store(slots.store_index(defer_host), self._layer_start(layer), k, v,
-                                       slots.host_pages)
+        stored, scales = self._pools.store(slots.store_index(defer_host), self._layer_start(layer), k, v,
+                                           slots.host_pages)
         if self._summaries is not None:
-            self._summaries.merge(slots, layer, self._summaries.stored_k(k, kv, scales))
+            self._summaries.merge(slots, layer, self._summaries.stored_k(k, stored, scales))
         if defer_host:
             self._copy_back(layer, slots.runs)
 
@@ -635,7 +635,7 @@ class PagedKVCache:
         self._book.written(seq, start, k.shape[0])
         slots = TokenSlots.of(self._book, seq, start, k.shape[0], self.device, mirrors=True, geometry=self._geometry,
                               all_layers=layer is None)
-        kv, scales = self._pools.store(slots.store_index(), 0 if layer is None else self._layer_start(layer), k, v,
-                                       slots.host_pages)
+        stored, scales = self._pools.store(slots.store_index(), 0 if layer is None else self._layer_start(layer),
+                                           k, v, slots.host_pages)
         if self._summaries is not None:
-            self._summaries.merge(slots, layer, self._summaries.stored_k(k, kv, scales))
+            self._summaries.merge(slots, layer, self._summaries.stored_k(k, stored, scales))

@@ -30,7 +30,7 @@ import torch
 from directkv_cute._pinned import PinnedHostBuffer
 from directkv_cute.cache.host_writes import HostWriteLog
 from directkv_cute.cache.pages import Tier, check_tier, decode_page
-from directkv_cute.cache.store import StoreIndex, stack_kv, store_rows
+from directkv_cute.cache.store import StoreIndex, store_rows
 from directkv_cute.config import SUPPORTED_HEAD_DIMS
 from directkv_cute.fp8 import FP8_DTYPES, SCALE_DTYPE, dequantize, quantize
 
@@ -210,24 +210,24 @@ class DevicePools:
         return k.shape[0]
 
     def encode(self, k: torch.Tensor, v: torch.Tensor):
-        """(K/V, scales) as the pages store them (``store.stack_kv``): (n, ..., 2, d) in the page
-        dtype (FP8 as bytes, with scales (n, ..., 2) float32 per row), else as given (scales None)."""
+        """(K, V, K scales, V scales) as the pages store them: (n, ..., d) in the page dtype (FP8 as
+        bytes, with scales (n, ...) float32 per row), else as given (scales None)."""
         k, v = k.detach(), v.detach()  # the pools never join an autograd graph
         if not self.fp8:
-            return stack_kv(k, v), None
+            return k, v, None, None
         (qk, sk), (qv, sv) = quantize(k, self.dtype), quantize(v, self.dtype)
-        return stack_kv(_raw(qk), _raw(qv)), torch.stack((sk, sv), dim=-1)
+        return _raw(qk), _raw(qv), sk, sv
 
     def store(self, index: StoreIndex, start: int, k: torch.Tensor, v: torch.Tensor, host_pages):
         """Store k, v at the rows ``index`` names from row ``start`` on (``store.layer_start`` of
         the layer stored; 0 for an index of every layer), HBM pages and mirrors included, and note
-        the write to ``host_pages``. Returns what was stored, (K/V, scales) as ``encode`` gives
-        them (the page summaries take their K from it)."""
-        kv, scales = self.encode(k, v)
-        store_rows(index, kv, _raw(self.pool("host")), _raw(self.hbm_pool), start=start, scales=scales,
-                   host_scales=self.scales("host"), hbm_scales=self.hbm_scales)
+        the write to ``host_pages``. Returns the K that was stored, (K, K scales) as ``encode``
+        gives them (the page summaries take their K from it)."""
+        ke, ve, ks, vs = self.encode(k, v)
+        store_rows(index, ke, ve, _raw(self.pool("host")), _raw(self.hbm_pool), start=start, k_scales=ks,
+                   v_scales=vs, host_scales=self.scales("host"), hbm_scales=self.hbm_scales)
         self.log.record(host_pages)
-        return kv, scales
+        return ke, ks
 
     def gather(self, tier: Tier, pidx, lsel, off) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V rows at pages ``pidx``, rows ``off`` of ``tier``, in the compute dtype."""

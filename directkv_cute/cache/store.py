@@ -13,11 +13,12 @@ row ``off`` of page ``page``, layer ``l``, KV head ``h``, K (``c = 0``) or V (``
 layer 0; the store of layer ``l`` starts ``layer_start(l)`` rows into the pool, so one index
 serves every layer of a step.
 
-Store. K and V are stacked as the pages hold them, ``(tokens, [L,] Hkv, 2, d)`` (``stack_kv``),
-and copied with one ``index_copy_`` per pool: the host pool (on a GPU through its CUDA alias: the
-GPU stores straight into pinned host memory, on the current stream) and the HBM pool, which gets
-the rows of tokens whose pages have an HBM copy there (the cache's HBM pages and window mirrors,
-the vLLM tier's mirrors) (``store_rows``).
+Store. K and V ``(tokens, [L,] Hkv, d)`` are copied as they are, one ``index_copy_`` each per
+pool (no staging copy of the data): K into the K rows of the index, V into the same rows ``P``
+further (a page holds a head's V rows right after its K rows). The host pool is written on a GPU
+through its CUDA alias (the GPU stores straight into pinned host memory, on the current stream);
+the HBM pool gets the rows of tokens whose pages have an HBM copy there (the cache's HBM pages and
+window mirrors, the vLLM tier's mirrors) (``store_rows``).
 """
 
 from __future__ import annotations
@@ -120,14 +121,6 @@ class StoreIndex:
         return StoreIndex(*views, self.span, self.extents)
 
 
-def stack_kv(key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """K and V ``(tokens, ..., d)`` as the pages hold them: ``(tokens, ..., 2, d)``, in ``dtype``
-    (default theirs). (FP8 scales ``(tokens, ...)`` stack on the last dimension: ``(tokens, ...,
-    2)``.)"""
-    kv = torch.stack((key, value), dim=-2)
-    return kv if dtype is None else kv.to(dtype)
-
-
 def _copy_rows(pool: torch.Tensor, start: int, rows: torch.Tensor, values: torch.Tensor) -> None:
     """``values`` into rows ``start + rows`` of ``pool`` viewed as rows of its last dimension
     (a scale pool: as single values)."""
@@ -137,28 +130,33 @@ def _copy_rows(pool: torch.Tensor, start: int, rows: torch.Tensor, values: torch
     flat.index_copy_(0, rows, values)
 
 
-def store_rows(index: StoreIndex, kv: torch.Tensor, host: torch.Tensor, hbm: torch.Tensor | None = None, *,
-               start: int = 0, scales: torch.Tensor | None = None, host_scales: torch.Tensor | None = None,
+def _store_pool(pool, scales_pool, start: int, rows, tokens, k, v, k_scales, v_scales) -> None:
+    """K and V of ``tokens`` (None: all, in order) into their rows of one pool (and scales)."""
+    krows = rows.view(-1, 2)[:, 0]  # (m * Hkv,): each token's K rows; its V rows follow P rows on
+    page_size = pool.shape[-2]
+    d = k.shape[-1]
+    for at, data, scale in ((start, k, k_scales), (start + page_size, v, v_scales)):
+        picked = data if tokens is None else data.index_select(0, tokens)
+        _copy_rows(pool, at, krows, picked.reshape(-1, d))
+        if scale is not None:
+            picked = scale if tokens is None else scale.index_select(0, tokens)
+            _copy_rows(scales_pool, at, krows, picked.reshape(-1))
+
+
+def store_rows(index: StoreIndex, k: torch.Tensor, v: torch.Tensor, host: torch.Tensor,
+               hbm: torch.Tensor | None = None, *, start: int = 0, k_scales: torch.Tensor | None = None,
+               v_scales: torch.Tensor | None = None, host_scales: torch.Tensor | None = None,
                hbm_scales: torch.Tensor | None = None) -> None:
-    """Copy stacked K/V ``kv`` (``(span, ..., 2, d)``, ``stack_kv``, in the pools' dtype) into
-    their rows ``start + index.host_rows`` of ``host`` and, the mirrored tokens', ``start +
-    index.hbm_rows`` of ``hbm`` (contiguous pools; ``start``: ``layer_start``). FP8 pages:
-    ``scales`` ``(span, ..., 2)`` into the same rows of ``host_scales`` / ``hbm_scales``. One
-    gather of the stored tokens and one indexed copy per pool, on the current stream."""
-    d = kv.shape[-1]
-    rows = None
+    """Copy K and V (``(span, [L,] Hkv, d)`` in the pools' dtype) into their rows ``start +
+    index.host_rows`` of ``host`` and, the mirrored tokens', ``start + index.hbm_rows`` of ``hbm``
+    (contiguous pools; ``start``: ``layer_start``). FP8 pages: ``k_scales`` / ``v_scales``
+    ``(span, [L,] Hkv)`` into the same rows of ``host_scales`` / ``hbm_scales``. Per pool one
+    gather of the stored tokens (none for a dense index) and one indexed copy each of K and V, on
+    the current stream."""
     if len(index.host_rows):
-        rows = kv if index.tokens is None else kv.index_select(0, index.tokens)
-        _copy_rows(host, start, index.host_rows, rows.reshape(-1, d))
-        if scales is not None:
-            picked = scales if index.tokens is None else scales.index_select(0, index.tokens)
-            _copy_rows(host_scales, start, index.host_rows, picked.reshape(-1))
+        _store_pool(host, host_scales, start, index.host_rows, index.tokens, k, v, k_scales, v_scales)
     if index.num_mirrored:
-        same = rows is not None and index.hbm_tokens is index.tokens
-        mirrored = rows if same else kv.index_select(0, index.hbm_tokens)
-        _copy_rows(hbm, start, index.hbm_rows, mirrored.reshape(-1, d))
-        if scales is not None:
-            _copy_rows(hbm_scales, start, index.hbm_rows, scales.index_select(0, index.hbm_tokens).reshape(-1))
+        _store_pool(hbm, hbm_scales, start, index.hbm_rows, index.hbm_tokens, k, v, k_scales, v_scales)
 
 
 def token_slots(total: int, parts, page_size: int) -> np.ndarray | None:

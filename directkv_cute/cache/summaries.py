@@ -147,13 +147,13 @@ class PageSummaries:
         (st, si), (dt, di) = decode_page(src), decode_page(dst)
         self.pool(dt)[di].copy_(self.pool(st)[si])
 
-    def stored_k(self, k: torch.Tensor, kv: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    def stored_k(self, k: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """The K rows of a store as the summaries take them: ``k`` itself for 16-bit pages, else
-        the stored FP8 bytes (``kv``: ``(n, ..., 2, d)`` as the pages hold them) times their
-        scales (``(n, ..., 2)``), in bfloat16."""
+        the stored FP8 bytes (``stored``: ``(n, ..., d)`` as the pages hold them) times their
+        scales (``(n, ...)``), in bfloat16."""
         if not self.fp8:
             return k.detach()
-        return dequantize(kv[..., 0, :].view(self.page_dtype), scales[..., 0], self.dtype)
+        return dequantize(stored.view(self.page_dtype), scales, self.dtype)
 
     def merge(self, slots, layer: int | None, k: torch.Tensor) -> None:
         """Merge the K rows ``k`` ((total, Hkv, d) of layer ``layer``, or (total, L, Hkv, d) of every

@@ -19,7 +19,7 @@
 * ``store_kv``: a layer's new K/V rows into their pages of the layer's vLLM KV tensor, and into
   the mirrors of mirrored blocks (write-through), checked, then stored by the package's one
   store path (``cache.store.store_rows``, which the ``PagedKVCache`` stores through too): one
-  indexed copy per pool; with a sparse budget the layer's page summaries take the K rows too
+  indexed copy each of K and V per pool; with a sparse budget the layer's page summaries take the K rows too
   (``cache.summaries.StoreSummaries``).
 * ``kv_bytes_per_block``, ``host_blocks``, ``check_host_bytes``, ``hbm_pages``: host bytes ->
   blocks for a model, the refusal when the host cannot pin them, and the HBM budget -> mirror pages.
@@ -39,7 +39,7 @@ import torch
 from directkv_cute.attention import DirectKVAttention
 from directkv_cute.cache import KernelTables, page_bytes
 from directkv_cute.cache.pages import check_int, encode_page
-from directkv_cute.cache.store import StoreIndex, pool_rows, stack_kv, store_rows
+from directkv_cute.cache.store import StoreIndex, pool_rows, store_rows
 from directkv_cute.config import SUPPORTED_HEAD_DIMS, SUPPORTED_PAGE_SIZES
 from directkv_cute.env import VLLM_HBM_GB
 from directkv_cute.runner import plan_kernels, tables_from_host
@@ -261,8 +261,8 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None, summaries=None) 
     ``index``: the step's ``StoreIndex`` on their device; ``hbm``: the layer's HBM pool (slots,
     Hkv, 2, block_size, d), which the rows of mirrored blocks go to as well; ``summaries``: the
     layer's ``cache.summaries.StoreSummaries`` (a sparse budget's page summaries), which take the
-    stored K rows too (None: none kept). The checks, then ``cache.store.store_rows``: one stack of
-    the stored K/V and one indexed copy per pool (on a GPU the host stores go straight into the
+    stored K rows too (None: none kept). The checks, then ``cache.store.store_rows``: one indexed
+    copy each of K and V per pool (on a GPU the host stores go straight into the
     mapped host pages, on the current stream), then the summaries' merge (device operations, no
     host sync)."""
     if index.num_mirrored and hbm is None:
@@ -290,7 +290,7 @@ def store_kv(kv_cache, key, value, index: StoreIndex, hbm=None, summaries=None) 
                                   (hbm is not None and summaries.hbm.shape[0] != hbm.shape[0])):
         raise ValueError(f"the page summaries hold {summaries.host.shape[0]} host and {summaries.hbm.shape[0]} HBM "
                          f"pages, the pools {kv_cache.shape[0]} and {'no' if hbm is None else hbm.shape[0]}")
-    store_rows(index, stack_kv(key[: index.span], value[: index.span], kv_cache.dtype), kv_cache, hbm)
+    store_rows(index, key[: index.span].to(kv_cache.dtype), value[: index.span].to(kv_cache.dtype), kv_cache, hbm)
     if summaries is not None:
         summaries.merge(index, key[: index.span])
 
