@@ -25,7 +25,7 @@ import torch
 from directkv_cute.cache import PagedKVCache
 from directkv_cute.fp8 import dequantize, is_fp8
 
-_SCORES_PER_CHUNK = 1 << 26  # float32 scores per query chunk in paged_attention_ref (256 MB)
+_SCORES_PER_CHUNK = 1 << 26  # scores per query chunk of the references (256 MB in float32)
 
 
 def _check_q_lens(q_lens: Sequence[int] | None, batch: int, total_q: int, seq_lens: Sequence[int]) -> list[int]:
@@ -196,22 +196,27 @@ def dense_attention_ref(
     row = 0
     for k, v, q_len in zip(k_list, v_list, q_lens):
         seq_len = k.shape[0]
-        # Query heads grouped by their KV head: (Hkv, group * q_len, d), row = g * q_len + j.
-        qg = q[row : row + q_len].to(dtype).reshape(q_len, num_kv_heads, group, head_dim)
-        qg = qg.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
         kt = k.to(dtype).permute(1, 2, 0)  # (Hkv, d, seq_len)
         vh = v.to(dtype).permute(1, 0, 2)  # (Hkv, seq_len, d)
-        s = torch.bmm(qg, kt) * scale  # (Hkv, group * q_len, seq_len)
-        # Row g * q_len + j may see keys up to seq_len - q_len + j.
-        last_key = (seq_len - q_len + torch.arange(q_len, device=q.device)).repeat(group)  # (group * q_len,)
-        visible = torch.arange(seq_len, device=q.device)[None, :] <= last_key[:, None]  # (group * q_len, seq_len)
-        m = torch.where(visible, s, torch.full_like(s, -math.inf)).amax(dim=-1, keepdim=True)
-        e = torch.where(visible, torch.exp(s - m), torch.zeros_like(s))  # (Hkv, group * q_len, seq_len)
-        denom = e.sum(dim=-1, keepdim=True)  # (Hkv, group * q_len, 1)
-        o = torch.bmm(e, vh) / denom  # (Hkv, group * q_len, d)
-        o = o.reshape(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)  # (q_len, Hkv, group, d)
-        out[row : row + q_len] = o.reshape(q_len, num_q_heads, head_dim)
-        lse_g = (m + torch.log(denom)).reshape(num_kv_heads, group, q_len)  # (Hkv, group, q_len)
-        lse[row : row + q_len] = lse_g.permute(2, 0, 1).reshape(q_len, num_q_heads)
+        # Query rows in blocks of at most _SCORES_PER_CHUNK scores (Hkv, group * rows, seq_len).
+        step = max(1, _SCORES_PER_CHUNK // max(1, num_q_heads * seq_len))
+        for a in range(0, q_len, step):
+            b = min(q_len, a + step)
+            n = b - a
+            # Query heads grouped by their KV head: (Hkv, group * n, d), row = g * n + i.
+            qg = q[row + a: row + b].to(dtype).reshape(n, num_kv_heads, group, head_dim)
+            qg = qg.permute(1, 2, 0, 3).reshape(num_kv_heads, group * n, head_dim)
+            s = torch.bmm(qg, kt) * scale  # (Hkv, group * n, seq_len)
+            # Query j of the sequence sees keys up to seq_len - q_len + j.
+            last_key = (seq_len - q_len + torch.arange(a, b, device=q.device)).repeat(group)  # (group * n,)
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= last_key[:, None]  # (group * n, seq_len)
+            m = torch.where(visible, s, torch.full_like(s, -math.inf)).amax(dim=-1, keepdim=True)
+            e = torch.where(visible, torch.exp(s - m), torch.zeros_like(s))  # (Hkv, group * n, seq_len)
+            denom = e.sum(dim=-1, keepdim=True)  # (Hkv, group * n, 1)
+            o = torch.bmm(e, vh) / denom  # (Hkv, group * n, d)
+            o = o.reshape(num_kv_heads, group, n, head_dim).permute(2, 0, 1, 3)  # (n, Hkv, group, d)
+            out[row + a: row + b] = o.reshape(n, num_q_heads, head_dim)
+            lse_g = (m + torch.log(denom)).reshape(num_kv_heads, group, n)  # (Hkv, group, n)
+            lse[row + a: row + b] = lse_g.permute(2, 0, 1).reshape(n, num_q_heads)
         row += q_len
     return out, lse

@@ -200,3 +200,19 @@ def test_dense_errors(randn):
         dense_attention_ref(randn(1, 4, 16), [k], [], None, None)
     with pytest.raises(ValueError, match=r"q_lens\[0\] = 6"):
         dense_attention_ref(randn(6, 4, 16), [k], [v], [6], None)
+
+
+def test_dense_reference_in_row_blocks_equals_one_block(monkeypatch):
+    """The dense reference computes a long call's scores in blocks of query rows (bounded memory):
+    blocks of 3 rows give what one block gives, causal rows and GQA included."""
+    import directkv_cute.reference as R
+
+    torch.manual_seed(0)
+    ks = [torch.randn(300, 2, 16, dtype=torch.float64), torch.randn(77, 2, 16, dtype=torch.float64)]
+    vs = [torch.randn_like(k) for k in ks]
+    q = torch.randn(45, 8, 16, dtype=torch.float64)
+    whole = R.dense_attention_ref(q, ks, vs, [40, 5], None, dtype=torch.float64)
+    monkeypatch.setattr(R, "_SCORES_PER_CHUNK", 8 * 300 * 3)
+    blocks = R.dense_attention_ref(q, ks, vs, [40, 5], None, dtype=torch.float64)
+    for a, b in zip(whole, blocks):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
