@@ -131,8 +131,9 @@ class PageSelector:
     ``select`` into them. What depends on the rows' lengths alone (which pages are past a
     sequence or always read, the lengths read) is made once per change of ``page_table`` /
     ``seq_lens`` (their version counters: a plan that is reused over tables written in place,
-    as a CUDA graph's are, sees each write) and in every call under a CUDA graph capture (the
-    replay then remakes it per step); each layer then costs the bound, the scores, the top pages
+    as a CUDA graph's are, sees each write), and in every call under a CUDA graph capture (the
+    replay then remakes it per step) or over tables made under ``torch.inference_mode`` (no
+    version counter); each layer then costs the bound, the scores, the top pages
     and one gather."""
 
     def __init__(self, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, budget: int,
@@ -147,8 +148,10 @@ class PageSelector:
         self._seen = None
 
     def _row_state(self, capturing: bool):
-        seen = (self.page_table._version, self.seq_lens._version)
-        if capturing or self._rows is None or seen != self._seen:
+        # tensors made under torch.inference_mode keep no version counter: remade every call
+        tracked = not (self.page_table.is_inference() or self.seq_lens.is_inference())
+        seen = (self.page_table._version, self.seq_lens._version) if tracked else None
+        if capturing or seen is None or self._rows is None or seen != self._seen:
             self._rows = _row_bounds(self.seq_lens, self.page_size, self.page_table.shape[1], self.sink_pages,
                                      self.recent_pages)
             _selected_lens(self.seq_lens, self._rows[0], self.page_size, self.budget, self.lens)

@@ -492,3 +492,23 @@ def test_a_bound_selector_follows_tables_written_in_place():
     sel.select(q, summ, 0, 0.25, capturing=True)
     want_t, want_l = select_pages(q, table, lens, summ, 0, P, budget, 1, 1, 0.25)
     assert torch.equal(sel.table, want_t) and torch.equal(sel.lens, want_l)
+
+
+def test_a_selector_over_inference_tensors_selects_anew_each_call():
+    """Tables made under ``torch.inference_mode`` keep no version counter: the selector remakes
+    the rows' state every call and selects as ``select_pages`` does."""
+    from directkv_cute.sparse import PageSelector
+
+    rng = np.random.default_rng(2)
+    summ = _summaries(rng, 32, 0, 1, 2, 16)
+    summ.hbm = torch.zeros(0, 1, 2, 2, 16)
+    with torch.inference_mode():
+        table = torch.from_numpy(rng.choice(32, size=(2, 10), replace=False).astype(np.int32)).clone()
+        lens = torch.tensor([10 * 8, 4 * 8 + 3], dtype=torch.int32)
+        sel = PageSelector(table, lens, 8, 4, 1, 1, "cpu")
+        for n in (10 * 8, 6 * 8):
+            lens[0] = n
+            q = torch.randn(2, 4, 16)
+            sel.select(q, summ, 0, 0.25)
+            want_t, want_l = select_pages(q, table, lens, summ, 0, 8, 4, 1, 1, 0.25)
+            assert torch.equal(sel.table, want_t) and torch.equal(sel.lens, want_l)
