@@ -501,6 +501,8 @@ def format_table(doc: dict) -> str:
             lines.append("")
         last = (r["task"], r["length"])
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['error'] or ''}".rstrip(": ")
+        if r["status"] == "ok" and not r["n"]:  # a run stopped (killed) before this row's first batch
+            status = "not run"
         if r["status"] == "unavailable":
             status = "unavailable"
         lines.append(f"{r['task']:<18}{r['length']:>7}  {r['method']:<10}{r['n']:>4}{_fmt(r['score'], '.1f'):>7}"

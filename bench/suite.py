@@ -151,7 +151,7 @@ def summarize(doc: dict) -> str:
     parts = [f"== {doc['bench']}: {len(doc['records'])} records",
              format_table(doc["records"], ceilings, doc["notes"].get("variants"))]
     for m in doc["missing"]:
-        parts.append(f"missing: ours on {m['shape']} (hbm {m['hbm_fractions']}): {m['reason']}")
+        parts.append(f"missing: {m.get('method', 'ours')} on {m['shape']} (hbm {m['hbm_fractions']}): {m['reason']}")
     parts += problem_lines(doc)
     if not cpu:
         parts += fp8_target_lines(doc)

@@ -191,6 +191,13 @@ def test_a_time_budget_stops_early_and_says_so(monkeypatch):
     table = sa.format_table({**doc, "header": {"gpu": "cpu", "dtype": "float32", "date": "d"},
                              "args": {"page_size": 64, "seed": 0, "samples": 4, "batch_size": 2}, "unavailable": {}})
     assert "stopped early: the time budget of 15 s ran out after 20 s (niah_single 300: 2 of 4 samples)" in table
+    # a file whose run was killed before a group's first batch: its rows hold no sample, said so
+    for r in doc["rows"]:
+        if r["task"] == "vt":
+            r.update(status="ok", error=None)
+    table = sa.format_table({**doc, "header": {"gpu": "cpu", "dtype": "float32", "date": "d"},
+                             "args": {"page_size": 64, "seed": 0, "samples": 4, "batch_size": 2}, "unavailable": {}})
+    assert [line.endswith("not run") for line in table.splitlines() if line.startswith("vt ")] == [True, True]
 
 
 def test_the_plot_has_a_panel_per_length(monkeypatch, tmp_path):
