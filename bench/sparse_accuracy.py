@@ -21,9 +21,11 @@ Methods (``--methods``, in this order in the table):
 
 Per task, length and method the table gives the mean score over the samples, ``n``, the
 difference to ``exact`` on the same samples, the share of samples whose output equals exact's,
-and ``mass``: the mean fraction of the attention mass on the selected pages, as the cache reports
+``mass``: the mean fraction of the attention mass on the selected pages, as the cache reports
 it in ``cache.sparse_stats`` (a number, or a mapping / object with ``mass``, ``mean_mass`` or
-``attention_mass``), read after each batch's generate; blank where the cache reports none.
+``attention_mass``), read after each batch's generate; blank where the cache reports none; and
+``oracle``: the mass the best page set of the same size, shared by the heads, would have held
+(``sparse_stats.oracle_mass``): how far a better selection could go at that budget.
 
 Lengths are in the model's tokens: a sample's prompt, with the chat template and the answer
 prefix, takes up to ``length - max_new_tokens`` tokens (at most 2% fewer), so that prompt and
@@ -137,6 +139,12 @@ def sparse_unavailable() -> str | None:
     if getattr(directkv_cute, "SparseBudget", None) is None:
         return "directkv_cute.SparseBudget is missing (this build has no page selection)"
     return None
+
+
+def read_oracle(cache) -> float | None:
+    """``cache.sparse_stats.oracle_mass`` where the cache reports it, else None."""
+    value = getattr(getattr(cache, "sparse_stats", None), "oracle_mass", None)
+    return float(value) if isinstance(value, numbers.Real) and math.isfinite(value) else None
 
 
 def read_mass(cache) -> float | None:
@@ -299,8 +307,9 @@ class Runner:
         self.caches[method.name] = cache
         return cache
 
-    def generate(self, method: Method, batch: list[ruler.Sample]) -> tuple[list[str], list[int], float | None]:
-        """Greedy answers of one batch: (texts, new token counts, attention mass or None)."""
+    def generate(self, method: Method, batch: list[ruler.Sample]):
+        """Greedy answers of one batch: (texts, new token counts, attention mass or None, the
+        oracle's mass or None)."""
         import directkv_cute.hf as dkhf
         from transformers import DynamicCache
 
@@ -311,7 +320,7 @@ class Runner:
         new = batch[0].max_new_tokens
         kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id, temperature=None, top_p=None,
                   top_k=None)
-        mass = None
+        mass = oracle = None
         if method.dynamic:
             m.set_attn_implementation("sdpa")
             with torch.inference_mode():
@@ -325,14 +334,14 @@ class Runner:
                 cache.check_request(enc["attention_mask"].sum(1).tolist(), new)
                 with torch.inference_mode():
                     out = m.generate(**enc, **dkhf.cache_kwargs(m, cache), **kw)
-                mass = read_mass(cache)
+                mass, oracle = read_mass(cache), read_oracle(cache)
             finally:
                 cache.reset()
                 m.set_attn_implementation("sdpa")
         tokens = out[:, width:].cpu()
         texts = tok.batch_decode(tokens, skip_special_tokens=True)
         counts = [int((row != tok.pad_token_id).sum()) for row in tokens]
-        return texts, counts, mass
+        return texts, counts, mass, oracle
 
 
 class _Unavailable(Exception):
@@ -340,15 +349,15 @@ class _Unavailable(Exception):
 
 
 # ---- the run ----------------------------------------------------------------------------------
-ROW_FIELDS = ("task", "length", "method", "status", "n", "score", "d_exact", "same_as_exact", "mass",
+ROW_FIELDS = ("task", "length", "method", "status", "n", "score", "d_exact", "same_as_exact", "mass", "oracle",
               "prompt_tokens", "new_tokens", "seconds", "error", "scores", "outputs", "new_token_counts",
-              "batch_masses")
+              "batch_masses", "batch_oracles")
 
 
 def new_row(task: str, length: int, method: str, **fields) -> dict:
     row = {f: None for f in ROW_FIELDS}
     row.update(task=task, length=length, method=method, status="ok", n=0, seconds=0.0, scores=[], outputs=[],
-               new_token_counts=[], batch_masses=[])
+               new_token_counts=[], batch_masses=[], batch_oracles=[])
     row.update(fields)
     return row
 
@@ -367,6 +376,7 @@ def finish_rows(rows: list[dict]) -> None:
         r["score"] = _mean(r["scores"])
         r["new_tokens"] = _mean(r["new_token_counts"])
         r["mass"] = _mean(r["batch_masses"])
+        r["oracle"] = _mean(r.get("batch_oracles") or [])
         ref = exact.get((r["task"], r["length"]))
         r["d_exact"] = r["same_as_exact"] = None
         if ref is not None and r["n"] and r["status"] == "ok":
@@ -386,7 +396,8 @@ def summary_rows(rows: list[dict]) -> list[dict]:
             continue
         out.append({"length": length, "method": method, "tasks": len(mine), "score": _mean([r["score"] for r in mine]),
                     "d_exact": _mean([r["d_exact"] for r in mine]) if all(r["d_exact"] is not None for r in mine)
-                    else None, "mass": _mean([r["mass"] for r in mine])})
+                    else None, "mass": _mean([r["mass"] for r in mine]),
+                    "oracle": _mean([r.get("oracle") for r in mine])})
     return out
 
 
@@ -437,7 +448,7 @@ def run(opts: Options, runner: Runner, doc: dict, write) -> None:
                         continue
                     t0 = time.perf_counter()
                     try:
-                        texts, counts, mass = runner.generate(m, batch)
+                        texts, counts, mass, *oracle = runner.generate(m, batch)
                     except _Unavailable as e:
                         row.update(status="unavailable", error=str(e))
                         continue
@@ -456,6 +467,8 @@ def run(opts: Options, runner: Runner, doc: dict, write) -> None:
                                                  + runner.template_tokens, 1)
                     if mass is not None:
                         row["batch_masses"].append(mass)
+                    if oracle and oracle[0] is not None:
+                        row["batch_oracles"].append(oracle[0])
                 done = b0 + len(batch)
                 finish_rows(doc["rows"])
                 if opts.progress:
@@ -485,7 +498,8 @@ def format_table(doc: dict) -> str:
              NOTE,
              "score: mean over the samples of the share of expected strings in the output (0-100); d_exact: score "
              "minus exact's on the same samples; same: % of outputs equal to exact's; mass: mean attention mass "
-             "on the selected pages (the cache's sparse_stats), blank where not reported."]
+             "on the selected pages (the cache's sparse_stats), blank where not reported; oracle: what the best "
+             "page set of that size, shared by the heads, would hold."]
     for name, why in doc.get("unavailable", {}).items():
         lines.append(f"{name}: unavailable, skipped: {why}")
     stop = doc.get("stopped_early")
@@ -493,7 +507,8 @@ def format_table(doc: dict) -> str:
         lines.append(f"stopped early: the time budget of {stop['budget_s']:.0f} s ran out after "
                      f"{stop['after_s']:.0f} s ({stop['at']}: {stop['samples_done']} of {stop['samples']} samples); "
                      "later rows were skipped")
-    head = f"{'task':<18}{'length':>7}  {'method':<10}{'n':>4}{'score':>7}{'d_exact':>8}{'same':>6}{'mass':>7}  status"
+    head = (f"{'task':<18}{'length':>7}  {'method':<10}{'n':>4}{'score':>7}{'d_exact':>8}{'same':>6}{'mass':>7}"
+            f"{'oracle':>7}  status")
     lines += ["", head, "-" * len(head)]
     last = None
     for r in doc["rows"]:
@@ -507,12 +522,13 @@ def format_table(doc: dict) -> str:
             status = "unavailable"
         lines.append(f"{r['task']:<18}{r['length']:>7}  {r['method']:<10}{r['n']:>4}{_fmt(r['score'], '.1f'):>7}"
                      f"{_fmt(r['d_exact'], '.1f', True):>8}{_fmt(r['same_as_exact'], '.0f'):>6}"
-                     f"{_fmt(r['mass'], '.3f'):>7}  {status}")
+                     f"{_fmt(r['mass'], '.3f'):>7}{_fmt(r.get('oracle'), '.3f'):>7}  {status}")
     if doc.get("summary"):
         lines += ["", "mean over tasks", head.replace("task  ", "tasks ", 1), "-" * len(head)]
         for s in doc["summary"]:
             lines.append(f"{s['tasks']:<18}{s['length']:>7}  {s['method']:<10}{'':>4}{_fmt(s['score'], '.1f'):>7}"
-                         f"{_fmt(s['d_exact'], '.1f', True):>8}{'':>6}{_fmt(s['mass'], '.3f'):>7}")
+                         f"{_fmt(s['d_exact'], '.1f', True):>8}{'':>6}{_fmt(s['mass'], '.3f'):>7}"
+                         f"{_fmt(s.get('oracle'), '.3f'):>7}")
     return "\n".join(lines)
 
 
@@ -643,5 +659,5 @@ def cmd_sparse_accuracy(ns: argparse.Namespace) -> int:
 
 
 __all__ = ["DEFAULT_METHODS", "Method", "ROW_FIELDS", "SCHEMA", "add_arguments", "cmd_sparse_accuracy",
-           "finish_rows", "format_table", "parse_methods", "plot_scores", "read_mass", "resolve",
+           "finish_rows", "format_table", "parse_methods", "plot_scores", "read_mass", "read_oracle", "resolve",
            "sparse_unavailable", "summary_rows"]

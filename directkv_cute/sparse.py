@@ -174,12 +174,12 @@ def _page_keys(pool: torch.Tensor, scales: torch.Tensor | None, pages: torch.Ten
     return dequantize(k, scales[:, layer, :, 0].index_select(0, pages), torch.float32)
 
 
-def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor,
-                  cache, layer: int, scale: float) -> torch.Tensor:
-    """float32 (B,): for each decode row of ``q`` (B, Hq, d), the share of its exact softmax mass
-    (every key of its sequence, ``page_table`` (B, W) and ``seq_lens`` (B,) as for
-    ``page_scores``) on the pages of ``sel_table`` (B, K), averaged over the query heads. Keys
-    are read from ``cache``'s pools (FP8 pages dequantized with their scales)."""
+def page_masses(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, cache, layer: int,
+                scale: float) -> torch.Tensor:
+    """float32 (B, Hkv, g, W): for each decode row of ``q`` (B, Hq, d), the share of each query
+    head's exact softmax (every key of its sequence, ``page_table`` (B, W) and ``seq_lens`` (B,)
+    as for ``page_scores``) on each page. Keys are read from ``cache``'s pools (FP8 pages
+    dequantized with their scales)."""
     B, Hq, d = q.shape
     W = page_table.shape[1]
     on_gpu = cache.host_pool_cuda is not None  # the host pool's CUDA alias, as the kernels read it
@@ -196,17 +196,37 @@ def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
     s = torch.einsum("bhgd,bwhpd->bhgwp", qf, k) * scale  # (B, Hkv, g, W, P)
     pos = torch.arange(W * P, device=q.device).view(W, P)
     s = s.masked_fill((pos[None] >= seq_lens.long().view(B, 1, 1))[:, None, None], -math.inf)
-    chosen = (page_table[:, :, None] == sel_table[:, None, :]).any(-1)  # (B, W)
     whole = torch.logsumexp(s.flatten(3), dim=3)  # (B, Hkv, g)
-    part = torch.logsumexp(s.masked_fill(~chosen[:, None, None, :, None], -math.inf).flatten(3), dim=3)
-    return torch.exp(part - whole).flatten(1).mean(1)
+    return torch.exp(torch.logsumexp(s, dim=4) - whole[..., None])  # (B, Hkv, g, W)
+
+
+def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor,
+                  cache, layer: int, scale: float) -> torch.Tensor:
+    """float32 (B,): for each decode row, the share of its exact softmax mass (``page_masses``) on
+    the pages of ``sel_table`` (B, K), averaged over the query heads."""
+    chosen = (page_table[:, :, None] == sel_table[:, None, :]).any(-1)  # (B, W)
+    masses = page_masses(q, page_table, seq_lens, cache, layer, scale)
+    return (masses * chosen[:, None, None, :]).sum(3).flatten(1).mean(1)
+
+
+def oracle_mass(masses: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """float32 (B,): the most mass any ``pages[b]`` pages shared by all heads of row b could hold
+    (``masses``: ``page_masses``, (B, Hkv, g, W)): the pages of the largest mean mass over the
+    heads, their mass averaged over the heads. The bound a selection of that many pages per row
+    (one set for all heads, as sparse decode reads) is measured against."""
+    B, hkv, g, W = masses.shape
+    order = masses.mean((1, 2)).argsort(dim=1, descending=True)  # (B, W)
+    ranked = masses.gather(3, order[:, None, None, :].expand(B, hkv, g, W)).cumsum(3)  # (B, Hkv, g, W)
+    at = (pages.long().clamp(1, W) - 1).view(B, 1, 1, 1).expand(B, hkv, g, 1)
+    return ranked.gather(3, at).flatten(1).mean(1)
 
 
 class SparseStats:
     """What the selected pages of sparse decode steps hold of the exact attention (opt-in; see
     the module docstring): in ``DirectKVAttention.sparse_hooks`` (``DirectKVCache(...,
     sparse_stats=True)`` puts one there), every sparse decode layer run outside a CUDA graph
-    capture records its rows' ``selected_mass``. Sums stay on the device until read."""
+    capture records its rows' mass on the selected pages and ``oracle_mass``, the most that
+    as many pages shared by the heads could hold. Sums stay on the device until read."""
 
     def __init__(self):
         self.reset()
@@ -216,16 +236,22 @@ class SparseStats:
         ``seq_lens``: record its rows' attention mass (not while a CUDA graph is captured)."""
         if call.capturing:
             return
-        self.record(selected_mass(call.q, page_table, seq_lens, sel_table, call.cache, call.layer, call.scale))
+        masses = page_masses(call.q, page_table, seq_lens, call.cache, call.layer, call.scale)
+        chosen = (page_table[:, :, None] == sel_table[:, None, :]).any(-1)  # (B, W)
+        pages = (sel_table[:, 1:] != sel_table[:, :-1]).sum(1) + 1  # (B,) distinct: repeats end a row
+        self.record((masses * chosen[:, None, None, :]).sum(3).flatten(1).mean(1), oracle_mass(masses, pages))
 
     def reset(self) -> None:
-        self._sum = None
+        self._sum = self._oracle = None
         self._count = 0
 
-    def record(self, mass: torch.Tensor) -> None:
-        """Adds the per-row masses (a 1-d tensor) of one layer run."""
+    def record(self, mass: torch.Tensor, oracle: torch.Tensor | None = None) -> None:
+        """Adds the per-row masses (a 1-d tensor) of one layer run, and the oracle's for them."""
         total = mass.double().sum()
         self._sum = total if self._sum is None else self._sum + total
+        if oracle is not None:
+            best = oracle.double().sum()
+            self._oracle = best if self._oracle is None else self._oracle + best
         self._count += mass.numel()
 
     @property
@@ -238,6 +264,12 @@ class SparseStats:
         """The mean attention mass on the selected pages over every row and layer recorded (0..1);
         None before the first."""
         return None if not self._count else float(self._sum) / self._count
+
+    @property
+    def oracle_mass(self) -> float | None:
+        """The mean of ``sparse.oracle_mass`` over the same rows and layers (0..1): what the best
+        page set of each selection's size would have held; None before the first."""
+        return None if not self._count or self._oracle is None else float(self._oracle) / self._count
 
 
 class RecallCounts:
@@ -271,4 +303,5 @@ class RecallCounts:
         return host, hbm
 
 
-__all__ = ["PageSelector", "RecallCounts", "SparseBudget", "SparseStats", "page_scores", "parse_budget", "select_pages", "selected_mass"]
+__all__ = ["PageSelector", "RecallCounts", "SparseBudget", "SparseStats", "oracle_mass", "page_masses", "page_scores",
+           "parse_budget", "select_pages", "selected_mass"]

@@ -42,6 +42,8 @@ def test_the_mass_is_read_from_what_the_cache_reports():
     assert sa.read_mass(SimpleNamespace()) is None
     assert sa.read_mass(SimpleNamespace(sparse_stats=None)) is None
     assert sa.read_mass(SimpleNamespace(sparse_stats=0.93)) == 0.93
+    assert sa.read_oracle(SimpleNamespace(sparse_stats=SimpleNamespace(oracle_mass=0.97))) == 0.97
+    assert sa.read_oracle(SimpleNamespace(sparse_stats=0.93)) is None
     assert sa.read_mass(SimpleNamespace(sparse_stats={"mass": 0.5, "steps": 3})) == 0.5
     assert sa.read_mass(SimpleNamespace(sparse_stats=lambda: {"mean_mass": torch.tensor(0.25)})) == 0.25
     assert sa.read_mass(SimpleNamespace(sparse_stats=SimpleNamespace(attention_mass=0.75))) == 0.75
@@ -123,7 +125,8 @@ class FakeRunner:
         if method.name == "1/4":
             raise RuntimeError("selection failed\nsecond line")
         texts = [", ".join(s.answers) if method.name != "1/8" or s.index % 2 else "no idea" for s in batch]
-        return texts, [3] * len(batch), (0.9 if method.name == "1/8" else None)
+        sparse = method.name == "1/8"
+        return texts, [3] * len(batch), (0.9 if sparse else None), (0.95 if sparse else None)
 
 
 def _run(monkeypatch, *, sparse: bool, budget=None, methods="dynamic,exact,1/4,1/8"):
@@ -148,6 +151,7 @@ def test_rows_hold_scores_differences_to_exact_and_the_mass(monkeypatch, capsys)
         assert rows[task, "dynamic"]["d_exact"] == 0.0 and rows[task, "dynamic"]["same_as_exact"] == 100.0
         half = rows[task, "1/8"]
         assert (half["score"], half["d_exact"], half["same_as_exact"], half["mass"]) == (50.0, -50.0, 50.0, 0.9)
+        assert half["oracle"] == 0.95 and rows[task, "exact"]["oracle"] is None
         assert rows[task, "exact"]["mass"] is None and half["new_tokens"] == 3
         failed = rows[task, "1/4"]
         assert failed["status"] == "error" and failed["error"] == "RuntimeError: selection failed"
@@ -160,6 +164,7 @@ def test_rows_hold_scores_differences_to_exact_and_the_mass(monkeypatch, capsys)
     table = sa.format_table({**doc, "header": {"gpu": "cpu", "dtype": "float32", "date": "d"},
                              "args": {"page_size": 64, "seed": 0, "samples": 4, "batch_size": 2}, "unavailable": {}})
     assert "niah_single" in table and "-50.0" in table and "0.900" in table and "error: RuntimeError" in table
+    assert "0.900  0.950" in table
     assert sa.NOTE in table
 
 

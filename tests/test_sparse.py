@@ -182,7 +182,7 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
     dk.sparse_hooks.append(stats)
     plan = dk.plan(tables=tables, num_q_heads=hq, sparse=budget)
     assert plan.route == "sparse_decode" and plan.detail.pages == 6
-    masses = []
+    masses, oracles = [], []
     scale = 1 / math.sqrt(d)
     host, hbm = cache.device_pool("host"), cache.device_pool("hbm")
     for layer in range(L):
@@ -214,8 +214,13 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
             for j in want:
                 on[j * P: j * P + rows[j]] = True
             masses.append(float(probs[:, on].sum(-1).mean()))
+            # the best set of as many pages for all heads: the largest mean page masses
+            per_page = torch.stack([probs[:, j * P: j * P + rows[j]].sum(-1).mean() for j in range(pages)])
+            oracles.append(float(per_page.topk(len(want)).values.sum()))
     assert stats.count == L * len(sids)
     assert stats.mass == pytest.approx(sum(masses) / len(masses), abs=2e-3)
+    assert stats.oracle_mass == pytest.approx(sum(oracles) / len(oracles), abs=2e-3)
+    assert stats.oracle_mass >= stats.mass - 1e-6
     assert 0 < stats.mass < 1  # one row within the budget holds all its mass, the others less
     full = dk.plan(tables=tables, num_q_heads=hq, sparse=SparseBudget(fraction=1.0))
     assert full.route != "sparse_decode"
