@@ -204,8 +204,12 @@ def selected_mass(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Ten
                   cache, layer: int, scale: float) -> torch.Tensor:
     """float32 (B,): for each decode row, the share of its exact softmax mass (``page_masses``) on
     the pages of ``sel_table`` (B, K), averaged over the query heads."""
+    return _held(page_masses(q, page_table, seq_lens, cache, layer, scale), page_table, sel_table)
+
+
+def _held(masses: torch.Tensor, page_table: torch.Tensor, sel_table: torch.Tensor) -> torch.Tensor:
+    """float32 (B,): the mass (``masses`` (B, Hkv, g, W)) on the pages of ``sel_table``, mean over heads."""
     chosen = (page_table[:, :, None] == sel_table[:, None, :]).any(-1)  # (B, W)
-    masses = page_masses(q, page_table, seq_lens, cache, layer, scale)
     return (masses * chosen[:, None, None, :]).sum(3).flatten(1).mean(1)
 
 
@@ -237,9 +241,8 @@ class SparseStats:
         if call.capturing:
             return
         masses = page_masses(call.q, page_table, seq_lens, call.cache, call.layer, call.scale)
-        chosen = (page_table[:, :, None] == sel_table[:, None, :]).any(-1)  # (B, W)
         pages = (sel_table[:, 1:] != sel_table[:, :-1]).sum(1) + 1  # (B,) distinct: repeats end a row
-        self.record((masses * chosen[:, None, None, :]).sum(3).flatten(1).mean(1), oracle_mass(masses, pages))
+        self.record(_held(masses, page_table, sel_table), oracle_mass(masses, pages))
 
     def reset(self) -> None:
         self._sum = self._oracle = None
