@@ -141,6 +141,12 @@ def sparse_unavailable() -> str | None:
     return None
 
 
+def read_layers(cache) -> dict:
+    """``cache.sparse_stats.by_layer`` ({layer: (mass, oracle)}) where the cache reports it, else {}."""
+    value = getattr(getattr(cache, "sparse_stats", None), "by_layer", None)
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
 def read_oracle(cache) -> float | None:
     """``cache.sparse_stats.oracle_mass`` where the cache reports it, else None."""
     value = getattr(getattr(cache, "sparse_stats", None), "oracle_mass", None)
@@ -309,7 +315,7 @@ class Runner:
 
     def generate(self, method: Method, batch: list[ruler.Sample]):
         """Greedy answers of one batch: (texts, new token counts, attention mass or None, the
-        oracle's mass or None)."""
+        oracle's mass or None, {layer: (mass, oracle)})."""
         import directkv_cute.hf as dkhf
         from transformers import DynamicCache
 
@@ -321,6 +327,7 @@ class Runner:
         kw = dict(max_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id, temperature=None, top_p=None,
                   top_k=None)
         mass = oracle = None
+        layers: dict = {}
         if method.dynamic:
             m.set_attn_implementation("sdpa")
             with torch.inference_mode():
@@ -334,14 +341,14 @@ class Runner:
                 cache.check_request(enc["attention_mask"].sum(1).tolist(), new)
                 with torch.inference_mode():
                     out = m.generate(**enc, **dkhf.cache_kwargs(m, cache), **kw)
-                mass, oracle = read_mass(cache), read_oracle(cache)
+                mass, oracle, layers = read_mass(cache), read_oracle(cache), read_layers(cache)
             finally:
                 cache.reset()
                 m.set_attn_implementation("sdpa")
         tokens = out[:, width:].cpu()
         texts = tok.batch_decode(tokens, skip_special_tokens=True)
         counts = [int((row != tok.pad_token_id).sum()) for row in tokens]
-        return texts, counts, mass, oracle
+        return texts, counts, mass, oracle, layers
 
 
 class _Unavailable(Exception):
@@ -351,13 +358,13 @@ class _Unavailable(Exception):
 # ---- the run ----------------------------------------------------------------------------------
 ROW_FIELDS = ("task", "length", "method", "status", "n", "score", "d_exact", "same_as_exact", "mass", "oracle",
               "prompt_tokens", "new_tokens", "seconds", "error", "scores", "outputs", "new_token_counts",
-              "batch_masses", "batch_oracles")
+              "batch_masses", "batch_oracles", "layer_mass", "layer_oracle", "batch_layers")
 
 
 def new_row(task: str, length: int, method: str, **fields) -> dict:
     row = {f: None for f in ROW_FIELDS}
     row.update(task=task, length=length, method=method, status="ok", n=0, seconds=0.0, scores=[], outputs=[],
-               new_token_counts=[], batch_masses=[], batch_oracles=[])
+               new_token_counts=[], batch_masses=[], batch_oracles=[], batch_layers=[])
     row.update(fields)
     return row
 
@@ -377,6 +384,10 @@ def finish_rows(rows: list[dict]) -> None:
         r["new_tokens"] = _mean(r["new_token_counts"])
         r["mass"] = _mean(r["batch_masses"])
         r["oracle"] = _mean(r.get("batch_oracles") or [])
+        per = r.get("batch_layers") or []  # one {layer: [mass, oracle]} per batch
+        layers = sorted({int(k) for b in per for k in b})
+        r["layer_mass"] = [_mean([b[k][0] for b in per if k in b]) for k in map(str, layers)] or None
+        r["layer_oracle"] = [_mean([b[k][1] for b in per if k in b]) for k in map(str, layers)] or None
         ref = exact.get((r["task"], r["length"]))
         r["d_exact"] = r["same_as_exact"] = None
         if ref is not None and r["n"] and r["status"] == "ok":
@@ -448,7 +459,7 @@ def run(opts: Options, runner: Runner, doc: dict, write) -> None:
                         continue
                     t0 = time.perf_counter()
                     try:
-                        texts, counts, mass, *oracle = runner.generate(m, batch)
+                        texts, counts, mass, *extra = runner.generate(m, batch)
                     except _Unavailable as e:
                         row.update(status="unavailable", error=str(e))
                         continue
@@ -467,8 +478,10 @@ def run(opts: Options, runner: Runner, doc: dict, write) -> None:
                                                  + runner.template_tokens, 1)
                     if mass is not None:
                         row["batch_masses"].append(mass)
-                    if oracle and oracle[0] is not None:
-                        row["batch_oracles"].append(oracle[0])
+                    if extra and extra[0] is not None:
+                        row["batch_oracles"].append(extra[0])
+                    if len(extra) > 1 and extra[1]:  # per layer, keys as strings: the JSON's
+                        row["batch_layers"].append({str(k): list(v) for k, v in extra[1].items()})
                 done = b0 + len(batch)
                 finish_rows(doc["rows"])
                 if opts.progress:
@@ -523,6 +536,17 @@ def format_table(doc: dict) -> str:
         lines.append(f"{r['task']:<18}{r['length']:>7}  {r['method']:<10}{r['n']:>4}{_fmt(r['score'], '.1f'):>7}"
                      f"{_fmt(r['d_exact'], '.1f', True):>8}{_fmt(r['same_as_exact'], '.0f'):>6}"
                      f"{_fmt(r['mass'], '.3f'):>7}{_fmt(r.get('oracle'), '.3f'):>7}  {status}")
+    per_layer = [r for r in doc["rows"] if r.get("layer_mass")]
+    if per_layer:
+        lines += ["", "mass (oracle) per layer, mean over the tasks"]
+        for length, method in dict.fromkeys((r["length"], r["method"]) for r in per_layer):
+            mine = [r for r in per_layer if (r["length"], r["method"]) == (length, method)]
+            cells = []
+            for i in range(max(len(r["layer_mass"]) for r in mine)):
+                m = _mean([r["layer_mass"][i] for r in mine if i < len(r["layer_mass"])])
+                o = _mean([r["layer_oracle"][i] for r in mine if i < len(r["layer_oracle"] or [])])
+                cells.append(f"{i}: {_fmt(m, '.2f')} ({_fmt(o, '.2f')})")
+            lines.append(f"{method} at {length}: " + "  ".join(cells))
     if doc.get("summary"):
         lines += ["", "mean over tasks", head.replace("task  ", "tasks ", 1), "-" * len(head)]
         for s in doc["summary"]:
@@ -659,5 +683,5 @@ def cmd_sparse_accuracy(ns: argparse.Namespace) -> int:
 
 
 __all__ = ["DEFAULT_METHODS", "Method", "ROW_FIELDS", "SCHEMA", "add_arguments", "cmd_sparse_accuracy",
-           "finish_rows", "format_table", "parse_methods", "plot_scores", "read_mass", "read_oracle", "resolve",
+           "finish_rows", "format_table", "parse_methods", "plot_scores", "read_layers", "read_mass", "read_oracle", "resolve",
            "sparse_unavailable", "summary_rows"]

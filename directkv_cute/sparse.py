@@ -242,20 +242,32 @@ class SparseStats:
             return
         masses = page_masses(call.q, page_table, seq_lens, call.cache, call.layer, call.scale)
         pages = (sel_table[:, 1:] != sel_table[:, :-1]).sum(1) + 1  # (B,) distinct: repeats end a row
-        self.record(_held(masses, page_table, sel_table), oracle_mass(masses, pages))
+        self.record(_held(masses, page_table, sel_table), oracle_mass(masses, pages), call.layer)
 
     def reset(self) -> None:
         self._sum = self._oracle = None
         self._count = 0
+        self._layers: dict = {}  # layer -> [mass sum, oracle sum or None, rows], sums on the device
 
-    def record(self, mass: torch.Tensor, oracle: torch.Tensor | None = None) -> None:
+    def record(self, mass: torch.Tensor, oracle: torch.Tensor | None = None, layer: int | None = None) -> None:
         """Adds the per-row masses (a 1-d tensor) of one layer run, and the oracle's for them."""
         total = mass.double().sum()
         self._sum = total if self._sum is None else self._sum + total
-        if oracle is not None:
-            best = oracle.double().sum()
+        best = None if oracle is None else oracle.double().sum()
+        if best is not None:
             self._oracle = best if self._oracle is None else self._oracle + best
         self._count += mass.numel()
+        if layer is not None:
+            acc = self._layers.setdefault(layer, [0, None, 0])
+            acc[0] = acc[0] + total
+            acc[1] = best if acc[1] is None else (acc[1] if best is None else acc[1] + best)
+            acc[2] += mass.numel()
+
+    @property
+    def by_layer(self) -> dict:
+        """{layer: (mean mass, mean oracle mass or None)} over the rows recorded at each layer."""
+        return {layer: (float(m) / n, None if o is None else float(o) / n)
+                for layer, (m, o, n) in sorted(self._layers.items())}
 
     @property
     def count(self) -> int:

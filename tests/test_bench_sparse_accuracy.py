@@ -126,7 +126,8 @@ class FakeRunner:
             raise RuntimeError("selection failed\nsecond line")
         texts = [", ".join(s.answers) if method.name != "1/8" or s.index % 2 else "no idea" for s in batch]
         sparse = method.name == "1/8"
-        return texts, [3] * len(batch), (0.9 if sparse else None), (0.95 if sparse else None)
+        layers = {0: (0.8, 0.85), 1: (1.0, 1.0)} if sparse else {}
+        return texts, [3] * len(batch), (0.9 if sparse else None), (0.95 if sparse else None), layers
 
 
 def _run(monkeypatch, *, sparse: bool, budget=None, methods="dynamic,exact,1/4,1/8"):
@@ -152,6 +153,8 @@ def test_rows_hold_scores_differences_to_exact_and_the_mass(monkeypatch, capsys)
         half = rows[task, "1/8"]
         assert (half["score"], half["d_exact"], half["same_as_exact"], half["mass"]) == (50.0, -50.0, 50.0, 0.9)
         assert half["oracle"] == 0.95 and rows[task, "exact"]["oracle"] is None
+        assert half["layer_mass"] == [0.8, 1.0] and half["layer_oracle"] == [0.85, 1.0]
+        assert rows[task, "exact"]["layer_mass"] is None
         assert rows[task, "exact"]["mass"] is None and half["new_tokens"] == 3
         failed = rows[task, "1/4"]
         assert failed["status"] == "error" and failed["error"] == "RuntimeError: selection failed"
@@ -165,6 +168,7 @@ def test_rows_hold_scores_differences_to_exact_and_the_mass(monkeypatch, capsys)
                              "args": {"page_size": 64, "seed": 0, "samples": 4, "batch_size": 2}, "unavailable": {}})
     assert "niah_single" in table and "-50.0" in table and "0.900" in table and "error: RuntimeError" in table
     assert "0.900  0.950" in table
+    assert "1/8 at 300: 0: 0.80 (0.85)  1: 1.00 (1.00)" in table
     assert sa.NOTE in table
 
 

@@ -221,6 +221,12 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
     assert stats.mass == pytest.approx(sum(masses) / len(masses), abs=2e-3)
     assert stats.oracle_mass == pytest.approx(sum(oracles) / len(oracles), abs=2e-3)
     assert stats.oracle_mass >= stats.mass - 1e-6
+    per_layer = stats.by_layer
+    assert sorted(per_layer) == list(range(L))
+    for layer, (m, o) in per_layer.items():  # each layer's rows: the same numbers, per layer
+        rows = slice(layer * len(sids), (layer + 1) * len(sids))
+        assert m == pytest.approx(sum(masses[rows]) / len(sids), abs=2e-3)
+        assert o == pytest.approx(sum(oracles[rows]) / len(sids), abs=2e-3)
     assert 0 < stats.mass < 1  # one row within the budget holds all its mass, the others less
     full = dk.plan(tables=tables, num_q_heads=hq, sparse=SparseBudget(fraction=1.0))
     assert full.route != "sparse_decode"
