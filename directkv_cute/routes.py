@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from directkv_cute.cache.pages import kernel_host_pool
 from directkv_cute.cache.tables import KernelTables
 from directkv_cute.cascade import merge_partials, pack_rows, unpack_rows
 from directkv_cute.kernels import launch
@@ -252,7 +253,7 @@ class QTiledRoute(Route):
         shape, lo = plan.shape, plan.detail.layout
         hkv = shape.num_kv_heads
         sp = plan.staging
-        host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+        host = kernel_host_pool(cache)
         tables = bound.tables
         fn = compiled_q_tiled(*self.q_tiled_args(plan, q.dtype))
         out = torch.empty_like(q) if call.out is None else call.out

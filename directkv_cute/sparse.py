@@ -38,6 +38,7 @@ import math
 
 import torch
 
+from directkv_cute.cache.pages import kernel_host_pool, kernel_host_scales
 from directkv_cute.fp8 import dequantize
 from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
@@ -182,9 +183,7 @@ def page_masses(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tenso
     dequantized with their scales)."""
     B, Hq, d = q.shape
     W = page_table.shape[1]
-    on_gpu = cache.host_pool_cuda is not None  # the host pool's CUDA alias, as the kernels read it
-    host = cache.host_pool_cuda if on_gpu else cache.host_pool
-    host_s = cache.host_scales_cuda if on_gpu else cache.host_scales
+    host, host_s = kernel_host_pool(cache), kernel_host_scales(cache)  # as the kernels read them
     e = page_table.long()
     k = _page_keys(host, host_s, e.clamp(min=0).view(-1), layer)  # (B * W, Hkv, P, d)
     if cache.hbm_pool is not None and cache.hbm_pool.shape[0]:

@@ -38,6 +38,7 @@ import threading
 
 import numpy as np
 
+from directkv_cute.cache.pages import kernel_host_pool, kernel_host_scales
 from directkv_cute.stage_plan import MAX_FLAGS, SLOTS, Run, StagePlan
 
 HEADS_PER_COPY = 1  # KV heads per strided copy of a copy staged head by head (wider rows, coarser steps)
@@ -185,7 +186,7 @@ class Stager:
         import cuda.bindings.driver as drv
         import torch
 
-        host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+        host = kernel_host_pool(cache)
         piece_shape = tuple(host.shape[2:])  # (Hkv, 2, P, d)
         heads = piece_shape[0]
         n_flags = len(plan.pieces) * (heads if by_head else 1)
@@ -251,8 +252,7 @@ class Stager:
         [0, g]) waits for event p (g) on its stream; ``finish`` after the last launch."""
         import torch
 
-        host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
-        host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+        host, host_s = kernel_host_pool(cache), kernel_host_scales(cache)
         if groups is not None and len(plan.pieces) != 1:
             raise ValueError(f"staging: FP8 pages staged head by head need a one-piece plan, got "
                              f"{len(plan.pieces)} pieces")

@@ -52,6 +52,17 @@ def decode_page(entry: int) -> tuple[Tier, int]:
     return ("host", entry) if entry >= 0 else ("hbm", -entry - 1)
 
 
+def kernel_host_pool(cache):
+    """The host pool of a ``PagedKVCache`` or ``runner.PoolView`` as GPU kernels address it: the
+    CUDA alias of the pinned pool where there is one, else the pool itself."""
+    return cache.host_pool if cache.host_pool_cuda is None else cache.host_pool_cuda
+
+
+def kernel_host_scales(cache):
+    """The host pool's FP8 scales as GPU kernels address them (``kernel_host_pool``), or None."""
+    return cache.host_scales if cache.host_scales_cuda is None else cache.host_scales_cuda
+
+
 def check_int(value: object, name: str, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from directkv_cute.cache.pages import kernel_host_pool, kernel_host_scales
 from directkv_cute.fp8 import is_fp8
 from directkv_cute.kernels.jit import cutlass_dtype
 
@@ -64,14 +65,14 @@ def launch_decode(fn, q, o, lse, cache, layer, page_table, seq_lens, cu_q, num_s
     from cutlass import Float32, Int32
 
     # The device-side alias of the pinned pool (its UVA/device address), not the host tensor.
-    host = cache.host_pool_cuda if cache.host_pool_cuda is not None else cache.host_pool
+    host = kernel_host_pool(cache)
     hbm = cache.hbm_pool
     no_hbm = hbm is None or hbm.numel() == 0
     if no_hbm:  # no HBM tier: a valid stand-in the kernel never reads
         hbm = host
     scales = ()
     if is_fp8(cache.dtype):
-        host_s = cache.host_scales_cuda if cache.host_scales_cuda is not None else cache.host_scales
+        host_s = kernel_host_scales(cache)
         scales = (_ptr(host_s), _ptr(host_s if no_hbm else cache.hbm_scales))
     batch, max_pages = page_table.shape
     fn(
