@@ -459,7 +459,7 @@ def run(opts: Options, runner: Runner, doc: dict, write) -> None:
                         continue
                     t0 = time.perf_counter()
                     try:
-                        texts, counts, mass, *extra = runner.generate(m, batch)
+                        texts, counts, mass, oracle, layers = runner.generate(m, batch)
                     except _Unavailable as e:
                         row.update(status="unavailable", error=str(e))
                         continue
@@ -478,10 +478,10 @@ def run(opts: Options, runner: Runner, doc: dict, write) -> None:
                                                  + runner.template_tokens, 1)
                     if mass is not None:
                         row["batch_masses"].append(mass)
-                    if extra and extra[0] is not None:
-                        row["batch_oracles"].append(extra[0])
-                    if len(extra) > 1 and extra[1]:  # per layer, keys as strings: the JSON's
-                        row["batch_layers"].append({str(k): list(v) for k, v in extra[1].items()})
+                    if oracle is not None:
+                        row["batch_oracles"].append(oracle)
+                    if layers:  # per layer, keys as strings: the JSON's
+                        row["batch_layers"].append({str(k): list(v) for k, v in layers.items()})
                 done = b0 + len(batch)
                 finish_rows(doc["rows"])
                 if opts.progress:
@@ -683,5 +683,5 @@ def cmd_sparse_accuracy(ns: argparse.Namespace) -> int:
 
 
 __all__ = ["DEFAULT_METHODS", "Method", "ROW_FIELDS", "SCHEMA", "add_arguments", "cmd_sparse_accuracy",
-           "finish_rows", "format_table", "parse_methods", "plot_scores", "read_layers", "read_mass", "read_oracle", "resolve",
-           "sparse_unavailable", "summary_rows"]
+           "finish_rows", "format_table", "parse_methods", "plot_scores", "read_layers", "read_mass", "read_oracle",
+           "resolve", "sparse_unavailable", "summary_rows"]

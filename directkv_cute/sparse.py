@@ -244,46 +244,42 @@ class SparseStats:
         self.record(_held(masses, page_table, sel_table), oracle_mass(masses, pages), call.layer)
 
     def reset(self) -> None:
-        self._sum = self._oracle = None
-        self._count = 0
-        self._layers: dict = {}  # layer -> [mass sum, oracle sum or None, rows], sums on the device
+        self._sums: dict = {}  # layer (None: not given) -> [mass sum, oracle sum or None, rows], on the device
 
     def record(self, mass: torch.Tensor, oracle: torch.Tensor | None = None, layer: int | None = None) -> None:
         """Adds the per-row masses (a 1-d tensor) of one layer run, and the oracle's for them."""
-        total = mass.double().sum()
-        self._sum = total if self._sum is None else self._sum + total
-        best = None if oracle is None else oracle.double().sum()
-        if best is not None:
-            self._oracle = best if self._oracle is None else self._oracle + best
-        self._count += mass.numel()
-        if layer is not None:
-            acc = self._layers.setdefault(layer, [0, None, 0])
-            acc[0] = acc[0] + total
-            acc[1] = best if acc[1] is None else (acc[1] if best is None else acc[1] + best)
-            acc[2] += mass.numel()
-
-    @property
-    def by_layer(self) -> dict:
-        """{layer: (mean mass, mean oracle mass or None)} over the rows recorded at each layer."""
-        return {layer: (float(m) / n, None if o is None else float(o) / n)
-                for layer, (m, o, n) in sorted(self._layers.items())}
+        acc = self._sums.setdefault(layer, [0, None, 0])
+        acc[0] = acc[0] + mass.double().sum()
+        if oracle is not None:
+            best = oracle.double().sum()
+            acc[1] = best if acc[1] is None else acc[1] + best
+        acc[2] += mass.numel()
 
     @property
     def count(self) -> int:
         """Rows x layers recorded since the last ``reset``."""
-        return self._count
+        return sum(n for _, _, n in self._sums.values())
 
     @property
     def mass(self) -> float | None:
         """The mean attention mass on the selected pages over every row and layer recorded (0..1);
         None before the first."""
-        return None if not self._count else float(self._sum) / self._count
+        n = self.count
+        return float(sum(m for m, _, _ in self._sums.values())) / n if n else None
 
     @property
     def oracle_mass(self) -> float | None:
         """The mean of ``sparse.oracle_mass`` over the same rows and layers (0..1): what the best
         page set of each selection's size would have held; None before the first."""
-        return None if not self._count or self._oracle is None else float(self._oracle) / self._count
+        n, best = self.count, [o for _, o, _ in self._sums.values() if o is not None]
+        return float(sum(best)) / n if n and best else None
+
+    @property
+    def by_layer(self) -> dict:
+        """{layer: (mean mass, mean oracle mass or None)} over the rows recorded at each layer."""
+        layers = sorted(layer for layer in self._sums if layer is not None)
+        return {layer: (float(m) / n, None if o is None else float(o) / n)
+                for layer in layers for m, o, n in [self._sums[layer]]}
 
 
 class RecallCounts:

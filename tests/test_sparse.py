@@ -523,3 +523,20 @@ def test_a_selector_over_inference_tensors_selects_anew_each_call():
             sel.select(q, summ, 0, 0.25)
             want_t, want_l = select_pages(q, table, lens, summ, 0, 8, 4, 1, 1, 0.25)
             assert torch.equal(sel.table, want_t) and torch.equal(sel.lens, want_l)
+
+
+def test_sparse_stats_means_overall_and_per_layer():
+    """``SparseStats.record``: the overall means weigh every row once; ``by_layer`` holds the
+    layers given, in order; rows recorded without a layer count overall only."""
+    stats = SparseStats()
+    assert stats.mass is None and stats.oracle_mass is None and stats.by_layer == {}
+    stats.record(torch.tensor([0.5, 0.7]), torch.tensor([0.6, 0.8]), layer=3)
+    stats.record(torch.tensor([0.9]), torch.tensor([1.0]), layer=1)
+    stats.record(torch.tensor([0.1]))
+    assert stats.count == 4
+    assert stats.mass == pytest.approx((0.5 + 0.7 + 0.9 + 0.1) / 4)
+    assert stats.oracle_mass == pytest.approx((0.6 + 0.8 + 1.0) / 4)
+    assert list(stats.by_layer) == [1, 3]
+    assert stats.by_layer[3] == pytest.approx((0.6, 0.7)) and stats.by_layer[1] == pytest.approx((0.9, 1.0))
+    stats.reset()
+    assert stats.count == 0 and stats.by_layer == {}
