@@ -290,27 +290,25 @@ class RecallCounts:
     page count once."""
 
     def __init__(self, num_host_pages: int, num_hbm_pages: int, device):
-        # one spare slot at the end of each: where entries of the other tier and repeats land
-        self.host = torch.zeros(num_host_pages + 1, dtype=torch.float32, device=device)
-        self.hbm = torch.zeros(num_hbm_pages + 1, dtype=torch.float32, device=device)
+        self.num_host_pages = num_host_pages
+        # the host pages' counts, then the HBM pages', then one spare slot where repeats land
+        self.counts = torch.zeros(num_host_pages + num_hbm_pages + 1, dtype=torch.float32, device=device)
+        self._ones = torch.ones(0, dtype=torch.float32, device=device)  # one per entry of a table, kept
 
     def selected(self, call, page_table: torch.Tensor, seq_lens: torch.Tensor, sel_table: torch.Tensor) -> None:
         sel = sel_table.long()
-        repeat = torch.zeros_like(sel, dtype=torch.bool)
-        repeat[:, 1:] = sel[:, 1:] == sel[:, :-1]
-        spare_h, spare_d = self.host.shape[0] - 1, self.hbm.shape[0] - 1
-        on_host = (sel >= 0) & ~repeat
-        on_hbm = (sel < 0) & ~repeat
-        ones = torch.ones(sel.numel(), dtype=torch.float32, device=sel.device)
-        self.host.index_add_(0, torch.where(on_host, sel, spare_h).view(-1), ones)
-        self.hbm.index_add_(0, torch.where(on_hbm, -sel - 1, spare_d).view(-1), ones)
+        # entry e >= 0 counts at e, e < 0 (HBM page -e - 1) at num_host_pages - e - 1
+        slot = torch.where(sel >= 0, sel, (self.num_host_pages - 1) - sel)
+        slot[:, 1:].masked_fill_(sel[:, 1:] == sel[:, :-1], self.counts.shape[0] - 1)
+        if self._ones.numel() != slot.numel():
+            self._ones = torch.ones(slot.numel(), dtype=torch.float32, device=slot.device)
+        self.counts.index_add_(0, slot.view(-1), self._ones)
 
     def take(self):
         """(host counts, HBM counts) as numpy float32 arrays (one copy to the host), zeroed after."""
-        host, hbm = self.host[:-1].cpu().numpy().copy(), self.hbm[:-1].cpu().numpy().copy()
-        self.host.zero_()
-        self.hbm.zero_()
-        return host, hbm
+        counts = self.counts[:-1].cpu().numpy().copy()
+        self.counts.zero_()
+        return counts[:self.num_host_pages], counts[self.num_host_pages:]
 
 
 __all__ = ["PageSelector", "RecallCounts", "SparseBudget", "SparseStats", "oracle_mass", "page_masses", "page_scores",
