@@ -408,8 +408,16 @@ def summary_rows(rows: list[dict]) -> list[dict]:
         out.append({"length": length, "method": method, "tasks": len(mine), "score": _mean([r["score"] for r in mine]),
                     "d_exact": _mean([r["d_exact"] for r in mine]) if all(r["d_exact"] is not None for r in mine)
                     else None, "mass": _mean([r["mass"] for r in mine]),
-                    "oracle": _mean([r.get("oracle") for r in mine])})
+                    "oracle": _mean([r.get("oracle") for r in mine]),
+                    "layer_mass": _means_by_index([r.get("layer_mass") for r in mine]),
+                    "layer_oracle": _means_by_index([r.get("layer_oracle") for r in mine])})
     return out
+
+
+def _means_by_index(lists):
+    """Per position, the mean over the lists (None: absent) long enough to have it; None without any."""
+    lists = [v for v in lists if v]
+    return [_mean([v[i] for v in lists if i < len(v)]) for i in range(max(map(len, lists)))] if lists else None
 
 
 def run(opts: Options, runner: Runner, doc: dict, write) -> None:
@@ -536,17 +544,14 @@ def format_table(doc: dict) -> str:
         lines.append(f"{r['task']:<18}{r['length']:>7}  {r['method']:<10}{r['n']:>4}{_fmt(r['score'], '.1f'):>7}"
                      f"{_fmt(r['d_exact'], '.1f', True):>8}{_fmt(r['same_as_exact'], '.0f'):>6}"
                      f"{_fmt(r['mass'], '.3f'):>7}{_fmt(r.get('oracle'), '.3f'):>7}  {status}")
-    per_layer = [r for r in doc["rows"] if r.get("layer_mass")]
+    per_layer = [s for s in doc.get("summary") or [] if s.get("layer_mass")]
     if per_layer:
         lines += ["", "mass (oracle) per layer, mean over the tasks"]
-        for length, method in dict.fromkeys((r["length"], r["method"]) for r in per_layer):
-            mine = [r for r in per_layer if (r["length"], r["method"]) == (length, method)]
-            cells = []
-            for i in range(max(len(r["layer_mass"]) for r in mine)):
-                m = _mean([r["layer_mass"][i] for r in mine if i < len(r["layer_mass"])])
-                o = _mean([r["layer_oracle"][i] for r in mine if i < len(r["layer_oracle"] or [])])
-                cells.append(f"{i}: {_fmt(m, '.2f')} ({_fmt(o, '.2f')})")
-            lines.append(f"{method} at {length}: " + "  ".join(cells))
+        for s in per_layer:
+            oracle = s.get("layer_oracle") or []
+            cells = [f"{i}: {_fmt(m, '.2f')} ({_fmt(oracle[i] if i < len(oracle) else None, '.2f')})"
+                     for i, m in enumerate(s["layer_mass"])]
+            lines.append(f"{s['method']} at {s['length']}: " + "  ".join(cells))
     if doc.get("summary"):
         lines += ["", "mean over tasks", head.replace("task  ", "tasks ", 1), "-" * len(head)]
         for s in doc["summary"]:

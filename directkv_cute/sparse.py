@@ -277,9 +277,11 @@ class SparseStats:
     @property
     def by_layer(self) -> dict:
         """{layer: (mean mass, mean oracle mass or None)} over the rows recorded at each layer."""
-        layers = sorted(layer for layer in self._sums if layer is not None)
-        return {layer: (float(m) / n, None if o is None else float(o) / n)
-                for layer in layers for m, o, n in [self._sums[layer]]}
+        out = {}
+        for layer in sorted(layer for layer in self._sums if layer is not None):
+            m, o, n = self._sums[layer]
+            out[layer] = (float(m) / n, None if o is None else float(o) / n)
+        return out
 
 
 class RecallCounts:
