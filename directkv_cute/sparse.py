@@ -2,15 +2,16 @@
 
 A ``SparseBudget`` turns exact decode into reading a fixed number of each sequence's pages per
 layer: the first ``sink_pages`` and the last ``recent_pages`` always, and the rest by score, the
-highest first. A page's score bounds what its keys can contribute to a query row (Quest): with the
-elementwise min and max of the page's K rows per KV head (``cache.summaries``: kept next to the
-GPU, 1/page_size of the KV's bytes), ``q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d)`` for every
-key k of the page. The pages of a sequence are shared by all its KV heads and query heads (one
-page table per sequence, which the decode kernels walk): a page's score is
-``log sum_h exp(scale * (bound_h - best_h))`` over the query heads h, ``best_h`` that head's
-largest bound over the sequence's pages: a bound on the page's share of each head's softmax
-mass relative to that head's best page, summed over the heads, so a head whose queries are large
-does not crowd out the others, and a page several heads need ranks above one that one head needs.
+highest first. A page's score estimates the share of each query head's attention its keys hold:
+with the mean ``mu`` and variance ``var`` of the page's K rows per KV head and channel
+(``cache.summaries``: kept next to the GPU, from their sum and sum of squares), a key drawn from
+a normal distribution of that mean and variance has ``log E[exp(s * q . k)] = s * (q . mu + s / 2
+* sum_d q_d**2 var_d)`` (``s`` the softmax scale): the page's estimated logit. Per query head a
+softmax over the sequence's pages turns the estimates into shares of that head's attention; a
+page's score is its shares summed over the query heads (every KV head's group). The pages of a
+sequence are shared by all its KV heads and query heads (one page table per sequence, which the
+decode kernels walk), so a page that several heads need ranks above one that one head needs, and
+a head whose attention falls on one page (a retrieval head) gives that page nearly a whole share.
 
 ``select_pages`` runs on the device, with static shapes (a CUDA graph can hold it): the selected
 pages, in their order in the sequence, become a compact page table of ``budget`` pages per
@@ -39,6 +40,7 @@ import math
 import torch
 
 from directkv_cute.cache.pages import kernel_host_pool, kernel_host_scales
+from directkv_cute.cache.summaries import page_moments
 from directkv_cute.fp8 import dequantize
 from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
@@ -53,9 +55,10 @@ def _row_bounds(seq_lens: torch.Tensor, page_size: int, width: int, sink_pages: 
     return last, past, keep
 
 
-def _bounds(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int) -> torch.Tensor:
-    """float32 (B, Hkv, g, W): each page's bound on q . k per query head (the module docstring),
-    ``q`` (B, Hq, d); NaN for a page with no K row (0 x inf)."""
+def _logits(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, page_size: int,
+            scale: float) -> torch.Tensor:
+    """float32 (B, Hkv, g, W): each page's estimated logit per query head (the module docstring),
+    ``q`` (B, Hq, d), from the summaries of full pages (``page_size`` rows)."""
     B, Hq, d = q.shape
     W = page_table.shape[1]
     host = summaries.host[:, layer]  # (host pages, Hkv, 2, d)
@@ -65,35 +68,36 @@ def _bounds(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int) ->
     if hbm is not None:
         in_hbm = (page_table < 0).view(-1, 1, 1, 1)
         s = torch.where(in_hbm, hbm.index_select(0, (-1 - page_table).clamp(min=0).view(-1)), s)
-    # (B, Hkv, W, 2d): min then max of each page's K rows, per KV head
-    s = s.view(B, W, hkv, 2 * d).transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-    qf = q.float()
-    # max(q * kmin, q * kmax) summed over d = q- . kmin + q+ . kmax: one product with [q-, q+]
-    q2 = torch.stack((qf.clamp(max=0), qf.clamp(min=0)), dim=2).view(B, hkv, Hq // hkv, 2 * d)
-    return torch.matmul(q2, s.transpose(2, 3))
+    mean, var = page_moments(s, page_size)  # (B * W, Hkv, d) each
+    # (B, Hkv, W, 2d): mean then variance of each page's K rows, per KV head
+    m = torch.cat((mean, var), dim=2).view(B, W, hkv, 2 * d).transpose(1, 2)
+    qf = q.float().mul(scale)
+    # s * (q . mu) + s^2 / 2 * (q^2 . var): one product with [s q, s^2 q^2 / 2]
+    q2 = torch.cat((qf, qf * qf * 0.5), dim=2).view(B, hkv, Hq // hkv, 2 * d)
+    return torch.matmul(q2, m.transpose(2, 3))
 
 
-def _scores(bound: torch.Tensor, past: torch.Tensor, keep: torch.Tensor, scale: float) -> torch.Tensor:
-    """float32 (B, W) from ``bound`` (B, Hkv, g, W): ``sum_h exp(scale * (bound_h - best_h))``
-    over the query heads (the module docstring's score, before its log), +inf where ``keep``,
-    -inf where ``past``."""
-    bound = bound.nan_to_num_(nan=-math.inf).masked_fill_(past[:, None, None, :], -math.inf)
-    best = bound.amax(dim=3, keepdim=True)  # each head's best page: finite (a row has a page)
-    score = bound.sub_(best).mul_(scale).exp_().sum(dim=(1, 2))  # (B, W), >= 0
+def _scores(logit: torch.Tensor, past: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """float32 (B, W) from ``logit`` (B, Hkv, g, W): per query head a softmax over the row's
+    pages, summed over the heads (the module docstring's score), +inf where ``keep``, -inf where
+    ``past``."""
+    logit = logit.masked_fill_(past[:, None, None, :], -math.inf)
+    score = torch.softmax(logit, dim=3).sum(dim=(1, 2))  # (B, W), >= 0
     return score.masked_fill_(keep, math.inf).masked_fill_(past, -math.inf)
 
 
 def page_scores(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, summaries, layer: int,
                 page_size: int, sink_pages: int, recent_pages: int, scale: float | None = None) -> torch.Tensor:
     """float32 (B, W): each page's score for the decode rows ``q`` (B, Hq, d): +inf for the
-    pages always read, -inf past a sequence's pages, else ``sum_h exp(scale * (bound_h -
-    best_h))`` (the exponential of the module docstring's score: the same order; ``scale``: the
-    softmax scale, default 1 / sqrt(d)). ``page_table`` int32 (B, W) (encoded: >= 0 host page,
-    < 0 HBM page -e - 1), ``seq_lens`` int32 (B,), ``summaries``: ``PageSummaries`` (``host`` and
-    ``hbm``: (pages, layers, Hkv, 2, d), min then max of each page's K rows)."""
+    pages always read, -inf past a sequence's pages, else the sum over the query heads of the
+    page's share of each head's softmax over the row's pages of estimated logits (the module
+    docstring; ``scale``: the softmax scale, default 1 / sqrt(d)). ``page_table`` int32 (B, W)
+    (encoded: >= 0 host page, < 0 HBM page -e - 1), ``seq_lens`` int32 (B,), ``summaries``:
+    ``PageSummaries`` (``host`` and ``hbm``: (pages, layers, Hkv, 2, d) float32, the sum then the
+    sum of squares of each page's K rows)."""
     _, past, keep = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    return _scores(_bounds(q, page_table, summaries, layer), past, keep, scale)
+    return _scores(_logits(q, page_table, summaries, layer, page_size, scale), past, keep)
 
 
 def _chosen(score: torch.Tensor, last: torch.Tensor, budget: int) -> torch.Tensor:
@@ -121,7 +125,7 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     ``out_lens`` where given (persistent buffers a plan binds once)."""
     last, past, keep = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    idx = _chosen(_scores(_bounds(q, page_table, summaries, layer), past, keep, scale), last, budget)
+    idx = _chosen(_scores(_logits(q, page_table, summaries, layer, page_size, scale), past, keep), last, budget)
     table = torch.gather(page_table, 1, idx, out=out_table)
     return table, _selected_lens(seq_lens, last, page_size, budget, out_lens)
 
@@ -134,7 +138,7 @@ class PageSelector:
     ``seq_lens`` (their version counters: a plan that is reused over tables written in place,
     as a CUDA graph's are, sees each write), and in every call under a CUDA graph capture (the
     replay then remakes it per step) or over tables made under ``torch.inference_mode`` (no
-    version counter); each layer then costs the bound, the scores, the top pages
+    version counter); each layer then costs the estimates, the scores, the top pages
     and one gather."""
 
     def __init__(self, page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, budget: int,
@@ -162,7 +166,8 @@ class PageSelector:
     def select(self, q: torch.Tensor, summaries, layer: int, scale: float, capturing: bool = False) -> None:
         """Writes the pages ``q`` (B, Hq, d) selects at ``layer`` into ``table`` (and ``lens``)."""
         last, past, keep = self._row_state(capturing)
-        idx = _chosen(_scores(_bounds(q, self.page_table, summaries, layer), past, keep, scale), last, self.budget)
+        logit = _logits(q, self.page_table, summaries, layer, self.page_size, scale)
+        idx = _chosen(_scores(logit, past, keep), last, self.budget)
         torch.gather(self.page_table, 1, idx, out=self.table)
 
 

@@ -1,5 +1,5 @@
 """Sparse decode reads (``directkv_cute.sparse``): the budget, the page selection against an
-independent numpy reference of the Quest bound, and the planner's route. Attention over the
+independent numpy reference of the page estimates (from each page's K rows), and the planner's route. Attention over the
 selected pages against a float64 reference is in the end-to-end tests below (over a cache with
 page summaries)."""
 
@@ -46,12 +46,16 @@ def test_budget_pages():
     assert SparseBudget(fraction=1 / 16, sink_pages=0, recent_pages=1).budget_pages(8) == 1
 
 
-def _summaries(rng, n_host, n_hbm, layers, hkv, d, rows=8):
-    """Summaries of random pages: each page's K rows drawn, their min and max (the test's own)."""
+def _summaries(rng, n_host, n_hbm, layers, hkv, d, rows=16):
+    """Summaries of random full pages of ``rows`` rows: each page's K rows drawn (kept as
+    ``host_k`` / ``hbm_k`` for the reference), their sum and sum of squares."""
     def one(n):
-        k = torch.from_numpy(rng.standard_normal((n, layers, hkv, rows, d)) * rng.uniform(0.2, 3, (n, 1, 1, 1, 1)))
-        return torch.stack((k.amin(3), k.amax(3)), dim=3).float()  # (n, layers, hkv, 2, d)
-    return SimpleNamespace(host=one(n_host), hbm=one(n_hbm))
+        shift = rng.standard_normal((n, 1, 1, 1, d)) * rng.uniform(0, 2, (n, 1, 1, 1, 1))
+        k = torch.from_numpy(rng.standard_normal((n, layers, hkv, rows, d)) * rng.uniform(0.2, 3, (n, 1, 1, 1, 1))
+                             + shift)
+        return k, torch.stack((k.sum(3), (k * k).sum(3)), dim=3).float()  # (n, layers, hkv, 2, d)
+    (hk, h), (bk, b) = one(n_host), one(n_hbm)
+    return SimpleNamespace(host=h, hbm=b, host_k=hk, hbm_k=bk)
 
 
 def _reference_selection(q, table, lens, summ, layer, P, budget, sink, recent):
@@ -64,13 +68,18 @@ def _reference_selection(q, table, lens, summ, layer, P, budget, sink, recent):
         s = []
         for j in range(n):
             e = int(table[b, j])
-            page = summ.host[e, layer] if e >= 0 else summ.hbm[-e - 1, layer]  # (Hkv, 2, d)
-            page = page.double().numpy()
-            hkv = page.shape[0]
-            g = Hq // hkv
-            s.append([np.maximum(q[b, h] * page[h // g, 0], q[b, h] * page[h // g, 1]).sum() for h in range(Hq)])
-        s = np.array(s) / math.sqrt(d)  # (n, Hq), the softmax scale's
-        rel = np.log(np.exp(s - s.max(axis=0)).sum(axis=1))
+            rows = summ.host_k[e, layer] if e >= 0 else summ.hbm_k[-e - 1, layer]  # (Hkv, rows, d)
+            rows = rows.double().numpy()
+            mean, var = rows.mean(axis=1), rows.var(axis=1)  # (Hkv, d)
+            g = Hq // rows.shape[0]
+            sc = 1 / math.sqrt(d)
+            s.append([sc * q[b, h] @ mean[h // g] + sc**2 / 2 * (q[b, h] ** 2) @ var[h // g] for h in range(Hq)])
+        s = np.array(s)  # (n, Hq): each page's estimated logit per head
+        if n <= sink + recent:
+            rel = np.zeros(n)
+        else:  # a softmax over the row's pages per head, summed over the heads
+            e = np.exp(s - s.max(axis=0))
+            rel = (e / e.sum(axis=0)).sum(axis=1)
         forced = [j for j in range(n) if j < sink or j >= n - recent]
         rest = sorted((j for j in range(n) if j not in forced), key=lambda j: -rel[j])
         out.append(sorted(forced + rest[: max(0, min(budget, n) - len(forced))]))
@@ -196,12 +205,10 @@ def test_sparse_decode_over_a_cache_attends_exactly_the_selected_pages(dtype, de
             n = lens[b]
             pages = -(-n // P)
             rows = [min(P, n - j * P) for j in range(pages)]
-            summ = []
+            fake = SimpleNamespace(host_k={}, hbm_k=None)  # (page, layer) -> its K rows (Hkv, rows, d)
             for j in range(pages):
                 e = int(table[b, j])
-                kp = (host[e] if e >= 0 else hbm[-e - 1])[layer, :, 0, : rows[j]].float().cpu()  # (Hkv, rows, d)
-                summ.append(torch.stack((kp.amin(1), kp.amax(1)), 1))  # (Hkv, 2, d)
-            fake = SimpleNamespace(host=torch.stack(summ)[:, None].expand(pages, L, hkv, 2, d), hbm=None)
+                fake.host_k[j, layer] = (host[e] if e >= 0 else hbm[-e - 1])[layer, :, 0, : rows[j]].float().cpu()
             want = _reference_selection(q[b:b + 1].float(), np.arange(pages)[None], [n], fake, layer, P, 6, 1, 2)[0]
             keys = torch.cat([kv[sid][0][j * P: j * P + rows[j], layer] for j in want])
             vals = torch.cat([kv[sid][1][j * P: j * P + rows[j], layer] for j in want])
@@ -460,9 +467,8 @@ def test_the_ops_take_a_budget_and_attend_the_selected_pages(device):
             n, table = lens[b], cache.page_table(sid)
             pages = -(-n // P)
             rows = [min(P, n - j * P) for j in range(pages)]
-            summ = [torch.stack((host[table[j]][0, :, 0, :rows[j]].float().cpu().amin(1),
-                                 host[table[j]][0, :, 0, :rows[j]].float().cpu().amax(1)), 1) for j in range(pages)]
-            fake = SimpleNamespace(host=torch.stack(summ)[:, None], hbm=None)
+            fake = SimpleNamespace(host_k={(j, 0): host[table[j]][0, :, 0, :rows[j]].float().cpu()
+                                           for j in range(pages)}, hbm_k=None)
             want = _reference_selection(q[b:b + 1].float().cpu(), np.arange(pages)[None], [n], fake, 0, P, 5, 1, 1)[0]
             assert len(want) == 5
             keys = torch.cat([kv[sid][0][j * P: j * P + rows[j], 0] for j in want])

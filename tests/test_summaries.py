@@ -1,6 +1,6 @@
 """Page summaries (``PagedKVCache(..., summaries=True)``, ``cache/summaries.py``) on CPU caches:
-after every write path and page operation, each page's summary equals the min / max recomputed
-from the pools' K rows of that page over the rows its sequences have written (an independent
+after every write path and page operation, each page's summary equals the sum and sum of squares
+recomputed from the pools' K rows of that page over the rows its sequences have written (an independent
 reference, below), for both tiers, the window mirrors, FP8 pages, GQA and 16-bit dtypes; pages
 handed out and not written are empty; a cache without summaries allocates none."""
 
@@ -15,7 +15,7 @@ import torch
 from directkv_cute import kv_proj
 from directkv_cute.cache import PagedKVCache, decode_page, encode_page
 from directkv_cute.cache.pages import PageBook
-from directkv_cute.cache.summaries import MAX, MIN, PageSummaries
+from directkv_cute.cache.summaries import SQUARES, SUM, PageSummaries, page_moments
 from directkv_cute.sparse import SparseBudget
 
 P = 16
@@ -58,13 +58,21 @@ class Data:
 
 
 def k_rows(cache: PagedKVCache, entry: int, rows: int) -> torch.Tensor:
-    """K rows [0, rows) of a page as the summaries take them: (L, Hkv, rows, d) in the summary
-    dtype; FP8: the stored bytes times their scales, rounded to bfloat16."""
+    """K rows [0, rows) of a page as the summaries take them: (L, Hkv, rows, d) in float32; FP8:
+    the stored bytes times their scales."""
     tier, i = decode_page(entry)
     k = cache.device_pool(tier)[i, :, :, 0, :rows]
     if not cache.fp8:
-        return k
-    return (k.float() * cache.device_scales(tier)[i, :, :, 0, :rows, None]).to(torch.bfloat16)
+        return k.float()
+    return k.float() * cache.device_scales(tier)[i, :, :, 0, :rows, None].float()
+
+
+def assert_sums(got: torch.Tensor, k: torch.Tensor, what=()) -> None:
+    """``got`` (..., 2, d) holds the sum and the sum of squares of ``k`` (..., rows, d) over its rows."""
+    k = k.double()
+    torch.testing.assert_close(got[..., SUM, :].double(), k.sum(-2), rtol=1e-5, atol=1e-4, msg=lambda m: f"{what} {m}")
+    torch.testing.assert_close(got[..., SQUARES, :].double(), (k * k).sum(-2), rtol=1e-5, atol=1e-4,
+                               msg=lambda m: f"{what} {m}")
 
 
 def summary(cache: PagedKVCache, entry: int) -> torch.Tensor:
@@ -73,12 +81,13 @@ def summary(cache: PagedKVCache, entry: int) -> torch.Tensor:
 
 
 def check(cache: PagedKVCache, unwritten: dict[int, int] | None = None, rewritten: tuple = ()) -> int:
-    """Every page of every live sequence (and its window mirror) against the min / max of its
-    rows below the sequence's length (``unwritten``: sequence -> first token not written, for
-    sequences extended past what they wrote; ``rewritten``: pages some of whose rows were written
-    twice, whose summary need only bound their rows). Returns the pages checked."""
+    """Every page of every live sequence (and its window mirror) against the sum and sum of
+    squares of its rows below the sequence's length (``unwritten``: sequence -> first token not
+    written, for sequences extended past what they wrote; ``rewritten``: pages some of whose rows
+    were written twice, whose sum of squares counts both writes: at least its rows'). Returns the
+    pages checked."""
     s = cache.summaries
-    assert s.dtype == (torch.bfloat16 if cache.fp8 else cache.dtype)
+    assert s.dtype == torch.float32 and s.host.dtype == s.hbm.dtype == torch.float32
     checked = 0
     for sid in cache.seq_ids:
         n = (unwritten or {}).get(sid, cache.seq_len(sid))
@@ -89,24 +98,24 @@ def check(cache: PagedKVCache, unwritten: dict[int, int] | None = None, rewritte
             for e in targets:
                 got = summary(cache, e)
                 if rows <= 0:
-                    assert (got[..., MIN, :] == math.inf).all() and (got[..., MAX, :] == -math.inf).all(), (sid, lp)
+                    assert (got == 0).all(), (sid, lp)
                     continue
                 k = k_rows(cache, e, rows)  # each copy from its own pool: the mirror's data too
                 if e in rewritten:
-                    assert (got[..., MIN, :] <= k.amin(dim=2)).all() and (got[..., MAX, :] >= k.amax(dim=2)).all()
+                    assert (got[..., SQUARES, :] >= (k * k).sum(dim=2) * (1 - 1e-5) - 1e-4).all(), (sid, lp, e)
                     continue
-                assert torch.equal(got[..., MIN, :], k.amin(dim=2)), (sid, lp, e)
-                assert torch.equal(got[..., MAX, :], k.amax(dim=2)), (sid, lp, e)
+                assert_sums(got, k, (sid, lp, e))
                 checked += 1
     return checked
 
 
-def bound(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """The page bound of queries ``q`` (..., d) over summaries ``s`` (..., 2, d): ``q+ . kmax +
-    q- . kmin`` in float32, NaN (0 x inf) as -inf."""
-    q, s = q.float(), s.float()
-    b = (q.clamp(min=0) * s[..., MAX, :]).sum(-1) + (q.clamp(max=0) * s[..., MIN, :]).sum(-1)
-    return b.nan_to_num(nan=-math.inf)
+def estimate(q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """The estimated logit of a page for a query ``q`` (d,) from the page's K rows ``rows``
+    (..., n, d) in float64: ``scale * q . mean + scale**2 / 2 * q**2 . var`` (population
+    variance), the test's own."""
+    rows, q = rows.double(), q.double()
+    mean, var = rows.mean(-2), rows.var(-2, unbiased=False)
+    return scale * (mean @ q) + scale**2 / 2 * (var @ (q * q))
 
 
 # ---- the write paths ------------------------------------------------------------------------------
@@ -116,8 +125,9 @@ def bound(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
                          ids=["bf16-gqa4", "fp16-mqa", "bf16-mha"])
 def test_appends_prompt_writes_and_decode_across_pages(dtype, hkv, group):
     """Ragged appends, prompts written layer by layer in pieces, then decode appends of one token
-    that cross page boundaries; every query head of a KV head's group finds its page's bound at or
-    above its largest q . k."""
+    that cross page boundaries; every query head of a KV head's group gets the same estimated
+    logit per full page from the summaries (``sparse.page_scores``' ingredients) as from the
+    page's rows."""
     cache = make(layers=3, hkv=hkv, dtype=dtype)
     data = Data(cache, seed=1)
     seqs = [cache.add_sequence() for _ in range(3)]
@@ -134,21 +144,26 @@ def test_appends_prompt_writes_and_decode_across_pages(dtype, hkv, group):
     check(cache)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(group * hkv, cache.head_dim, generator=g)  # one decode row's query heads
+    scale = cache.head_dim ** -0.5
+    full = 0
     for sid in seqs:
         k, _ = cache.read(sid, None)  # (n, L, Hkv, d)
-        for lp, entry in enumerate(cache.page_table(sid)):
-            rows = k[lp * P:(lp + 1) * P].float()  # (rows, L, Hkv, d)
+        for lp, entry in enumerate(cache.page_table(sid)[: cache.seq_len(sid) // P]):
+            rows = k[lp * P:(lp + 1) * P]  # (P, L, Hkv, d)
+            mean, var = page_moments(summary(cache, entry), P)  # (L, Hkv, d) each
             for h in range(group * hkv):
                 kvh = h // group
-                scores = rows[:, :, kvh] @ q[h]  # (rows, L)
-                b = bound(q[h], summary(cache, entry)[:, kvh])  # (L,)
-                assert (b >= scores.amax(dim=0) - 1e-3 * (1 + scores.abs().amax())).all()
+                got = scale * (mean[:, kvh] @ q[h]) + scale**2 / 2 * (var[:, kvh] @ (q[h] * q[h]))  # (L,)
+                want = estimate(q[h], rows[:, :, kvh].transpose(0, 1), scale)  # (L,)
+                torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+                full += 1
+    assert full > 0
 
 
 def test_fork_and_divergent_appends_copy_on_write():
     """A fork shares full pages (their summaries shared) and copies the partial last page (its
     summary copied); divergent appends leave each sequence's pages summarizing its own rows; a
-    write into a shared page gives the writer a copy (summary included) that then bounds both
+    write into a shared page gives the writer a copy (summary included) whose summary then counts both
     its old and new rows, while the other sharer's page stays exact; a fork at a prefix shares
     only those pages."""
     cache = make()
@@ -174,7 +189,7 @@ def test_fork_and_divergent_appends_copy_on_write():
 
 def test_truncate_recomputes_the_partial_last_page():
     """Rows past a truncation no longer count: the new last page's summary equals its remaining
-    rows' min / max exactly (the removed rows held the extremes), also where the page was shared
+    rows' sums exactly (the removed rows held the extremes), also where the page was shared
     (copied first) or mirrored; appends after it merge from there."""
     cache = make()
     data = Data(cache, seed=4)
@@ -203,7 +218,7 @@ def test_truncate_recomputes_the_partial_last_page():
 
 def test_freed_pages_reused_start_empty():
     """Pages a new sequence gets back from a freed one start empty, whatever row its first write
-    lands in; pages extended and not yet written are empty (their bound -inf)."""
+    lands in; pages extended and not yet written are empty (zero sums)."""
     cache = make(host=6, hbm=0, window=0)
     data = Data(cache, seed=5)
     a = cache.add_sequence()
@@ -214,10 +229,8 @@ def test_freed_pages_reused_start_empty():
     cache.extend(b, 5 * P - 3)
     assert set(cache.page_table(b)) <= pages
     check(cache, unwritten={b: 0})
-    q = torch.randn(cache.head_dim, generator=torch.Generator().manual_seed(14))
     for entry in cache.page_table(b):
-        assert (bound(q, summary(cache, entry)) == -math.inf).all()
-        assert (bound(torch.zeros(cache.head_dim), summary(cache, entry)) == -math.inf).all()
+        assert (summary(cache, entry) == 0).all()
     data.write(b, 20, 30, chunks=3)  # tokens 40..49 first, then 30..39, 20..29: pages 1 and 2 begin mid-page
     data.write(b, 0, 20)
     data.write(b, 50, 5 * P - 3 - 50)
@@ -272,7 +285,7 @@ def test_window_mirrors_and_batched_slots(defer):
         for lp in range(-(-cache.seq_len(sid) // P)):
             got = summary(cache, int(row[lp]))
             rows = k[lp * P:(lp + 1) * P]  # (rows, L, Hkv, d)
-            assert torch.equal(got[..., MIN, :], rows.amin(0)) and torch.equal(got[..., MAX, :], rows.amax(0))
+            assert_sums(got, rows.movedim(0, 2), (sid, lp))
     assert (tables.host_table < 0).any()
     cache.release_mirrors(a)
     data.append(a, 3)
@@ -282,10 +295,10 @@ def test_window_mirrors_and_batched_slots(defer):
 @pytest.mark.parametrize("dtype, compute", [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16)],
                          ids=["e4m3-bf16", "e5m2-fp16"])
 def test_fp8_pages_summarize_the_dequantized_k(dtype, compute):
-    """FP8 pages: bfloat16 summaries of the stored bytes times their token scales, through
+    """FP8 pages: float32 summaries of the stored bytes times their token scales, through
     appends, slot stores with mirrors, forks, moves and truncation."""
     cache = make(dtype=dtype, compute_dtype=compute)
-    assert cache.summaries.dtype == torch.bfloat16
+    assert cache.summaries.dtype == torch.float32
     data = Data(cache, seed=8)
     a = cache.add_sequence()
     data.append(a, 35)
@@ -303,7 +316,8 @@ def test_fp8_pages_summarize_the_dequantized_k(dtype, compute):
     check(cache)
     k, _ = cache.read(a, None)  # the dequantized values the kernels use, in the compute dtype
     first = summary(cache, cache.page_table(a)[0])
-    torch.testing.assert_close(first[..., MAX, :].float(), k[:P].amax(0).float(), rtol=2**-7, atol=0)
+    rows = k[:P].float()  # rounded to the compute dtype: half an ulp of each row's value apart
+    assert ((first[..., SUM, :] - rows.sum(0)).abs() <= 2**-7 * rows.abs().sum(0) + 1e-6).all()
 
 
 def test_fused_projection_refresh():
@@ -421,10 +435,10 @@ def test_random_operations_keep_every_summary():
 # ---- bytes, and a cache without summaries ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype, share", [(torch.bfloat16, 1), (torch.float16, 1), (torch.float8_e4m3fn, 2)])
-def test_bytes_are_one_page_size_th_of_the_kv(dtype, share):
-    """``2 * d`` elements per (page, layer, KV head) against ``2 * P * d`` of K/V: 1/P of 16-bit
-    pages (2/P of FP8 bytes, summaries in bfloat16); both tiers and the window covered, empty."""
+@pytest.mark.parametrize("dtype, share", [(torch.bfloat16, 2), (torch.float16, 2), (torch.float8_e4m3fn, 4)])
+def test_bytes_are_two_page_size_ths_of_the_kv(dtype, share):
+    """``2 * d`` float32 per (page, layer, KV head) against ``2 * P * d`` elements of K/V: 2/P of
+    16-bit pages, 4/P of FP8 pages; both tiers and the window covered, empty."""
     cache = make(layers=3, hkv=2, d=64, host=10, hbm=3, window=2, dtype=dtype)
     s = cache.summaries
     assert s.bytes_per_page * P == share * cache.page_data_bytes
@@ -432,7 +446,7 @@ def test_bytes_are_one_page_size_th_of_the_kv(dtype, share):
     assert s.nbytes == 15 * s.bytes_per_page
     assert s.host.device == s.hbm.device == cache.device
     for t in (s.host, s.hbm):
-        assert (t[..., MIN, :] == math.inf).all() and (t[..., MAX, :] == -math.inf).all()
+        assert (t == 0).all()
 
 
 def test_off_allocates_and_computes_nothing():

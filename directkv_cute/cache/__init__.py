@@ -15,7 +15,7 @@
 batch's tokens (``StoreIndex``) and the indexed copies into the host pool and the HBM copies.
 
 ``cache.summaries`` (``PagedKVCache(..., summaries=True)``): per page, layer and KV head the
-elementwise min and max of the K rows written, on the cache device, kept by every store and
+elementwise sum and sum of squares of the K rows written (float32), on the cache device, kept by every store and
 page operation, for choosing pages by query without reading them.
 
 Layout

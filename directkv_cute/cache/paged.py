@@ -70,8 +70,8 @@ class PagedKVCache:
             ``read`` returns: ``dtype`` for bf16/fp16 pages (the default; nothing else is
             accepted), bf16 (default) or fp16 (float32 on device='cpu' too) for FP8 pages.
         summaries: keep ``summaries`` (``cache.summaries.PageSummaries``): per page, layer and KV
-            head the min and max of the K rows written, on the cache device, 1/page_size of the
-            KV's bytes, kept by every store and page operation. Off (the default): nothing is
+            head the sum and sum of squares of the K rows written (float32), on the cache device,
+            2/page_size of 16-bit KV's bytes, kept by every store and page operation. Off (the default): nothing is
             allocated and no store does more than without.
     """
 

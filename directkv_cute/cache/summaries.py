@@ -1,52 +1,57 @@
-"""Page summaries: per page, layer and KV head, the elementwise min and max of the page's K rows
-written so far, kept on the cache device (in HBM on a GPU cache) so that a page selection can bound
-``q . k`` for every page without reading a byte of KV over the link (Quest-style selection):
-``q . k <= sum_d max(q_d * kmin_d, q_d * kmax_d) = q+ . kmax + q- . kmin`` for every K row ``k``
-of the page.
+"""Page summaries: per page, layer and KV head, the elementwise sum and sum of squares of the
+page's K rows written so far, kept on the cache device (in HBM on a GPU cache) so that a page
+selection can estimate each page's share of a query's attention without reading a byte of KV over
+the link. From them a page of ``n`` rows has the mean ``mu = sum / n`` and the variance ``var =
+squares / n - mu**2`` of its keys per channel; ``sparse`` scores a page by the log of the
+expected ``exp(scale * q . k)`` of a key drawn from a normal distribution of that mean and
+variance: ``scale * (q . mu + scale / 2 * sum_d q_d**2 var_d)``.
+
+Why not the min and max (Quest's bound). The bound's slack is dominated by a few channels whose
+keys are large and spread (the low-frequency RoPE channels of a trained model): on
+SmolLM2-135M the bound missed the page a retrieval head needed in a quarter of the steps and a
+needle task at a budget of 1/8 fell from 100 to 31; mean and variance in the same number of
+values keep those pages (81, docs/PERFORMANCE.md).
 
 Layout. ``host`` (host pages, L, Hkv, 2, d) and ``hbm`` (HBM pages then window pages, L, Hkv, 2,
 d), indexed like the pools: a page-table entry ``e >= 0`` names ``host[e]``, ``e < 0`` names
 ``hbm[-e - 1]`` (window mirrors included, so the entries of ``kernel_tables`` index them as they
-are). ``[..., 0, :]`` is the min, ``[..., 1, :]`` the max. The dtype is the pages' for 16-bit (and
-the CPU's float32) pages, bfloat16 for FP8 pages: the dequantized K (``float32(q) * scale``,
-rounded to nearest, as ``fp8.dequantize`` gives it), so the bound holds up to half a bfloat16 ulp
-of those values.
+are). ``[..., SUM, :]`` is the sum, ``[..., SQUARES, :]`` the sum of squares, in float32 (sums of
+many rows keep their low bits there; the variance is a difference of two of them) of the K rows
+as stored: 16-bit values as they are, FP8 pages dequantized (``fp8.dequantize``).
 
-Bytes. ``2 * d`` elements per (page, layer, KV head) against the page's ``2 * P * d`` of K and V:
-1/P of the KV for 16-bit pages (1/64 at page 64), 2/P of the FP8 bytes (bf16 summaries of 1-byte
-elements; the scales not counted).
+Bytes. ``2 * d`` float32 per (page, layer, KV head) against the page's ``2 * P * d`` elements of
+K and V: 2/P of the KV for 16-bit pages (1/32 at page 64, 1/8 at page 16), 4/P for FP8 pages.
 
-Empty pages. A page that no row was written to since it was handed out holds min = +inf and
-max = -inf, the identity of the min/max merge. Its bound ``q+ . kmax + q- . kmin`` is -inf (a
-product ``0 * inf`` is NaN, which a scorer maps to -inf as well): an empty page never ranks above
-a written one.
+Empty pages. A page that no row was written to since it was handed out holds zeros, the
+identity of the sums. Only a sequence's full pages are scored (its newest page is always read,
+and pages past it never are), so a page's row count is the page size.
 
 Upkeep (``PagedKVCache`` drives it; every step is enqueued on the current stream, no host sync):
 
-* a store of rows (``write``, ``append``, ``write_slots``): per (page, layer, KV head) the min and
-  max merged with the stored K rows, one ``scatter_reduce`` (amin) and one (amax) per tier, the
-  host page and its window mirror alike (a mirror's summary is its host page's, also when the
-  host copy is left to the copy engine);
+* a store of rows (``write``, ``append``, ``write_slots``): per (page, layer, KV head) the K rows
+  and their squares added, one ``index_add_`` per tier, the host page and its window mirror alike
+  (a mirror's summary is its host page's, also when the host copy is left to the copy engine);
 * a store by other means (``kv_project`` into ``write_destinations``): ``refresh`` reads the
   stored K rows back from the pools (a token with an HBM copy from HBM, others from the host
-  pool) and merges them the same way;
-* a page handed out empty (``extend``, a window mirror its writes will fill): reset to the empty
-  summary, so a freed and reused page starts fresh whatever row its first write lands in;
+  pool) and adds them the same way;
+* a page handed out empty (``extend``, a window mirror its writes will fill): reset to zeros, so
+  a freed and reused page starts fresh whatever row its first write lands in;
 * a page copy (fork's partial last page, copy-on-write, moves between tiers, a mirror's first
   copy): the summary is copied with it;
 * ``truncate``: the new partial last page's summary is recomputed from its remaining rows (and
   its mirror's set to the same), so it is exact again.
 
-A row written twice (``write`` over tokens already written) keeps its old values in the merge:
-the summary then bounds both, still a valid (looser) bound; truncating and writing again makes it
-exact.
+A row written twice (``write`` over tokens already written) is counted twice: the page's
+summary then describes both writes until the page is truncated and written again (``truncate``
+recomputes it).
 
 ``StoreSummaries`` keeps the same summaries for one-layer pools written through a
-``cache.store.StoreIndex`` (the vLLM backend's per-layer pools, ``L = 1``): each store merges its
-K rows into the summaries of the host pages and of their HBM copies, and a page whose row 0 is
-stored is emptied first (a page handed out fresh is written from row 0; a page read again without
-being written, a prefix shared by another request, keeps its summary). Both are device operations
-of static shapes (no host sync; a CUDA graph can hold them).
+``cache.store.StoreIndex`` (the vLLM backend's per-layer pools, ``L = 1``): each store adds its K
+rows to the summaries of the host pages and of their HBM copies, a token that a fixed-size store
+names more than once counted once, and a page whose row 0 is stored is emptied first (a page
+handed out fresh is written from row 0; a page read again without being written, a prefix shared
+by another request, keeps its summary). Both are device operations of static shapes (no host
+sync; a CUDA graph can hold them).
 """
 
 from __future__ import annotations
@@ -58,40 +63,55 @@ from directkv_cute.cache.pages import Tier, check_tier, decode_page
 from directkv_cute.cache.store import StoreIndex, one_copy
 from directkv_cute.fp8 import dequantize
 
-MIN, MAX = 0, 1  # the index of the min and the max on a summary's second-to-last dimension
+SUM, SQUARES = 0, 1  # the index of the sum and the sum of squares on a summary's second-to-last dimension
+DTYPE = torch.float32  # every summary's dtype
 
 
-def merge_rows(summaries: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
-    """Merge ``values`` (n, d) into the summary rows ``start + index`` (int64 (n,)) of
-    ``summaries`` viewed as rows ``(-1, 2, d)``: the min with amin, the max with amax (one
-    ``scatter_reduce`` each; rows named several times take all their values)."""
+def merge_rows(summaries: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int = 0,
+               weights: torch.Tensor | None = None) -> None:
+    """Add ``values`` (n, d) and their squares to the summary rows ``start + index`` (int64 (n,))
+    of ``summaries`` viewed as rows ``(-1, 2 * d)``, in one ``index_add_`` (rows named several
+    times take every value); ``weights`` (n,) scales each value's share (0: left out)."""
     d = values.shape[-1]
-    flat = summaries.view(-1, 2, summaries.shape[-1])[start:]
-    index = index[:, None].expand(-1, d)
-    flat[:, MIN].scatter_reduce_(0, index, values, "amin")
-    flat[:, MAX].scatter_reduce_(0, index, values, "amax")
+    v = values.to(DTYPE)
+    if weights is not None:
+        v2 = v * v * weights[:, None]
+        v = v * weights[:, None]
+    else:
+        v2 = v * v
+    summaries.view(-1, 2 * d)[start:].index_add_(0, index, torch.cat((v, v2), dim=1))
 
 
 def empty_rows(summaries: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> None:
-    """Empty the summary rows ``index[fresh]`` of ``summaries`` (rows ``(-1, 2, d)``; ``fresh``
+    """Empty the summary rows ``index[fresh]`` of ``summaries`` (rows ``(-1, 2 * d)``; ``fresh``
     bool (n,)) and leave the others as they are, with static shapes (no host sync): every row of
-    ``index`` takes ``max(min, +inf or -inf)`` and ``min(max, -inf or +inf)``."""
-    d = summaries.shape[-1]
-    # filled on the device from Python scalars: no host-to-device copy (a CUDA graph capture holds it)
-    low = torch.full(fresh.shape, float("-inf"), dtype=summaries.dtype, device=summaries.device)
-    low = low.masked_fill_(fresh, float("inf"))[:, None].expand(-1, d)  # +inf: emptied, -inf: kept
-    flat = summaries.view(-1, 2, d)
-    index = index[:, None].expand(-1, d)
-    flat[:, MIN].scatter_reduce_(0, index, low, "amax")
-    flat[:, MAX].scatter_reduce_(0, index, -low, "amin")
+    ``index`` is multiplied by 0 (emptied) or 1 (kept)."""
+    d2 = summaries.shape[-1] * 2
+    keep = (~fresh).to(summaries.dtype)[:, None].expand(-1, d2)
+    summaries.view(-1, d2).scatter_reduce_(0, index[:, None].expand(-1, d2), keep, "prod")
 
 
-def empty_summaries(pages: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype, device) -> torch.Tensor:
-    """(pages, L, Hkv, 2, d) summaries of pages never written: min +inf, max -inf."""
-    out = torch.empty((pages, num_layers, num_kv_heads, 2, head_dim), dtype=dtype, device=device)
-    out[..., MIN, :] = float("inf")
-    out[..., MAX, :] = float("-inf")
-    return out
+def first_uses(tokens: torch.Tensor, span: int) -> torch.Tensor:
+    """float32 (n,): 1 where ``tokens`` (int64 (n,), each below ``span``) names a token for the
+    first time, else 0, with static shapes (a fixed-size store names a token again for its
+    padding)."""
+    n = tokens.numel()
+    positions = torch.arange(n, dtype=torch.int64, device=tokens.device)
+    first = torch.full((span,), n, dtype=torch.int64, device=tokens.device)
+    first.scatter_reduce_(0, tokens, positions, "amin")
+    return (first.index_select(0, tokens) == positions).to(DTYPE)
+
+
+def empty_summaries(pages: int, num_layers: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
+    """(pages, L, Hkv, 2, d) float32 summaries of pages never written: zeros."""
+    return torch.zeros((pages, num_layers, num_kv_heads, 2, head_dim), dtype=DTYPE, device=device)
+
+
+def page_moments(summaries: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, variance) float32 (..., d) of pages of ``rows`` rows from their summaries (..., 2, d)."""
+    mean = summaries[..., SUM, :] / rows
+    var = (summaries[..., SQUARES, :] / rows - mean * mean).clamp_(min=0)
+    return mean, var
 
 
 class PageSummaries:
@@ -106,11 +126,11 @@ class PageSummaries:
         self.num_layers, self.num_kv_heads, _, self.page_size, self.head_dim = pools.page_shape
         self.page_dtype = pools.dtype
         self.fp8 = pools.fp8
-        self.dtype = torch.bfloat16 if pools.fp8 else pools.dtype
+        self.dtype = DTYPE  # the summaries', and the K rows' they are made from
         self.device = pools.device
         shape = (self.num_layers, self.num_kv_heads, 2, self.head_dim)
-        # One empty summary, (L, Hkv, 2, d): +inf then -inf, what a reset writes.
-        self._empty = empty_summaries(1, *shape[:2], self.head_dim, self.dtype, self.device)[0]
+        # One empty summary, (L, Hkv, 2, d): zeros, what a reset writes.
+        self._empty = empty_summaries(1, *shape[:2], self.head_dim, self.device)[0]
         self.host = self._empty.expand(pools.host_pool.shape[0], *shape).contiguous()
         self.hbm = self._empty.expand(pools.hbm_pool.shape[0], *shape).contiguous()
         self._heads = torch.arange(self.num_kv_heads, dtype=torch.int64, device=self.device)  # (Hkv,)
@@ -124,7 +144,7 @@ class PageSummaries:
 
     @property
     def bytes_per_page(self) -> int:
-        """Bytes of one page's summaries, every layer: ``L * Hkv * 2 * d`` elements."""
+        """Bytes of one page's summaries, every layer: ``L * Hkv * 2 * d`` float32."""
         return self._empty.numel() * self._empty.element_size()
 
     @property
@@ -150,14 +170,14 @@ class PageSummaries:
     def stored_k(self, k: torch.Tensor, stored: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
         """The K rows of a store as the summaries take them: ``k`` itself for 16-bit pages, else
         the stored FP8 bytes (``stored``: ``(n, ..., d)`` as the pages hold them) times their
-        scales (``(n, ...)``), in bfloat16."""
+        scales (``(n, ...)``), in float32."""
         if not self.fp8:
             return k.detach()
         return dequantize(stored.view(self.page_dtype), scales, self.dtype)
 
     def merge(self, slots, layer: int | None, k: torch.Tensor) -> None:
-        """Merge the K rows ``k`` ((total, Hkv, d) of layer ``layer``, or (total, L, Hkv, d) of every
-        layer for None) of the tokens of ``slots`` (``TokenSlots``) into the summaries of the pages
+        """Add the K rows ``k`` ((total, Hkv, d) of layer ``layer``, or (total, L, Hkv, d) of every
+        layer for None) of the tokens of ``slots`` (``TokenSlots``) to the summaries of the pages
         they were stored in: host pages, HBM pages, window mirrors and their host pages."""
         d = self.head_dim
         start = 0 if layer is None else layer * self.num_kv_heads
@@ -165,7 +185,7 @@ class PageSummaries:
             merge_rows(summaries, sidx, (k if tok is None else k.index_select(0, tok)).reshape(-1, d), start)
 
     def refresh(self, slots, layer: int | None) -> None:
-        """Merge the K rows the pools hold for the tokens of ``slots`` at ``layer`` (None: every
+        """Add the K rows the pools hold for the tokens of ``slots`` at ``layer`` (None: every
         layer), written there by other means (``kv_project``): each token's rows are read from its
         HBM copy where it has one (an HBM page, a window mirror: no link traffic), else from its
         host page (on a GPU, through the host pool's CUDA alias: ``Hkv * d`` elements per token
@@ -180,7 +200,7 @@ class PageSummaries:
             k = torch.empty((slots.total, *rows, self.num_kv_heads, self.head_dim), dtype=self.dtype,
                             device=self.device)
             for tier, tok, pidx, off in parts:
-                k[tok] = self._k_rows(tier, pidx, lsel, off)
+                k[tok] = self._k_rows(tier, pidx, lsel, off).to(self.dtype)
         self.merge(slots, layer, k)
 
     def recompute(self, entry: int, rows: int, also: tuple = ()) -> None:
@@ -192,7 +212,8 @@ class PageSummaries:
             k = dequantize(raw.view(self.page_dtype), self._pools.scales(tier)[index, :, :, 0, :rows], self.dtype)
         else:
             k = raw
-        out = torch.stack((k.amin(dim=2), k.amax(dim=2)), dim=2).to(self.dtype)  # (L, Hkv, 2, d)
+        k = k.to(DTYPE)
+        out = torch.stack((k.sum(dim=2), (k * k).sum(dim=2)), dim=2)  # (L, Hkv, 2, d)
         for e in (entry, *also):
             t, i = decode_page(e)
             self.pool(t)[i].copy_(out)
@@ -253,11 +274,12 @@ class StoreSummaries:
     (``cache.store.pool_rows``, ``L = 1``): its summary row is ``row // (2 * P)``, ``page * Hkv +
     h``, and its offset ``row % P``."""
 
-    def __init__(self, host_pages: int, hbm_pages: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+    def __init__(self, host_pages: int, hbm_pages: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype,
                  device) -> None:
-        self.page_size, self.num_kv_heads, self.head_dim, self.dtype = page_size, num_kv_heads, head_dim, dtype
-        self.host = empty_summaries(host_pages, 1, num_kv_heads, head_dim, dtype, device)
-        self.hbm = empty_summaries(hbm_pages, 1, num_kv_heads, head_dim, dtype, device)
+        self.page_size, self.num_kv_heads, self.head_dim, self.dtype = page_size, num_kv_heads, head_dim, DTYPE
+        self.kv_dtype = kv_dtype  # the pools': a store's K rows are summed as the pools hold them
+        self.host = empty_summaries(host_pages, 1, num_kv_heads, head_dim, device)
+        self.hbm = empty_summaries(hbm_pages, 1, num_kv_heads, head_dim, device)
 
     @property
     def nbytes(self) -> int:
@@ -265,11 +287,11 @@ class StoreSummaries:
         return (self.host.numel() + self.hbm.numel()) * self.host.element_size()
 
     def merge(self, index: StoreIndex, k: torch.Tensor) -> None:
-        """Merge the K rows ``k`` ((span, Hkv, d), the store's tokens) that ``index`` (on ``k``'s
-        device) stores into the summaries of their host pages and HBM copies, each page whose row
-        0 is among them emptied first. A token written twice with the same values (a padding
-        token of a fixed-size store) changes nothing."""
-        k = k.detach().to(self.dtype)
+        """Add the K rows ``k`` ((span, Hkv, d), the store's tokens) that ``index`` (on ``k``'s
+        device) stores to the summaries of their host pages and HBM copies, each page whose row 0
+        is among them emptied first. A token the index names more than once (the padding of a
+        fixed-size store writes a stored token's rows again) is counted once."""
+        k = k.detach().to(self.kv_dtype)
         for summaries, rows, tokens in ((self.host, index.host_rows, index.tokens),
                                         (self.hbm, index.hbm_rows, index.hbm_tokens)):
             if not len(rows):
@@ -277,5 +299,8 @@ class StoreSummaries:
             k_rows = rows.view(-1, 2)[:, 0]  # token by token, each KV head's K row (then its V row)
             sidx = k_rows.div(2 * self.page_size, rounding_mode="floor")
             empty_rows(summaries, sidx, k_rows.remainder(self.page_size) == 0)
+            weights = None
+            if tokens is not None:  # (m,) -> (m * Hkv,): token by token, then head
+                weights = first_uses(tokens, index.span)[:, None].expand(-1, self.num_kv_heads).reshape(-1)
             vals = (k if tokens is None else k.index_select(0, tokens)).reshape(-1, self.head_dim)
-            merge_rows(summaries, sidx, vals)
+            merge_rows(summaries, sidx, vals, weights=weights)

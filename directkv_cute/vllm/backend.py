@@ -36,8 +36,8 @@ a graph cannot hold, beats reading in place: attention stays outside CUDA graphs
 (``AttentionCGSupport.NEVER``), planned on the host per step.
 
 A sparse budget (``DIRECTKV_VLLM_SPARSE_BUDGET``; unset: exact) gives each layer's pools page
-summaries (``cache.summaries.StoreSummaries``: per block and KV head the min and max of its K
-rows, on the GPU, kept by every store), and the builder plans decode rows under it
+summaries (``cache.summaries.StoreSummaries``: per block and KV head the sum and sum of squares
+of its K rows, on the GPU, kept by every store), and the builder plans decode rows under it
 (``sparse=``): each layer's decode rows read only their best pages (``routes.SparseDecode``),
 in eager steps and in the decode plans of the full CUDA graphs alike. Prompt and multi-token
 rows stay exact.
