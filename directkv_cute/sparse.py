@@ -47,18 +47,21 @@ from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
 def _row_bounds(seq_lens: torch.Tensor, page_size: int, width: int, sink_pages: int, recent_pages: int):
     """What a row's selection needs of its length alone: (last page index (B, 1) int32, pages
-    past the sequence (B, W) bool, pages always read (B, W) bool)."""
+    past the sequence (B, W) bool, pages always read (B, W) bool, rows of each page (B * W, 1, 1)
+    float32: the page size but for the newest page's tail, at least 1)."""
     last = torch.div(seq_lens - 1, page_size, rounding_mode="floor").view(-1, 1)  # (B, 1): the newest page
     j = torch.arange(width, device=seq_lens.device)  # (W,)
     past = j > last
     keep = (j < sink_pages) | (j > last - recent_pages)
-    return last, past, keep
+    rows = (seq_lens.view(-1, 1) - j * page_size).clamp_(1, page_size).to(torch.float32).view(-1, 1, 1)
+    return last, past, keep, rows
 
 
-def _logits(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, page_size: int,
+def _logits(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, rows: torch.Tensor,
             scale: float) -> torch.Tensor:
     """float32 (B, Hkv, g, W): each page's estimated logit per query head (the module docstring),
-    ``q`` (B, Hq, d), from the summaries of full pages (``page_size`` rows)."""
+    ``q`` (B, Hq, d), from the summaries of pages of ``rows`` rows ((B * W, 1, 1), ``_row_bounds``:
+    the newest page's estimate enters every head's softmax, so its own rows count)."""
     B, Hq, d = q.shape
     W = page_table.shape[1]
     host = summaries.host[:, layer]  # (host pages, Hkv, 2, d)
@@ -68,7 +71,7 @@ def _logits(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, pa
     if hbm is not None:
         in_hbm = (page_table < 0).view(-1, 1, 1, 1)
         s = torch.where(in_hbm, hbm.index_select(0, (-1 - page_table).clamp(min=0).view(-1)), s)
-    mean, var = page_moments(s, page_size)  # (B * W, Hkv, d) each
+    mean, var = page_moments(s, rows)  # (B * W, Hkv, d) each
     # (B, Hkv, W, 2d): mean then variance of each page's K rows, per KV head
     m = torch.cat((mean, var), dim=2).view(B, W, hkv, 2 * d).transpose(1, 2)
     qf = q.float().mul(scale)
@@ -95,9 +98,9 @@ def page_scores(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tenso
     (encoded: >= 0 host page, < 0 HBM page -e - 1), ``seq_lens`` int32 (B,), ``summaries``:
     ``PageSummaries`` (``host`` and ``hbm``: (pages, layers, Hkv, 2, d) float32, the sum then the
     sum of squares of each page's K rows)."""
-    _, past, keep = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
+    _, past, keep, rows = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    return _scores(_logits(q, page_table, summaries, layer, page_size, scale), past, keep)
+    return _scores(_logits(q, page_table, summaries, layer, rows, scale), past, keep)
 
 
 def _chosen(score: torch.Tensor, last: torch.Tensor, budget: int) -> torch.Tensor:
@@ -123,9 +126,9 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     and the length the decode kernels read over them: ``(k - 1) * page_size + tail``, k =
     min(budget, its pages), tail = its newest page's rows. Written into ``out_table`` /
     ``out_lens`` where given (persistent buffers a plan binds once)."""
-    last, past, keep = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
+    last, past, keep, rows = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    idx = _chosen(_scores(_logits(q, page_table, summaries, layer, page_size, scale), past, keep), last, budget)
+    idx = _chosen(_scores(_logits(q, page_table, summaries, layer, rows, scale), past, keep), last, budget)
     table = torch.gather(page_table, 1, idx, out=out_table)
     return table, _selected_lens(seq_lens, last, page_size, budget, out_lens)
 
@@ -149,7 +152,7 @@ class PageSelector:
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         self.table = torch.zeros((B, budget), dtype=torch.int32, device=device)  # (B, budget) the chosen pages
         self.lens = torch.ones(B, dtype=torch.int32, device=device)  # (B,) the keys read over them
-        self._rows = None  # (last, past, keep) of the versions in _seen
+        self._rows = None  # (last, past, keep, rows) of the versions in _seen
         self._seen = None
 
     def _row_state(self, capturing: bool):
@@ -165,8 +168,8 @@ class PageSelector:
 
     def select(self, q: torch.Tensor, summaries, layer: int, scale: float, capturing: bool = False) -> None:
         """Writes the pages ``q`` (B, Hq, d) selects at ``layer`` into ``table`` (and ``lens``)."""
-        last, past, keep = self._row_state(capturing)
-        logit = _logits(q, self.page_table, summaries, layer, self.page_size, scale)
+        last, past, keep, rows = self._row_state(capturing)
+        logit = _logits(q, self.page_table, summaries, layer, rows, scale)
         idx = _chosen(_scores(logit, past, keep), last, self.budget)
         torch.gather(self.page_table, 1, idx, out=self.table)
 

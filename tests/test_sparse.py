@@ -55,7 +55,16 @@ def _summaries(rng, n_host, n_hbm, layers, hkv, d, rows=16):
                              + shift)
         return k, torch.stack((k.sum(3), (k * k).sum(3)), dim=3).float()  # (n, layers, hkv, 2, d)
     (hk, h), (bk, b) = one(n_host), one(n_hbm)
-    return SimpleNamespace(host=h, hbm=b, host_k=hk, hbm_k=bk)
+    return SimpleNamespace(host=h, hbm=b, host_k=hk, hbm_k=bk, host_rows={})
+
+
+def _partial_page(summ, e, rows):
+    """Host page ``e`` of ``summ`` cut to its first ``rows`` K rows, its summary with it; returns ``e``."""
+    k = summ.host_k[e, :, :, :rows]  # (layers, hkv, rows, d)
+    summ.host[e] = torch.stack((k.sum(2), (k * k).sum(2)), dim=2).float()
+    for layer in range(k.shape[0]):
+        summ.host_rows[e, layer] = k[layer]
+    return e
 
 
 def _reference_selection(q, table, lens, summ, layer, P, budget, sink, recent):
@@ -68,7 +77,8 @@ def _reference_selection(q, table, lens, summ, layer, P, budget, sink, recent):
         s = []
         for j in range(n):
             e = int(table[b, j])
-            rows = summ.host_k[e, layer] if e >= 0 else summ.hbm_k[-e - 1, layer]  # (Hkv, rows, d)
+            rows = summ.hbm_k[-e - 1, layer] if e < 0 else getattr(summ, "host_rows", {}).get((e, layer))
+            rows = summ.host_k[e, layer] if rows is None else rows  # (Hkv, rows, d)
             rows = rows.double().numpy()
             mean, var = rows.mean(axis=1), rows.var(axis=1)  # (Hkv, d)
             g = Hq // rows.shape[0]
@@ -92,13 +102,16 @@ def test_selection_takes_the_sinks_the_newest_and_the_best_bounded_pages(seed):
     P, layers, hkv, Hq, d, layer = 16, 2, 2, 8, 32, 1
     lens = [37 * P + 5, 3 * P, 20 * P + 1, 5]  # ragged: one under the budget, one of a single row
     W = max(-(-n // P) for n in lens)
-    summ = _summaries(rng, 200, 40, layers, hkv, d)
+    summ = _summaries(rng, 200 + len(lens), 40, layers, hkv, d)
     table = np.zeros((len(lens), W), np.int32)
     for b, n in enumerate(lens):
         k = -(-n // P)
         host = rng.choice(200, size=k, replace=False)
         hbm = rng.random(k) < 0.3  # some pages read from HBM mirrors
         table[b, :k] = np.where(hbm, -rng.integers(0, 40, k) - 1, host)
+        tail = n - (k - 1) * P
+        if tail < P:  # the newest page holds its first rows only: a page of its own, summarized over them
+            table[b, k - 1] = _partial_page(summ, 200 + b, tail)
         table[b, k:] = table[b, k - 1]
     q = torch.from_numpy(rng.standard_normal((len(lens), Hq, d))).to(torch.bfloat16).float()
     budget, sink, recent = 8, 1, 2

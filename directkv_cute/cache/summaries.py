@@ -107,8 +107,9 @@ def empty_summaries(pages: int, num_layers: int, num_kv_heads: int, head_dim: in
     return torch.zeros((pages, num_layers, num_kv_heads, 2, head_dim), dtype=DTYPE, device=device)
 
 
-def page_moments(summaries: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, variance) float32 (..., d) of pages of ``rows`` rows from their summaries (..., 2, d)."""
+def page_moments(summaries: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean, variance) float32 (..., d) of pages of ``rows`` rows (an int, or a tensor that
+    broadcasts against (..., d)) from their summaries (..., 2, d)."""
     mean = summaries[..., SUM, :] / rows
     var = (summaries[..., SQUARES, :] / rows - mean * mean).clamp_(min=0)
     return mean, var
