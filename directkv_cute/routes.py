@@ -550,8 +550,8 @@ class SparseDecode(Route):
         return inner.route.kernels(inner, dtype)
 
     def describe(self, plan):
-        return [f"  sparse: {plan.detail.pages} pages per row ({plan.detail.budget}), chosen per layer by the "
-                "page summaries' bound on q . k"]
+        return [f"  sparse: {plan.detail.pages} pages per row ({plan.detail.budget}), chosen per layer by their "
+                "estimated share of the heads' attention"]
 
     def nested(self, plan):
         return [_nested("over the selected pages", plan.detail.inner)]
