@@ -47,20 +47,20 @@ from directkv_cute.sparse_budget import SparseBudget, parse_budget
 
 def _row_bounds(seq_lens: torch.Tensor, page_size: int, width: int, sink_pages: int, recent_pages: int):
     """What a row's selection needs of its length alone: (last page index (B, 1) int32, pages
-    past the sequence (B, W) bool, pages always read (B, W) bool, rows of each page (B * W, 1, 1)
+    past the sequence (B, W) bool, pages always read (B, W) bool, rows of each page (B * W, 1, 1, 1)
     float32: the page size but for the newest page's tail, at least 1)."""
     last = torch.div(seq_lens - 1, page_size, rounding_mode="floor").view(-1, 1)  # (B, 1): the newest page
     j = torch.arange(width, device=seq_lens.device)  # (W,)
     past = j > last
     keep = (j < sink_pages) | (j > last - recent_pages)
-    rows = (seq_lens.view(-1, 1) - j * page_size).clamp_(1, page_size).to(torch.float32).view(-1, 1, 1)
+    rows = (seq_lens.view(-1, 1) - j * page_size).clamp_(1, page_size).to(torch.float32).view(-1, 1, 1, 1)
     return last, past, keep, rows
 
 
 def _logits(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, rows: torch.Tensor,
             scale: float) -> torch.Tensor:
     """float32 (B, Hkv, g, W): each page's estimated logit per query head (the module docstring),
-    ``q`` (B, Hq, d), from the summaries of pages of ``rows`` rows ((B * W, 1, 1), ``_row_bounds``:
+    ``q`` (B, Hq, d), from the summaries of pages of ``rows`` rows ((B * W, 1, 1, 1), ``_row_bounds``:
     the newest page's estimate enters every head's softmax, so its own rows count)."""
     B, Hq, d = q.shape
     W = page_table.shape[1]
@@ -71,9 +71,8 @@ def _logits(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, ro
     if hbm is not None:
         in_hbm = (page_table < 0).view(-1, 1, 1, 1)
         s = torch.where(in_hbm, hbm.index_select(0, (-1 - page_table).clamp(min=0).view(-1)), s)
-    mean, var = page_moments(s, rows)  # (B * W, Hkv, d) each
     # (B, Hkv, W, 2d): mean then variance of each page's K rows, per KV head
-    m = torch.cat((mean, var), dim=2).view(B, W, hkv, 2 * d).transpose(1, 2)
+    m = page_moments(s, rows).view(B, W, hkv, 2 * d).transpose(1, 2)
     qf = q.float().mul(scale)
     # s * (q . mu) + s^2 / 2 * (q^2 . var): one product with [s q, s^2 q^2 / 2]
     q2 = torch.cat((qf, qf * qf * 0.5), dim=2).view(B, hkv, Hq // hkv, 2 * d)

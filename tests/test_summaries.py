@@ -150,7 +150,8 @@ def test_appends_prompt_writes_and_decode_across_pages(dtype, hkv, group):
         k, _ = cache.read(sid, None)  # (n, L, Hkv, d)
         for lp, entry in enumerate(cache.page_table(sid)[: cache.seq_len(sid) // P]):
             rows = k[lp * P:(lp + 1) * P]  # (P, L, Hkv, d)
-            mean, var = page_moments(summary(cache, entry), P)  # (L, Hkv, d) each
+            moments = page_moments(summary(cache, entry), P)  # (L, Hkv, 2, d)
+            mean, var = moments[..., SUM, :], moments[..., SQUARES, :]
             for h in range(group * hkv):
                 kvh = h // group
                 got = scale * (mean[:, kvh] @ q[h]) + scale**2 / 2 * (var[:, kvh] @ (q[h] * q[h]))  # (L,)

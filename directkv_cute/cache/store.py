@@ -93,6 +93,10 @@ class StoreIndex:
     extents:    (host rows, HBM rows) the pools must have: one past the largest row of each,
                 known on the host where the index was made there; None: not known on the host
                 (an index made on the device, ``vllm.step.GraphDecode``'s).
+    counted:    float32 (m,) on the device, for the rows of ``tokens`` (the same as ``hbm_tokens``
+                in the indexes that have it): 1 where a token is named for the first time and 0
+                where a fixed-size store names it again (its padding writes a stored token's
+                rows once more: harmless for the pools, not for sums of them); None: each once.
     """
 
     host_rows: object
@@ -101,6 +105,7 @@ class StoreIndex:
     hbm_tokens: object
     span: int
     extents: tuple | None = None
+    counted: object = None
 
     @classmethod
     def build(cls, host, hbm, span: int, num_kv_heads: int, page_size: int) -> "StoreIndex":

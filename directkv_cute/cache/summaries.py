@@ -23,8 +23,8 @@ Bytes. ``2 * d`` float32 per (page, layer, KV head) against the page's ``2 * P *
 K and V: 2/P of the KV for 16-bit pages (1/32 at page 64, 1/8 at page 16), 4/P for FP8 pages.
 
 Empty pages. A page that no row was written to since it was handed out holds zeros, the
-identity of the sums. Only a sequence's full pages are scored (its newest page is always read,
-and pages past it never are), so a page's row count is the page size.
+identity of the sums. A page's row count is not stored: a sequence's pages are full but its
+newest, whose rows its length gives (``sparse`` divides by them).
 
 Upkeep (``PagedKVCache`` drives it; every step is enqueued on the current stream, no host sync):
 
@@ -74,12 +74,10 @@ def merge_rows(summaries: torch.Tensor, index: torch.Tensor, values: torch.Tenso
     times take every value); ``weights`` (n,) scales each value's share (0: left out)."""
     d = values.shape[-1]
     v = values.to(DTYPE)
+    both = torch.cat((v, v * v), dim=1)  # (n, 2d): the rows of the summaries' view
     if weights is not None:
-        v2 = v * v * weights[:, None]
-        v = v * weights[:, None]
-    else:
-        v2 = v * v
-    summaries.view(-1, 2 * d)[start:].index_add_(0, index, torch.cat((v, v2), dim=1))
+        both.mul_(weights[:, None])
+    summaries.view(-1, 2 * d)[start:].index_add_(0, index, both)
 
 
 def empty_rows(summaries: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor) -> None:
@@ -91,28 +89,18 @@ def empty_rows(summaries: torch.Tensor, index: torch.Tensor, fresh: torch.Tensor
     summaries.view(-1, d2).scatter_reduce_(0, index[:, None].expand(-1, d2), keep, "prod")
 
 
-def first_uses(tokens: torch.Tensor, span: int) -> torch.Tensor:
-    """float32 (n,): 1 where ``tokens`` (int64 (n,), each below ``span``) names a token for the
-    first time, else 0, with static shapes (a fixed-size store names a token again for its
-    padding)."""
-    n = tokens.numel()
-    positions = torch.arange(n, dtype=torch.int64, device=tokens.device)
-    first = torch.full((span,), n, dtype=torch.int64, device=tokens.device)
-    first.scatter_reduce_(0, tokens, positions, "amin")
-    return (first.index_select(0, tokens) == positions).to(DTYPE)
-
-
 def empty_summaries(pages: int, num_layers: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
     """(pages, L, Hkv, 2, d) float32 summaries of pages never written: zeros."""
     return torch.zeros((pages, num_layers, num_kv_heads, 2, head_dim), dtype=DTYPE, device=device)
 
 
-def page_moments(summaries: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mean, variance) float32 (..., d) of pages of ``rows`` rows (an int, or a tensor that
-    broadcasts against (..., d)) from their summaries (..., 2, d)."""
-    mean = summaries[..., SUM, :] / rows
-    var = (summaries[..., SQUARES, :] / rows - mean * mean).clamp_(min=0)
-    return mean, var
+def page_moments(summaries: torch.Tensor, rows) -> torch.Tensor:
+    """float32 (..., 2, d): the mean (at ``SUM``) and the variance (at ``SQUARES``) of pages of
+    ``rows`` rows (an int, or a tensor that broadcasts against (..., 2, d)) from their summaries
+    (..., 2, d), in the summaries' layout."""
+    m = summaries / rows  # the mean, and the mean of the squares
+    m[..., SQUARES, :].sub_(m[..., SUM, :] * m[..., SUM, :]).clamp_(min=0)
+    return m
 
 
 class PageSummaries:
@@ -300,8 +288,8 @@ class StoreSummaries:
             k_rows = rows.view(-1, 2)[:, 0]  # token by token, each KV head's K row (then its V row)
             sidx = k_rows.div(2 * self.page_size, rounding_mode="floor")
             empty_rows(summaries, sidx, k_rows.remainder(self.page_size) == 0)
-            weights = None
-            if tokens is not None:  # (m,) -> (m * Hkv,): token by token, then head
-                weights = first_uses(tokens, index.span)[:, None].expand(-1, self.num_kv_heads).reshape(-1)
+            weights = None  # a repeated token's rows count once: (m,) -> (m * Hkv,), token by token, then head
+            if index.counted is not None:
+                weights = index.counted[:, None].expand(-1, self.num_kv_heads).reshape(-1)
             vals = (k if tokens is None else k.index_select(0, tokens)).reshape(-1, self.head_dim)
             merge_rows(summaries, sidx, vals, weights=weights)

@@ -385,6 +385,7 @@ class GraphDecode:
         self.seq_lens = torch.ones(max_reqs, dtype=torch.int32, device=device)
         self.rows = torch.zeros(max_reqs * 2 * num_kv_heads, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+        self.counted = torch.zeros(max_reqs, dtype=torch.float32, device=device)  # 0 for a padding token
         self._positions = torch.arange(max_reqs, dtype=torch.int64, device=device)
         self._hc = torch.arange(2 * num_kv_heads, dtype=torch.int64, device=device)  # h * 2 + c
 
@@ -401,7 +402,7 @@ class GraphDecode:
         rows alike)."""
         n = num_tokens * 2 * self.num_kv_heads
         tokens = self.tokens[:num_tokens]
-        return StoreIndex(self.rows[:n], tokens, self.rows[:n], tokens, num_tokens)
+        return StoreIndex(self.rows[:n], tokens, self.rows[:n], tokens, num_tokens, counted=self.counted[:num_tokens])
 
     def fill(self, block_table: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor, num_reqs: int,
              num_tokens: int, max_seq_len: int) -> StoreIndex:
@@ -420,26 +421,30 @@ class GraphDecode:
         width = min(-(-int(max_seq_len) // self.page_size), block_table.shape[1], self.page_table.shape[1])
         torch.bitwise_not(block_table[:num_reqs, :width], out=self.page_table[:num_reqs, :width])
         torch.clamp(seq_lens[:num_reqs], min=1, out=self.seq_lens[:num_reqs])
-        tokens, rows = every_block_rows(slot_mapping[:num_tokens], self._positions[:num_tokens], self._hc,
-                                        self.page_size)
+        tokens, rows, counted = every_block_rows(slot_mapping[:num_tokens], self._positions[:num_tokens], self._hc,
+                                                 self.page_size)
         self.tokens[:num_tokens].copy_(tokens)
+        self.counted[:num_tokens].copy_(counted)
         self.rows[: rows.numel()].copy_(rows)
         return self.store_index(num_tokens)
 
 
 def every_block_rows(slots: torch.Tensor, positions: torch.Tensor, hc: torch.Tensor, page_size: int):
-    """(tokens, rows) of a store over a tier that mirrors every block, computed on the slots'
-    device from vLLM's ``slots`` (int64 (n,), -1 for a padding token): ``rows`` int64 (n * 2 *
+    """(tokens, rows, counted) of a store over a tier that mirrors every block, computed on the
+    slots' device from vLLM's ``slots`` (int64 (n,), -1 for a padding token): ``rows`` int64 (n * 2 *
     Hkv,) the pool rows (``cache.store.pool_rows``, the same in the host pool and the tier) of
     each token's K and V of every KV head, ``tokens`` int64 (n,) the token each row takes: itself, or for a
     padding token the first stored token, written again with the same values (a fixed-size
-    store). ``positions``: int64 arange(n); ``hc``: int64 arange(2 * Hkv)."""
+    store), ``counted`` float32 (n,) 1 where a token names itself, 0 for padding (``StoreIndex.counted``;
+    in a step of padding only, token 0 names itself and block 0, vLLM's null block, takes its rows).
+    ``positions``: int64 arange(n); ``hc``: int64 arange(2 * Hkv)."""
     stored = slots >= 0
     first = torch.argmax(stored.to(torch.int32))  # the first stored token (0 if none: a capture's dummy step)
     tokens = torch.where(stored, positions, first)
     dest = slots.index_select(0, tokens).clamp_(min=0)  # a step that stores nothing writes block 0, vLLM's null block
     page, offset = dest.div(page_size, rounding_mode="floor"), dest.remainder(page_size)
-    return tokens, pool_rows(page, offset, hc.numel() // 2, page_size, hc=hc)
+    counted = (tokens == positions).to(torch.float32)  # a token's own row; padding names another's
+    return tokens, pool_rows(page, offset, hc.numel() // 2, page_size, hc=hc), counted
 
 
 def every_block_step(block_table: torch.Tensor, slot_mapping: torch.Tensor, shape: StepShape, num_tokens: int,
@@ -471,8 +476,8 @@ def every_block_step(block_table: torch.Tensor, slot_mapping: torch.Tensor, shap
             raise ValueError(f"slot_mapping must be 1-D with >= {num_tokens} entries, got {tuple(slot_mapping.shape)}")
         positions = torch.arange(num_tokens, dtype=torch.int64, device=device)
         hc = torch.arange(2 * check_int(num_kv_heads, "num_kv_heads", 1), dtype=torch.int64, device=device)
-        tokens, rows = every_block_rows(slot_mapping[:num_tokens].to(torch.int64), positions, hc, page_size)
-        store = StoreIndex(rows, tokens, rows, tokens, num_tokens)
+        tokens, rows, counted = every_block_rows(slot_mapping[:num_tokens].to(torch.int64), positions, hc, page_size)
+        store = StoreIndex(rows, tokens, rows, tokens, num_tokens, counted=counted)
     return tables, store
 
 
