@@ -102,9 +102,13 @@ def page_scores(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tenso
     return _scores(_logits(q, page_table, summaries, layer, rows, scale), past, keep)
 
 
-def _chosen(score: torch.Tensor, last: torch.Tensor, budget: int) -> torch.Tensor:
-    """int64 (B, budget): the ``budget`` best pages of each row in sequence order; past a row's
-    own pages (a row with fewer), its newest page again."""
+def _chosen(q: torch.Tensor, page_table: torch.Tensor, summaries, layer: int, bounds, scale: float,
+            budget: int) -> torch.Tensor:
+    """int64 (B, budget): the ``budget`` best pages (``page_scores``) of each row in sequence
+    order; past a row's own pages (a row with fewer), its newest page again. ``bounds``: the rows'
+    ``_row_bounds``."""
+    last, past, keep, rows = bounds
+    score = _scores(_logits(q, page_table, summaries, layer, rows, scale), past, keep)
     idx = score.topk(budget, dim=1).indices.sort(dim=1).values
     return torch.minimum(idx, last)  # pages past the sequence score -inf: they sort last
 
@@ -125,11 +129,11 @@ def select_pages(q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tens
     and the length the decode kernels read over them: ``(k - 1) * page_size + tail``, k =
     min(budget, its pages), tail = its newest page's rows. Written into ``out_table`` /
     ``out_lens`` where given (persistent buffers a plan binds once)."""
-    last, past, keep, rows = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
+    bounds = _row_bounds(seq_lens, page_size, page_table.shape[1], sink_pages, recent_pages)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
-    idx = _chosen(_scores(_logits(q, page_table, summaries, layer, rows, scale), past, keep), last, budget)
+    idx = _chosen(q, page_table, summaries, layer, bounds, scale, budget)
     table = torch.gather(page_table, 1, idx, out=out_table)
-    return table, _selected_lens(seq_lens, last, page_size, budget, out_lens)
+    return table, _selected_lens(seq_lens, bounds[0], page_size, budget, out_lens)
 
 
 class PageSelector:
@@ -167,9 +171,7 @@ class PageSelector:
 
     def select(self, q: torch.Tensor, summaries, layer: int, scale: float, capturing: bool = False) -> None:
         """Writes the pages ``q`` (B, Hq, d) selects at ``layer`` into ``table`` (and ``lens``)."""
-        last, past, keep, rows = self._row_state(capturing)
-        logit = _logits(q, self.page_table, summaries, layer, rows, scale)
-        idx = _chosen(_scores(logit, past, keep), last, self.budget)
+        idx = _chosen(q, self.page_table, summaries, layer, self._row_state(capturing), scale, self.budget)
         torch.gather(self.page_table, 1, idx, out=self.table)
 
 

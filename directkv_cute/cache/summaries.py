@@ -9,8 +9,8 @@ variance: ``scale * (q . mu + scale / 2 * sum_d q_d**2 var_d)``.
 Why not the min and max (Quest's bound). The bound's slack is dominated by a few channels whose
 keys are large and spread (the low-frequency RoPE channels of a trained model): on
 SmolLM2-135M the bound missed the page a retrieval head needed in a quarter of the steps and a
-needle task at a budget of 1/8 fell from 100 to 31; mean and variance in the same number of
-values keep those pages (81, docs/PERFORMANCE.md).
+needle task at a budget of 1/8 lost most of its score; mean and variance in the same number of
+values keep more of those pages (docs/PERFORMANCE.md).
 
 Layout. ``host`` (host pages, L, Hkv, 2, d) and ``hbm`` (HBM pages then window pages, L, Hkv, 2,
 d), indexed like the pools: a page-table entry ``e >= 0`` names ``host[e]``, ``e < 0`` names
@@ -67,16 +67,13 @@ SUM, SQUARES = 0, 1  # the index of the sum and the sum of squares on a summary'
 DTYPE = torch.float32  # every summary's dtype
 
 
-def merge_rows(summaries: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int = 0,
-               weights: torch.Tensor | None = None) -> None:
+def merge_rows(summaries: torch.Tensor, index: torch.Tensor, values: torch.Tensor, start: int = 0) -> None:
     """Add ``values`` (n, d) and their squares to the summary rows ``start + index`` (int64 (n,))
     of ``summaries`` viewed as rows ``(-1, 2 * d)``, in one ``index_add_`` (rows named several
-    times take every value); ``weights`` (n,) scales each value's share (0: left out)."""
+    times take every value; a zero row adds nothing)."""
     d = values.shape[-1]
     v = values.to(DTYPE)
     both = torch.cat((v, v * v), dim=1)  # (n, 2d): the rows of the summaries' view
-    if weights is not None:
-        both.mul_(weights[:, None])
     summaries.view(-1, 2 * d)[start:].index_add_(0, index, both)
 
 
@@ -288,8 +285,7 @@ class StoreSummaries:
             k_rows = rows.view(-1, 2)[:, 0]  # token by token, each KV head's K row (then its V row)
             sidx = k_rows.div(2 * self.page_size, rounding_mode="floor")
             empty_rows(summaries, sidx, k_rows.remainder(self.page_size) == 0)
-            weights = None  # a repeated token's rows count once: (m,) -> (m * Hkv,), token by token, then head
-            if index.counted is not None:
-                weights = index.counted[:, None].expand(-1, self.num_kv_heads).reshape(-1)
-            vals = (k if tokens is None else k.index_select(0, tokens)).reshape(-1, self.head_dim)
-            merge_rows(summaries, sidx, vals, weights=weights)
+            vals = k if tokens is None else k.index_select(0, tokens)  # (m, Hkv, d)
+            if index.counted is not None:  # a repeated token's rows count once: its repeats add zeros
+                vals = vals * index.counted[:, None, None].to(vals.dtype)
+            merge_rows(summaries, sidx, vals.reshape(-1, self.head_dim))
